@@ -1,0 +1,86 @@
+"""ForwardBatch: the one object that flows from the scheduler through the model runner into every plugin."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+import torch
+
+TOKEN = "token"  # field indexed by token: sliced by token ranges when a batch is split
+REQUEST = "request"  # field indexed by request: sliced by request ranges
+RAGGED = "ragged"  # flat per-request runs delimited by the `indptr` field named in the metadata
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1  # at least one request adds more than its next token (prefill, chunked prefill, mixed)
+    DECODE = 2  # every request adds exactly one token
+    IDLE = 3  # this rank has no work but must join the step's collectives
+
+    @property
+    def is_extend(self) -> bool:
+        return self is ForwardMode.EXTEND
+
+
+def _per(axis: str, **metadata):
+    return attrs.field(metadata={"axis": axis, **metadata})
+
+
+@attrs.frozen
+class ForwardBatch:
+    """One step's inputs.  Token-indexed tensors have T rows, request-indexed ones B rows.
+
+    Request i adds tokens positions[cu_extend[i]:cu_extend[i+1]], i.e. the positions
+    prefix_lens[i] .. seq_lens[i]-1 of its sequence; their KV goes to out_cache_loc.
+    kv_indices[kv_indptr[i]:kv_indptr[i+1]] are the KV slots of its whole sequence.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor = _per(TOKEN)  # [T]
+    positions: torch.Tensor = _per(TOKEN)  # [T]
+    out_cache_loc: torch.Tensor = _per(TOKEN)  # [T] KV slot written by each token
+    seq_lens: torch.Tensor = _per(REQUEST)  # [B] sequence length after this step
+    extend_lens: tuple[int, ...] = _per(REQUEST)  # new tokens per request (CPU side)
+    prefix_lens: tuple[int, ...] = _per(REQUEST)  # tokens already in the KV cache (CPU side)
+    kv_indices: torch.Tensor = _per(RAGGED, indptr="kv_indptr")  # [sum(seq_lens)] flattened KV slots
+    kv_indptr: torch.Tensor = _per(REQUEST)  # [B + 1]
+    # DP attention: the token count of every rank this step (None without DP attention)
+    global_num_tokens: tuple[int, ...] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def seq_lens_cpu(self) -> tuple[int, ...]:
+        return tuple(p + e for p, e in zip(self.prefix_lens, self.extend_lens))
+
+    @property
+    def last_token_index(self) -> torch.Tensor:
+        """[B] index in T of each request's last new token (where its logits come from)."""
+        ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
+        return ends.to(self.input_ids.device)
+
+    @classmethod
+    def idle(cls, device: torch.device | str = "cpu") -> "ForwardBatch":
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return cls(
+            mode=ForwardMode.IDLE,
+            input_ids=empty,
+            positions=empty,
+            out_cache_loc=empty,
+            seq_lens=empty,
+            extend_lens=(),
+            prefix_lens=(),
+            kv_indices=empty,
+            kv_indptr=torch.zeros(1, dtype=torch.int64, device=device),
+        )
+
+    @classmethod
+    def fields_along(cls, axis: str) -> list[str]:
+        """Names of the fields indexed by tokens (TOKEN) or by requests (REQUEST)."""
+        return [f.name for f in attrs.fields(cls) if f.metadata.get("axis") == axis]

@@ -1,0 +1,69 @@
+"""Dispatcher contract: how routed tokens reach their expert ranks and come back."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+from .context import MoEContext
+from .layouts import ALL_LAYOUTS, Dispatched, ExpertOutput
+
+
+@attrs.frozen
+class DispatcherCaps:
+    layout: str  # the layout dispatch_finish produces
+    multi_rank: bool  # works with more than one EP rank
+    single_rank: bool = True  # works with exactly one EP rank
+    needs_gpu: bool = False
+    graph_safe: bool = False  # can be captured in a CUDA graph
+    needs_host_sync: bool = False  # reads device values on the host during dispatch
+    fixed_max_tokens: bool = False  # buffers sized by MoEContext.max_tokens_per_rank
+    fp8_payload: bool = False
+    combine_applies_weights: bool = False
+    async_halves: bool = False  # waiting in *_finish costs no compute (receive hooks)
+
+    def __attrs_post_init__(self):
+        if self.layout not in ALL_LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; layouts are {', '.join(ALL_LAYOUTS)}")
+
+
+class Dispatcher(abc.ABC):
+    """Moves each token to the ranks holding its physical experts, and the results back.
+
+    Contract: with identity experts, combine(dispatch(x)) == sum_k w_k * x on every
+    source rank, for any routing (idle experts, ranks receiving nothing, ids of -1).
+    The handle inside `Dispatched` is passed explicitly to combine, so one instance
+    can serve two micro-batches in flight at once.
+    """
+
+    caps: ClassVar[DispatcherCaps]
+
+    def __init__(self, ctx: MoEContext):
+        self.ctx = ctx
+
+    @abc.abstractmethod
+    def dispatch_start(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, batch: Any = None
+    ) -> Any:
+        """Launch the dispatch of `hidden` [T, H] routed to physical `topk_ids` [T, K]; return a pending object."""
+
+    @abc.abstractmethod
+    def dispatch_finish(self, pending: Any) -> Dispatched:
+        """Wait for a launched dispatch and return the received tokens in `caps.layout`."""
+
+    @abc.abstractmethod
+    def combine_start(self, output: ExpertOutput, handle: Any) -> Any:
+        """Launch sending the experts' output back to the tokens' source ranks."""
+
+    @abc.abstractmethod
+    def combine_finish(self, pending: Any) -> torch.Tensor:
+        """Wait for a launched combine; return [T, H] on the source rank: sum_k w_k * expert_k(x)."""
+
+    def dispatch(self, hidden, topk_ids, topk_weights, batch=None) -> Dispatched:
+        return self.dispatch_finish(self.dispatch_start(hidden, topk_ids, topk_weights, batch))
+
+    def combine(self, output: ExpertOutput, handle: Any) -> torch.Tensor:
+        return self.combine_finish(self.combine_start(output, handle))

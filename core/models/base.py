@@ -1,0 +1,162 @@
+"""What every model shares: config access, the decoder-layer program, the forward step, weight targets."""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+from typing import Any, Generator
+
+import attrs
+import torch
+from torch import nn
+
+from ..forward_batch import ForwardBatch
+from ..kv_cache import KVPool
+from ..moe.layer import MoELayer
+from .loader import Target, parameter_target
+
+
+@attrs.frozen
+class MoESpec:
+    """The MoE shape of a model, needed before the model is built (to set up plugins and placement)."""
+
+    num_moe_layers: int
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int  # of one routed expert
+    num_groups: int = 1  # expert groups (DeepSeek-V3 n_group), for hierarchical balancing
+
+
+def read_config(folder: str) -> dict[str, Any]:
+    path = os.path.join(folder, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{folder} has no config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta and rope scaling, from either the old (rope_scaling) or the new (rope_parameters) keys."""
+    params = dict(config.get("rope_scaling") or {})
+    params.update(config.get("rope_parameters") or {})
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    params["rope_type"] = rope_type
+    return params
+
+
+@attrs.define
+class StepState:
+    """What one (micro-)batch carries through the layer stack."""
+
+    hidden: torch.Tensor
+    batch: ForwardBatch
+    kv: KVPool
+
+
+class SiluMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); `program` lets a layer treat dense and MoE MLPs alike."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, names=("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        self.names = names
+        gate, up, down = names
+        setattr(self, gate, nn.Linear(hidden_size, intermediate_size, bias=False))
+        setattr(self, up, nn.Linear(hidden_size, intermediate_size, bias=False))
+        setattr(self, down, nn.Linear(intermediate_size, hidden_size, bias=False))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        gate, up, down = (getattr(self, n) for n in self.names)
+        return down(nn.functional.silu(gate(x)) * up(x))
+
+    def program(self, x: torch.Tensor, batch: ForwardBatch) -> Generator[str, None, torch.Tensor]:
+        return self(x)
+        yield  # a generator with no yield point
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention then pre-norm MLP (dense or MoE), written once as a program with yield points."""
+
+    def __init__(self, layer_id: int, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, mlp_name="mlp"):
+        super().__init__()
+        self.layer_id = layer_id
+        self.mlp_name = mlp_name
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.self_attn = self_attn
+        setattr(self, mlp_name, mlp)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def program(self, state: StepState) -> Generator[str, None, None]:
+        hidden = state.hidden
+        attn = self.self_attn(self.input_layernorm(hidden), state.batch, state.kv.layer(self.layer_id))
+        hidden = hidden + attn
+        yield "attention"
+        mlp = getattr(self, self.mlp_name)
+        out = yield from mlp.program(self.post_attention_layernorm(hidden), state.batch)
+        state.hidden = hidden + out
+
+
+class MoECausalLM(nn.Module, abc.ABC):
+    """embed -> decoder layers (run by the overlap strategy) -> norm -> lm_head on each request's last token.
+
+    Subclasses build `self.model.embed_tokens`, `self.model.layers`, `self.model.norm`, `self.lm_head`
+    (Hugging Face names, so parameter names are checkpoint names) and define `kv_shapes()`.
+    """
+
+    expert_names = ("gate_proj", "up_proj", "down_proj")  # checkpoint names of an expert's projections
+
+    @abc.abstractmethod
+    def kv_shapes(self) -> list[list[tuple[int, ...]]]:
+        """Per layer, the per-token shapes of what its attention caches."""
+
+    def layers_program(self, state: StepState) -> Generator[str, None, None]:
+        for layer in self.model.layers:
+            yield from layer.program(state)
+
+    def forward(self, batch: ForwardBatch, kv: KVPool, strategy) -> torch.Tensor:
+        """[B, vocab] fp32 logits of each request's last new token."""
+        state = StepState(self.model.embed_tokens(batch.input_ids), batch, kv)
+        strategy.run([self.layers_program(state)])
+        last = self.model.norm(state.hidden[batch.last_token_index])
+        return self.lm_head(last).float()
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [m for m in self.modules() if isinstance(m, MoELayer)]
+
+    def weight_targets(self) -> dict[str, Target]:
+        targets: dict[str, Target] = {}
+        expert_params = set()
+        for prefix, module in self.named_modules():
+            if isinstance(module, MoELayer):
+                targets.update(module.expert_targets(prefix + ".experts", self.expert_names))
+                expert_params.update({f"{prefix}.w13", f"{prefix}.w2"})
+        for name, param in self.named_parameters():
+            if name not in expert_params:
+                targets[name] = parameter_target(param)
+        if getattr(self, "tie_word_embeddings", False):
+            targets.pop("lm_head.weight", None)
+        return targets
+
+    def ignores_tensor(self, name: str) -> bool:
+        return name.endswith("rotary_emb.inv_freq")
+
+    def finish_loading(self) -> None:
+        if getattr(self, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for layer in self.moe_layers():
+            layer.finish_loading()

@@ -1,0 +1,1 @@
+"""The MoE layer pipeline owned by the core: router -> replica selector -> dispatch -> kernel -> combine."""

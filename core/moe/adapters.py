@@ -1,0 +1,113 @@
+"""Layout adapters: turn a dispatcher's layout into the one a kernel accepts, and the output back.
+
+Adapters are keyed by (from, to). Each returns the converted layout and a function
+that turns the kernel's ExpertOutput back into an output of the source layout.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..interfaces import (
+    CONTIGUOUS,
+    MASKED,
+    STANDARD,
+    ContiguousLayout,
+    ExpertOutput,
+    Layout,
+    MaskedLayout,
+    StandardLayout,
+)
+
+Restore = Callable[[ExpertOutput], ExpertOutput]
+
+
+def _pairs_by_expert(layout: StandardLayout):
+    """Valid (token, k) pairs sorted by local expert: flat pair ids, their experts, per-expert counts."""
+    flat_ids = layout.topk_ids.reshape(-1)
+    valid = (flat_ids >= 0).nonzero().squeeze(1)
+    experts = flat_ids[valid]
+    order = torch.argsort(experts, stable=True)
+    pairs, experts = valid[order], experts[order]
+    counts = torch.bincount(experts, minlength=layout.num_local_experts)
+    return pairs, experts, counts
+
+
+def _rank_within_expert(experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    starts = torch.cumsum(counts, 0) - counts
+    return torch.arange(experts.numel(), device=experts.device) - starts[experts]
+
+
+def _unsorted(hidden_rows: torch.Tensor, pairs: torch.Tensor, layout: StandardLayout) -> torch.Tensor:
+    """Scatter per-pair rows back to [N, K, H] (zeros where the pair was not routed here)."""
+    n, k = layout.topk_ids.shape
+    out = hidden_rows.new_zeros(n * k, hidden_rows.shape[-1])
+    out[pairs] = hidden_rows
+    return out.view(n, k, -1)
+
+
+def standard_to_contiguous(layout: StandardLayout, alignment: int) -> tuple[ContiguousLayout, Restore]:
+    pairs, experts, counts = _pairs_by_expert(layout)
+    padded = (counts + alignment - 1) // alignment * alignment
+    group_start = torch.cumsum(padded, 0) - padded
+    rows = group_start[experts] + _rank_within_expert(experts, counts)
+    total = int(padded.sum())
+    hidden = layout.hidden.new_zeros(total, layout.hidden.shape[1])
+    hidden[rows] = layout.hidden[pairs // layout.topk_ids.shape[1]]
+    expert_index = torch.full((total,), -1, dtype=torch.int32, device=hidden.device)
+    expert_index[rows] = experts.to(torch.int32)
+    converted = ContiguousLayout(hidden, expert_index, layout.num_local_experts, alignment)
+
+    def restore(output: ExpertOutput) -> ExpertOutput:
+        return ExpertOutput(_unsorted(output.hidden[rows], pairs, layout), weights_applied=False, summed=False)
+
+    return converted, restore
+
+
+def standard_to_masked(layout: StandardLayout, alignment: int) -> tuple[MaskedLayout, Restore]:
+    pairs, experts, counts = _pairs_by_expert(layout)
+    max_rows = max(layout.num_rows, 1)
+    max_rows = (max_rows + alignment - 1) // alignment * alignment
+    slot = _rank_within_expert(experts, counts)
+    hidden = layout.hidden.new_zeros(layout.num_local_experts, max_rows, layout.hidden.shape[1])
+    hidden[experts, slot] = layout.hidden[pairs // layout.topk_ids.shape[1]]
+    converted = MaskedLayout(hidden, counts.to(torch.int32))
+
+    def restore(output: ExpertOutput) -> ExpertOutput:
+        return ExpertOutput(_unsorted(output.hidden[experts, slot], pairs, layout), weights_applied=False, summed=False)
+
+    return converted, restore
+
+
+ADAPTERS = {
+    (STANDARD, CONTIGUOUS): standard_to_contiguous,
+    (STANDARD, MASKED): standard_to_masked,
+}
+
+
+def _identity(output: ExpertOutput) -> ExpertOutput:
+    return output
+
+
+class LayoutAdapter:
+    """Chosen once at start-up for a (dispatcher layout, kernel) pair."""
+
+    def __init__(self, source: str, accepted: frozenset[str], alignment: int):
+        self.source = source
+        self.target = source if source in accepted else next(
+            (to for (frm, to) in ADAPTERS if frm == source and to in accepted), None
+        )
+        if self.target is None:
+            raise ValueError(f"no adapter turns the {source} layout into any of {sorted(accepted)}")
+        self.alignment = alignment
+
+    @staticmethod
+    def can_adapt(source: str, accepted: frozenset[str]) -> bool:
+        return source in accepted or any(frm == source and to in accepted for (frm, to) in ADAPTERS)
+
+    def __call__(self, layout: Layout) -> tuple[Layout, Restore]:
+        if self.target == self.source:
+            return layout, _identity
+        return ADAPTERS[(self.source, self.target)](layout, self.alignment)

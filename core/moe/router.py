@@ -1,0 +1,62 @@
+"""Routers: top-k over logical experts, as each architecture defines it."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from torch import nn
+
+
+@attrs.frozen
+class RouterSpec:
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"  # "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3)
+    norm_topk_prob: bool = True
+    num_groups: int = 1  # DeepSeek-V3 n_group
+    topk_groups: int = 1  # DeepSeek-V3 topk_group
+    scaling_factor: float = 1.0  # DeepSeek-V3 routed_scaling_factor
+    correction_bias: bool = False  # DeepSeek-V3 e_score_correction_bias (selection only)
+
+
+class Router(nn.Module):
+    """hidden [T, H] -> (topk_ids [T, K] logical experts, topk_weights [T, K] fp32)."""
+
+    def __init__(self, hidden_size: int, spec: RouterSpec):
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size), requires_grad=False)
+        if spec.correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(spec.num_experts), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = torch.nn.functional.linear(hidden.float(), self.weight.float())
+        if self.spec.scoring == "sigmoid":
+            ids, weights = self._grouped_sigmoid(logits)
+        else:
+            ids, weights = self._softmax(logits)
+        return ids, weights * self.spec.scaling_factor
+
+    def _softmax(self, logits):
+        probs = torch.softmax(logits, dim=-1)
+        weights, ids = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights
+
+    def _grouped_sigmoid(self, logits):
+        spec = self.spec
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.float() if spec.correction_bias else scores
+        if spec.num_groups > 1:
+            grouped = choice.view(-1, spec.num_groups, spec.num_experts // spec.num_groups)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = torch.topk(group_scores, spec.topk_groups, dim=-1).indices
+            group_mask = torch.zeros_like(group_scores).scatter_(1, keep, 1.0)
+            expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(choice.shape)
+            choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+        ids = torch.topk(choice, spec.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if spec.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights

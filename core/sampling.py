@@ -1,0 +1,51 @@
+"""Sampling parameters of one request."""
+
+from __future__ import annotations
+
+import attrs
+
+
+def _non_negative(instance, attribute, value):
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+
+
+def _probability(instance, attribute, value):
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{attribute.name} must be in [0, 1], got {value}")
+
+
+def _positive_top_p(instance, attribute, value):
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {value}")
+
+
+def _top_k(instance, attribute, value):
+    if value == 0 or value < -1:
+        raise ValueError(f"top_k must be -1 (off) or >= 1, got {value}")
+
+
+def _tuple(value):
+    if value is None:
+        return ()
+    if isinstance(value, (str, int)):
+        return (value,)
+    return tuple(value)
+
+
+@attrs.frozen
+class SamplingParams:
+    max_new_tokens: int = attrs.field(default=128, validator=_non_negative)
+    temperature: float = attrs.field(default=1.0, validator=_non_negative)  # 0 means greedy
+    top_p: float = attrs.field(default=1.0, validator=_positive_top_p)
+    top_k: int = attrs.field(default=-1, validator=_top_k)
+    min_p: float = attrs.field(default=0.0, validator=_probability)
+    seed: int | None = None
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
+    ignore_eos: bool = False
+    logprobs: int = attrs.field(default=0, validator=_non_negative)  # top-K log-probabilities per step
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
