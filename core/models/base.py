@@ -128,12 +128,12 @@ class MoECausalLM(nn.Module, abc.ABC):
         for layer in self.model.layers:
             yield from layer.program(state)
 
-    def forward(self, batch: ForwardBatch, kv: KVPool, strategy) -> torch.Tensor:
-        """[B, vocab] fp32 logits of each request's last new token."""
+    def forward(self, batch: ForwardBatch, kv: KVPool, strategy, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [B, vocab] of each request's last new token (or of the token rows `logits_at`)."""
         state = StepState(self.model.embed_tokens(batch.input_ids), batch, kv)
         strategy.run([self.layers_program(state)])
-        last = self.model.norm(state.hidden[batch.last_token_index])
-        return self.lm_head(last).float()
+        rows = batch.last_token_index if logits_at is None else logits_at
+        return self.lm_head(self.model.norm(state.hidden[rows])).float()
 
     def moe_layers(self) -> list[MoELayer]:
         return [m for m in self.modules() if isinstance(m, MoELayer)]

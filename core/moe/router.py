@@ -20,14 +20,19 @@ class RouterSpec:
 
 
 class Router(nn.Module):
-    """hidden [T, H] -> (topk_ids [T, K] logical experts, topk_weights [T, K] fp32)."""
+    """hidden [T, H] -> (topk_ids [T, K] logical experts, topk_weights [T, K] fp32).
+
+    The gate weight stays fp32 whatever the model dtype, as the reference implementations keep it.
+    """
 
     def __init__(self, hidden_size: int, spec: RouterSpec):
         super().__init__()
         self.spec = spec
-        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
         if spec.correction_bias:
-            self.e_score_correction_bias = nn.Parameter(torch.zeros(spec.num_experts), requires_grad=False)
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(spec.num_experts, dtype=torch.float32), requires_grad=False
+            )
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = torch.nn.functional.linear(hidden.float(), self.weight.float())
