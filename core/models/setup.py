@@ -60,6 +60,7 @@ def build_model(folder: str, config, selection, parallel: ParallelInfo = Paralle
     runtime = MoERuntime(ctx, selection.dispatcher, selection.moe_kernel, placement, hooks)
     with device, default_dtype(config.torch_dtype):
         model = arch.MODEL_CLASS(hf_config, runtime)
+    model.hf_config = hf_config
     return model.eval()
 
 

@@ -1,0 +1,65 @@
+"""`moeplex generate`: run prompts through the engine and print the completions."""
+
+from __future__ import annotations
+
+import json
+
+from ..engine import Engine
+from ..sampling import SamplingParams
+from .flags import add_engine_flags, engine_config
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate completions for prompts (offline, batched)")
+    inputs = p.add_mutually_exclusive_group(required=True)
+    inputs.add_argument("--prompt", nargs="+", metavar="TEXT", help="one or more prompts (needs a tokenizer)")
+    inputs.add_argument(
+        "--input-ids", nargs="+", metavar="IDS", help="one or more prompts as comma-separated token ids, e.g. 1,2,3"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default: 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
+    p.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens; -1 is off")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * the top probability")
+    p.add_argument("--stop", nargs="*", default=[], help="stop strings")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating after the eos token")
+    p.add_argument("--logprobs", type=int, default=0, metavar="K", help="report the top-K log-probabilities per step")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_engine_flags(p)
+    p.set_defaults(run=run)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--input-ids expects comma-separated integers, got {text!r}") from None
+
+
+def run(args) -> int:
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed if args.temperature > 0 else None,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
+    engine = Engine(engine_config(args, show_progress=not args.json))
+    prompts = [_parse_ids(t) for t in args.input_ids] if args.input_ids else [engine.encode(t) for t in args.prompt]
+    for i, request in enumerate(engine.generate(prompts, params)):
+        result = {"index": i, "output_ids": request.output_ids, "finish_reason": request.finish_reason.value}
+        if engine.tokenizer is not None:
+            result["text"] = request.text
+        if args.logprobs:
+            result["logprobs"] = request.logprobs
+        if args.json:
+            print(json.dumps(result))
+        else:
+            shown = result.get("text", request.output_ids)
+            prompt = args.prompt[i] if args.prompt else args.input_ids[i]
+            print(f"[{i}] {prompt!r} -> {shown!r} ({result['finish_reason']})")
+    return 0

@@ -1,0 +1,36 @@
+"""`moeplex plugins`: every installed plugin by kind, with its distribution, version and capabilities."""
+
+from __future__ import annotations
+
+import json
+
+from .. import registry
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plugins", help="list installed dispatchers, MoE kernels, balancers and overlap strategies")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.set_defaults(run=run)
+
+
+def _describe(info: registry.PluginInfo) -> dict:
+    entry = {"name": info.name, "distribution": info.distribution, "version": info.version, "target": info.target}
+    try:
+        entry["capabilities"] = info.capabilities()
+    except registry.PluginError as exc:
+        entry["error"] = str(exc)
+    return entry
+
+
+def run(args) -> int:
+    listing = {kind: [_describe(info) for info in registry.discover(kind).values()] for kind in registry.KINDS}
+    if args.json:
+        print(json.dumps(listing, indent=2))
+        return 0
+    for kind, entries in listing.items():
+        print(f"{kind}s:")
+        for e in entries:
+            caps = e.get("capabilities")
+            shown = ", ".join(f"{k}={v}" for k, v in caps.items() if v not in (False, None, [], 0)) if caps else e["error"]
+            print(f"  {e['name']:<16} {e['distribution']} {e['version']:<10} {shown}")
+    return 0

@@ -1,0 +1,176 @@
+"""Engine: schedule, run the model, post-process — one step at a time."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from typing import Iterable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .config import EngineConfig
+from .hooks import make_plugin_manager
+from .kv_cache import KVPool
+from .model_runner import ModelRunner
+from .models.setup import load_model
+from .request import FinishReason, Request
+from .sampler import Sampler
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .selection import resolve
+from .tokenizer import Detokenizer, load_tokenizer
+
+MAX_DEFAULT_KV_TOKENS = 1 << 17
+
+
+def _eos_ids(folder: str, hf_config: dict) -> set[int]:
+    path = os.path.join(folder, "generation_config.json")
+    value = hf_config.get("eos_token_id")
+    if os.path.exists(path):
+        with open(path) as f:
+            value = json.load(f).get("eos_token_id", value)
+    if value is None:
+        return set()
+    return set(value) if isinstance(value, list) else {value}
+
+
+def _kv_tokens(config: EngineConfig, bytes_per_token: int, device: torch.device) -> int:
+    if config.max_total_tokens:
+        return config.max_total_tokens
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(config.page_size, min(int(free * config.kv_memory_fraction) // bytes_per_token, MAX_DEFAULT_KV_TOKENS))
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, hooks=None):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.hooks = hooks if hooks is not None else make_plugin_manager()
+        selection = resolve(config)
+        self.model = load_model(config.model, config, selection, hooks=self.hooks)
+        shapes = self.model.kv_shapes()
+        tokens = _kv_tokens(config, KVPool.bytes_per_token(shapes, config.torch_dtype), self.device)
+        self.kv = KVPool(-(-tokens // config.page_size), config.page_size, shapes, config.torch_dtype, self.device)
+        self.scheduler = Scheduler(self.kv, config.max_running_requests, config.max_batched_tokens, config.chunked_prefill_size)
+        self.runner = ModelRunner(self.model, self.kv, selection.overlap(), self.device, self.hooks)
+        self.sampler = Sampler()
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_ids = _eos_ids(config.model, self.model.hf_config)
+        self.vocab_size = self.model.hf_config["vocab_size"]
+        self._requests: dict[str, Request] = {}
+        self._detok: dict[str, Detokenizer] = {}
+        self._ids = itertools.count()
+        torch.manual_seed(config.seed)
+        self.hooks.hook.moeplex_engine_started(engine=self)
+
+    # --- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None) -> Request:
+        prompt_ids = list(prompt_ids)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        request = Request(rid if rid is not None else str(next(self._ids)), prompt_ids, params)
+        self.scheduler.add(request)
+        self._requests[request.rid] = request
+        if self.tokenizer is not None:
+            self._detok[request.rid] = Detokenizer(self.tokenizer)
+        return request
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.model} has no tokenizer.json; pass token ids instead of text")
+        return self.tokenizer.encode(text).ids
+
+    def abort(self, rid: str) -> None:
+        request = self._requests.get(rid)
+        if request is not None and not request.finished:
+            request.finish(FinishReason.ABORT)
+            self._retire(request)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # --- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one scheduled step; return the requests that finished in it."""
+        work = self.scheduler.schedule()
+        finished = self._drain_dropped()
+        if not work:
+            return finished
+        batch = self.runner.prepare(work)
+        self.hooks.hook.moeplex_batch_scheduled(batch=batch)
+        logits = self.runner.forward(batch)
+        due = []
+        for row, item in enumerate(work):
+            item.request.num_cached += item.num_tokens
+            if item.request.num_uncached == 0:
+                due.append(row)
+        requests = [work[row].request for row in due]
+        tokens = self.sampler(logits[due], requests) if due else []
+        for request, token in zip(requests, tokens):
+            if self._append(request, token):
+                finished.append(request)
+        return finished
+
+    def _drain_dropped(self) -> list[Request]:
+        dropped, self.scheduler.dropped = self.scheduler.dropped, []
+        for request in dropped:
+            self._retire(request)
+        return dropped
+
+    def _append(self, request: Request, token: int) -> bool:
+        request.output_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        params = request.params
+        detok = self._detok.get(request.rid)
+        if detok is not None:
+            request.text += detok.push(token)
+        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+            request.finish(FinishReason.STOP, stop_reason=token)
+        elif detok is not None and params.stop and self._hit_stop_string(request):
+            pass
+        elif len(request.output_ids) >= params.max_new_tokens:
+            request.finish(FinishReason.LENGTH)
+        if request.finished:
+            self._retire(request)
+        return request.finished
+
+    def _hit_stop_string(self, request: Request) -> bool:
+        for stop in request.params.stop:
+            at = request.text.find(stop)
+            if at >= 0:
+                request.text = request.text[:at]
+                request.finish(FinishReason.STOP, stop_reason=stop)
+                return True
+        return False
+
+    def _retire(self, request: Request) -> None:
+        self.scheduler.finish(request)
+        self._requests.pop(request.rid, None)
+        detok = self._detok.pop(request.rid, None)
+        if detok is not None and request.finish_reason != FinishReason.STOP:
+            request.text += detok.flush()
+        self.hooks.hook.moeplex_request_finished(request=request)
+
+    def generate(
+        self, prompts: Iterable[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], progress: bool | None = None
+    ) -> list[Request]:
+        """Run prompts to completion; results in prompt order."""
+        prompts = list(prompts)
+        params = params if isinstance(params, Sequence) else [params] * len(prompts)
+        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        show = self.config.show_progress if progress is None else progress
+        with tqdm(total=len(requests), desc="generating", unit="req", disable=not show, leave=False) as bar:
+            while self.has_work:
+                bar.update(len(self.step()))
+        return requests

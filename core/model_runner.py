@@ -1,0 +1,36 @@
+"""ModelRunner: scheduled work -> ForwardBatch -> logits of the requests whose next token is due."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .batch_builder import ScheduledSeq, build_forward_batch
+from .forward_batch import ForwardBatch
+from .kv_cache import KVPool
+from .scheduler import ScheduledWork
+
+
+class ModelRunner:
+    def __init__(self, model, kv: KVPool, strategy, device: torch.device, hooks=None):
+        self.model = model
+        self.kv = kv
+        self.strategy = strategy
+        self.device = device
+        self.hooks = hooks
+
+    def prepare(self, work: Sequence[ScheduledWork]) -> ForwardBatch:
+        seqs = [
+            ScheduledSeq(w.request.all_ids[w.request.num_cached : w.request.num_cached + w.num_tokens], w.request.num_cached, w.request.pages)
+            for w in work
+        ]
+        return build_forward_batch(seqs, self.kv, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """[B, vocab] fp32 logits of each request's last processed token."""
+        logits = self.model(batch, self.kv, self.strategy)
+        if self.hooks is not None:
+            self.hooks.hook.moeplex_forward_done(batch=batch, logits=logits)
+        return logits

@@ -1,0 +1,144 @@
+"""Writing random-weight checkpoints in the Hugging Face format, with a byte-level tokenizer.
+
+The tensors written are exactly the names and shapes the model expects (its weight
+targets), so a folder written here loads in moeplex and in transformers alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from ..config import EngineConfig
+from . import architecture
+
+BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+ARCHES = ("deepseek_v3", "qwen3_moe", "mixtral")
+
+
+def byte_level_tokenizer() -> Tokenizer:
+    """256 byte tokens (ids 0-255, no merges) plus bos 256, eos 257, pad 258."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = sorted(alphabet, key=lambda ch: _byte_of(ch))
+    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(byte_to_char)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([BOS, EOS, PAD])
+    return tokenizer
+
+
+def _byte_of(char: str) -> int:
+    """GPT-2 byte-level mapping, inverted: printable bytes map to themselves, the rest to 256+."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    code = ord(char)
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]
+
+
+def write_tokenizer(folder: str) -> None:
+    byte_level_tokenizer().save(os.path.join(folder, "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "add_bos_token": True,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 4096,
+    }
+    _write_json(folder, "tokenizer_config.json", config)
+
+
+def _write_json(folder: str, name: str, data: dict) -> None:
+    with open(os.path.join(folder, name), "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    if "norm" in name:  # RMSNorm weights near one
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith("bias"):  # router correction bias, attention biases
+        return 0.1 * torch.randn(shape, generator=gen)
+    if "embed_tokens" in name:
+        return torch.randn(shape, generator=gen)
+    # unit-variance activations through the stack, so logits are peaked and ties unlikely
+    return torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+
+
+def write_checkpoint(folder: str, arch: str, preset: str = "tiny", seed: int = 0, max_shard_bytes: int | None = None) -> str:
+    """Write config, generation config, tokenizer and random safetensors weights of `arch`/`preset` to `folder`."""
+    from ..selection import resolve  # deferred: selection reads the plugin registry
+    from .setup import build_model
+
+    if arch not in ARCHES:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHES)}")
+    module = architecture({"model_type": arch})
+    if preset not in module.PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; {arch} presets: {', '.join(module.PRESETS)}")
+    os.makedirs(folder, exist_ok=True)
+    config = dict(module.PRESETS[preset])
+    _write_json(folder, "config.json", config)
+    _write_json(folder, "generation_config.json", {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
+    write_tokenizer(folder)
+    engine_config = EngineConfig(model=folder, show_progress=False)
+    model = build_model(folder, engine_config, resolve(engine_config))
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {name: _random_tensor(name, t.shape, gen).contiguous() for name, t in sorted(model.weight_targets().items())}
+    _save_shards(folder, tensors, max_shard_bytes)
+    return folder
+
+
+def _save_shards(folder: str, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None) -> None:
+    shards, current, size = [], {}, 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and max_shard_bytes and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = tensor
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(folder, file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    _write_json(folder, "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "moeplex", "models")
+
+
+def default_model(arch: str = "deepseek_v3", preset: str = "tiny", seed: int = 0) -> str:
+    """The embedded default model: written once into the user's cache directory, then reused."""
+    folder = os.path.join(cache_dir(), f"{arch}-{preset}-seed{seed}")
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    os.makedirs(cache_dir(), exist_ok=True)
+    staging = tempfile.mkdtemp(dir=cache_dir(), prefix=".writing-")
+    write_checkpoint(staging, arch, preset, seed)
+    try:
+        os.rename(staging, folder)  # atomic: a concurrent writer's complete copy wins
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder

@@ -1,0 +1,67 @@
+"""A request's state from arrival to finish."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import attrs
+import torch
+
+from .sampling import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an eos token, a stop token id or a stop string
+    LENGTH = "length"  # max_new_tokens reached
+    ABORT = "abort"  # cancelled by the client or refused by the engine
+
+
+@attrs.define(eq=False)
+class Request:
+    """The tokens of one sequence and how many of them already have KV in the cache.
+
+    Each step processes some of the uncached tokens all_ids[num_cached:]; when none
+    remain afterwards, the step's logits give the next token. A preempted request
+    drops its cache (num_cached = 0) and recomputes everything when re-admitted.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = attrs.Factory(list)
+    pages: list[int] = attrs.Factory(list)
+    num_cached: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: Any = None  # the stop string or token that ended the request
+    error: str | None = None
+    text: str = ""  # detokenized output (when the engine has a tokenizer)
+    logprobs: list[dict] = attrs.Factory(list)  # per generated token: its logprob and the top-K
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    arrival_time: float = attrs.Factory(time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncached(self) -> int:
+        return self.num_tokens - self.num_cached
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def finish(self, reason: FinishReason, stop_reason: Any = None, error: str | None = None) -> None:
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.error = error
+        self.finish_time = time.monotonic()

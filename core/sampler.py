@@ -1,0 +1,64 @@
+"""Turning logits into next tokens, per request parameters, with per-request random streams."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .request import Request
+
+
+def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p filtering of one row of fp32 logits."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs
+
+
+def _generator(request: Request, device: torch.device) -> torch.Generator | None:
+    if request.params.seed is None:
+        return None
+    if request.generator is None:
+        request.generator = torch.Generator(device=device).manual_seed(request.params.seed)
+    return request.generator
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        """One token per row of `logits` [B, V] (fp32); greedy rows in one argmax."""
+        tokens = torch.argmax(logits, dim=-1)
+        for row, request in enumerate(requests):
+            if not request.params.greedy:
+                probs = _filtered_probs(logits[row], request.params)
+                tokens[row] = torch.multinomial(probs, 1, generator=_generator(request, logits.device))[0]
+        chosen = tokens.tolist()
+        self._record_logprobs(logits, requests, chosen)
+        return chosen
+
+    @staticmethod
+    def _record_logprobs(logits: torch.Tensor, requests: Sequence[Request], chosen: list[int]) -> None:
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs > 0]
+        if not rows:
+            return
+        logprobs = torch.log_softmax(logits[rows], dim=-1)
+        for j, row in enumerate(rows):
+            request = requests[row]
+            top = torch.topk(logprobs[j], request.params.logprobs)
+            request.logprobs.append(
+                {
+                    "token_id": chosen[row],
+                    "logprob": float(logprobs[j, chosen[row]]),
+                    "top_logprobs": [[int(t), float(v)] for t, v in zip(top.indices, top.values)],
+                }
+            )

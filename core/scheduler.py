@@ -1,0 +1,116 @@
+"""Continuous batching over the paged KV pool: admit, chunk, preempt, free."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+
+from .kv_cache import KVPool
+from .request import FinishReason, Request
+
+
+@attrs.frozen
+class ScheduledWork:
+    request: Request
+    num_tokens: int  # tokens of request.all_ids[num_cached:] processed this step
+
+
+class Scheduler:
+    """Two queues and a preemption rule.
+
+    Every step, running requests go first (oldest first, so decodes are never
+    starved by new prompts), then waiting requests are admitted while the token
+    budget, the running-request limit and the KV pool allow. Long prompts are cut
+    into chunks. When a running request needs a page and none is free, the newest
+    running request is preempted: its pages are freed and it waits at the front
+    of the queue to recompute its KV later.
+    """
+
+    def __init__(self, kv: KVPool, max_running: int, token_budget: int, chunk_size: int):
+        self.kv = kv
+        self.max_running = max_running
+        self.token_budget = token_budget
+        self.chunk_size = chunk_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.dropped: list[Request] = []  # aborted by the scheduler; the engine reports them
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        if request.num_tokens > self.kv.capacity_tokens:
+            raise ValueError(
+                f"the prompt has {request.num_tokens} tokens; the KV cache holds at most {self.kv.capacity_tokens}"
+            )
+        self.waiting.append(request)
+
+    def schedule(self) -> list[ScheduledWork]:
+        work: list[ScheduledWork] = []
+        budget = self.token_budget
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted while making room for an older request
+                continue
+            n = self._chunk(request, budget)
+            if not self._reserve(request, n, preempt=True):
+                continue
+            work.append(ScheduledWork(request, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            request = self.waiting[0]
+            n = self._chunk(request, budget)
+            if not self._reserve(request, n, preempt=False):
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            work.append(ScheduledWork(request, n))
+            budget -= n
+        return work
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        n = min(request.num_uncached, budget)
+        return n if n == 1 else min(n, self.chunk_size)
+
+    def _reserve(self, request: Request, n: int, preempt: bool) -> bool:
+        """Make request.pages cover num_cached + n tokens, preempting newer requests if allowed."""
+        missing = self.kv.pages_for(request.num_cached + n) - len(request.pages)
+        while missing > 0:
+            pages = self.kv.allocate(missing)
+            if pages is not None:
+                request.pages.extend(pages)
+                return True
+            victim = self.running[-1] if preempt and self.running else None
+            if victim is None:
+                return False
+            self.preempt(victim)
+            if victim is request:
+                if not self.running and not self.waiting[1:]:
+                    # alone and still too long for the whole pool: it can never finish
+                    self.waiting.popleft()
+                    request.finish(FinishReason.ABORT, error="the KV cache cannot hold this sequence")
+                    self.dropped.append(request)
+                return False
+        return True
+
+    def preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._free(request)
+        request.num_cached = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request) -> None:
+        """Release a finished (or aborted) request's pages and forget it."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._free(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv.release(request.pages)
+        request.pages = []

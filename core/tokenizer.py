@@ -1,0 +1,47 @@
+"""Tokenizer loading and incremental detokenization that never splits a UTF-8 character."""
+
+from __future__ import annotations
+
+import os
+
+from tokenizers import Tokenizer
+
+
+def load_tokenizer(folder: str) -> Tokenizer | None:
+    path = os.path.join(folder, "tokenizer.json")
+    return Tokenizer.from_file(path) if os.path.exists(path) else None
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Byte-level tokens can end in the middle of a multi-byte character; such a tail
+    decodes to U+FFFD and is held back until the following tokens complete it.
+    Only a short window of recent ids is decoded each time, so cost stays flat.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # window start: context for tokenizers that merge across tokens
+        self.read_offset = 0  # ids up to here have been emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        emitted = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset :])
+        if text.endswith("\ufffd") or len(text) <= len(emitted):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(emitted) :]
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        emitted = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(emitted) :]
