@@ -88,8 +88,8 @@ class Scheduler:
                 return False
             self.preempt(victim)
             if victim is request:
-                if not self.running and not self.waiting[1:]:
-                    # alone and still too long for the whole pool: it can never finish
+                if not self.running:
+                    # it had the whole pool to itself and still ran out: it can never finish
                     self.waiting.popleft()
                     request.finish(FinishReason.ABORT, error="the KV cache cannot hold this sequence")
                     self.dropped.append(request)

@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny random checkpoints of every architecture, written once per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeplex.models.make_model import ARCHES, write_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """arch -> folder of a tiny random checkpoint written by `moeplex make-model`'s code."""
+    made: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in made:
+            made[arch] = write_checkpoint(str(tmp_path_factory.mktemp(arch)), arch, "tiny", seed=0)
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(params=ARCHES)
+def arch(request):
+    return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU; none is visible on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,121 @@
+"""End-to-end generation through the engine against transformers, and batching invariance."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from moeplex.config import EngineConfig
+from moeplex.engine import Engine
+from moeplex.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(folder: str, **overrides) -> Engine:
+    settings = dict(model=folder, dtype="fp32", show_progress=False, max_total_tokens=4096, page_size=4)
+    settings.update(overrides)
+    return Engine(EngineConfig(**settings))
+
+
+def hf_greedy(folder: str, prompt: list[int], new_tokens: int) -> list[int]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=258)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_generation_equals_transformers(tiny_model_dir, arch):
+    folder = tiny_model_dir(arch)
+    prompt = [256] + list(b"Mixture of experts, routed")
+    engine = make_engine(folder)
+    [request] = engine.generate([prompt], GREEDY)
+    assert request.output_ids == hf_greedy(folder, prompt, 32)
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+
+
+def _mixed_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[256] + [rng.randrange(256) for _ in range(rng.randrange(3, 40))] for _ in range(count)]
+
+
+def test_output_is_identical_alone_and_in_a_batch_of_16(tiny_model_dir):
+    folder = tiny_model_dir("deepseek_v3")
+    prompts = _mixed_prompts(16)
+    params = [SamplingParams(max_new_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(16)]
+    alone = [make_engine(folder).generate([p], sp)[0].output_ids for p, sp in zip(prompts[:4], params[:4])]
+    engine = make_engine(folder, chunked_prefill_size=16, max_batched_tokens=64)
+    batched = engine.generate(prompts, params)
+    assert [r.output_ids for r in batched[:4]] == alone
+    assert [len(r.output_ids) for r in batched] == [sp.max_new_tokens for sp in params]
+
+
+def test_preempted_requests_resume_with_identical_output(tiny_model_dir):
+    folder = tiny_model_dir("qwen3_moe")
+    prompts = _mixed_prompts(16, seed=1)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    roomy = make_engine(folder).generate(prompts, params)
+    # 16 pages of 4 tokens cannot hold 16 requests of up to 64 tokens: preemption must happen
+    tight = make_engine(folder, max_total_tokens=64 + 64, page_size=4)
+    results = tight.generate(prompts, params)
+    assert sum(r.num_preemptions for r in results) > 0
+    assert [r.output_ids for r in results] == [r.output_ids for r in roomy]
+    assert tight.kv.num_free_pages == tight.kv.num_pages
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model_dir):
+    folder = tiny_model_dir("mixtral")
+    prompts = _mixed_prompts(6, seed=2)
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    alone = make_engine(folder).generate([prompts[0]], params)[0].output_ids
+    batched = make_engine(folder).generate(prompts, params)
+    assert batched[0].output_ids == alone
+    assert len({tuple(r.output_ids) for r in batched}) > 1
+
+
+def test_stop_conditions(tiny_model_dir):
+    folder = tiny_model_dir("deepseek_v3")
+    engine = make_engine(folder)
+    prompt = [256] + list(b"stop here")
+    free = engine.generate([prompt], GREEDY)[0]
+    stop_token = free.output_ids[5]
+    by_token = engine.generate([prompt], SamplingParams(max_new_tokens=32, temperature=0.0, stop_token_ids=[stop_token]))[0]
+    assert by_token.finish_reason.value == "stop"
+    assert by_token.output_ids == free.output_ids[: free.output_ids.index(stop_token) + 1]
+    stop_text = free.text[3:5]
+    by_text = engine.generate([prompt], SamplingParams(max_new_tokens=32, temperature=0.0, stop=[stop_text]))[0]
+    assert by_text.finish_reason.value == "stop" and by_text.stop_reason == stop_text
+    assert by_text.text == free.text[: free.text.find(stop_text)]
+    eos = engine.eos_ids.pop()
+    engine.eos_ids.add(stop_token)
+    by_eos = engine.generate([prompt], SamplingParams(max_new_tokens=32, temperature=0.0))[0]
+    assert by_eos.output_ids[-1] == stop_token and by_eos.finish_reason.value == "stop"
+    assert eos not in engine.eos_ids
+
+
+def test_abort_frees_the_cache(tiny_model_dir):
+    engine = make_engine(tiny_model_dir("deepseek_v3"))
+    requests = [engine.add_request(p, GREEDY) for p in _mixed_prompts(4, seed=3)]
+    engine.step()
+    engine.abort(requests[1].rid)
+    while engine.has_work:
+        engine.step()
+    assert requests[1].finish_reason.value == "abort"
+    assert all(r.finish_reason.value == "length" for r in requests[:1] + requests[2:])
+    assert engine.kv.num_free_pages == engine.kv.num_pages
+
+
+def test_bad_prompts_are_refused(tiny_model_dir):
+    engine = make_engine(tiny_model_dir("deepseek_v3"))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([1, 99999], GREEDY)
+    with pytest.raises(ValueError, match="KV cache holds at most"):
+        engine.add_request(list(range(100)) * 50, GREEDY)

@@ -1,0 +1,104 @@
+"""Scheduler invariants under random workloads (no model: tokens are appended by the test)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moeplex.kv_cache import KVPool
+from moeplex.request import FinishReason, Request
+from moeplex.sampling import SamplingParams
+from moeplex.scheduler import Scheduler
+
+
+def run_to_completion(scheduler: Scheduler, requests: list[Request], max_steps: int = 10_000) -> list[int]:
+    """Drive the scheduler like the engine does; check the invariants every step; return tokens per step."""
+    for r in requests:
+        scheduler.add(r)
+    per_step = []
+    for _ in range(max_steps):
+        if not scheduler.has_work:
+            return per_step
+        work = scheduler.schedule()
+        scheduler.dropped.clear()
+        total = sum(w.num_tokens for w in work)
+        assert total <= scheduler.token_budget
+        assert len(scheduler.running) <= scheduler.max_running
+        owned = [p for r in scheduler.running for p in r.pages]
+        assert len(owned) == len(set(owned)), "a page is owned by two requests"
+        assert len(owned) + scheduler.kv.num_free_pages == scheduler.kv.num_pages
+        for w in work:
+            r = w.request
+            assert 1 <= w.num_tokens <= r.num_uncached
+            assert w.num_tokens == 1 or w.num_tokens <= scheduler.chunk_size
+            assert len(r.pages) * scheduler.kv.page_size >= r.num_cached + w.num_tokens
+            r.num_cached += w.num_tokens
+            if r.num_uncached == 0:
+                r.output_ids.append(len(r.output_ids))
+                if len(r.output_ids) >= r.params.max_new_tokens:
+                    r.finish(FinishReason.LENGTH)
+                    scheduler.finish(r)
+        per_step.append(total)
+    raise AssertionError("the scheduler did not finish its requests")
+
+
+def make_pool(pages: int, page_size: int = 4) -> KVPool:
+    return KVPool(pages, page_size, [[(1,)]], dtype=None, device="cpu")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt_lens=st.lists(st.integers(1, 60), min_size=1, max_size=20),
+    new_tokens=st.integers(1, 20),
+    budget=st.integers(8, 64),
+    chunk=st.integers(1, 32),
+    pages=st.integers(20, 80),
+    max_running=st.integers(1, 8),
+)
+def test_budget_pool_and_completion(prompt_lens, new_tokens, budget, chunk, pages, max_running):
+    kv = make_pool(pages)
+    scheduler = Scheduler(kv, max_running=max_running, token_budget=max(budget, max_running), chunk_size=chunk)
+    requests = [
+        Request(str(i), list(range(n)), SamplingParams(max_new_tokens=new_tokens)) for i, n in enumerate(prompt_lens)
+    ]
+    fits = [r for r in requests if r.num_tokens + new_tokens <= kv.capacity_tokens]
+    run_to_completion(scheduler, fits)
+    assert all(r.finished for r in fits)
+    assert kv.num_free_pages == kv.num_pages
+
+
+def test_long_prompts_are_chunked_and_decodes_continue_alongside():
+    scheduler = Scheduler(make_pool(200), max_running=4, token_budget=32, chunk_size=16)
+    short = Request("short", [1, 2, 3], SamplingParams(max_new_tokens=10))
+    long = Request("long", list(range(100)), SamplingParams(max_new_tokens=2))
+    scheduler.add(short)
+    scheduler.schedule()[0].request.num_cached = 3  # short's prompt is in the cache
+    short.output_ids.append(0)
+    scheduler.add(long)
+    work = scheduler.schedule()
+    assert [(w.request.rid, w.num_tokens) for w in work] == [("short", 1), ("long", 16)]
+
+
+def test_preemption_frees_the_newest_request_and_requeues_it_first():
+    kv = make_pool(4, page_size=4)  # 16 tokens in all
+    scheduler = Scheduler(kv, max_running=4, token_budget=64, chunk_size=64)
+    old = Request("old", list(range(8)), SamplingParams(max_new_tokens=8))
+    new = Request("new", list(range(8)), SamplingParams(max_new_tokens=8))
+    for r in (old, new):
+        scheduler.add(r)
+    for w in scheduler.schedule():
+        w.request.num_cached += w.num_tokens
+        w.request.output_ids.append(0)
+    work = scheduler.schedule()  # old needs a third page: new is preempted
+    assert [w.request.rid for w in work] == ["old"]
+    assert new.num_cached == 0 and new.pages == [] and new.num_preemptions == 1
+    assert scheduler.waiting[0] is new
+
+
+def test_a_request_that_cannot_fit_alone_is_aborted_not_spun_on():
+    kv = make_pool(2, page_size=4)
+    scheduler = Scheduler(kv, max_running=1, token_budget=16, chunk_size=16)
+    r = Request("r", list(range(8)), SamplingParams(max_new_tokens=100))
+    run_to_completion(scheduler, [r])
+    assert r.finish_reason == FinishReason.ABORT and "cannot hold" in r.error
+    assert kv.num_free_pages == 2
