@@ -21,24 +21,31 @@ class ScheduledSeq:
 
 
 def build_forward_batch(seqs: Sequence[ScheduledSeq], kv: KVPool, device: torch.device | str) -> ForwardBatch:
+    """All index tensors are computed at once over a padded page table (no per-request tensor ops)."""
     if not seqs:
         return ForwardBatch.idle(device)
     extend_lens = tuple(len(s.new_tokens) for s in seqs)
     prefix_lens = tuple(s.prefix_len for s in seqs)
     decode = all(n == 1 for n in extend_lens) and all(p > 0 for p in prefix_lens)
-    mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
-    input_ids = torch.tensor([t for s in seqs for t in s.new_tokens], dtype=torch.int64)
-    positions = torch.cat([torch.arange(s.prefix_len, s.prefix_len + len(s.new_tokens)) for s in seqs])
-    out_cache_loc = torch.cat([kv.slots(s.pages, s.prefix_len, s.prefix_len + len(s.new_tokens)) for s in seqs])
-    kv_indices = torch.cat([kv.slots(s.pages, 0, s.prefix_len + len(s.new_tokens)) for s in seqs])
-    seq_lens = torch.tensor([p + n for p, n in zip(prefix_lens, extend_lens)], dtype=torch.int64)
-    kv_indptr = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    batch_size = len(seqs)
+
+    max_pages = max(len(s.pages) for s in seqs)
+    table = torch.tensor([list(s.pages) + [0] * (max_pages - len(s.pages)) for s in seqs], dtype=torch.int64)
+    slots = (table[:, :, None] * kv.page_size + torch.arange(kv.page_size)).view(batch_size, -1)
+    seq_lens = torch.tensor(prefix_lens, dtype=torch.int64) + torch.tensor(extend_lens, dtype=torch.int64)
+    kv_indices = slots[torch.arange(slots.shape[1])[None, :] < seq_lens[:, None]]
+
+    extend = torch.tensor(extend_lens, dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(batch_size), extend)  # request of each new token
+    first = torch.cumsum(extend, 0) - extend
+    positions = torch.tensor(prefix_lens, dtype=torch.int64)[owner] + torch.arange(owner.numel()) - first[owner]
+    kv_indptr = torch.zeros(batch_size + 1, dtype=torch.int64)
     kv_indptr[1:] = seq_lens.cumsum(0)
     return ForwardBatch(
-        mode=mode,
-        input_ids=input_ids.to(device),
+        mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
+        input_ids=torch.tensor([t for s in seqs for t in s.new_tokens], dtype=torch.int64).to(device),
         positions=positions.to(device),
-        out_cache_loc=out_cache_loc.to(device),
+        out_cache_loc=slots[owner, positions].to(device),
         seq_lens=seq_lens.to(device),
         extend_lens=extend_lens,
         prefix_lens=prefix_lens,

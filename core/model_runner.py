@@ -22,7 +22,7 @@ class ModelRunner:
 
     def prepare(self, work: Sequence[ScheduledWork]) -> ForwardBatch:
         seqs = [
-            ScheduledSeq(w.request.all_ids[w.request.num_cached : w.request.num_cached + w.num_tokens], w.request.num_cached, w.request.pages)
+            ScheduledSeq(w.request.token_ids(w.request.num_cached, w.num_tokens), w.request.num_cached, w.request.pages)
             for w in work
         ]
         return build_forward_batch(seqs, self.kv, self.device)

@@ -48,6 +48,13 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_ids(self, start: int, count: int) -> list[int]:
+        """all_ids[start:start+count] without concatenating the whole sequence (decode asks for one)."""
+        prompt = len(self.prompt_ids)
+        if start >= prompt:
+            return self.output_ids[start - prompt : start - prompt + count]
+        return (self.prompt_ids[start : start + count] + self.output_ids)[:count]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
