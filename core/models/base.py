@@ -153,6 +153,8 @@ class MoECausalLM(nn.Module, abc.ABC):
         return targets
 
     def ignores_tensor(self, name: str) -> bool:
+        if getattr(self, "tie_word_embeddings", False) and name == "lm_head.weight":
+            return True  # some exporters store the tied head anyway
         return name.endswith("rotary_emb.inv_freq")
 
     def finish_loading(self) -> None:

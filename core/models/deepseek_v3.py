@@ -1,0 +1,184 @@
+"""DeepSeek-V3: MLA attention, dense MLPs in the first layers, then MoE layers with sigmoid grouped
+top-k routing (bias-corrected selection), routed scaling and shared experts."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import nn
+
+from ..moe.layer import MoELayer
+from ..moe.router import RouterSpec
+from ..moe.runtime import MoERuntime
+from .base import DecoderLayer, MoECausalLM, MoESpec, RMSNorm, SiluMLP
+from .mla import MLAttention
+
+_TINY = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "torch_dtype": "float32",
+    "vocab_size": 512,
+    "bos_token_id": 256,
+    "eos_token_id": 257,
+    "pad_token_id": 258,
+    "tie_word_embeddings": False,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_nextn_predict_layers": 1,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 48,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "n_routed_experts": 16,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 163840,
+    "rope_interleave": True,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "use_cache": True,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": _TINY,
+    "small": {
+        **_TINY,
+        "hidden_size": 384,
+        "intermediate_size": 1024,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "q_lora_rank": 192,
+        "kv_lora_rank": 128,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+    },
+}
+
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _check_supported(config: dict[str, Any]) -> None:
+    """Refuse configs whose routing or activation this implementation would silently get wrong."""
+    expected = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "hidden_act": "silu"}
+    for key, value in expected.items():
+        if config.get(key, value) != value:
+            raise ValueError(f"deepseek_v3 supports {key}={value!r} only, the config has {config[key]!r}")
+
+
+def is_moe_layer(config: dict[str, Any], layer: int) -> bool:
+    return (
+        bool(config.get("n_routed_experts"))
+        and layer >= config.get("first_k_dense_replace", 0)
+        and layer % config.get("moe_layer_freq", 1) == 0
+    )
+
+
+def router_spec(config: dict[str, Any]) -> RouterSpec:
+    return RouterSpec(
+        num_experts=config["n_routed_experts"],
+        top_k=config["num_experts_per_tok"],
+        scoring="sigmoid",
+        norm_topk_prob=config.get("norm_topk_prob", True),
+        num_groups=config.get("n_group") or 1,
+        topk_groups=config.get("topk_group") or 1,
+        scaling_factor=config.get("routed_scaling_factor", 1.0),
+        correction_bias=True,
+    )
+
+
+def moe_spec(config: dict[str, Any]) -> MoESpec:
+    _check_supported(config)
+    return MoESpec(
+        num_moe_layers=sum(is_moe_layer(config, i) for i in range(config["num_hidden_layers"])),
+        num_experts=config["n_routed_experts"],
+        top_k=config["num_experts_per_tok"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["moe_intermediate_size"],
+        num_groups=config.get("n_group") or 1,
+    )
+
+
+def _shared_experts(config: dict[str, Any]) -> SiluMLP | None:
+    count = config.get("n_shared_experts") or 0
+    if count == 0:
+        return None
+    return SiluMLP(config["hidden_size"], config["moe_intermediate_size"] * count)
+
+
+class DeepseekV3ForCausalLM(MoECausalLM):
+    def __init__(self, config: dict[str, Any], runtime: MoERuntime):
+        super().__init__()
+        _check_supported(config)
+        self.num_hidden_layers = config["num_hidden_layers"]
+        self.tie_word_embeddings = config.get("tie_word_embeddings", False)
+        hidden, eps = config["hidden_size"], config["rms_norm_eps"]
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config["vocab_size"], hidden)
+        self.model.layers = nn.ModuleList()
+        for layer in range(config["num_hidden_layers"]):
+            moe_index = sum(is_moe_layer(config, earlier) for earlier in range(layer))
+            mlp = self._mlp(config, layer, runtime, moe_index)
+            self.model.layers.append(DecoderLayer(layer, MLAttention(config), mlp, hidden, eps))
+        self.model.norm = RMSNorm(hidden, eps)
+        self.lm_head = nn.Linear(hidden, config["vocab_size"], bias=False)
+
+    @staticmethod
+    def _mlp(config: dict[str, Any], layer: int, runtime: MoERuntime, moe_index: int) -> nn.Module:
+        hidden = config["hidden_size"]
+        if not is_moe_layer(config, layer):
+            return SiluMLP(hidden, config["intermediate_size"])
+        return MoELayer(
+            moe_index,
+            hidden,
+            config["moe_intermediate_size"],
+            router_spec(config),
+            runtime,
+            shared_experts=_shared_experts(config),
+        )
+
+    def kv_shapes(self) -> list[list[tuple[int, ...]]]:
+        return [[(layer.self_attn.cache_width,)] for layer in self.model.layers]
+
+    def ignores_tensor(self, name: str) -> bool:
+        # layers from num_hidden_layers on are the multi-token-prediction modules, unused for serving
+        match = _LAYER_NAME.match(name)
+        if match and int(match.group(1)) >= self.num_hidden_layers:
+            return True
+        return super().ignores_tensor(name)
+
+
+MODEL_CLASS = DeepseekV3ForCausalLM

@@ -1,0 +1,108 @@
+"""Multi-head and grouped-query attention over the paged KV cache (Mixtral, Qwen3-MoE and their kin).
+
+Each layer caches one key and one value row per token: [num_kv_heads, head_dim] each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..forward_batch import ForwardBatch
+from .attention import gather_kv, ragged_attention, write_kv
+from .base import RMSNorm, rope_parameters
+from .rope import RotaryEmbedding, with_yarn_defaults
+
+
+def head_dim(config: dict[str, Any]) -> int:
+    # Mixtral configs write head_dim as null (or omit it) when it is hidden_size / num_attention_heads
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def kv_shapes(config: dict[str, Any]) -> list[list[tuple[int, ...]]]:
+    """Per layer, a key and a value of [num_kv_heads, head_dim] per token."""
+    shape = (config["num_key_value_heads"], head_dim(config))
+    return [[shape, shape] for _ in range(config["num_hidden_layers"])]
+
+
+def check_sliding_window(window: int | None, config: dict[str, Any]) -> None:
+    """Refuse a sliding window that could bind: ragged_attention always attends to the whole sequence.
+
+    A window of at least max_position_embeddings never changes a result for the sequences
+    the model is made for, so it is accepted and ignored.
+    """
+    longest = config.get("max_position_embeddings")
+    if window is not None and (longest is None or window < longest):
+        raise ValueError(
+            f"sliding_window is {window} (below max_position_embeddings {longest}); moeplex attends to the whole "
+            "sequence, which would change results for longer sequences; set sliding_window to null"
+        )
+
+
+def check_silu(config: dict[str, Any]) -> None:
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act is {act!r}; the MLPs and MoE kernels compute silu only")
+
+
+class MHAttention(nn.Module):
+    """q/k/v projections -> optional per-head RMSNorm of q and k (Qwen3) -> rope -> paged attention -> o_proj."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rope_params: dict[str, Any],
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,
+    ):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
+            )
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        self.qk_norm = qk_norm_eps is not None
+        self.rotary_emb = RotaryEmbedding(head_dim, rope_params)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], rope_params: dict[str, Any] | None = None, qk_norm: bool = False):
+        """The attention of a Hugging Face config; `attention_bias` covers q, k, v and o as in Qwen3-MoE."""
+        bias = bool(config.get("attention_bias", False))
+        return cls(
+            hidden_size=config["hidden_size"],
+            num_heads=config["num_attention_heads"],
+            num_kv_heads=config["num_key_value_heads"],
+            head_dim=head_dim(config),
+            rope_params=rope_params or with_yarn_defaults(rope_parameters(config), config["max_position_embeddings"]),
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm_eps=config["rms_norm_eps"] if qk_norm else None,
+        )
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: list[torch.Tensor]) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(batch.positions, q, k)
+        key_cache, value_cache = cache
+        write_kv(key_cache, batch, k)
+        write_kv(value_cache, batch, v)
+        out = ragged_attention(q, gather_kv(key_cache, batch), gather_kv(value_cache, batch), batch, self.scale)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))

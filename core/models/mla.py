@@ -1,0 +1,96 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3) over the paged KV cache.
+
+The cache holds, per token, only the normalised KV latent (kv_lora_rank) and the rotated rope key
+(qk_rope_head_dim, shared by all heads). Each step up-projects the whole sequence's latents with
+kv_b_proj into per-head nope keys and values, then attends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..forward_batch import ForwardBatch
+from .attention import gather_kv, ragged_attention, write_kv
+from .base import RMSNorm, rope_parameters
+from .rope import RotaryEmbedding, with_yarn_defaults, yarn_mscale
+
+LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
+
+
+def mla_rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """rope parameters with transformers' defaults for what DeepSeek configs may leave out."""
+    return with_yarn_defaults(rope_parameters(config), config["max_position_embeddings"])
+
+
+def softmax_scale(config: dict[str, Any]) -> float:
+    """1/sqrt(qk_head_dim), times mscale^2 under scaled rope with mscale_all_dim (DeepSeek's YaRN correction)."""
+    scale = (config["qk_nope_head_dim"] + config["qk_rope_head_dim"]) ** -0.5
+    params = mla_rope_parameters(config)
+    mscale_all_dim = params.get("mscale_all_dim")
+    if params["rope_type"] != "default" and mscale_all_dim:
+        mscale = yarn_mscale(params["factor"], mscale_all_dim)
+        scale *= mscale * mscale
+    return scale
+
+
+class MLAttention(nn.Module):
+    """forward(x [T, H], batch, cache [latent+rope key buffer]) -> [T, H]; names follow the HF checkpoint."""
+
+    def __init__(self, config: dict[str, Any]):
+        super().__init__()
+        hidden = config["hidden_size"]
+        bias = config.get("attention_bias", False)
+        self.num_heads = config["num_attention_heads"]
+        self.nope_dim = config["qk_nope_head_dim"]
+        self.rope_dim = config["qk_rope_head_dim"]
+        self.v_dim = config["v_head_dim"]
+        self.kv_lora_rank = config["kv_lora_rank"]
+        self.q_lora_rank = config.get("q_lora_rank")
+        q_out = self.num_heads * (self.nope_dim + self.rope_dim)
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LORA_NORM_EPS)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+        self.rotary = RotaryEmbedding(
+            self.rope_dim, mla_rope_parameters(config), interleaved=config.get("rope_interleave", True)
+        )
+        self.scale = softmax_scale(config)
+
+    @property
+    def cache_width(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, heads, nope + rope] (the rope part not yet rotated)."""
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim)
+
+    def expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached rows [S, latent + rope key] -> keys [S, heads, nope + rope], values [S, heads, v]."""
+        latent, k_rope = rows.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(rows.shape[0], self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k_rope = k_rope[:, None, :].expand(-1, self.num_heads, -1)
+        return torch.cat((k_nope, k_rope), dim=-1), v
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: list[torch.Tensor]) -> torch.Tensor:
+        q_nope, q_rope = self.queries(x).split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q_rope, k_rope = self.rotary(batch.positions, q_rope, k_rope[:, None, :])
+        (buffer,) = cache
+        write_kv(buffer, batch, torch.cat((self.kv_a_layernorm(latent), k_rope[:, 0]), dim=-1))
+        k, v = self.expand(gather_kv(buffer, batch))
+        out = ragged_attention(torch.cat((q_nope, q_rope), dim=-1), k, v, batch, self.scale)
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.v_dim))

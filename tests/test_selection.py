@@ -1,0 +1,95 @@
+"""Start-up refuses unknown or incompatible plugin selections with one sentence naming what is available."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+
+from moeplex import registry
+from moeplex.config import EngineConfig
+from moeplex.registry import PluginError
+from moeplex.selection import resolve
+
+import fake_plugins
+
+
+@pytest.fixture
+def fake_distribution(tmp_path, monkeypatch):
+    fake_plugins.write_distribution(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+    importlib.invalidate_caches()
+    yield
+    sys.modules.pop("fake_plugins", None)
+
+
+def config(**kwargs) -> EngineConfig:
+    return EngineConfig(model="unused", **kwargs)
+
+
+def one_sentence(message: str) -> bool:
+    return message.endswith(".") and message.count(". ") == 0
+
+
+def test_builtins_are_discovered_through_entry_points():
+    assert {"local"} <= set(registry.discover("dispatcher"))
+    assert {"torch"} <= set(registry.discover("moe_kernel"))
+    assert {"static"} <= set(registry.discover("balancer"))
+    assert {"none"} <= set(registry.discover("overlap"))
+    info = registry.discover("dispatcher")["local"]
+    assert info.distribution == "moeplex" and info.version
+
+
+def test_the_default_selection_resolves():
+    sel = resolve(config(), has_gpu=False)
+    assert sel.dispatcher.__name__ == "LocalDispatcher"
+
+
+@pytest.mark.parametrize("kind,flag", [("dispatcher", "dispatcher"), ("moe_kernel", "moe_kernel"), ("balancer", "balancer"), ("overlap", "overlap")])
+def test_unknown_names_are_refused_naming_the_installed_ones(kind, flag):
+    with pytest.raises(PluginError) as err:
+        resolve(config(**{flag: "no-such-plugin"}), has_gpu=False)
+    message = str(err.value)
+    assert "no-such-plugin" in message and one_sentence(message)
+    for name in registry.discover(kind):
+        assert name in message
+
+
+def test_incompatible_layout_is_refused(fake_distribution):
+    with pytest.raises(PluginError) as err:
+        resolve(config(dispatcher="fake-masked", moe_kernel="fake-fp32-standard"), ep_size=2, has_gpu=False)
+    message = str(err.value)
+    assert "masked layout" in message and "torch" in message and one_sentence(message)
+
+
+def test_layout_bridged_by_an_adapter_is_accepted(fake_distribution):
+    sel = resolve(config(dispatcher="fake-masked"), ep_size=2, has_gpu=False)
+    assert sel.moe_kernel.__name__ == "TorchMoEKernel"
+
+
+def test_gpu_plugins_are_refused_without_a_gpu(fake_distribution):
+    with pytest.raises(PluginError, match="needs a CUDA GPU and none is visible; dispatchers that run here: .*local"):
+        resolve(config(dispatcher="fake-gpu"), ep_size=2, has_gpu=False)
+    assert resolve(config(dispatcher="fake-gpu"), ep_size=2, has_gpu=True)
+
+
+def test_rank_counts_are_checked(fake_distribution):
+    with pytest.raises(PluginError, match="serves one EP rank only, but --ep-size is 4"):
+        resolve(config(dispatcher="local"), ep_size=4, has_gpu=False)
+    with pytest.raises(PluginError, match="needs more than one EP rank; dispatchers for one rank: .*local"):
+        resolve(config(dispatcher="fake-many-ranks"), ep_size=1, has_gpu=False)
+
+
+def test_dtype_the_kernel_cannot_compute_is_refused(fake_distribution):
+    with pytest.raises(PluginError, match="does not compute in bf16; kernels that do: .*torch"):
+        resolve(config(moe_kernel="fake-fp32-standard", dtype="bf16"), has_gpu=False)
+
+
+def test_broken_plugins_name_their_distribution(fake_distribution):
+    with pytest.raises(PluginError, match="not a subclass of MoEKernel"):
+        resolve(config(moe_kernel="fake-broken"), has_gpu=False)
+    with pytest.raises(PluginError, match="fake-moeplex-plugins 0.1 failed to import"):
+        resolve(config(moe_kernel="fake-missing"), has_gpu=False)
