@@ -13,6 +13,7 @@ COMMANDS = {
     "generate": "generate",
     "make-model": "make_model",
     "plugins": "plugins",
+    "serve": "serve",
 }
 
 

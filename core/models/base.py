@@ -14,7 +14,9 @@ from torch import nn
 from ..forward_batch import ForwardBatch
 from ..kv_cache import KVPool
 from ..moe.layer import MoELayer
+from ..parallel import Group
 from .loader import Target, parameter_target
+from .parallel_layers import RowLinear, column_linear
 
 
 @attrs.frozen
@@ -57,15 +59,15 @@ class StepState:
 
 
 class SiluMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); `program` lets a layer treat dense and MoE MLPs alike."""
+    """down(silu(gate(x)) * up(x)), the intermediate split over `tp`; `program` lets a layer treat dense and MoE MLPs alike."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, names=("gate_proj", "up_proj", "down_proj")):
+    def __init__(self, hidden_size: int, intermediate_size: int, names=("gate_proj", "up_proj", "down_proj"), tp: Group = Group()):
         super().__init__()
         self.names = names
         gate, up, down = names
-        setattr(self, gate, nn.Linear(hidden_size, intermediate_size, bias=False))
-        setattr(self, up, nn.Linear(hidden_size, intermediate_size, bias=False))
-        setattr(self, down, nn.Linear(intermediate_size, hidden_size, bias=False))
+        setattr(self, gate, column_linear(hidden_size, intermediate_size, tp, what="intermediate_size"))
+        setattr(self, up, column_linear(hidden_size, intermediate_size, tp, what="intermediate_size"))
+        setattr(self, down, RowLinear(intermediate_size, hidden_size, tp, what="intermediate_size"))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self.names)

@@ -132,11 +132,11 @@ def moe_spec(config: dict[str, Any]) -> MoESpec:
     )
 
 
-def _shared_experts(config: dict[str, Any]) -> SiluMLP | None:
+def _shared_experts(config: dict[str, Any], runtime: MoERuntime) -> SiluMLP | None:
     count = config.get("n_shared_experts") or 0
     if count == 0:
         return None
-    return SiluMLP(config["hidden_size"], config["moe_intermediate_size"] * count)
+    return SiluMLP(config["hidden_size"], config["moe_intermediate_size"] * count, tp=runtime.attn_tp)
 
 
 class DeepseekV3ForCausalLM(MoECausalLM):
@@ -152,7 +152,7 @@ class DeepseekV3ForCausalLM(MoECausalLM):
         for layer in range(config["num_hidden_layers"]):
             moe_index = sum(is_moe_layer(config, earlier) for earlier in range(layer))
             mlp = self._mlp(config, layer, runtime, moe_index)
-            self.model.layers.append(DecoderLayer(layer, MLAttention(config), mlp, hidden, eps))
+            self.model.layers.append(DecoderLayer(layer, MLAttention(config, runtime.attn_tp), mlp, hidden, eps))
         self.model.norm = RMSNorm(hidden, eps)
         self.lm_head = nn.Linear(hidden, config["vocab_size"], bias=False)
 
@@ -160,14 +160,14 @@ class DeepseekV3ForCausalLM(MoECausalLM):
     def _mlp(config: dict[str, Any], layer: int, runtime: MoERuntime, moe_index: int) -> nn.Module:
         hidden = config["hidden_size"]
         if not is_moe_layer(config, layer):
-            return SiluMLP(hidden, config["intermediate_size"])
+            return SiluMLP(hidden, config["intermediate_size"], tp=runtime.attn_tp)
         return MoELayer(
             moe_index,
             hidden,
             config["moe_intermediate_size"],
             router_spec(config),
             runtime,
-            shared_experts=_shared_experts(config),
+            shared_experts=_shared_experts(config, runtime),
         )
 
     def kv_shapes(self) -> list[list[tuple[int, ...]]]:

@@ -23,15 +23,27 @@ class CheckpointError(ValueError):
 
 @attrs.frozen
 class Target:
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # of the whole tensor in the checkpoint
     copy: Callable[[torch.Tensor], None] | None  # None: the tensor belongs to another rank
+    select: tuple[int, int, int] | None = None  # (dim, start, length): read only this slice
+
+
+def shard_of(param: torch.Tensor) -> tuple[int, int, int] | None:
+    """(dim, rank, size) when `param` holds one tensor-parallel slice (set by the parallel layers)."""
+    return getattr(param, "tp_shard", None)
 
 
 def parameter_target(param: torch.Tensor) -> Target:
     def copy(tensor: torch.Tensor) -> None:
         param.data.copy_(tensor)
 
-    return Target(tuple(param.shape), copy)
+    shard = shard_of(param)
+    if shard is None:
+        return Target(tuple(param.shape), copy)
+    dim, rank, size = shard
+    full = list(param.shape)
+    full[dim] *= size
+    return Target(tuple(full), copy, (dim, rank * param.shape[dim], param.shape[dim]))
 
 
 class CheckpointReader:
@@ -70,9 +82,14 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(name).get_slice(name).get_shape())
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, select: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The tensor, or only the slice `select` = (dim, start, length) of it (read from disk alone)."""
         try:
-            return self._open(name).get_tensor(name)
+            if select is None:
+                return self._open(name).get_tensor(name)
+            dim, start, length = select
+            index = (slice(None),) * dim + (slice(start, start + length),)
+            return self._open(name).get_slice(name)[index]
         except Exception as exc:
             raise CheckpointError(f"tensor {name} in {self.files[name]} cannot be read: {exc}") from exc
 
@@ -99,7 +116,7 @@ def load_checkpoint(model, folder: str, show_progress: bool = True) -> None:
         shape = reader.shape(name)
         if shape != target.shape:
             raise CheckpointError(f"tensor {name} has shape {list(shape)}; the model expects {list(target.shape)}")
-        tensor = reader.read(name)
+        tensor = reader.read(name, target.select)
         if not tensor.is_floating_point() or not torch.isfinite(tensor.float()).all():
             raise CheckpointError(f"tensor {name} holds non-finite or non-floating values")
         target.copy(tensor)

@@ -12,7 +12,9 @@ from torch import nn
 
 from ..forward_batch import ForwardBatch
 from .attention import gather_kv, ragged_attention, write_kv
+from ..parallel import Group
 from .base import RMSNorm, rope_parameters
+from .parallel_layers import RowLinear, column_linear
 from .rope import RotaryEmbedding, with_yarn_defaults
 
 
@@ -21,9 +23,9 @@ def head_dim(config: dict[str, Any]) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
-def kv_shapes(config: dict[str, Any]) -> list[list[tuple[int, ...]]]:
-    """Per layer, a key and a value of [num_kv_heads, head_dim] per token."""
-    shape = (config["num_key_value_heads"], head_dim(config))
+def kv_shapes(config: dict[str, Any], tp: Group = Group()) -> list[list[tuple[int, ...]]]:
+    """Per layer, a key and a value of [num_kv_heads / tp, head_dim] per token."""
+    shape = (config["num_key_value_heads"] // tp.size, head_dim(config))
     return [[shape, shape] for _ in range(config["num_hidden_layers"])]
 
 
@@ -60,18 +62,22 @@ class MHAttention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
+        tp: Group = Group(),
     ):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
             )
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        if num_kv_heads % tp.size:
+            raise ValueError(f"num_key_value_heads ({num_kv_heads}) is not divisible by the attention TP size {tp.size}")
+        # each rank keeps whole heads: num_heads / tp query heads and num_kv_heads / tp key-value heads
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads // tp.size, num_kv_heads // tp.size, head_dim
         self.scale = head_dim**-0.5
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.q_proj = column_linear(hidden_size, num_heads * head_dim, tp, bias=qkv_bias)
+        self.k_proj = column_linear(hidden_size, num_kv_heads * head_dim, tp, bias=qkv_bias)
+        self.v_proj = column_linear(hidden_size, num_kv_heads * head_dim, tp, bias=qkv_bias)
+        self.o_proj = RowLinear(num_heads * head_dim, hidden_size, tp, bias=o_bias)
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
@@ -79,7 +85,9 @@ class MHAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(head_dim, rope_params)
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], rope_params: dict[str, Any] | None = None, qk_norm: bool = False):
+    def from_config(
+        cls, config: dict[str, Any], rope_params: dict[str, Any] | None = None, qk_norm: bool = False, tp: Group = Group()
+    ):
         """The attention of a Hugging Face config; `attention_bias` covers q, k, v and o as in Qwen3-MoE."""
         bias = bool(config.get("attention_bias", False))
         return cls(
@@ -91,6 +99,7 @@ class MHAttention(nn.Module):
             qkv_bias=bias,
             o_bias=bias,
             qk_norm_eps=config["rms_norm_eps"] if qk_norm else None,
+            tp=tp,
         )
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: list[torch.Tensor]) -> torch.Tensor:

@@ -86,6 +86,7 @@ class MixtralForCausalLM(MoECausalLM):
         super().__init__()
         check_config(config)
         self.config = config
+        self.attn_tp = runtime.attn_tp
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
         hidden, vocab = config["hidden_size"], config["vocab_size"]
         self.model = nn.Module()
@@ -108,14 +109,14 @@ class MixtralForCausalLM(MoECausalLM):
         layers = []
         for layer_id in range(config["num_hidden_layers"]):
             mlp = MoELayer(layer_id, hidden, config["intermediate_size"], router, runtime)
-            attn = MHAttention.from_config(config, rope_params=rope)
+            attn = MHAttention.from_config(config, rope_params=rope, tp=runtime.attn_tp)
             layers.append(
                 DecoderLayer(layer_id, attn, mlp, hidden, config["rms_norm_eps"], mlp_name="block_sparse_moe")
             )
         return layers
 
     def kv_shapes(self) -> list[list[tuple[int, ...]]]:
-        return kv_shapes(self.config)
+        return kv_shapes(self.config, self.attn_tp)
 
 
 MODEL_CLASS = MixtralForCausalLM

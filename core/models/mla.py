@@ -14,7 +14,9 @@ from torch import nn
 
 from ..forward_batch import ForwardBatch
 from .attention import gather_kv, ragged_attention, write_kv
+from ..parallel import Group
 from .base import RMSNorm, rope_parameters
+from .parallel_layers import RowLinear, column_linear
 from .rope import RotaryEmbedding, with_yarn_defaults, yarn_mscale
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
@@ -39,27 +41,30 @@ def softmax_scale(config: dict[str, Any]) -> float:
 class MLAttention(nn.Module):
     """forward(x [T, H], batch, cache [latent+rope key buffer]) -> [T, H]; names follow the HF checkpoint."""
 
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, Any], tp: Group = Group()):
         super().__init__()
         hidden = config["hidden_size"]
         bias = config.get("attention_bias", False)
-        self.num_heads = config["num_attention_heads"]
+        heads = config["num_attention_heads"]
+        if heads % tp.size:
+            raise ValueError(f"num_attention_heads ({heads}) is not divisible by the attention TP size {tp.size}")
+        self.num_heads = heads // tp.size  # heads of this rank; the latent cache is whole on every rank
         self.nope_dim = config["qk_nope_head_dim"]
         self.rope_dim = config["qk_rope_head_dim"]
         self.v_dim = config["v_head_dim"]
         self.kv_lora_rank = config["kv_lora_rank"]
         self.q_lora_rank = config.get("q_lora_rank")
-        q_out = self.num_heads * (self.nope_dim + self.rope_dim)
+        q_out = heads * (self.nope_dim + self.rope_dim)
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+            self.q_proj = column_linear(hidden, q_out, tp)
         else:
             self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LORA_NORM_EPS)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, q_out, bias=False)
+            self.q_b_proj = column_linear(self.q_lora_rank, q_out, tp)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+        self.kv_b_proj = column_linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), tp)
+        self.o_proj = RowLinear(heads * self.v_dim, hidden, tp, bias=bias)
         self.rotary = RotaryEmbedding(
             self.rope_dim, mla_rope_parameters(config), interleaved=config.get("rope_interleave", True)
         )

@@ -105,6 +105,7 @@ class Qwen3MoeForCausalLM(MoECausalLM):
         super().__init__()
         check_config(config)
         self.config = config
+        self.attn_tp = runtime.attn_tp
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
         hidden, vocab = config["hidden_size"], config["vocab_size"]
         self.model = nn.Module()
@@ -129,13 +130,13 @@ class Qwen3MoeForCausalLM(MoECausalLM):
                 mlp = MoELayer(moe_index, hidden, config["moe_intermediate_size"], router, runtime)
                 moe_index += 1
             else:
-                mlp = SiluMLP(hidden, config["intermediate_size"])
-            attn = MHAttention.from_config(config, qk_norm=True)
+                mlp = SiluMLP(hidden, config["intermediate_size"], tp=runtime.attn_tp)
+            attn = MHAttention.from_config(config, qk_norm=True, tp=runtime.attn_tp)
             layers.append(DecoderLayer(layer_id, attn, mlp, hidden, config["rms_norm_eps"]))
         return layers
 
     def kv_shapes(self) -> list[list[tuple[int, ...]]]:
-        return kv_shapes(self.config)
+        return kv_shapes(self.config, self.attn_tp)
 
 
 MODEL_CLASS = Qwen3MoeForCausalLM

@@ -13,10 +13,10 @@ from .router import Router, RouterSpec
 from .runtime import MoERuntime
 
 
-def _slot_copier(param: torch.Tensor, slots: list[int], rows: slice):
+def _slot_copier(param: torch.Tensor, slots: list[int], where: tuple[slice, ...]):
     def copy(tensor: torch.Tensor) -> None:
         for slot in slots:
-            param.data[slot, rows].copy_(tensor)
+            param.data[(slot, *where)].copy_(tensor)
 
     return copy
 
@@ -42,8 +42,9 @@ class MoELayer(nn.Module):
         self.runtime = runtime
         self.gate = Router(hidden_size, router_spec)
         local = runtime.ctx.num_local_experts
-        self.w13 = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(local, hidden_size, intermediate_size), requires_grad=False)
+        inter = intermediate_size // runtime.moe_tp.size  # this rank's slice of every expert
+        self.w13 = nn.Parameter(torch.empty(local, 2 * inter, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(local, hidden_size, inter), requires_grad=False)
         self.shared_experts = shared_experts
         self.prepared = None
 
@@ -58,25 +59,37 @@ class MoELayer(nn.Module):
         other ranks get a Target without `copy`, so this rank never reads them.
         """
         inter, hidden = self.w2.shape[2], self.w2.shape[1]
+        tp = self.runtime.moe_tp
+        full = inter * tp.size
+        # (parameter, where it goes in the slot, checkpoint shape, which slice this rank reads)
+        parts = (
+            (self.w13, (slice(0, inter),), (full, hidden), (0, tp.rank * inter, inter)),
+            (self.w13, (slice(inter, None),), (full, hidden), (0, tp.rank * inter, inter)),
+            (self.w2, (slice(None), slice(None)), (hidden, full), (1, tp.rank * inter, inter)),
+        )
         targets = {}
         for expert in range(self.gate.spec.num_experts):
             slots = self.local_slots(expert)
-            for proj, (param, rows) in zip(names, ((self.w13, slice(0, inter)), (self.w13, slice(inter, None)), (self.w2, slice(None)))):
-                shape = (hidden, inter) if param is self.w2 else (inter, hidden)
-                copy = _slot_copier(param, slots, rows) if slots else None
-                targets[f"{prefix}.{expert}.{proj}.weight"] = Target(shape, copy)
+            for proj, (param, where, shape, select) in zip(names, parts):
+                copy = _slot_copier(param, slots, where) if slots else None
+                targets[f"{prefix}.{expert}.{proj}.weight"] = Target(shape, copy, select if tp.size > 1 else None)
         return targets
 
     def finish_loading(self) -> None:
         self.prepared = self.runtime.prepare_weights(self.w13, self.w2)
 
     def program(self, hidden: torch.Tensor, batch: ForwardBatch) -> Generator[str, None, torch.Tensor]:
-        """Yields while dispatch and combine are in flight; returns [T, H]."""
+        """Yields while dispatch and combine are in flight; returns [T, H].
+
+        The ranks of an attention group hold the same tokens; when experts are sharded over
+        ranks (EP), each of them routes only its share and the shares are gathered afterwards.
+        """
         runtime = self.runtime
-        logical_ids, weights = self.gate(hidden)
+        share, counts = self._token_share(hidden)
+        logical_ids, weights = self.gate(share)
         runtime.record_load(self.moe_index, logical_ids)
         physical_ids = runtime.replicas(self.moe_index, logical_ids)
-        pending = runtime.dispatcher.dispatch_start(hidden, physical_ids, weights, batch)
+        pending = runtime.dispatcher.dispatch_start(share, physical_ids, weights, batch)
         yield "dispatch"
         shared = self.shared_experts(hidden) if self.shared_experts is not None else None
         dispatched = runtime.dispatcher.dispatch_finish(pending)
@@ -85,7 +98,20 @@ class MoELayer(nn.Module):
         pending = runtime.dispatcher.combine_start(output, dispatched.handle)
         yield "combine"
         routed = runtime.dispatcher.combine_finish(pending).to(hidden.dtype)
+        routed = runtime.moe_tp.all_reduce(routed)  # tensor-parallel experts: sum the slices
+        if counts is not None:
+            routed = runtime.attn_tp.all_gather_rows(routed, counts)
         return routed if shared is None else routed + shared
+
+    def _token_share(self, hidden: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
+        """This rank's contiguous share of the attention group's tokens when experts are sharded."""
+        tp, ep = self.runtime.attn_tp, self.runtime.parallel.ep
+        if tp.size == 1 or ep.size == 1:
+            return hidden, None
+        total = hidden.shape[0]
+        counts = [total // tp.size + (i < total % tp.size) for i in range(tp.size)]
+        start = sum(counts[: tp.rank])
+        return hidden[start : start + counts[tp.rank]], counts
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         program = self.program(hidden, batch)

@@ -1,17 +1,27 @@
-"""MoERuntime: the plugin instances every MoE layer of one engine shares, set up once."""
+"""MoERuntime: the plugin instances every MoE layer of one engine shares, and the parallel layout they serve."""
 
 from __future__ import annotations
 
 import torch
 
 from ..interfaces import BF16, ExpertWeights, MoEContext, Placement
+from ..parallel import Group, ParallelConfig, ParallelState
 from .adapters import LayoutAdapter
 from .replicas import ReplicaSelector
 
 
 class MoERuntime:
-    def __init__(self, ctx: MoEContext, dispatcher_cls: type, kernel_cls: type, placement: Placement, hooks=None):
+    def __init__(
+        self,
+        ctx: MoEContext,
+        dispatcher_cls: type,
+        kernel_cls: type,
+        placement: Placement,
+        hooks=None,
+        parallel: ParallelState | None = None,
+    ):
         self.ctx = ctx
+        self.parallel = parallel if parallel is not None else ParallelState(ParallelConfig())
         self.dispatcher = dispatcher_cls(ctx)
         self.kernel = kernel_cls(ctx)
         caps = self.kernel.caps
@@ -19,6 +29,16 @@ class MoERuntime:
         self.replicas = ReplicaSelector(placement, ctx.device)
         self.hooks = hooks
         self._local_slots = self._index_local_slots(placement)
+
+    @property
+    def attn_tp(self) -> Group:
+        """The ranks splitting attention and dense layers (and holding the same tokens)."""
+        return self.parallel.attn
+
+    @property
+    def moe_tp(self) -> Group:
+        """The ranks slicing every expert's intermediate dimension (tensor-parallel experts)."""
+        return self.parallel.moe_tp
 
     def _index_local_slots(self, placement: Placement) -> list[dict[int, list[int]]]:
         first, count = self.ctx.first_local_expert, self.ctx.num_local_experts

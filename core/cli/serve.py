@@ -1,0 +1,57 @@
+"""`moeplex serve`: the engine behind an OpenAI-compatible and SGLang-native HTTP server."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from ..engine import Engine
+from ..server import ServerSettings, build_app
+from .flags import add_engine_flags, engine_config
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible and SGLang-native APIs)")
+    http = p.add_argument_group("HTTP server")
+    http.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    http.add_argument("--port", type=int, default=30000, help="port to bind (default: 30000)")
+    http.add_argument(
+        "--api-key", default=None,
+        help="require 'Authorization: Bearer KEY' on every path except /health, /health_generate and /metrics",
+    )
+    http.add_argument("--served-model-name", default=None, help="the model name clients send and see (default: the model path)")
+    http.add_argument(
+        "--max-request-bytes", type=int, default=8 << 20, help="larger request bodies are refused with 413 (default: 8 MiB)"
+    )
+    http.add_argument(
+        "--shutdown-timeout", type=float, default=30.0,
+        help="on SIGTERM, stop accepting and give in-flight requests this many seconds to finish (default: 30)",
+    )
+    http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="server log level (default: info)")
+    add_engine_flags(p)
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_request_bytes=args.max_request_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = Engine(engine_config(args, show_progress=False))
+    app = build_app(engine, settings)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=settings.shutdown_timeout,
+    )
+    return 0

@@ -1,0 +1,106 @@
+"""Running the dispatcher checks on several EP ranks: real processes joined by torch.distributed.
+
+One spawn runs every check in order on every rank (starting processes costs seconds;
+the checks cost milliseconds), and each rank writes what it saw to a JSON file, so a
+failure is reported under the check and the rank that saw it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .dispatch_checks import device_for_rank, make_context, run_check
+
+COLLECTIVE_TIMEOUT_S = 60  # a dispatcher that deadlocks fails instead of hanging the run
+SPAWN_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_on_ranks(plugin_name: str, checks: tuple[str, ...], world: int, out_dir: Path) -> dict[str, str | None]:
+    """{check: None if it passed on every rank, else what failed on which rank}."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    context = mp.spawn(
+        _rank_main, args=(world, free_port(), plugin_name, checks, str(out_dir)), nprocs=world, join=False
+    )
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{world} ranks of dispatcher '{plugin_name}' did not finish in {SPAWN_TIMEOUT_S} s")
+    return _merge([_read(out_dir, rank) for rank in range(world)], checks)
+
+
+def _read(out_dir: Path, rank: int) -> dict[str, str | None]:
+    with open(Path(out_dir) / f"rank{rank}.json") as f:
+        return json.load(f)
+
+
+def _merge(per_rank: list[dict[str, str | None]], checks: tuple[str, ...]) -> dict[str, str | None]:
+    merged = {}
+    for check in checks:
+        errors = [f"rank {rank}: {results[check]}" for rank, results in enumerate(per_rank) if results[check]]
+        merged[check] = "\n".join(errors) or None
+    return merged
+
+
+def _rank_main(rank: int, world: int, port: int, plugin_name: str, checks: tuple[str, ...], out_dir: str) -> None:
+    from moeplex.registry import lookup
+
+    dispatcher_cls = lookup("dispatcher", plugin_name)  # before joining, so a slow import delays no collective
+    device = device_for_rank(rank, world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        results = _run_checks(dispatcher_cls, checks, make_context(rank, world, dist.group.WORLD, device))
+    finally:
+        dist.destroy_process_group()
+    with open(Path(out_dir) / f"rank{rank}.json", "w") as f:
+        json.dump(results, f)
+
+
+def _run_checks(dispatcher_cls: type, checks: tuple[str, ...], ctx) -> dict[str, str | None]:
+    """Runs the checks in order on one rank.
+
+    A failed assertion comes after every collective of its check, so the ranks stay in
+    step and the next check runs; any other exception may leave another rank inside a
+    collective, so this rank stops there.
+    """
+    try:
+        dispatcher = dispatcher_cls(ctx)
+    except Exception:
+        return dict.fromkeys(checks, f"setting up the dispatcher failed:\n{traceback.format_exc()}")
+    results: dict[str, str | None] = {}
+    crashed = None
+    for check in checks:
+        if crashed is not None:
+            results[check] = f"not run: check '{crashed}' raised before it on this rank"
+            continue
+        try:
+            run_check(dispatcher, check)
+            results[check] = None
+        except AssertionError:
+            results[check] = traceback.format_exc()
+        except Exception:
+            results[check] = traceback.format_exc()
+            crashed = check
+    return results

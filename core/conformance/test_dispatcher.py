@@ -1,0 +1,55 @@
+"""Dispatcher contract: with identity experts, combine(dispatch(x)) == sum_k w_k * x on every source rank.
+
+For every routing (random, all tokens to one expert, top-k ids of -1, zero tokens,
+idle experts, a rank that sends nothing), and with two dispatches in flight at once.
+Dispatchers declaring `single_rank` run in this process; those declaring `multi_rank`
+run on two processes joined by torch.distributed (gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moeplex.conformance.dispatch_checks import CASES, TWO_IN_FLIGHT, device_for_rank, make_context, run_check
+from moeplex.conformance.dispatch_ranks import run_on_ranks
+from moeplex.conformance.plugin import load_plugin
+
+TWO_RANKS = 2
+
+
+@pytest.fixture(scope="module")
+def dispatcher_cls(moeplex_plugin):
+    return load_plugin(moeplex_plugin)
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(dispatcher_cls, moeplex_plugin, tmp_path_factory):
+    """Every check, run once on two ranks: {check: None or what failed}."""
+    out_dir = tmp_path_factory.mktemp(f"dispatcher-{moeplex_plugin.name}")
+    return run_on_ranks(moeplex_plugin.name, (*CASES, TWO_IN_FLIGHT), TWO_RANKS, out_dir)
+
+
+def run(dispatcher_cls, ranks: int, check: str, request) -> None:
+    """`check` in this process on one rank, or its result from the two-rank run."""
+    caps, name = dispatcher_cls.caps, request.getfixturevalue("moeplex_plugin").name
+    if ranks == 1:
+        if not caps.single_rank:
+            pytest.skip(f"dispatcher '{name}' does not declare single_rank")
+        run_check(dispatcher_cls(make_context(0, 1, None, device_for_rank())), check)
+        return
+    if not caps.multi_rank:
+        pytest.skip(f"dispatcher '{name}' does not declare multi_rank")
+    error = request.getfixturevalue("two_rank_results")[check]
+    if error:
+        pytest.fail(error, pytrace=False)
+
+
+@pytest.mark.parametrize("ranks", [1, TWO_RANKS], ids=["one_rank", "two_ranks"])
+@pytest.mark.parametrize("routing", list(CASES))
+def test_combine_of_dispatch_is_weighted_sum(dispatcher_cls, ranks, routing, request):
+    run(dispatcher_cls, ranks, routing, request)
+
+
+@pytest.mark.parametrize("ranks", [1, TWO_RANKS], ids=["one_rank", "two_ranks"])
+def test_two_dispatches_in_flight(dispatcher_cls, ranks, request):
+    run(dispatcher_cls, ranks, TWO_IN_FLIGHT, request)

@@ -1,0 +1,152 @@
+"""MoE kernel contract: the output equals the `torch` reference kernel's within the dtype's tolerance.
+
+For every layout, dtype and weight format the kernel declares (bf16 needs a GPU here),
+on routings with zero tokens, top-k 1, idle experts, ids of -1 (pairs whose expert lives
+on another rank), and all tokens on one expert in a count that is not a multiple of the
+kernel's alignment. Outputs are compared as [N, H], finished the way the core finishes
+them: the layout adapter's restore, then `reduce_standard`.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from moeplex.conformance.plugin import load_plugin
+from moeplex.conformance.routing import Routing, make_hidden, make_routing
+from moeplex.interfaces import (
+    ALL_LAYOUTS,
+    BF16,
+    FP8_BLOCK,
+    STANDARD,
+    WEIGHT_FORMATS,
+    ExpertWeights,
+    MoEContext,
+    StandardLayout,
+    reduce_standard,
+)
+from moeplex.moe.adapters import LayoutAdapter
+from moeplex.quant import quantize_blocks
+from moeplex.registry import lookup
+
+HIDDEN_SIZE = 128  # multiples of 128: the fp8 block size
+INTERMEDIATE_SIZE = 128
+NUM_EXPERTS = 8
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+FP8_TOLERANCE = 0.1  # an fp8 kernel may also quantize the activations, in 1x128 groups
+
+
+@attrs.frozen
+class KernelCase:
+    routing: str  # a name in moeplex.conformance.routing.ROUTINGS
+    top_k: int
+    tokens: int | None  # None: the kernel's alignment + 5, all on one expert
+
+
+CASES = {
+    "random": KernelCase("random", top_k=3, tokens=37),
+    "zero_tokens": KernelCase("random", top_k=3, tokens=0),
+    "top_k_1": KernelCase("random", top_k=1, tokens=37),
+    "idle_experts": KernelCase("idle_experts", top_k=2, tokens=37),
+    "ids_of_other_ranks": KernelCase("dropped_ids", top_k=3, tokens=37),
+    "unaligned_count_on_one_expert": KernelCase("one_expert", top_k=3, tokens=None),
+}
+
+
+@pytest.fixture(scope="module")
+def kernel_cls(moeplex_plugin):
+    return load_plugin(moeplex_plugin)
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def skip_unless_declared(name: str, caps, layout: str, dtype: torch.dtype, weight_format: str) -> None:
+    if layout not in caps.layouts:
+        pytest.skip(f"moe_kernel '{name}' does not declare the {layout} layout")
+    if dtype not in caps.dtypes:
+        pytest.skip(f"moe_kernel '{name}' does not declare {dtype}")
+    if weight_format not in caps.weight_formats:
+        pytest.skip(f"moe_kernel '{name}' does not declare the {weight_format} weight format")
+    if dtype == torch.bfloat16 and device().type != "cuda":
+        pytest.skip("bf16 is tested on a GPU only")
+
+
+def make_context(dtype: torch.dtype, top_k: int) -> MoEContext:
+    return MoEContext(
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=INTERMEDIATE_SIZE,
+        num_physical_experts=NUM_EXPERTS,
+        top_k=top_k,
+        dtype=dtype,
+        device=device(),
+    )
+
+
+def make_weights(weight_format: str, dtype: torch.dtype) -> ExpertWeights:
+    """One layer's experts, scaled so every expert's output is of unit order."""
+    gen = torch.Generator().manual_seed(11)
+    w13 = torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE_SIZE, HIDDEN_SIZE, generator=gen) / HIDDEN_SIZE**0.5
+    w2 = torch.randn(NUM_EXPERTS, HIDDEN_SIZE, INTERMEDIATE_SIZE, generator=gen) / INTERMEDIATE_SIZE**0.5
+    if weight_format == BF16:
+        return ExpertWeights(w13=w13.to(device(), dtype), w2=w2.to(device(), dtype), format=BF16)
+    (w13_q, w13_scale), (w2_q, w2_scale) = quantize_blocks(w13), quantize_blocks(w2)
+    return ExpertWeights(
+        w13=w13_q.to(device()),
+        w2=w2_q.to(device()),
+        format=FP8_BLOCK,
+        w13_scale=w13_scale.to(device()),
+        w2_scale=w2_scale.to(device()),
+    )
+
+
+def copy_of(weights: ExpertWeights) -> ExpertWeights:
+    """Each kernel prepares its own copy: prepare_weights may transform in place."""
+    clone = lambda t: None if t is None else t.clone()  # noqa: E731
+    return attrs.evolve(
+        weights, w13=clone(weights.w13), w2=clone(weights.w2), w13_scale=clone(weights.w13_scale), w2_scale=clone(weights.w2_scale)
+    )
+
+
+def case_inputs(case: KernelCase, alignment: int, dtype: torch.dtype) -> tuple[torch.Tensor, Routing]:
+    tokens = alignment + 5 if case.tokens is None else case.tokens
+    routing = make_routing(case.routing, tokens, NUM_EXPERTS, case.top_k, seed=tokens + case.top_k)
+    hidden = make_hidden(tokens, HIDDEN_SIZE, seed=tokens).to(device(), dtype)
+    return hidden, Routing(routing.topk_ids.to(device()), routing.topk_weights.to(device()))
+
+
+def run_kernel(kernel, layout_name: str, weights: ExpertWeights, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """[N, H] output of `kernel` on the tokens, fed in `layout_name` and finished as the core finishes it."""
+    prepared = kernel.prepare_weights(copy_of(weights))
+    standard = StandardLayout(hidden, routing.topk_ids, routing.topk_weights, NUM_EXPERTS)
+    adapter = LayoutAdapter(STANDARD, frozenset({layout_name}), kernel.caps.alignment)
+    layout, restore = adapter(standard)
+    output = restore(kernel.apply(layout, prepared))
+    return reduce_standard(output, routing.topk_ids, routing.topk_weights)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("weight_format", WEIGHT_FORMATS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("layout", ALL_LAYOUTS)
+def test_matches_torch_reference(kernel_cls, moeplex_plugin, layout, dtype, weight_format, case):
+    torch_dtype = DTYPES[dtype]
+    skip_unless_declared(moeplex_plugin.name, kernel_cls.caps, layout, torch_dtype, weight_format)
+    top_k = CASES[case].top_k
+    weights = make_weights(weight_format, torch_dtype)
+    hidden, routing = case_inputs(CASES[case], kernel_cls.caps.alignment, torch_dtype)
+    got = run_kernel(kernel_cls(make_context(torch_dtype, top_k)), layout, weights, hidden, routing)
+    reference = lookup("moe_kernel", "torch")(make_context(torch_dtype, top_k))
+    want = run_kernel(reference, STANDARD, weights, hidden, routing)
+    assert tuple(got.shape) == tuple(want.shape), f"output shape {tuple(got.shape)}, reference {tuple(want.shape)}"
+    tol = max(TOLERANCE[torch_dtype], FP8_TOLERANCE if weight_format == FP8_BLOCK else 0.0)
+    torch.testing.assert_close(
+        got.float(),
+        want.float(),
+        rtol=tol,
+        atol=tol,
+        msg=lambda detail: f"{moeplex_plugin.name} on the {layout} layout differs from the torch kernel\n{detail}",
+    )

@@ -1,0 +1,69 @@
+"""Prometheus metrics of one server, in a registry of its own (no process-wide default registry)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class ServerMetrics:
+    """Counters the HTTP side and the engine thread update (prometheus-client is thread-safe).
+
+    Gauges of engine state (running and queued requests, KV pages) are read when scraped, from the
+    statistics the engine thread publishes after every step.
+    """
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter(
+            "moeplex_http_requests", "HTTP requests answered, by endpoint and status code", ["endpoint", "status"], registry=r
+        )
+        self.finished = Counter(
+            "moeplex_requests_finished",
+            "Engine requests finished, by reason: stop, length, abort (client gone), error (engine failure), "
+            "rejected (refused at admission)",
+            ["reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("moeplex_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("moeplex_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(
+            "moeplex_time_to_first_token_seconds", "From the HTTP request to its first token", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "moeplex_inter_token_latency_seconds", "Between consecutive tokens of one request", buckets=ITL_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "moeplex_e2e_request_latency_seconds", "From the HTTP request to its last token", buckets=E2E_BUCKETS, registry=r
+        )
+        self.running = Gauge("moeplex_num_running_requests", "Requests the scheduler is running", registry=r)
+        self.queued = Gauge("moeplex_num_queued_requests", "Requests waiting for admission", registry=r)
+        self.kv_pages_total = Gauge("moeplex_kv_pages_total", "Pages of the KV cache", registry=r)
+        self.kv_pages_used = Gauge("moeplex_kv_pages_used", "Pages of the KV cache held by requests", registry=r)
+        self.kv_usage = Gauge("moeplex_kv_cache_usage_ratio", "Fraction of KV cache pages in use", registry=r)
+
+    def watch(self, stats: Callable[[], object]) -> None:
+        """Read the engine gauges from `stats()` (an object with num_running, num_queued, kv_pages_*) at scrape time."""
+        self.running.set_function(lambda: stats().num_running)
+        self.queued.set_function(lambda: stats().num_queued)
+        self.kv_pages_total.set_function(lambda: stats().kv_pages_total)
+        self.kv_pages_used.set_function(lambda: stats().kv_pages_used)
+        self.kv_usage.set_function(lambda: stats().kv_pages_used / max(stats().kv_pages_total, 1))
+
+    def tokens_generated(self, count: int, since_previous: float, first: bool) -> None:
+        """`count` new tokens of one request, `since_previous` seconds after its submission or previous token."""
+        self.generation_tokens.inc(count)
+        if first:
+            self.ttft.observe(since_previous)
+        else:
+            for _ in range(count):
+                self.itl.observe(since_previous / count)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,62 @@
+"""How much of a running request its client has been sent; turns the request's growth into Outputs."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..request import Request
+from .outputs import Output, Ticket
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of `text` that is the start of a stop string.
+
+    The engine cuts a matched stop string out of request.text, but text already streamed cannot be
+    taken back, so such an end waits until the next tokens decide whether it is a stop string.
+    """
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
+class Progress:
+    """One admitted request, seen from the engine thread after each step."""
+
+    def __init__(self, request: Request, ticket: Ticket):
+        self.request = request
+        self.ticket = ticket
+        self.sent_text = 0
+        self.sent_tokens = 0
+        self.sent_logprobs = 0
+        self.last_token_at: float | None = None
+
+    def advance(self) -> Output | None:
+        """What the request gained since the last call, or None when nothing changed."""
+        request = self.request
+        text_end = len(request.text)
+        if not request.finished:
+            text_end -= held_back(request.text, request.params.stop)
+        new_ids = request.output_ids[self.sent_tokens :]
+        new_text = request.text[self.sent_text : max(text_end, self.sent_text)]
+        new_logprobs = request.logprobs[self.sent_logprobs :]
+        if not (new_ids or new_text or request.finished):
+            return None
+        self.sent_tokens += len(new_ids)
+        self.sent_text += len(new_text)
+        self.sent_logprobs += len(new_logprobs)
+        reason = request.finish_reason.value if request.finished else None
+        return Output(
+            self.ticket.index,
+            len(request.prompt_ids),
+            new_text,
+            tuple(new_ids),
+            tuple(new_logprobs),
+            finish_reason=reason,
+            stop_reason=request.stop_reason if request.finished else None,
+            error=request.error,
+            status=500 if request.error else 200,
+        )

@@ -1,0 +1,169 @@
+"""Request bodies declared as fields: one declaration both validates a body and describes it in OpenAPI.
+
+A value of null counts as absent (OpenAI clients send null for unset options). Unknown fields are
+refused, so a misspelt option (`max_token`) is a 400 naming it rather than a silent default.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import attrs
+
+from .errors import bad_request
+
+
+def json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an empty array" if not value else "an array"
+    return "an object"
+
+
+class Kind:
+    """A JSON type: how to recognise it, how to describe it to a person and in JSON Schema."""
+
+    def __init__(self, describe: str, accepts: Callable[[Any], bool], schema: dict):
+        self.describe = describe
+        self.accepts = accepts
+        self._schema = schema
+
+    def schema(self) -> dict:
+        return dict(self._schema)
+
+    def read(self, value: Any, param: str) -> Any:
+        if not self.accepts(value):
+            raise bad_request(f"{param} must be {self.describe}, got {json_type(value)}", param)
+        return value
+
+
+def _finite_number(value: Any) -> bool:
+    return type(value) is int or (type(value) is float and math.isfinite(value))
+
+
+INTEGER = Kind("an integer", lambda v: type(v) is int, {"type": "integer"})
+NUMBER = Kind("a number", _finite_number, {"type": "number"})
+BOOLEAN = Kind("a boolean", lambda v: type(v) is bool, {"type": "boolean"})
+STRING = Kind("a string", lambda v: type(v) is str, {"type": "string"})
+OBJECT = Kind("an object", lambda v: type(v) is dict, {"type": "object"})
+
+
+class ListOf(Kind):
+    def __init__(self, item: Kind, describe: str, min_items: int = 0):
+        super().__init__(
+            describe + (" (at least one)" if min_items else ""),
+            lambda v: type(v) is list and len(v) >= min_items and all(item.accepts(x) for x in v),
+            {},
+        )
+        self.item, self.min_items = item, min_items
+
+    def schema(self) -> dict:
+        return {"type": "array", "items": self.item.schema(), "minItems": self.min_items}
+
+    def read(self, value: Any, param: str) -> list:
+        super().read(value, param)
+        return [self.item.read(x, f"{param}[{i}]") for i, x in enumerate(value)]
+
+
+class AnyOf(Kind):
+    def __init__(self, *kinds: Kind):
+        names = [k.describe for k in kinds]
+        super().__init__(", ".join(names[:-1]) + " or " + names[-1], lambda v: any(k.accepts(v) for k in kinds), {})
+        self.kinds = kinds
+
+    def schema(self) -> dict:
+        return {"anyOf": [k.schema() for k in self.kinds]}
+
+    def read(self, value: Any, param: str) -> Any:
+        super().read(value, param)
+        return next(k for k in self.kinds if k.accepts(value)).read(value, param)
+
+
+class ObjectOf(Kind):
+    def __init__(self, fields: Sequence["Field"], describe: str = "an object"):
+        super().__init__(describe, lambda v: type(v) is dict, {})
+        self.fields = tuple(fields)
+
+    def schema(self) -> dict:
+        return json_schema(self.fields)
+
+    def read(self, value: Any, param: str) -> dict:
+        super().read(value, param)
+        return parse(value, self.fields, f"{param}.")
+
+
+@attrs.frozen
+class Field:
+    name: str
+    kind: Kind
+    default: Any = None
+    description: str = ""
+    required: bool = False
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False  # the minimum itself is out of range
+    choices: tuple = ()  # the only values accepted (for an OpenAI option this server does not implement: its no-op values)
+
+    def read(self, value: Any, where: str) -> Any:
+        param = where + self.name
+        if value is None:
+            if self.required:
+                raise bad_request(f"{param} is required", param)
+            return self.default
+        value = self.kind.read(value, param)
+        if self.choices and value not in self.choices:
+            shown = ", ".join(repr(v) for v in self.choices)
+            raise bad_request(f"{param}={value!r} is not supported; accepted values: {shown}", param, "unsupported_value")
+        self._check_range(value, param)
+        return value
+
+    def _check_range(self, value: Any, param: str) -> None:
+        if self.minimum is not None and (value < self.minimum or (self.exclusive_minimum and value == self.minimum)):
+            bound = f"> {self.minimum}" if self.exclusive_minimum else f">= {self.minimum}"
+            raise bad_request(f"{param} must be {bound}, got {value}", param)
+        if self.maximum is not None and value > self.maximum:
+            raise bad_request(f"{param} must be <= {self.maximum}, got {value}", param)
+
+    def schema(self) -> dict:
+        schema = self.kind.schema()
+        if self.description:
+            schema["description"] = self.description
+        if self.default is not None:
+            schema["default"] = self.default
+        if self.choices:
+            schema["enum"] = list(self.choices)
+        if self.minimum is not None:
+            schema["exclusiveMinimum" if self.exclusive_minimum else "minimum"] = self.minimum
+        if self.maximum is not None:
+            schema["maximum"] = self.maximum
+        return schema
+
+
+def parse(body: Any, fields: Sequence[Field], where: str = "") -> dict[str, Any]:
+    """The values of `fields` in a JSON object (defaults filled in), or a 400 naming the first problem."""
+    if type(body) is not dict:
+        raise bad_request(f"{where.rstrip('.') or 'the request body'} must be a JSON object, got {json_type(body)}")
+    names = [f.name for f in fields]
+    unknown = [key for key in body if key not in names]
+    if unknown:
+        raise bad_request(
+            f"unknown field {where}{unknown[0]!r}; accepted fields: {', '.join(names)}", where + unknown[0], "unknown_field"
+        )
+    return {f.name: f.read(body.get(f.name), where) for f in fields}
+
+
+def json_schema(fields: Sequence[Field]) -> dict:
+    return {
+        "type": "object",
+        "properties": {f.name: f.schema() for f in fields},
+        "required": [f.name for f in fields if f.required],
+        "additionalProperties": False,
+    }

@@ -1,0 +1,77 @@
+"""What the HTTP side knows about the served model: its name, limits, tokenizer and chat template.
+
+Everything here is read-only after start-up, so handlers on the event loop use it while the engine
+thread runs (the Rust tokenizer is safe to share between threads).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..engine import Engine
+from .chat_template import ChatTemplate
+from .errors import bad_request
+
+
+class ServedModel:
+    def __init__(self, engine: Engine, name: str):
+        hf_config = engine.model.hf_config
+        self.name = name
+        self.path = engine.config.model
+        self.vocab_size = engine.vocab_size
+        self.architectures = hf_config.get("architectures", [hf_config.get("model_type")])
+        max_positions = hf_config.get("max_position_embeddings") or engine.kv.capacity_tokens
+        # one sequence can never outgrow the KV pool, however long the model's positions reach
+        self.context_length = min(engine.kv.capacity_tokens, max_positions)
+        self.tokenizer = engine.tokenizer
+        self.chat_template = ChatTemplate.from_folder(self.path)
+        self.bos_token_id = hf_config.get("bos_token_id")
+        self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
+
+    def check_name(self, requested: str | None) -> None:
+        if requested is not None and requested != self.name:
+            raise bad_request(f"the model {requested!r} is not served here; this server serves {self.name!r}", "model", "model_not_found")
+
+    def encode(self, text: str, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request(f"{self.path} has no tokenizer.json, so {param} must be token ids", param)
+        return self.tokenizer.encode(text).ids
+
+    def check_prompt(self, ids: Sequence[int], param: str) -> None:
+        if not ids:
+            raise bad_request(f"{param} is empty (it encodes to no tokens)", param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} in {param} is outside the vocabulary (0..{self.vocab_size - 1})", param)
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        if ids:
+            self.check_prompt(ids, param)
+
+    def check_length(self, num_prompt_tokens: int, max_new_tokens: int, param: str) -> None:
+        if num_prompt_tokens + max_new_tokens > self.context_length:
+            raise bad_request(
+                f"this model's context is {self.context_length} tokens, but {num_prompt_tokens + max_new_tokens} were "
+                f"requested ({num_prompt_tokens} in the prompt, {max_new_tokens} to generate); shorten the prompt or "
+                f"lower {param}",
+                param,
+                "context_length_exceeded",
+            )
+
+    def room_after(self, num_prompt_tokens: int) -> int:
+        """The most tokens a prompt of this length can still be followed by (when max_tokens is not given)."""
+        if num_prompt_tokens >= self.context_length:
+            raise bad_request(
+                f"the prompt has {num_prompt_tokens} tokens; this model's context is {self.context_length}",
+                "messages",
+                "context_length_exceeded",
+            )
+        return self.context_length - num_prompt_tokens
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (for logprobs); a piece of a multi-byte character shows as U+FFFD."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            decoded = self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None
+            text = self._token_texts[token_id] = decoded if decoded is not None else f"<{token_id}>"
+        return text

@@ -1,0 +1,21 @@
+"""ServerSettings: the HTTP side's options, validated once (built from `moeplex serve` flags)."""
+
+from __future__ import annotations
+
+import attrs
+
+
+def _positive(instance, attribute, value):
+    if value <= 0:
+        raise ValueError(f"{attribute.name} must be positive, got {value}")
+
+
+@attrs.frozen
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=30000, validator=attrs.validators.and_(attrs.validators.ge(0), attrs.validators.le(65535)))
+    api_key: str | None = None  # when set, every path but /health, /health_generate and /metrics needs it
+    served_model_name: str | None = None  # default: the model path
+    max_request_bytes: int = attrs.field(default=8 << 20, validator=_positive)  # larger bodies are a 413
+    shutdown_timeout: float = attrs.field(default=30.0, validator=_positive)  # drain in-flight requests on SIGTERM
+    health_timeout: float = attrs.field(default=20.0, validator=_positive)  # /health_generate's one-token request

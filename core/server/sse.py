@@ -1,0 +1,45 @@
+"""Server-sent events: `data: {json}` per chunk, an error event if the engine fails, then `data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator, Callable
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from .errors import ApiError
+
+DONE = b"data: [DONE]\n\n"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def event(chunk: dict) -> bytes:
+    return b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def events(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield event(chunk)
+    except ApiError as exc:  # headers are gone already: the failure travels as an event (as vLLM does)
+        yield event(exc.body())
+    yield DONE
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that calls `on_close` however it ends: finished, failed, or the client gone.
+
+    Starlette cancels the stream when the client disconnects; `on_close` then aborts the requests
+    that were still generating, which frees their KV pages.
+    """
+
+    def __init__(self, chunks: AsyncIterator[dict], on_close: Callable[[], None]):
+        super().__init__(events(chunks), media_type="text/event-stream", headers=HEADERS)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
