@@ -5,6 +5,8 @@ from __future__ import annotations
 import attrs
 import torch
 
+from .parallel import ParallelConfig
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -40,6 +42,7 @@ class EngineConfig:
     max_total_tokens: int | None = attrs.field(default=None, validator=_positive)  # KV pool size in tokens
     kv_memory_fraction: float = 0.25  # of free memory, when max_total_tokens is not given
     show_progress: bool = True
+    parallel: ParallelConfig = ParallelConfig()
 
     def __attrs_post_init__(self):
         if self.max_batched_tokens < self.max_running_requests:

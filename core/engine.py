@@ -8,14 +8,17 @@ import os
 import time
 from typing import Iterable, Sequence
 
+import attrs
 import torch
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
+from .forward_batch import ForwardBatch
 from .hooks import make_plugin_manager
 from .kv_cache import KVPool
 from .model_runner import ModelRunner
 from .models.setup import load_model
+from .parallel import ParallelState
 from .request import FinishReason, Request
 from .sampler import Sampler
 from .sampling import SamplingParams
@@ -48,12 +51,13 @@ def _kv_tokens(config: EngineConfig, bytes_per_token: int, device: torch.device)
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, hooks=None):
+    def __init__(self, config: EngineConfig, hooks=None, parallel: ParallelState | None = None):
         self.config = config
         self.device = torch.device(config.device)
+        self.parallel = parallel if parallel is not None else ParallelState(config.parallel)
         self.hooks = hooks if hooks is not None else make_plugin_manager()
-        selection = resolve(config)
-        self.model = load_model(config.model, config, selection, hooks=self.hooks)
+        selection = resolve(config, ep_size=self.parallel.ep.size)
+        self.model = load_model(config.model, config, selection, self.parallel, hooks=self.hooks)
         shapes = self.model.kv_shapes()
         tokens = _kv_tokens(config, KVPool.bytes_per_token(shapes, config.torch_dtype), self.device)
         self.kv = KVPool(-(-tokens // config.page_size), config.page_size, shapes, config.torch_dtype, self.device)
@@ -99,14 +103,20 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def any_rank_has_work(self) -> bool:
+        """Under DP attention, whether any rank still has requests (all ranks must keep stepping)."""
+        if self.parallel.config.dp_size == 1:
+            return self.has_work
+        return any(row[0] for row in self.parallel.world.all_gather_ints([int(self.has_work)]))
+
     # --- the loop -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one scheduled step; return the requests that finished in it."""
         work = self.scheduler.schedule()
         finished = self._drain_dropped()
-        if not work:
+        batch = self._agree(self.runner.prepare(work))
+        if batch is None:
             return finished
-        batch = self.runner.prepare(work)
         self.hooks.hook.moeplex_batch_scheduled(batch=batch)
         logits = self.runner.forward(batch)
         due = []
@@ -120,6 +130,20 @@ class Engine:
             if self._append(request, token):
                 finished.append(request)
         return finished
+
+    def _agree(self, batch: ForwardBatch) -> ForwardBatch | None:
+        """Under DP attention every rank learns every rank's token count in one small collective.
+
+        All ranks then step together: one with nothing to do runs its IDLE batch so the MoE
+        layers' collectives never wait for it; when no rank has tokens, nobody runs.
+        """
+        if self.parallel.config.dp_size == 1:
+            return batch if batch.num_tokens else None
+        everyone = self.parallel.world.all_gather_ints([batch.num_tokens, int(batch.mode.is_extend)])
+        counts = tuple(row[0] for row in everyone)
+        if not any(counts):
+            return None
+        return attrs.evolve(batch, global_num_tokens=counts)
 
     def _drain_dropped(self) -> list[Request]:
         dropped, self.scheduler.dropped = self.scheduler.dropped, []
@@ -171,6 +195,6 @@ class Engine:
         requests = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         show = self.config.show_progress if progress is None else progress
         with tqdm(total=len(requests), desc="generating", unit="req", disable=not show, leave=False) as bar:
-            while self.has_work:
+            while self.any_rank_has_work():
                 bar.update(len(self.step()))
         return requests

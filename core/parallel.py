@@ -83,6 +83,15 @@ class Group:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every member's short list of integers (one small collective)."""
+        if self.size == 1:
+            return [list(values)]
+        mine = torch.tensor(values, dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(gathered, mine, group=self.group)
+        return [g.tolist() for g in gathered]
+
     def all_gather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Concatenate every member's rows (member i holds counts[i] rows) on every member."""
         if self.size == 1:

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 
+from ..launcher import RankFailed
 from ..registry import PluginError
 
 # sub-command -> module under moeplex.cli defining add_parser(subparsers) and run(args)
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args) or 0
-    except (PluginError, ValueError, FileNotFoundError) as exc:
+    except (PluginError, ValueError, FileNotFoundError, RankFailed) as exc:
         # a wrong flag or an impossible selection: one sentence, no traceback
         print(f"moeplex {args.command}: error: {exc}", file=sys.stderr)
         return 2

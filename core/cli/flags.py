@@ -6,6 +6,7 @@ import argparse
 
 from ..config import DTYPES, EngineConfig
 from ..models.make_model import default_model
+from ..parallel import ParallelConfig
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +32,40 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--max-total-tokens", type=int, default=None,
         help="KV cache size in tokens (default: a quarter of free memory, at most 131072)",
     )
+    par = parser.add_argument_group("parallelism (one engine over several processes and machines)")
+    par.add_argument("--tp-size", type=int, default=1, help="ranks of the engine; attention and dense layers are split over them (default: 1)")
+    par.add_argument(
+        "--ep-size", type=int, default=1,
+        help="1: every rank holds a slice of every expert; equal to --tp-size: experts sharded over the ranks (default: 1)",
+    )
+    par.add_argument("--dp-size", type=int, default=1, help="attention data-parallel groups (needs --enable-dp-attention)")
+    par.add_argument(
+        "--enable-dp-attention", action="store_true",
+        help="each of the --dp-size groups schedules its own requests; MoE layers stay shared",
+    )
+    par.add_argument("--nnodes", type=int, default=1, help="machines the ranks span (default: 1)")
+    par.add_argument("--node-rank", type=int, default=0, help="this machine's index among --nnodes (default: 0)")
+    par.add_argument("--dist-init-addr", default="127.0.0.1:29517", help="HOST:PORT of rank 0 for the rendezvous")
+    par.add_argument("--dist-backend", choices=("gloo", "nccl"), default=None, help="default: nccl on CUDA, gloo on CPU")
+    par.add_argument(
+        "--dist-timeout", type=float, default=300.0,
+        help="seconds a collective may wait before the ranks give up and name the missing rank (default: 300)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="global random seed (default: 0)")
+
+
+def parallel_config(args: argparse.Namespace) -> ParallelConfig:
+    return ParallelConfig(
+        tp_size=args.tp_size,
+        ep_size=args.ep_size,
+        dp_size=args.dp_size,
+        enable_dp_attention=args.enable_dp_attention,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
+        dist_backend=args.dist_backend,
+        timeout_s=args.dist_timeout,
+    )
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -49,5 +83,6 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         chunked_prefill_size=args.chunked_prefill_size,
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,
+        parallel=parallel_config(args),
         **overrides,
     )

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from ..engine import Engine
+from ..offline import generate
 from ..sampling import SamplingParams
+from ..tokenizer import load_tokenizer
 from .flags import add_engine_flags, engine_config
 
 
@@ -48,18 +49,19 @@ def run(args) -> int:
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
     )
-    engine = Engine(engine_config(args, show_progress=not args.json))
-    prompts = [_parse_ids(t) for t in args.input_ids] if args.input_ids else [engine.encode(t) for t in args.prompt]
-    for i, request in enumerate(engine.generate(prompts, params)):
-        result = {"index": i, "output_ids": request.output_ids, "finish_reason": request.finish_reason.value}
-        if engine.tokenizer is not None:
-            result["text"] = request.text
-        if args.logprobs:
-            result["logprobs"] = request.logprobs
+    config = engine_config(args, show_progress=not args.json)
+    tokenizer = load_tokenizer(config.model)
+    if args.prompt and tokenizer is None:
+        raise ValueError(f"{config.model} has no tokenizer.json; pass --input-ids instead of --prompt")
+    prompts = [_parse_ids(t) for t in args.input_ids] if args.input_ids else [tokenizer.encode(t).ids for t in args.prompt]
+    for i, result in enumerate(generate(config, prompts, params)):
+        result = {"index": i, **result}
+        if not args.logprobs:
+            del result["logprobs"]
         if args.json:
             print(json.dumps(result))
         else:
-            shown = result.get("text", request.output_ids)
+            shown = result.get("text", result["output_ids"])
             prompt = args.prompt[i] if args.prompt else args.input_ids[i]
             print(f"[{i}] {prompt!r} -> {shown!r} ({result['finish_reason']})")
     return 0

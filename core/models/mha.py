@@ -23,9 +23,23 @@ def head_dim(config: dict[str, Any]) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
+def kv_head_split(num_kv_heads: int, tp: Group) -> Group:
+    """How key-value heads divide over the ranks: evenly, or, with fewer heads than ranks, one
+    head per rank, each replicated on tp / num_kv_heads neighbouring ranks (the ranks whose
+    query heads read it)."""
+    if num_kv_heads % tp.size == 0:
+        return tp
+    if tp.size % num_kv_heads:
+        raise ValueError(
+            f"num_key_value_heads ({num_kv_heads}) and the attention TP size {tp.size} must divide one another"
+        )
+    return Group(rank=tp.rank * num_kv_heads // tp.size, size=num_kv_heads)
+
+
 def kv_shapes(config: dict[str, Any], tp: Group = Group()) -> list[list[tuple[int, ...]]]:
-    """Per layer, a key and a value of [num_kv_heads / tp, head_dim] per token."""
-    shape = (config["num_key_value_heads"] // tp.size, head_dim(config))
+    """Per layer, a key and a value of [this rank's kv heads, head_dim] per token."""
+    kv_heads = config["num_key_value_heads"]
+    shape = (kv_heads // kv_head_split(kv_heads, tp).size, head_dim(config))
     return [[shape, shape] for _ in range(config["num_hidden_layers"])]
 
 
@@ -69,14 +83,13 @@ class MHAttention(nn.Module):
             raise ValueError(
                 f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
             )
-        if num_kv_heads % tp.size:
-            raise ValueError(f"num_key_value_heads ({num_kv_heads}) is not divisible by the attention TP size {tp.size}")
-        # each rank keeps whole heads: num_heads / tp query heads and num_kv_heads / tp key-value heads
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads // tp.size, num_kv_heads // tp.size, head_dim
+        kv_tp = kv_head_split(num_kv_heads, tp)
+        # each rank keeps whole heads: num_heads / tp query heads and the key-value heads they read
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads // tp.size, num_kv_heads // kv_tp.size, head_dim
         self.scale = head_dim**-0.5
         self.q_proj = column_linear(hidden_size, num_heads * head_dim, tp, bias=qkv_bias)
-        self.k_proj = column_linear(hidden_size, num_kv_heads * head_dim, tp, bias=qkv_bias)
-        self.v_proj = column_linear(hidden_size, num_kv_heads * head_dim, tp, bias=qkv_bias)
+        self.k_proj = column_linear(hidden_size, num_kv_heads * head_dim, kv_tp, bias=qkv_bias)
+        self.v_proj = column_linear(hidden_size, num_kv_heads * head_dim, kv_tp, bias=qkv_bias)
         self.o_proj = RowLinear(num_heads * head_dim, hidden_size, tp, bias=o_bias)
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)

@@ -1,0 +1,65 @@
+"""Offline generation on every rank of one engine: requests shared out to DP groups, results back on rank 0."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .config import EngineConfig
+from .engine import Engine
+from .launcher import launch
+from .parallel import ParallelState, init_parallel
+from .sampling import SamplingParams
+
+
+def assign_to_dp_groups(prompts: Sequence[Sequence[int]], dp_size: int) -> list[int]:
+    """Each prompt to the group with the fewest prompt tokens so far (deterministic on every rank)."""
+    load = [0] * dp_size
+    owners = []
+    for prompt in prompts:
+        group = min(range(dp_size), key=lambda g: (load[g], g))
+        owners.append(group)
+        load[group] += len(prompt)
+    return owners
+
+
+def result_of(request, with_text: bool) -> dict:
+    result = {
+        "output_ids": request.output_ids,
+        "finish_reason": request.finish_reason.value,
+        "logprobs": request.logprobs,
+    }
+    if with_text:
+        result["text"] = request.text
+    return result
+
+
+def _generate_on_rank(rank: int, config: EngineConfig, prompts, params) -> list[dict] | None:
+    parallel = init_parallel(config.parallel, rank, torch.device(config.device))
+    return generate_on_rank(parallel, config, prompts, params)
+
+
+def generate_on_rank(parallel: ParallelState, config: EngineConfig, prompts, params) -> list[dict] | None:
+    """This rank's part of an offline run: its DP group's prompts; rank 0 returns every result."""
+    engine = Engine(config, parallel=parallel)
+    rank = parallel.rank
+    owners = assign_to_dp_groups(prompts, config.parallel.dp_size)
+    mine = [i for i, owner in enumerate(owners) if owner == parallel.dp_rank]
+    requests = engine.generate([prompts[i] for i in mine], [params[i] for i in mine], progress=False)
+    local = {i: result_of(r, engine.tokenizer is not None) for i, r in zip(mine, requests)} if parallel.is_output_rank else {}
+    if not config.parallel.distributed:
+        return [local[i] for i in range(len(prompts))]
+    gathered = [None] * config.parallel.world_size if rank == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    if rank != 0:
+        return None
+    merged = {i: r for part in gathered for i, r in part.items()}
+    return [merged[i] for i in range(len(prompts))]
+
+
+def generate(config: EngineConfig, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[dict]:
+    """Run prompts on all ranks of `config.parallel` (one process when it is a single rank)."""
+    params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+    return launch(_generate_on_rank, config.parallel, config, [list(p) for p in prompts], params)

@@ -1,0 +1,49 @@
+"""Rank entry points for the multi-process tests (spawned processes import this module by name)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from moeplex.config import EngineConfig
+from moeplex.offline import generate_on_rank
+from moeplex.parallel import init_parallel
+
+
+def generate_every_model(rank, parallel_config, folders, prompts, params):
+    """One launch, several models: {folder: results on rank 0}."""
+    parallel = init_parallel(parallel_config, rank, torch.device("cpu"))
+    results = {}
+    for folder in folders:
+        config = EngineConfig(
+            model=folder,
+            show_progress=False,
+            max_total_tokens=1024,
+            page_size=4,
+            dispatcher="naive" if parallel_config.ep_size > 1 else "local",
+            parallel=parallel_config,
+        )
+        results[folder] = generate_on_rank(parallel, config, prompts, params)
+    return results
+
+
+def die_after_joining(rank, parallel_config):
+    init_parallel(parallel_config, rank, torch.device("cpu"))
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def hang_after_joining(rank, parallel_config):
+    init_parallel(parallel_config, rank, torch.device("cpu"))
+    if rank == 1:
+        time.sleep(60)
+    dist.all_reduce(torch.ones(1))
+
+
+def evolve(config, **changes):
+    return attrs.evolve(config, **changes)
