@@ -14,10 +14,12 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .forward_batch import ForwardBatch
+from .interfaces import BatchMeta
 from .hooks import make_plugin_manager
 from .kv_cache import KVPool
 from .model_runner import ModelRunner
 from .models.setup import load_model
+from .moe.rebalance import ExpertBalancing, RebalanceReport
 from .parallel import ParallelState
 from .request import FinishReason, Request
 from .sampler import Sampler
@@ -58,6 +60,9 @@ class Engine:
         self.hooks = hooks if hooks is not None else make_plugin_manager()
         selection = resolve(config, ep_size=self.parallel.ep.size)
         self.model = load_model(config.model, config, selection, self.parallel, hooks=self.hooks)
+        self.balancing = ExpertBalancing(
+            self.model.moe_runtime, self.model.moe_layers(), selection.balancer(), config, self.parallel, self.hooks
+        )
         shapes = self.model.kv_shapes()
         tokens = _kv_tokens(config, KVPool.bytes_per_token(shapes, config.torch_dtype), self.device)
         self.kv = KVPool(-(-tokens // config.page_size), config.page_size, shapes, config.torch_dtype, self.device)
@@ -109,6 +114,22 @@ class Engine:
             return self.has_work
         return any(row[0] for row in self.parallel.world.all_gather_ints([int(self.has_work)]))
 
+    # --- expert load: with several ranks, every rank calls these between the same steps ----------
+    def start_recording(self, mode: str | None = None) -> None:
+        """Count the tokens routed to every expert from the next step on (stat, or per-step; default: the flag)."""
+        self.balancing.start_recording(mode)
+
+    def stop_recording(self) -> None:
+        self.balancing.stop_recording()
+
+    def dump_recording(self, path: str | None = None) -> dict:
+        """The recorded expert load summed over the ranks, and the placement in force; rank 0 writes it to `path`."""
+        return self.balancing.dump_recording(path)
+
+    def rebalance(self, load: torch.Tensor | None = None) -> RebalanceReport:
+        """Balance the recorded load (or `load`, [layers, experts]) and move the expert weights to match."""
+        return self.balancing.rebalance(load)
+
     # --- the loop -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one scheduled step; return the requests that finished in it."""
@@ -119,6 +140,7 @@ class Engine:
             return finished
         self.hooks.hook.moeplex_batch_scheduled(batch=batch)
         logits = self.runner.forward(batch)
+        self.balancing.after_forward()  # counts the step in the load recorders; may move experts between steps
         due = []
         for row, item in enumerate(work):
             item.request.num_cached += item.num_tokens
@@ -139,11 +161,14 @@ class Engine:
         """
         if self.parallel.config.dp_size == 1:
             return batch if batch.num_tokens else None
-        everyone = self.parallel.world.all_gather_ints([batch.num_tokens, int(batch.mode.is_extend)])
+        can_split = self.runner.strategy.cuts(BatchMeta(batch.mode, batch.extend_lens)) is not None
+        everyone = self.parallel.world.all_gather_ints([batch.num_tokens, int(batch.mode.is_extend), int(can_split)])
         counts = tuple(row[0] for row in everyone)
         if not any(counts):
             return None
-        return attrs.evolve(batch, global_num_tokens=counts)
+        # split only when every rank with tokens can; idle ranks follow with empty micro-batches
+        split = all(row[2] for row in everyone if row[0])
+        return attrs.evolve(batch, global_num_tokens=counts, overlap_split=split)
 
     def _drain_dropped(self) -> list[Request]:
         dropped, self.scheduler.dropped = self.scheduler.dropped, []

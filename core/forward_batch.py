@@ -46,6 +46,8 @@ class ForwardBatch:
     kv_indptr: torch.Tensor = _per(REQUEST)  # [B + 1]
     # DP attention: the token count of every rank this step (None without DP attention)
     global_num_tokens: tuple[int, ...] | None = None
+    # DP attention: whether every rank splits this step into micro-batches (None: decide locally)
+    overlap_split: bool | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +80,35 @@ class ForwardBatch:
             prefix_lens=(),
             kv_indices=empty,
             kv_indptr=torch.zeros(1, dtype=torch.int64, device=device),
+        )
+
+    def slice_tokens(self, start: int, end: int) -> "ForwardBatch":
+        """The micro-batch of tokens start .. end-1, as a batch of its own.
+
+        Token-indexed fields are sliced generically (by their metadata); the request-level
+        fields follow from the tokens kept: a request cut by the range keeps only its tokens
+        inside it, and its cached prefix grows by the tokens before the cut.
+        """
+        lens = self.extend_lens
+        firsts = [sum(lens[:i]) for i in range(len(lens))]
+        kept = [i for i, first in enumerate(firsts) if first < end and first + lens[i] > start and lens[i] > 0]
+        extend = tuple(min(firsts[i] + lens[i], end) - max(firsts[i], start) for i in kept)
+        prefix = tuple(self.prefix_lens[i] + max(0, start - firsts[i]) for i in kept)
+        seq = [p + n for p, n in zip(prefix, extend)]
+        indptr = self.kv_indptr.tolist()
+        runs = [self.kv_indices[indptr[i] : indptr[i] + s] for i, s in zip(kept, seq)]
+        device = self.input_ids.device
+        kv_indptr = torch.zeros(len(kept) + 1, dtype=torch.int64)
+        kv_indptr[1:] = torch.tensor(seq, dtype=torch.int64).cumsum(0)
+        tokens = {name: getattr(self, name)[start:end] for name in self.fields_along(TOKEN)}
+        return attrs.evolve(
+            self,
+            **tokens,
+            extend_lens=extend,
+            prefix_lens=prefix,
+            seq_lens=torch.tensor(seq, dtype=torch.int64, device=device),
+            kv_indices=torch.cat(runs) if runs else self.kv_indices[:0],
+            kv_indptr=kv_indptr.to(device),
         )
 
     @classmethod

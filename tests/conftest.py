@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run under its interpreter on CPU; the switch must be set before they are decorated
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from moeplex.models.make_model import ARCHES, write_checkpoint
 

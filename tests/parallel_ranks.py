@@ -14,8 +14,8 @@ from moeplex.offline import generate_on_rank
 from moeplex.parallel import init_parallel
 
 
-def generate_every_model(rank, parallel_config, folders, prompts, params):
-    """One launch, several models: {folder: results on rank 0}."""
+def generate_every_model(rank, parallel_config, folders, prompts, params, **settings):
+    """One launch, several models: {folder: results on rank 0}; `settings` go to EngineConfig."""
     parallel = init_parallel(parallel_config, rank, torch.device("cpu"))
     results = {}
     for folder in folders:
@@ -26,6 +26,7 @@ def generate_every_model(rank, parallel_config, folders, prompts, params):
             page_size=4,
             dispatcher="naive" if parallel_config.ep_size > 1 else "local",
             parallel=parallel_config,
+            **settings,
         )
         results[folder] = generate_on_rank(parallel, config, prompts, params)
     return results

@@ -17,8 +17,9 @@ import attrs
 @attrs.frozen
 class OverlapCaps:
     needs_async_halves: bool = False  # only pays when the dispatcher's waits cost no compute
-    min_tokens: int = 0  # below this many tokens per step the core runs without splitting
+    min_tokens: int = 0  # default: below this many tokens per step the core runs without splitting
     needs_multi_rank: bool = False
+    shared_during_dispatch: bool = False  # run shared experts while the routed tokens' dispatch is in flight
 
 
 @attrs.frozen
@@ -37,6 +38,15 @@ class OverlapStrategy(abc.ABC):
     """Contract: logits equal those of `none` for every batch."""
 
     caps: ClassVar[OverlapCaps]
+
+    def __init__(self, min_tokens: int | None = None):
+        self.min_tokens = self.caps.min_tokens if min_tokens is None else min_tokens
+
+    def cuts(self, meta: BatchMeta) -> Sequence[int] | None:
+        """`plan`, unless the step is below the token threshold (then the core runs it whole)."""
+        if meta.num_tokens < self.min_tokens:
+            return None
+        return self.plan(meta)
 
     @abc.abstractmethod
     def plan(self, meta: BatchMeta) -> Sequence[int] | None:

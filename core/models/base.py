@@ -11,6 +11,7 @@ import attrs
 import torch
 from torch import nn
 
+from ..executor import run_layers
 from ..forward_batch import ForwardBatch
 from ..kv_cache import KVPool
 from ..moe.layer import MoELayer
@@ -56,6 +57,7 @@ class StepState:
     hidden: torch.Tensor
     batch: ForwardBatch
     kv: KVPool
+    shared_during_dispatch: bool = False  # the overlap strategy's choice, read by MoE layers
 
 
 class SiluMLP(nn.Module):
@@ -73,7 +75,7 @@ class SiluMLP(nn.Module):
         gate, up, down = (getattr(self, n) for n in self.names)
         return down(nn.functional.silu(gate(x)) * up(x))
 
-    def program(self, x: torch.Tensor, batch: ForwardBatch) -> Generator[str, None, torch.Tensor]:
+    def program(self, x: torch.Tensor, state: StepState) -> Generator[str, None, torch.Tensor]:
         return self(x)
         yield  # a generator with no yield point
 
@@ -109,7 +111,7 @@ class DecoderLayer(nn.Module):
         hidden = hidden + attn
         yield "attention"
         mlp = getattr(self, self.mlp_name)
-        out = yield from mlp.program(self.post_attention_layernorm(hidden), state.batch)
+        out = yield from mlp.program(self.post_attention_layernorm(hidden), state)
         state.hidden = hidden + out
 
 
@@ -132,10 +134,9 @@ class MoECausalLM(nn.Module, abc.ABC):
 
     def forward(self, batch: ForwardBatch, kv: KVPool, strategy, logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits [B, vocab] of each request's last new token (or of the token rows `logits_at`)."""
-        state = StepState(self.model.embed_tokens(batch.input_ids), batch, kv)
-        strategy.run([self.layers_program(state)])
+        hidden = run_layers(self, batch, kv, strategy)
         rows = batch.last_token_index if logits_at is None else logits_at
-        return self.lm_head(self.model.norm(state.hidden[rows])).float()
+        return self.lm_head(self.model.norm(hidden[rows])).float()
 
     def moe_layers(self) -> list[MoELayer]:
         return [m for m in self.modules() if isinstance(m, MoELayer)]

@@ -16,6 +16,7 @@ from ..interfaces import (
     STANDARD,
     ContiguousLayout,
     ExpertOutput,
+    Fp8Payload,
     Layout,
     MaskedLayout,
     StandardLayout,
@@ -45,7 +46,18 @@ def _unsorted(hidden_rows: torch.Tensor, pairs: torch.Tensor, layout: StandardLa
     n, k = layout.topk_ids.shape
     out = hidden_rows.new_zeros(n * k, hidden_rows.shape[-1])
     out[pairs] = hidden_rows
-    return out.view(n, k, -1)
+    return out.view(n, k, hidden_rows.shape[-1])
+
+
+def _moved_fp8(fp8: Fp8Payload | None, source: torch.Tensor, shape: tuple[int, ...], where: tuple) -> Fp8Payload | None:
+    """The fp8 payload's rows moved like the hidden rows (zeros, scale 0, on padding)."""
+    if fp8 is None:
+        return None
+    values = fp8.values.new_zeros(*shape, fp8.values.shape[-1])
+    scales = fp8.scales.new_zeros(*shape, fp8.scales.shape[-1])
+    values[where] = fp8.values[source]
+    scales[where] = fp8.scales[source]
+    return Fp8Payload(values, scales, fp8.group_size)
 
 
 def standard_to_contiguous(layout: StandardLayout, alignment: int) -> tuple[ContiguousLayout, Restore]:
@@ -54,11 +66,13 @@ def standard_to_contiguous(layout: StandardLayout, alignment: int) -> tuple[Cont
     group_start = torch.cumsum(padded, 0) - padded
     rows = group_start[experts] + _rank_within_expert(experts, counts)
     total = int(padded.sum())
+    source = pairs // layout.topk_ids.shape[1]
     hidden = layout.hidden.new_zeros(total, layout.hidden.shape[1])
-    hidden[rows] = layout.hidden[pairs // layout.topk_ids.shape[1]]
+    hidden[rows] = layout.hidden[source]
     expert_index = torch.full((total,), -1, dtype=torch.int32, device=hidden.device)
     expert_index[rows] = experts.to(torch.int32)
-    converted = ContiguousLayout(hidden, expert_index, layout.num_local_experts, alignment)
+    fp8 = _moved_fp8(layout.fp8, source, (total,), (rows,))
+    converted = ContiguousLayout(hidden, expert_index, layout.num_local_experts, alignment, fp8)
 
     def restore(output: ExpertOutput) -> ExpertOutput:
         return ExpertOutput(_unsorted(output.hidden[rows], pairs, layout), weights_applied=False, summed=False)
@@ -71,9 +85,11 @@ def standard_to_masked(layout: StandardLayout, alignment: int) -> tuple[MaskedLa
     max_rows = max(layout.num_rows, 1)
     max_rows = (max_rows + alignment - 1) // alignment * alignment
     slot = _rank_within_expert(experts, counts)
+    source = pairs // layout.topk_ids.shape[1]
     hidden = layout.hidden.new_zeros(layout.num_local_experts, max_rows, layout.hidden.shape[1])
-    hidden[experts, slot] = layout.hidden[pairs // layout.topk_ids.shape[1]]
-    converted = MaskedLayout(hidden, counts.to(torch.int32))
+    hidden[experts, slot] = layout.hidden[source]
+    fp8 = _moved_fp8(layout.fp8, source, (layout.num_local_experts, max_rows), (experts, slot))
+    converted = MaskedLayout(hidden, counts.to(torch.int32), fp8)
 
     def restore(output: ExpertOutput) -> ExpertOutput:
         return ExpertOutput(_unsorted(output.hidden[experts, slot], pairs, layout), weights_applied=False, summed=False)

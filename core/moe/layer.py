@@ -78,20 +78,23 @@ class MoELayer(nn.Module):
     def finish_loading(self) -> None:
         self.prepared = self.runtime.prepare_weights(self.w13, self.w2)
 
-    def program(self, hidden: torch.Tensor, batch: ForwardBatch) -> Generator[str, None, torch.Tensor]:
+    def program(self, hidden: torch.Tensor, state) -> Generator[str, None, torch.Tensor]:
         """Yields while dispatch and combine are in flight; returns [T, H].
 
         The ranks of an attention group hold the same tokens; when experts are sharded over
         ranks (EP), each of them routes only its share and the shares are gathered afterwards.
         """
-        runtime = self.runtime
+        runtime, batch = self.runtime, state.batch
+        shared_first = self.shared_experts is not None and not state.shared_during_dispatch
+        shared = self.shared_experts(hidden) if shared_first else None
         share, counts = self._token_share(hidden)
         logical_ids, weights = self.gate(share)
         runtime.record_load(self.moe_index, logical_ids)
         physical_ids = runtime.replicas(self.moe_index, logical_ids)
         pending = runtime.dispatcher.dispatch_start(share, physical_ids, weights, batch)
         yield "dispatch"
-        shared = self.shared_experts(hidden) if self.shared_experts is not None else None
+        if self.shared_experts is not None and not shared_first:
+            shared = self.shared_experts(hidden)  # while the routed tokens travel
         dispatched = runtime.dispatcher.dispatch_finish(pending)
         layout, restore = runtime.adapter(dispatched.layout)
         output = restore(runtime.kernel.apply(layout, self.prepared))
@@ -114,7 +117,9 @@ class MoELayer(nn.Module):
         return hidden[start : start + counts[tp.rank]], counts
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        program = self.program(hidden, batch)
+        from ..models.base import StepState  # the layer's own state type; lazily, models import this module
+
+        program = self.program(hidden, StepState(hidden, batch, kv=None))
         while True:
             try:
                 next(program)

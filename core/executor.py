@@ -1,0 +1,48 @@
+"""The one executor of a forward step: the batch, maybe cut into micro-batches, through the layer programs."""
+
+from __future__ import annotations
+
+import torch
+
+from .forward_batch import ForwardBatch
+from .interfaces import BatchMeta, OverlapStrategy
+from .kv_cache import KVPool
+
+
+def micro_batch_ranges(cuts, num_tokens: int) -> list[tuple[int, int]]:
+    bounds = [0, *cuts, num_tokens]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def step_cuts(strategy: OverlapStrategy, batch: ForwardBatch) -> list[int] | None:
+    """Where this rank cuts its batch.
+
+    batch.overlap_split None: the strategy decides alone (one rank, or ranks holding the same
+    batch). True/False: all ranks agreed beforehand (DP attention); a rank that must split but
+    has nothing to cut runs two empty micro-batches, so its collectives match the others'.
+    """
+    split = batch.overlap_split
+    if split is False:
+        return None
+    cuts = strategy.cuts(BatchMeta(batch.mode, batch.extend_lens))
+    if split and cuts is None:
+        return [batch.num_tokens]
+    return None if cuts is None else list(cuts)
+
+
+def run_layers(model, batch: ForwardBatch, kv: KVPool, strategy: OverlapStrategy) -> torch.Tensor:
+    """[T, H] hidden states after the last layer (micro-batches put back in token order)."""
+    from .models.base import StepState  # the executor is the models' caller; import lazily to keep layering
+
+    hidden = model.model.embed_tokens(batch.input_ids)
+    shared_during_dispatch = strategy.caps.shared_during_dispatch
+    cuts = step_cuts(strategy, batch)
+    if cuts is None:
+        states = [StepState(hidden, batch, kv, shared_during_dispatch)]
+    else:
+        states = [
+            StepState(hidden[a:b], batch.slice_tokens(a, b), kv, shared_during_dispatch)
+            for a, b in micro_batch_ranges(cuts, batch.num_tokens)
+        ]
+    strategy.run([model.layers_program(state) for state in states])
+    return states[0].hidden if len(states) == 1 else torch.cat([s.hidden for s in states])

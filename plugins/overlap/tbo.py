@@ -1,0 +1,51 @@
+"""`tbo`: two-batch overlap — one micro-batch computes while the other's dispatch or combine is in flight."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+from moeplex.forward_batch import ForwardMode
+from moeplex.interfaces import BatchMeta, OverlapCaps, OverlapStrategy
+
+BALANCE_TOLERANCE = 0.1  # a request boundary within 10% of the middle is good enough to cut at
+
+
+def two_batch_cut(meta: BatchMeta, tolerance: float = BALANCE_TOLERANCE) -> int | None:
+    """The token offset splitting a batch into two micro-batches, or None when it cannot be split.
+
+    Decode: the first half of the requests (one token each). Extend: the request boundary
+    nearest the middle when it leaves each side within `tolerance` of half the tokens;
+    otherwise the exact middle, cutting one sequence in two (its second part then reads
+    the first part's KV, which the first micro-batch writes earlier in every layer).
+    """
+    total = meta.num_tokens
+    if meta.mode == ForwardMode.IDLE or total < 2:
+        return None
+    if meta.mode == ForwardMode.DECODE:
+        return None if len(meta.extend_lens) < 2 else sum(meta.extend_lens[: len(meta.extend_lens) // 2])
+    boundaries, running = [], 0
+    for n in meta.extend_lens[:-1]:
+        running += n
+        boundaries.append(running)
+    best = min(boundaries, key=lambda b: (abs(2 * b - total), b), default=None)
+    if best is not None and 0 < best < total and abs(2 * best - total) <= 2 * tolerance * total:
+        return best
+    return total // 2
+
+
+class TwoBatchOverlap(OverlapStrategy):
+    caps = OverlapCaps(needs_async_halves=True, min_tokens=2, shared_during_dispatch=True)
+
+    def plan(self, meta: BatchMeta) -> Sequence[int] | None:
+        cut = two_batch_cut(meta)
+        return None if cut is None else [cut]
+
+    def run(self, programs: Sequence[Iterator]) -> None:
+        """Round robin between yield points: micro-batch 0 stays one stage ahead in every layer."""
+        active = list(programs)
+        while active:
+            for program in list(active):
+                try:
+                    next(program)
+                except StopIteration:
+                    active.remove(program)
