@@ -1,0 +1,160 @@
+"""Time the `triton` fused MoE kernel against the `torch` reference kernel, and against the hardware roofline.
+
+One Markdown table per shape: for each token count M on one EP rank, the time of each kernel
+(median of triton.testing.do_bench, L2 flushed between runs), triton's time when replayed in a
+CUDA graph (how decode runs), the speed-up over torch, the TFLOP/s of the routed pairs, the GB/s
+at which the weights of the experts hit were streamed, and the fraction of the roofline: the
+larger of compute time at the measured matmul peak and weight-streaming time at the measured
+device-to-device bandwidth, divided by triton's best time. Both peaks are measured in this run.
+
+    python benchmarks/fused_moe.py --shape deepseek-v3-ep8 --dtype fp8 > benchmarks/results/fused_moe_dsv3_fp8.md
+    python benchmarks/fused_moe.py --shape qwen3-30b-a3b --dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import attrs
+import torch
+import triton
+from triton.testing import do_bench
+
+from moeplex.interfaces import BF16, FP8_BLOCK, ExpertWeights, MoEContext, StandardLayout
+from moeplex.quant import quantize_blocks
+from moeplex.registry import lookup
+
+
+@attrs.frozen
+class Shape:
+    experts: int  # routed experts of the model
+    ep_size: int  # EP ranks; this rank holds experts / ep_size of them
+    hidden: int
+    intermediate: int  # moe_intermediate_size: w13 has 2x this many rows
+    top_k: int
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.ep_size
+
+
+SHAPES = {
+    "deepseek-v3-ep8": Shape(experts=256, ep_size=8, hidden=7168, intermediate=2048, top_k=8),
+    "deepseek-v3-ep16": Shape(experts=256, ep_size=16, hidden=7168, intermediate=2048, top_k=8),
+    "qwen3-30b-a3b": Shape(experts=128, ep_size=1, hidden=2048, intermediate=768, top_k=8),
+}
+TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+def make_weights(shape: Shape, fp8: bool, seed: int = 0) -> ExpertWeights:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    e, h, i = shape.local_experts, shape.hidden, shape.intermediate
+    w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen) / h**0.5
+    w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=gen) / i**0.5
+    if not fp8:
+        return ExpertWeights(w13, w2, BF16)
+    (q13, s13), (q2, s2) = quantize_blocks(w13), quantize_blocks(w2)
+    return ExpertWeights(q13, q2, FP8_BLOCK, s13, s2)
+
+
+def make_layout(shape: Shape, tokens: int, seed: int = 0) -> StandardLayout:
+    """Uniform top-k over all experts, as rank 0 sees it: ids of experts on other ranks become -1."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.rand(tokens, shape.experts, device="cuda", generator=gen).argsort(1)[:, : shape.top_k]
+    ids = torch.where(ids < shape.local_experts, ids, -1).to(torch.int32)
+    weights = torch.rand(tokens, shape.top_k, device="cuda", generator=gen)
+    hidden = torch.randn(tokens, shape.hidden, device="cuda", generator=gen).bfloat16()
+    return StandardLayout(hidden, ids, weights, shape.local_experts)
+
+
+def context(shape: Shape) -> MoEContext:
+    return MoEContext(shape.hidden, shape.intermediate, shape.local_experts, shape.top_k, torch.bfloat16,
+                      torch.device("cuda"))
+
+
+def bench_ms(fn) -> float:
+    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def graph_ms(fn) -> float:
+    """Median time of `fn` replayed from a CUDA graph: launch overhead out, as decode serves it."""
+    fn()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_ms(graph.replay)
+
+
+@attrs.frozen
+class Roofline:
+    matmul_tflops: float
+    copy_gbps: float
+
+
+def measure_roofline(fp8: bool) -> Roofline:
+    """Peak dense-matmul TFLOP/s (bf16, or fp8 through torch._scaled_mm) and device-to-device copy GB/s."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    if fp8:
+        a8, b8, one = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t(), torch.ones((), device="cuda")
+        ms = bench_ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    else:
+        ms = bench_ms(lambda: a @ b)
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = bench_ms(lambda: dst.copy_(src))
+    return Roofline(matmul_tflops=2 * n**3 / ms / 1e9, copy_gbps=2 * src.numel() / copy_ms / 1e6)
+
+
+def row(shape: Shape, tokens: int, fp8: bool, roof: Roofline, kernels) -> str:
+    layout = make_layout(shape, tokens, seed=tokens)
+    routed = layout.topk_ids[layout.topk_ids >= 0]
+    pairs, experts_hit = routed.numel(), torch.unique(routed).numel()
+    (triton_kernel, triton_weights), (torch_kernel, torch_weights) = kernels
+    triton_eager = bench_ms(lambda: triton_kernel.apply(layout, triton_weights))
+    triton_graph = graph_ms(lambda: triton_kernel.apply(layout, triton_weights))
+    torch_ms = bench_ms(lambda: torch_kernel.apply(layout, torch_weights))
+    flops = 6 * pairs * shape.hidden * shape.intermediate  # 2 x (H x 2I + I x H) per routed pair
+    weight_bytes = experts_hit * 3 * shape.hidden * shape.intermediate * (1 if fp8 else 2)
+    ideal_ms = max(flops / roof.matmul_tflops / 1e9, weight_bytes / roof.copy_gbps / 1e6)
+    best = min(triton_eager, triton_graph)
+    return (
+        f"| {tokens} | {pairs} | {experts_hit} | {triton_eager * 1e3:.1f} | {triton_graph * 1e3:.1f} | "
+        f"{torch_ms * 1e3:.1f} | {torch_ms / best:.2f} | {flops / best / 1e9:.1f} | "
+        f"{weight_bytes / best / 1e6:.0f} | {100 * ideal_ms / best:.0f}% |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="deepseek-v3-ep8", help="expert shapes of one EP rank")
+    parser.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
+                        help="bf16 weights, or fp8 weights in 128x128 blocks with 1x128 activation scales (w8a8)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="token counts M received by the rank")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("this benchmark times GPU kernels and no CUDA device is visible")
+    shape, fp8 = SHAPES[args.shape], args.dtype == "fp8"
+    weights = make_weights(shape, fp8)
+    kernels = []
+    for name in ("triton", "torch"):
+        kernel = lookup("moe_kernel", name)(context(shape))
+        kernels.append((kernel, kernel.prepare_weights(weights)))
+    roof = measure_roofline(fp8)
+    print(f"## fused MoE: `triton` vs `torch`, {args.shape}, {args.dtype}\n")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"{datetime.date.today()}. Rank 0 of {shape.ep_size}: {shape.local_experts} experts, "
+          f"H={shape.hidden}, I={shape.intermediate}, top-{shape.top_k} uniform routing.")
+    print(f"Measured peaks: {'fp8' if fp8 else 'bf16'} matmul {roof.matmul_tflops:.0f} TFLOP/s, "
+          f"device copy {roof.copy_gbps:.0f} GB/s.\n")
+    print("| M | pairs here | experts hit | triton µs | triton graph µs | torch µs | speed-up | TFLOP/s | "
+          "weight GB/s | roofline |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for tokens in args.tokens:
+        print(row(shape, tokens, fp8, roof, kernels), flush=True)
+
+
+if __name__ == "__main__":
+    main()

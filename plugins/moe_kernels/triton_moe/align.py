@@ -1,0 +1,155 @@
+"""Rows sorted per expert and padded into BLOCK_M tiles, on the device and without a host sync.
+
+The GEMM kernel gives every BLOCK_M slots one expert. An Alignment says which row each slot holds
+(`sorted_ids`, with `num_valid` as the padding sentinel), which expert each tile uses
+(`block_expert`, -1 for a tile to skip) and how many slots are in use (`num_padded`, a one-element
+device tensor, so no count ever travels to the host). The slot count itself is a worst-case bound
+known from shapes alone, which keeps every launch grid static (CUDA-graph safe).
+
+Sorting (token, k) pairs takes three small launches (decode pays for launches, not for work):
+count pairs per expert in each chunk of pairs, scan the counts into slot offsets, place the pairs.
+Within an expert, pairs keep their order, so the result is deterministic.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 128  # pairs per program when counting and placing
+CHUNKS_PER_STEP = 16
+TILES_PER_STEP = 32
+
+
+@attrs.frozen
+class Alignment:
+    sorted_ids: torch.Tensor  # [num_slots] int32: the row each slot holds; num_valid on padding
+    block_expert: torch.Tensor  # [num_slots // block_m] int32: the local expert of each tile, -1 to skip it
+    num_padded: torch.Tensor  # [1] int32: slots in use; tiles from here on exit at once
+    num_valid: int  # rows that exist; also the padding sentinel
+    block_m: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.sorted_ids.numel()
+
+
+def max_slots(num_rows: int, num_experts: int, block_m: int) -> int:
+    """Padded slots needed at worst: each non-empty expert pads at most block_m - 1 rows."""
+    return triton.cdiv(num_rows + min(num_experts, num_rows) * (block_m - 1), block_m) * block_m
+
+
+@triton.jit
+def _chunk_experts(topk_ids_ptr, num_pairs, CHUNK: tl.constexpr):
+    pairs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    experts = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
+    return pairs, experts
+
+
+@triton.jit
+def _count_kernel(topk_ids_ptr, counts_ptr, sorted_ids_ptr, num_pairs, num_experts, num_slots, slots_per_program,
+                  CHUNK: tl.constexpr, EXPERTS_PER_STEP: tl.constexpr, SLOTS_PER_STEP: tl.constexpr):
+    """counts[chunk, e] = pairs of expert e in this chunk; also fills this program's share of slots with the sentinel."""
+    chunk = tl.program_id(0)
+    _, experts = _chunk_experts(topk_ids_ptr, num_pairs, CHUNK)
+    for first in range(0, num_experts, EXPERTS_PER_STEP):
+        expert = first + tl.arange(0, EXPERTS_PER_STEP)
+        count = tl.sum((experts[:, None] == expert[None, :]).to(tl.int32), axis=0)
+        tl.store(counts_ptr + chunk * num_experts + expert, count, mask=expert < num_experts)
+    # Padding slots must hold the sentinel; the place kernel overwrites the slots pairs land in.
+    for first in range(0, slots_per_program, SLOTS_PER_STEP):
+        step = first + tl.arange(0, SLOTS_PER_STEP)
+        slot = chunk * slots_per_program + step
+        sentinel = tl.zeros((SLOTS_PER_STEP,), dtype=tl.int32) + num_pairs
+        tl.store(sorted_ids_ptr + slot, sentinel, mask=(step < slots_per_program) & (slot < num_slots))
+
+
+@triton.jit
+def _scan_kernel(counts_ptr, expert_start_ptr, block_expert_ptr, num_padded_ptr,
+                 num_chunks, num_experts, num_tiles,
+                 BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr,
+                 CHUNKS_PER_STEP: tl.constexpr, TILES_PER_STEP: tl.constexpr):
+    """One program: counts become per-chunk offsets within each expert; experts get padded slot ranges."""
+    expert = tl.arange(0, EXPERTS)
+    expert_mask = expert < num_experts
+    total = tl.zeros((EXPERTS,), dtype=tl.int32)
+    for first in range(0, num_chunks, CHUNKS_PER_STEP):
+        chunk = first + tl.arange(0, CHUNKS_PER_STEP)
+        ptrs = counts_ptr + chunk[:, None] * num_experts + expert[None, :]
+        mask = (chunk[:, None] < num_chunks) & expert_mask[None, :]
+        counts = tl.load(ptrs, mask=mask, other=0)
+        tl.store(ptrs, tl.cumsum(counts, axis=0) - counts + total[None, :], mask=mask)
+        total += tl.sum(counts, axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    tl.store(expert_start_ptr + expert, end - padded, mask=expert_mask)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    # A tile's expert is the number of experts whose slots end at or before the tile's first slot.
+    end = tl.where(expert_mask, end, 2147483647)
+    for first in range(0, num_tiles, TILES_PER_STEP):
+        tile = first + tl.arange(0, TILES_PER_STEP)
+        owner = tl.sum((end[None, :] <= tile[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + tile, tl.where(owner < num_experts, owner, -1), mask=tile < num_tiles)
+
+
+@triton.jit
+def _place_kernel(topk_ids_ptr, counts_ptr, expert_start_ptr, sorted_ids_ptr, num_pairs, num_experts,
+                  CHUNK: tl.constexpr):
+    """sorted_ids[start of e + pairs of e in earlier chunks + earlier pairs of e in this chunk] = pair."""
+    chunk = tl.program_id(0)
+    pairs, experts = _chunk_experts(topk_ids_ptr, num_pairs, CHUNK)
+    routed = experts >= 0
+    lane = tl.arange(0, CHUNK)
+    earlier_same = (experts[None, :] == experts[:, None]) & (lane[None, :] < lane[:, None])
+    rank = tl.sum(earlier_same.to(tl.int32), axis=1)
+    offset = tl.load(counts_ptr + chunk * num_experts + experts, mask=routed, other=0)
+    start = tl.load(expert_start_ptr + experts, mask=routed, other=0)
+    tl.store(sorted_ids_ptr + start + offset + rank, pairs, mask=routed)
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Group the (token, k) pairs of topk_ids [N, K] per local expert; pairs with id -1 get no slot.
+
+    Row r of the result is pair r = token * K + k.
+    """
+    device = topk_ids.device
+    topk_ids = topk_ids.contiguous()
+    num_pairs = topk_ids.numel()
+    num_slots = max_slots(num_pairs, num_experts, block_m)
+    num_chunks = triton.cdiv(num_pairs, CHUNK)
+    counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
+    expert_start = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(num_slots, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_slots // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    experts_pow2 = triton.next_power_of_2(num_experts)
+    if num_chunks:
+        _count_kernel[(num_chunks,)](topk_ids, counts, sorted_ids, num_pairs, num_experts,
+                                     num_slots, triton.cdiv(num_slots, num_chunks), CHUNK=CHUNK,
+                                     EXPERTS_PER_STEP=min(experts_pow2, 64), SLOTS_PER_STEP=256)
+    _scan_kernel[(1,)](counts, expert_start, block_expert, num_padded, num_chunks, num_experts,
+                       block_expert.numel(), BLOCK_M=block_m, EXPERTS=experts_pow2,
+                       CHUNKS_PER_STEP=CHUNKS_PER_STEP, TILES_PER_STEP=TILES_PER_STEP)
+    if num_chunks:
+        _place_kernel[(num_chunks,)](topk_ids, counts, expert_start, sorted_ids, num_pairs, num_experts, CHUNK=CHUNK)
+    return Alignment(sorted_ids, block_expert, num_padded, num_pairs, block_m)
+
+
+def can_align_in_place(num_rows: int, group_rows: int, block_m: int) -> bool:
+    """Rows already grouped per expert in groups of `group_rows` need no sorting when tiles never straddle groups."""
+    return group_rows % block_m == 0 and num_rows % block_m == 0
+
+
+def align_in_place(expert_index: torch.Tensor, block_m: int) -> Alignment:
+    """Rows already grouped per expert (-1 on padding rows), each group a multiple of block_m rows long.
+
+    Every slot holds its own row; a tile's expert is the one its valid rows share.
+    """
+    num_rows = expert_index.numel()
+    rows = torch.arange(num_rows, dtype=torch.int32, device=expert_index.device)
+    sorted_ids = torch.where(expert_index >= 0, rows, num_rows)
+    block_expert = expert_index.view(-1, block_m).amax(1).to(torch.int32)
+    num_padded = torch.full((1,), num_rows, dtype=torch.int32, device=expert_index.device)
+    return Alignment(sorted_ids.to(torch.int32), block_expert, num_padded, num_rows, block_m)

@@ -1,0 +1,126 @@
+"""Tile configurations: tuned JSON tables per (device, dtype, E, N, K), nearest token count, sane defaults.
+
+A table lives in configs/ as `E=<experts>,N=<intermediate>,K=<hidden>,device=<name>,dtype=<dtype>.json`
+(N is the intermediate size: w13 has 2N rows, w2 has N columns) and maps a token count M to
+{"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages"}.
+benchmarks/tune_fused_moe.py writes them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import torch
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+FP8_DTYPE = "fp8_w8a8"
+INTERPRETER_DEVICE = "interpreter"
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@attrs.frozen
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def from_json(cls, entry: dict) -> TileConfig:
+        return cls(
+            block_m=entry["BLOCK_SIZE_M"],
+            block_n=entry["BLOCK_SIZE_N"],
+            block_k=entry["BLOCK_SIZE_K"],
+            group_m=entry["GROUP_SIZE_M"],
+            num_warps=entry["num_warps"],
+            num_stages=entry["num_stages"],
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "BLOCK_SIZE_M": self.block_m,
+            "BLOCK_SIZE_N": self.block_n,
+            "BLOCK_SIZE_K": self.block_k,
+            "GROUP_SIZE_M": self.group_m,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+        }
+
+
+def dtype_name(dtype: torch.dtype, fp8: bool) -> str:
+    return FP8_DTYPE if fp8 else _DTYPE_NAMES[dtype]
+
+
+def device_name(device: torch.device, interpreted: bool) -> str:
+    if interpreted or device.type != "cuda":
+        return INTERPRETER_DEVICE
+    return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
+def table_file(device: str, dtype: str, num_experts: int, intermediate: int, hidden: int) -> str:
+    return f"E={num_experts},N={intermediate},K={hidden},device={device},dtype={dtype}.json"
+
+
+def read_table(path: Path) -> dict[int, TileConfig] | None:
+    if not path.is_file():
+        return None
+    return {int(m): TileConfig.from_json(entry) for m, entry in json.loads(path.read_text()).items()}
+
+
+def write_table(path: Path, table: dict[int, TileConfig]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({str(m): table[m].to_json() for m in sorted(table)}, indent=2) + "\n")
+
+
+def nearest(table: dict[int, TileConfig], num_tokens: int) -> TileConfig:
+    return table[min(table, key=lambda m: abs(m - num_tokens))]
+
+
+def default_config(num_tokens: int, num_experts: int, top_k: int, dtype: str, interpreted: bool) -> TileConfig:
+    """What to run when no tuned table matches."""
+    if interpreted:
+        # The interpreter pays per program and per operation, not per element: few mid-sized tiles run fastest.
+        return TileConfig(block_m=16, block_n=64, block_k=64)
+    if dtype == "fp32":
+        # 4-byte operands: small K tiles and two stages stay inside shared memory (fp32 serves tests, not speed).
+        return TileConfig(block_m=32, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=2)
+    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+    if dtype == FP8_DTYPE:
+        # A K tile must sit inside one 128-wide scale group.
+        if rows_per_expert <= 16:
+            return TileConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+        return TileConfig(block_m=64, block_n=64, block_k=128, group_m=16, num_warps=4, num_stages=3)
+    if rows_per_expert <= 16:
+        # Decode: streaming the weights is the cost; small row tiles waste the least padding.
+        return TileConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+    if rows_per_expert <= 64:
+        return TileConfig(block_m=32, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4)
+    # GEMM 1 keeps a gate and an up accumulator per tile, so BLOCK_N stays at 64.
+    return TileConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
+
+
+class TileTables:
+    """The tables of one device, read once each and kept by the kernel instance that owns this."""
+
+    def __init__(self, device: str, directory: Path = CONFIG_DIR):
+        self.device = device
+        self.directory = directory
+        self._tables: dict[str, dict[int, TileConfig] | None] = {}
+
+    def lookup(self, dtype: str, num_experts: int, intermediate: int, hidden: int) -> dict[int, TileConfig] | None:
+        name = table_file(self.device, dtype, num_experts, intermediate, hidden)
+        if name not in self._tables:
+            self._tables[name] = read_table(self.directory / name)
+        return self._tables[name]
+
+    def pick(self, num_tokens: int, *, dtype: str, num_experts: int, intermediate: int, hidden: int, top_k: int) -> TileConfig:
+        table = self.lookup(dtype, num_experts, intermediate, hidden)
+        if table:
+            return nearest(table, num_tokens)
+        interpreted = self.device == INTERPRETER_DEVICE
+        return default_config(num_tokens, num_experts, top_k, dtype, interpreted)

@@ -1,0 +1,136 @@
+"""Each layout as align -> GEMM 1 (gate and up, SiLU fused) -> GEMM 2 (down) -> finish."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from moeplex.interfaces import FP8_BLOCK, ExpertWeights, Fp8Payload
+from moeplex.quant import BLOCK as GROUP, dequantize_activations
+
+from .align import Alignment, align_in_place, align_pairs, can_align_in_place
+from .configs import TileConfig
+from .finish import quantize_rows, sum_topk
+from .kernel import grouped_gemm
+
+
+@attrs.frozen
+class PreparedWeights:
+    """w13 [E, 2I, H] and w2 [E, H, I], contiguous; with their 128x128 block scales in the fp8 format."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+    @classmethod
+    def from_expert_weights(cls, weights: ExpertWeights) -> PreparedWeights:
+        if weights.format != FP8_BLOCK:
+            return cls(weights.w13.contiguous(), weights.w2.contiguous())
+        return cls(
+            weights.w13.contiguous(),
+            weights.w2.contiguous(),
+            weights.w13_scale.float().contiguous(),
+            weights.w2_scale.float().contiguous(),
+        )
+
+    @property
+    def fp8(self) -> bool:
+        return self.w13_scale is not None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w2.shape[1]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w2.shape[2]
+
+
+@attrs.frozen
+class Activations:
+    """GEMM 1's A operand, rows flattened: fp8 values with per-row 128-group scales, or plain values."""
+
+    values: torch.Tensor
+    scales: torch.Tensor | None
+    out_dtype: torch.dtype
+
+
+def activations(hidden: torch.Tensor, payload: Fp8Payload | None, weights: PreparedWeights) -> Activations:
+    """Match the activations to the weights: quantize for fp8 weights, dequantize a payload for plain ones."""
+    width = hidden.shape[-1]
+    if not weights.fp8:
+        values = hidden if payload is None else dequantize_activations(payload).to(hidden.dtype)
+        return Activations(values.reshape(-1, width), None, hidden.dtype)
+    if payload is None:
+        values, scales = quantize_rows(hidden.reshape(-1, width))
+        return Activations(values, scales, hidden.dtype)
+    if payload.group_size != GROUP:
+        raise ValueError(f"fp8 activations must carry one scale per {GROUP} columns, not per {payload.group_size}")
+    scales = payload.scales.reshape(-1, payload.scales.shape[-1]).float()
+    return Activations(payload.values.reshape(-1, width), scales, hidden.dtype)
+
+
+def run_experts(
+    acts: Activations,
+    weights: PreparedWeights,
+    align: Alignment,
+    out: torch.Tensor,
+    config: TileConfig,
+    *,
+    a_row_div: int = 1,
+    routed_weights: torch.Tensor | None = None,
+    in_place: bool = False,
+) -> torch.Tensor:
+    """out[row] = SiLU-gated expert of each aligned row (times its routed weight when given)."""
+    inter = torch.empty(align.num_valid, weights.intermediate_size, dtype=acts.out_dtype, device=out.device)
+    grouped_gemm(acts.values, weights.w13, inter, align, config, a_scale=acts.scales, b_scale=weights.w13_scale,
+                 a_row_div=a_row_div, gated=True, in_place=in_place)
+    inter_scales = None
+    if weights.fp8:
+        inter, inter_scales = quantize_rows(inter)
+    grouped_gemm(inter, weights.w2, out, align, config, a_scale=inter_scales, b_scale=weights.w2_scale,
+                 routed_weights=routed_weights, in_place=in_place)
+    return out
+
+
+def moe_standard(acts: Activations, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 weights: PreparedWeights, config: TileConfig) -> torch.Tensor:
+    """[N, H]: every token's routed experts, weighted by their top-k weights and summed."""
+    num_tokens, top_k = topk_ids.shape
+    out = torch.empty(num_tokens, weights.hidden_size, dtype=acts.out_dtype, device=topk_ids.device)
+    if num_tokens == 0:
+        return out
+    align = align_pairs(topk_ids, weights.num_experts, config.block_m)
+    pair_rows = torch.empty(num_tokens * top_k, weights.hidden_size, dtype=acts.out_dtype, device=out.device)
+    run_experts(acts, weights, align, pair_rows, config, a_row_div=top_k,
+                routed_weights=topk_weights.reshape(-1).contiguous())
+    return sum_topk(pair_rows, topk_ids.contiguous(), out)
+
+
+def moe_grouped_rows(acts: Activations, expert_index: torch.Tensor, group_rows: int,
+                     weights: PreparedWeights, config: TileConfig) -> torch.Tensor:
+    """[M, H] for rows already grouped per expert in groups of `group_rows` (-1 rows come out as zeros)."""
+    num_rows = expert_index.numel()
+    expert_index = expert_index.contiguous()
+    if can_align_in_place(num_rows, group_rows, config.block_m):
+        out = torch.empty(num_rows, weights.hidden_size, dtype=acts.out_dtype, device=expert_index.device)
+        return run_experts(acts, weights, align_in_place(expert_index, config.block_m), out, config, in_place=True)
+    # Tiles would straddle groups: sort the rows like top-1 pairs; rows nobody writes stay zero.
+    out = torch.zeros(num_rows, weights.hidden_size, dtype=acts.out_dtype, device=expert_index.device)
+    if num_rows == 0:
+        return out
+    align = align_pairs(expert_index[:, None], weights.num_experts, config.block_m)
+    return run_experts(acts, weights, align, out, config)
+
+
+def masked_expert_index(counts: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """The masked layout's rows as one grouped list: row r of expert e is e when r < counts[e], else -1."""
+    num_experts = counts.shape[0]
+    slot = torch.arange(max_rows, device=counts.device)
+    expert = torch.arange(num_experts, dtype=torch.int32, device=counts.device)
+    return torch.where(slot[None, :] < counts[:, None], expert[:, None], -1).reshape(-1)

@@ -1,0 +1,176 @@
+"""The grouped GEMM both expert projections run on.
+
+C[row] = A[row] @ B[e].T for every row routed to expert e. Rows reach the kernel through an
+Alignment (align.py): `sorted_ids` lists them grouped per expert, each group padded to BLOCK_M
+with a sentinel, so every BLOCK_M-row tile has one expert and streams that expert's weights once.
+B is [E, N, K] row-major like nn.Linear; in the fp8 block format it comes with one fp32 scale per
+128x128 block, and A with one scale per row per 128 columns (DeepSeek-V3's w8a8).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeplex.quant import BLOCK as SCALE_BLOCK
+
+from .align import Alignment
+from .configs import TileConfig
+
+
+@triton.jit
+def _tile_coords(num_slots, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M row tiles sweep the columns together, so their A rows stay in L2."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(num_slots, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_m = (pid // pids_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_per_group) % group_rows
+    pid_n = (pid % pids_per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _scaled_dot(a, b, a_scale, b_scale, FP8_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    if FP8_BLOCK:
+        # One K tile lies inside one 128-wide scale group, so the scales factor out of the dot.
+        return tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+    else:
+        return tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, a_rows, row_mask, expert, cols, N, K,
+                stride_am, stride_ak, stride_be, stride_bn, stride_bk,
+                stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+                GATED: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K loop: A tile x B tile (x the up-projection B tile too when GATED), in fp32."""
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk
+    up_offset = N * stride_bn  # the up rows follow the N gate rows
+    a_scale_ptrs = a_scale_ptr + a_rows * stride_asm
+    b_scale_ptrs = b_scale_ptr + expert * stride_bse + (cols // SCALE_BLOCK) * stride_bsn
+    up_scale_ptrs = b_scale_ptr + expert * stride_bse + ((cols + N) // SCALE_BLOCK) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = ks < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        a_scale = 1.0
+        b_scale = 1.0
+        up_scale = 1.0
+        if FP8_BLOCK:
+            group = kb * BLOCK_K // SCALE_BLOCK
+            a_scale = tl.load(a_scale_ptrs + group * stride_ask, mask=row_mask, other=0.0)
+            b_scale = tl.load(b_scale_ptrs + group * stride_bsk)
+            up_scale = tl.load(up_scale_ptrs + group * stride_bsk)
+        acc += _scaled_dot(a, b, a_scale, b_scale, FP8_BLOCK, DOT_PRECISION)
+        if GATED:
+            b_up = tl.load(b_ptrs + up_offset, mask=k_mask[:, None], other=0.0)
+            acc_up += _scaled_dot(a, b_up, a_scale, up_scale, FP8_BLOCK, DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up  # SiLU(gate) * up
+    return acc
+
+
+@triton.jit
+def grouped_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr,
+    sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+    num_valid, num_slots, N, K,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+    A_ROW_DIV: tl.constexpr,  # rows index (token, k) pairs while A holds one row per token: top_k
+    GATED: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    IN_PLACE: tl.constexpr,  # write each tile at its slots, padding as zeros, instead of at its rows
+    FP8_BLOCK: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = _tile_coords(num_slots, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return  # the grid covers the worst-case padding; tiles past the real one do nothing
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    rows = tl.load(sorted_ids_ptr + slots).to(tl.int64)
+    row_mask = rows < num_valid
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    if IN_PLACE:
+        c_ptrs = c_ptr + slots[:, None] * stride_cm + cols[None, :] * stride_cn
+        c_mask = (slots[:, None] < num_slots) & (cols[None, :] < N)
+    else:
+        c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+        c_mask = row_mask[:, None] & (cols[None, :] < N)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        if IN_PLACE:
+            tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
+        return
+    # Columns past N wrap onto real weight rows so B loads need no mask; they are never stored.
+    acc = _accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, rows // A_ROW_DIV, row_mask, expert, cols % N, N, K,
+                      stride_am, stride_ak, stride_be, stride_bn, stride_bk,
+                      stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+                      GATED, FP8_BLOCK, SCALE_BLOCK, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    if MUL_ROUTED_WEIGHT:
+        acc = acc * tl.load(routed_weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    align: Alignment,
+    config: TileConfig,
+    *,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
+    routed_weights: torch.Tensor | None = None,
+    a_row_div: int = 1,
+    gated: bool = False,
+    in_place: bool = False,
+) -> None:
+    """out[rows] = A[rows // a_row_div] @ B[expert].T (SiLU-gated when `gated`, times the routed weight if given).
+
+    a [rows, K]; b [E, N or 2N, K]; out [rows or slots, N]. fp8 when `b_scale` is given.
+    """
+    fp8 = b_scale is not None
+    n = b.shape[1] // 2 if gated else b.shape[1]
+    if fp8 and (a_scale is None or SCALE_BLOCK % config.block_k):
+        raise ValueError(f"fp8 block GEMMs need activation scales and BLOCK_K dividing {SCALE_BLOCK}")
+    grid = (triton.cdiv(align.num_slots, config.block_m) * triton.cdiv(n, config.block_n),)
+    if grid[0] == 0:
+        return
+    a_scale = a_scale if fp8 else a  # never read: FP8_BLOCK is off
+    b_scale = b_scale if fp8 else b
+    routed = routed_weights if routed_weights is not None else a
+    grouped_gemm_kernel[grid](
+        a, b, out, a_scale, b_scale, routed,
+        align.sorted_ids, align.block_expert, align.num_padded,
+        align.num_valid, align.num_slots, n, a.shape[1],
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+        a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
+        b_scale.stride(0) if fp8 else 0, b_scale.stride(1) if fp8 else 0, b_scale.stride(2) if fp8 else 0,
+        A_ROW_DIV=a_row_div,
+        GATED=gated,
+        MUL_ROUTED_WEIGHT=routed_weights is not None,
+        IN_PLACE=in_place,
+        FP8_BLOCK=fp8,
+        SCALE_BLOCK=SCALE_BLOCK,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )

@@ -1,0 +1,78 @@
+"""`triton`: the fused MoE kernel as a moeplex MoEKernel."""
+
+from __future__ import annotations
+
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from moeplex.interfaces import (
+    ALL_LAYOUTS,
+    BF16,
+    FP8_BLOCK,
+    ContiguousLayout,
+    ExpertOutput,
+    ExpertWeights,
+    KernelCaps,
+    MaskedLayout,
+    MoEContext,
+    MoEKernel,
+    StandardLayout,
+)
+
+from .configs import TileConfig, TileTables, device_name, dtype_name
+from .fused import PreparedWeights, activations, masked_expert_index, moe_grouped_rows, moe_standard
+from .kernel import grouped_gemm_kernel
+
+# Triton decides when it decorates a kernel whether it will compile it for the GPU or interpret it
+# on the CPU (TRITON_INTERPRET=1); the capabilities follow that decision rather than re-reading it.
+INTERPRETED = isinstance(grouped_gemm_kernel, InterpretedFunction)
+# The interpreter's bf16 arithmetic is wrong, so bf16 is only offered to compiled kernels.
+_DTYPES = {torch.float32, torch.float16} if INTERPRETED else {torch.float32, torch.float16, torch.bfloat16}
+
+CONTIGUOUS_ALIGNMENT = 128  # a multiple of every BLOCK_M, so contiguous groups never need sorting
+
+
+class TritonMoEKernel(MoEKernel):
+    caps = KernelCaps(
+        layouts=frozenset(ALL_LAYOUTS),
+        dtypes=frozenset(_DTYPES),
+        weight_formats=frozenset({BF16, FP8_BLOCK}),
+        alignment=CONTIGUOUS_ALIGNMENT,
+        needs_gpu=not INTERPRETED,
+        graph_safe=True,  # no host sync: counts stay on the device and grids come from shapes
+    )
+
+    def __init__(self, ctx: MoEContext, tables: TileTables | None = None):
+        super().__init__(ctx)
+        self.tables = tables or TileTables(device_name(ctx.device, INTERPRETED))
+
+    def prepare_weights(self, weights: ExpertWeights) -> PreparedWeights:
+        return PreparedWeights.from_expert_weights(weights)
+
+    def apply(self, layout, weights: PreparedWeights) -> ExpertOutput:
+        acts = activations(layout.hidden, layout.fp8, weights)
+        if isinstance(layout, StandardLayout):
+            config = self.config(layout.num_rows, acts.out_dtype, weights)
+            hidden = moe_standard(acts, layout.topk_ids, layout.topk_weights, weights, config)
+            return ExpertOutput(hidden, weights_applied=True, summed=True)
+        # Grouped rows carry no token count the host can see; key the tile table by rows per top-k.
+        config = self.config(-(-layout.num_rows // self.ctx.top_k), acts.out_dtype, weights)
+        if isinstance(layout, ContiguousLayout):
+            hidden = moe_grouped_rows(acts, layout.expert_index, layout.alignment, weights, config)
+            return ExpertOutput(hidden, weights_applied=False, summed=False)
+        if isinstance(layout, MaskedLayout):
+            num_experts, max_rows = layout.hidden.shape[:2]
+            expert_index = masked_expert_index(layout.counts, max_rows)
+            hidden = moe_grouped_rows(acts, expert_index, max_rows, weights, config)
+            return ExpertOutput(hidden.view(num_experts, max_rows, -1), weights_applied=False, summed=False)
+        raise TypeError(f"unknown layout {type(layout).__name__}")
+
+    def config(self, num_tokens: int, dtype: torch.dtype, weights: PreparedWeights) -> TileConfig:
+        return self.tables.pick(
+            num_tokens,
+            dtype=dtype_name(dtype, weights.fp8),
+            num_experts=weights.num_experts,
+            intermediate=weights.intermediate_size,
+            hidden=weights.hidden_size,
+            top_k=self.ctx.top_k,
+        )

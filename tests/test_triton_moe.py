@@ -1,0 +1,361 @@
+"""The `triton` fused MoE kernel: equal to the `torch` reference on every layout, dtype and weight format it declares.
+
+Without CUDA the kernels run under Triton's CPU interpreter (slow, so shapes are tiny and odd: with
+its 64-wide default tiles, H=72 and I=88 give two K and N tiles, the last partial). With CUDA the same
+tests run compiled on the GPU; the `gpu` tests add serving shapes, bf16, poisoned buffers and CUDA graphs.
+"""
+
+import os
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+
+import pytest  # noqa: E402
+
+from moeplex.interfaces import (  # noqa: E402
+    BF16,
+    FP8_BLOCK,
+    ContiguousLayout,
+    ExpertWeights,
+    MaskedLayout,
+    MoEContext,
+    StandardLayout,
+)
+from moeplex.moe.adapters import standard_to_contiguous, standard_to_masked  # noqa: E402
+from moeplex.plugins.moe_kernels.torch_ref import TorchMoEKernel  # noqa: E402
+from moeplex.plugins.moe_kernels.triton_moe.align import align_in_place, align_pairs  # noqa: E402
+from moeplex.plugins.moe_kernels.triton_moe.configs import (  # noqa: E402
+    INTERPRETER_DEVICE,
+    TileConfig,
+    TileTables,
+    table_file,
+    write_table,
+)
+from moeplex.plugins.moe_kernels.triton_moe.finish import quantize_rows  # noqa: E402
+from moeplex.plugins.moe_kernels.triton_moe.plugin import INTERPRETED, TritonMoEKernel  # noqa: E402
+from moeplex.quant import dequantize_activations, dequantize_blocks, quantize_activations, quantize_blocks  # noqa: E402
+
+if not torch.cuda.is_available() and not INTERPRETED:
+    pytest.skip("the triton kernels were imported before TRITON_INTERPRET=1 was set and cannot run on this CPU",
+                allow_module_level=True)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+H, I = 72, 88
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2}
+
+
+def make_weights(experts, hidden, inter, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    return ExpertWeights(w13.to(DEVICE, dtype), w2.to(DEVICE, dtype))
+
+
+def random_routing(tokens, top_k, experts, seed, empty_experts=()):
+    """Distinct experts per token; ~15% of pairs on other ranks (-1), none on `empty_experts`, token 1 nowhere here."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.rand(tokens, experts, generator=gen).argsort(1)[:, :top_k]
+    ids[torch.isin(ids, torch.tensor(empty_experts, dtype=ids.dtype))] = -1
+    ids[torch.rand(tokens, top_k, generator=gen) < 0.15] = -1
+    ids[1:2] = -1
+    return ids.to(DEVICE, torch.int32), torch.rand(tokens, top_k, generator=gen).to(DEVICE)
+
+
+def relative_error(ours, ref):
+    return ((ours.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def w8a8_reference(layout, weights, inter_dtype=torch.float32):
+    """What a w8a8 kernel computes: fp8 activations into GEMM 1, the SiLU product re-quantized per 128 columns."""
+    w13 = dequantize_blocks(weights.w13, weights.w13_scale).to(layout.hidden.device)
+    w2 = dequantize_blocks(weights.w2, weights.w2_scale).to(layout.hidden.device)
+    x = dequantize_activations(layout.fp8)
+
+    def expert(rows, e):
+        gate, up = (rows @ w13[e].T).chunk(2, -1)
+        inter = (F.silu(gate) * up).to(inter_dtype).float()
+        padded = F.pad(inter, (0, -inter.shape[-1] % 128))  # zero columns leave every group's amax alone
+        return dequantize_activations(quantize_activations(padded))[:, : inter.shape[-1]] @ w2[e].T
+
+    if isinstance(layout, StandardLayout):
+        out = torch.zeros(x.shape[0], w2.shape[1], device=x.device)
+        for e in range(w13.shape[0]):
+            token, k = (layout.topk_ids == e).nonzero(as_tuple=True)
+            out.index_add_(0, token, expert(x[token], e) * layout.topk_weights[token, k, None])
+        return out
+    if isinstance(layout, ContiguousLayout):
+        out = torch.zeros(x.shape[0], w2.shape[1], device=x.device)
+        for e in range(w13.shape[0]):
+            rows = (layout.expert_index == e).nonzero().squeeze(1)
+            out[rows] = expert(x[rows], e)
+        return out
+    out = torch.zeros(*x.shape[:2], w2.shape[1], device=x.device)
+    for e, count in enumerate(layout.counts.tolist()):
+        out[e, :count] = expert(x[e, :count], e)
+    return out
+
+
+def kernels(dtype, hidden=H, inter=I, experts=8, top_k=8, tables=None):
+    ctx = MoEContext(hidden, inter, experts, top_k, dtype, DEVICE)
+    return TritonMoEKernel(ctx, tables), TorchMoEKernel(ctx)
+
+
+def run_both(layout, weights, triton_kernel, torch_kernel):
+    ours = triton_kernel.apply(layout, triton_kernel.prepare_weights(weights))
+    ref = torch_kernel.apply(layout, torch_kernel.prepare_weights(weights))
+    assert (ours.weights_applied, ours.summed) == (ref.weights_applied, ref.summed)
+    assert ours.hidden.shape == ref.hidden.shape and ours.hidden.dtype == ref.hidden.dtype
+    return ours.hidden, ref.hidden
+
+
+# --- align -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(37, 8, 8, 16), (1, 8, 256, 16), (300, 2, 9, 32), (0, 4, 8, 16)])
+def test_align_gives_every_routed_pair_one_slot_in_a_tile_of_its_expert(tokens, top_k, experts, block_m):
+    ids = torch.randint(-1, experts, (tokens, top_k), generator=torch.Generator().manual_seed(tokens), dtype=torch.int32)
+    align = align_pairs(ids.to(DEVICE), experts, block_m)
+    flat = ids.flatten().long()
+    counts = torch.bincount(flat[flat >= 0], minlength=experts)
+    align = attrs.evolve(align, **{f: getattr(align, f).cpu() for f in ("sorted_ids", "block_expert", "num_padded")})
+    used = int(align.num_padded)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+    slots = align.sorted_ids[:used].long()
+    real = slots < flat.numel()
+    assert sorted(slots[real].tolist()) == (flat >= 0).nonzero().flatten().tolist()
+    tile_expert = align.block_expert.long().repeat_interleave(block_m)[:used]
+    assert torch.equal(tile_expert[real], flat[slots[real]])
+    assert (align.block_expert[: used // block_m] >= 0).all() and (align.block_expert[used // block_m :] == -1).all()
+
+
+def test_align_in_place_keeps_rows_and_skips_padding_tiles():
+    expert_index = torch.tensor([2] * 5 + [-1] * 11 + [-1] * 16 + [0] * 16, dtype=torch.int32)
+    align = align_in_place(expert_index, 16)
+    assert align.block_expert.tolist() == [2, -1, 0]
+    assert align.sorted_ids.tolist() == list(range(5)) + [48] * 27 + list(range(32, 48))
+
+
+def test_quantize_rows_is_bit_exact_with_moeplex_quant():
+    x = torch.randn(19, 384) * torch.logspace(-5, 3, 19)[:, None]
+    x[0, :128] = torch.arange(128) * 0.5  # many values on rounding ties
+    values, scales = quantize_rows(x.to(DEVICE))
+    expected = quantize_activations(x.to(DEVICE))
+    assert torch.equal(scales, expected.scales)
+    assert torch.equal(values.view(torch.uint8), expected.values.view(torch.uint8))
+
+
+# --- standard layout -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,top_k,experts", [(37, 8, 8), (29, 1, 8), (13, 3, 11)])
+def test_standard_matches_torch(dtype, tokens, top_k, experts):
+    triton_kernel, torch_kernel = kernels(dtype, experts=experts, top_k=top_k)
+    weights = make_weights(experts, H, I, dtype)
+    ids, topk_weights = random_routing(tokens, top_k, experts, seed=tokens, empty_experts=(1, experts - 2))
+    hidden = torch.randn(tokens, H).to(DEVICE, dtype)
+    hidden[ids.lt(0).all(1)] = float("nan")  # tokens routed nowhere here must not be read
+    ours, ref = run_both(StandardLayout(hidden, ids, topk_weights, experts), weights, triton_kernel, torch_kernel)
+    assert relative_error(ours, ref) <= TOLERANCE[dtype]
+
+
+def test_zero_tokens_and_unrouted_tokens_give_zeros():
+    triton_kernel, torch_kernel = kernels(torch.float32)
+    weights = make_weights(8, H, I, torch.float32)
+    empty = StandardLayout(torch.empty(0, H, device=DEVICE), torch.empty(0, 8, dtype=torch.int32, device=DEVICE),
+                           torch.empty(0, 8, device=DEVICE), 8)
+    assert run_both(empty, weights, triton_kernel, torch_kernel)[0].shape == (0, H)
+    nowhere = StandardLayout(torch.randn(3, H, device=DEVICE), torch.full((3, 8), -1, dtype=torch.int32, device=DEVICE),
+                             torch.rand(3, 8, device=DEVICE), 8)
+    assert torch.equal(run_both(nowhere, weights, triton_kernel, torch_kernel)[0], torch.zeros(3, H, device=DEVICE))
+
+
+# --- contiguous and masked layouts -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("alignment", [1, 16, 128])  # 1 sorts the rows; 16 and 128 use them in place
+def test_contiguous_matches_torch(dtype, alignment):
+    triton_kernel, torch_kernel = kernels(dtype)
+    ids, topk_weights = random_routing(23, 4, 8, seed=alignment, empty_experts=(3,))
+    standard = StandardLayout(torch.randn(23, H).to(DEVICE, dtype), ids, topk_weights, 8)
+    layout, _ = standard_to_contiguous(standard, alignment)
+    hidden = layout.hidden.clone()
+    hidden[layout.expert_index < 0] = float("nan")  # padding rows must never be read
+    layout = ContiguousLayout(hidden, layout.expert_index, 8, alignment)
+    ours, ref = run_both(layout, make_weights(8, H, I, dtype), triton_kernel, torch_kernel)
+    assert relative_error(ours, ref) <= TOLERANCE[dtype]
+    assert torch.equal(ours[layout.expert_index < 0], torch.zeros_like(ours[layout.expert_index < 0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("max_rows", [32, 24])  # 32 rows are whole tiles; 24 straddle them and get sorted
+def test_masked_matches_torch(dtype, max_rows):
+    triton_kernel, torch_kernel = kernels(dtype)
+    counts = torch.tensor([5, 0, max_rows, 17, 1, 0, 3, 16], dtype=torch.int32, device=DEVICE)
+    hidden = torch.full((8, max_rows, H), float("nan"), dtype=dtype, device=DEVICE)  # rows past a count must never be read
+    for expert, count in enumerate(counts.tolist()):
+        hidden[expert, :count] = torch.randn(count, H).to(DEVICE, dtype)
+    ours, ref = run_both(MaskedLayout(hidden, counts), make_weights(8, H, I, dtype), triton_kernel, torch_kernel)
+    assert relative_error(ours, ref) <= TOLERANCE[dtype]
+    valid = torch.arange(max_rows, device=DEVICE)[None, :] < counts[:, None]
+    assert torch.equal(ours[~valid], torch.zeros_like(ours[~valid]))
+
+
+# --- fp8 with 128x128 weight blocks ----------------------------------------------------------------
+
+FP8_H, FP8_I = 256, 192  # gate and up rows share a 128-row scale block; I ends in a partial group
+
+
+def fp8_tables(tmp_path):
+    """A tuned table for the interpreter: one K tile per scale group keeps the CPU run short."""
+    table = {1: TileConfig(block_m=16, block_n=64, block_k=128)}
+    write_table(tmp_path / table_file(INTERPRETER_DEVICE, "fp8_w8a8", 8, FP8_I, FP8_H), table)
+    return TileTables(INTERPRETER_DEVICE, tmp_path)
+
+
+@pytest.mark.parametrize("layout_name", ["standard", "contiguous", "masked"])
+def test_fp8_block_matches_a_w8a8_emulation_and_torch(tmp_path, layout_name):
+    triton_kernel, torch_kernel = kernels(torch.float32, FP8_H, FP8_I, top_k=4, tables=fp8_tables(tmp_path))
+    w13, w2 = make_weights(8, FP8_H, FP8_I, torch.float32).w13, make_weights(8, FP8_H, FP8_I, torch.float32, seed=1).w2
+    (q13, s13), (q2, s2) = quantize_blocks(w13), quantize_blocks(w2)
+    weights = ExpertWeights(q13, q2, FP8_BLOCK, s13, s2)
+    ids, topk_weights = random_routing(20, 4, 8, seed=2, empty_experts=(6,))
+    standard = StandardLayout(torch.randn(20, FP8_H, device=DEVICE), ids, topk_weights, 8)
+    layout = {
+        "standard": lambda: standard,
+        "contiguous": lambda: standard_to_contiguous(standard, 16)[0],
+        "masked": lambda: standard_to_masked(standard, 16)[0],
+    }[layout_name]()
+    layout = attrs.evolve(layout, fp8=quantize_activations(layout.hidden))  # GEMM 1 takes the payload as it is
+    ours, ref = run_both(layout, weights, triton_kernel, torch_kernel)
+    emulated = w8a8_reference(layout, weights)
+    assert relative_error(ours, emulated) <= 5e-3
+    assert relative_error(ours, ref) <= 6e-2  # the reference does not quantize the intermediate activations
+
+
+def test_fp8_payload_with_plain_weights_is_dequantized():
+    triton_kernel, torch_kernel = kernels(torch.float32, FP8_H, FP8_I, top_k=2)
+    ids, topk_weights = random_routing(9, 2, 8, seed=3)
+    hidden = torch.randn(9, FP8_H, device=DEVICE)
+    layout = StandardLayout(hidden, ids, topk_weights, 8, fp8=quantize_activations(hidden))
+    ours, ref = run_both(layout, make_weights(8, FP8_H, FP8_I, torch.float32), triton_kernel, torch_kernel)
+    assert relative_error(ours, ref) <= TOLERANCE[torch.float32]
+
+
+# --- capabilities and tile tables ------------------------------------------------------------------
+
+
+def test_caps_follow_how_triton_runs_the_kernels():
+    caps = TritonMoEKernel.caps
+    assert caps.graph_safe and caps.weight_formats == {BF16, FP8_BLOCK}
+    assert caps.alignment % 128 == 0
+    if INTERPRETED:
+        assert not caps.needs_gpu and torch.bfloat16 not in caps.dtypes
+    else:
+        assert caps.needs_gpu and torch.bfloat16 in caps.dtypes
+
+
+def test_tile_table_picks_the_nearest_token_count_and_defaults_without_one(tmp_path):
+    small, large = TileConfig(16, 32, 64), TileConfig(64, 128, 64, group_m=8, num_warps=8, num_stages=4)
+    write_table(tmp_path / table_file("dev", "bf16", 8, I, H), {1: small, 256: large})
+    tables = TileTables("dev", tmp_path)
+    pick = lambda m, e=8: tables.pick(m, dtype="bf16", num_experts=e, intermediate=I, hidden=H, top_k=8)  # noqa: E731
+    assert (pick(1), pick(100), pick(200), pick(4096)) == (small, small, large, large)
+    assert pick(1, e=9).block_m in (16, 32, 64)  # no table for 9 experts: a default
+
+
+# --- GPU: bf16 and fp8 at serving shapes, every buffer poisoned, CUDA-graph replay ------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the kernels compile for it")
+GPU_E, GPU_H, GPU_I, GPU_TOP_K = 32, 2048, 768, 8  # Qwen3-30B-A3B's experts, 32 of them on this rank
+
+
+def poison_cuda_allocator():
+    """Leave NaN in the allocator's cached blocks, so any output or buffer element the kernel never writes shows."""
+    torch.cuda.empty_cache()
+    blocks = [torch.full((n,), float("nan"), device="cuda") for n in [2**28] + [2**17] * 64]
+    del blocks
+
+
+def gpu_case(tokens, fp8=False):
+    ctx = MoEContext(GPU_H, GPU_I, GPU_E, GPU_TOP_K, torch.bfloat16, torch.device("cuda"))
+    master = make_weights(GPU_E, GPU_H, GPU_I, torch.float32)
+    if fp8:
+        (q13, s13), (q2, s2) = quantize_blocks(master.w13), quantize_blocks(master.w2)
+        weights = ExpertWeights(q13, q2, FP8_BLOCK, s13, s2)
+    else:
+        weights = ExpertWeights(master.w13.bfloat16(), master.w2.bfloat16())
+    ids, topk_weights = random_routing(tokens, GPU_TOP_K, GPU_E, seed=tokens)
+    layout = StandardLayout(torch.randn(tokens, GPU_H, device="cuda").bfloat16(), ids, topk_weights, GPU_E)
+    return TritonMoEKernel(ctx), layout, weights
+
+
+def fp32_reference(layout, weights):
+    ctx = MoEContext(GPU_H, GPU_I, GPU_E, GPU_TOP_K, torch.float32, torch.device("cuda"))
+    fp32 = ExpertWeights(weights.w13.float(), weights.w2.float())
+    return TorchMoEKernel(ctx).apply(attrs.evolve(layout, hidden=layout.hidden.float()), fp32).hidden
+
+
+def apply_poisoned(kernel, layout, weights):
+    prepared = kernel.prepare_weights(weights)
+    poison_cuda_allocator()
+    return kernel.apply(layout, prepared).hidden
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300, 2048])
+def test_gpu_bf16_matches_fp32(tokens):
+    kernel, layout, weights = gpu_case(tokens)
+    assert relative_error(apply_poisoned(kernel, layout, weights), fp32_reference(layout, weights)) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("layout_name", ["contiguous", "masked"])
+def test_gpu_grouped_layouts_match_fp32(layout_name):
+    kernel, standard, weights = gpu_case(300)
+    convert = standard_to_contiguous if layout_name == "contiguous" else standard_to_masked
+    layout, _ = convert(standard, 128)
+    ours = apply_poisoned(kernel, layout, weights)
+    assert relative_error(ours, fp32_reference(layout, weights)) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300, 2048])
+def test_gpu_fp8_block_matches_a_w8a8_emulation(tokens):
+    kernel, layout, weights = gpu_case(tokens, fp8=True)
+    ours = apply_poisoned(kernel, layout, weights)  # quantizes the bf16 activations itself
+    emulated = w8a8_reference(attrs.evolve(layout, fp8=quantize_activations(layout.hidden)), weights, torch.bfloat16)
+    assert relative_error(ours, emulated) <= 1e-2
+    assert relative_error(ours, fp32_reference(layout, ExpertWeights(
+        dequantize_blocks(weights.w13, weights.w13_scale), dequantize_blocks(weights.w2, weights.w2_scale)))) <= 6e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("layout_name", ["standard", "masked"])
+def test_gpu_replays_in_a_cuda_graph(layout_name):
+    kernel, layout, weights = gpu_case(64)
+    if layout_name == "masked":
+        layout, _ = standard_to_masked(layout, 128)
+    prepared = kernel.prepare_weights(weights)
+    kernel.apply(layout, prepared)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernel.apply(layout, prepared).hidden
+    _, fresh, _ = gpu_case(65)  # new routing and activations, written into the captured buffers
+    layout.hidden.copy_(fresh.hidden[:64] if layout_name == "standard" else layout.hidden.flip(1))
+    if layout_name == "standard":
+        layout.topk_ids.copy_(fresh.topk_ids[:64])
+        layout.topk_weights.copy_(fresh.topk_weights[:64])
+    else:
+        layout.counts.copy_(layout.counts.flip(0))
+    graph.replay()
+    assert torch.equal(captured, kernel.apply(layout, prepared).hidden)
