@@ -5,6 +5,8 @@ from __future__ import annotations
 import attrs
 import torch
 
+from .moe.recorder import PER_STEP, STAT
+from .moe.replicas import DISPATCH_ALGORITHMS, SPREAD
 from .parallel import ParallelConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -13,6 +15,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def _positive(instance, attribute, value):
     if value is not None and value <= 0:
         raise ValueError(f"{attribute.name} must be positive, got {value}")
+
+
+def _not_negative(instance, attribute, value):
+    if value < 0:
+        raise ValueError(f"{attribute.name} must not be negative, got {value}")
 
 
 def _one_of(choices):
@@ -43,6 +50,16 @@ class EngineConfig:
     kv_memory_fraction: float = 0.25  # of free memory, when max_total_tokens is not given
     show_progress: bool = True
     parallel: ParallelConfig = ParallelConfig()
+    # expert placement and load balancing
+    ep_num_redundant_experts: int = attrs.field(default=0, validator=_not_negative)  # physical slots beyond one per expert
+    ep_dispatch_algorithm: str = attrs.field(default=SPREAD, validator=_one_of(DISPATCH_ALGORITHMS))
+    init_expert_location: str | None = None  # a placement file, or a recorded load to balance at start-up
+    expert_distribution_recorder_mode: str = attrs.field(default=STAT, validator=_one_of((STAT, PER_STEP)))
+    expert_distribution_recorder_buffer_size: int = attrs.field(default=1000, validator=_positive)  # steps kept per-step
+    enable_eplb: bool = False  # keep a sliding window of expert load for rebalancing while serving
+    eplb_window_size: int = attrs.field(default=1000, validator=_positive)  # steps of load a rebalance uses
+    eplb_rebalance_num_iterations: int = attrs.field(default=0, validator=_not_negative)  # 0: only when asked
+    eplb_rebalance_layers_per_chunk: int = attrs.field(default=4, validator=_positive)  # layers moved at once
 
     def __attrs_post_init__(self):
         if self.max_batched_tokens < self.max_running_requests:
@@ -51,6 +68,8 @@ class EngineConfig:
                 f"max_batched_tokens ({self.max_batched_tokens}) must be >= max_running_requests "
                 f"({self.max_running_requests})"
             )
+        if self.eplb_rebalance_num_iterations and not self.enable_eplb:
+            raise ValueError("--eplb-rebalance-num-iterations needs --enable-eplb, which records the load it balances")
 
     @property
     def torch_dtype(self) -> torch.dtype:

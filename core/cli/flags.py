@@ -6,6 +6,8 @@ import argparse
 
 from ..config import DTYPES, EngineConfig
 from ..models.make_model import default_model
+from ..moe.recorder import PER_STEP, STAT
+from ..moe.replicas import DISPATCH_ALGORITHMS, SPREAD
 from ..parallel import ParallelConfig
 
 
@@ -51,7 +53,51 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--dist-timeout", type=float, default=300.0,
         help="seconds a collective may wait before the ranks give up and name the missing rank (default: 300)",
     )
+    add_balancing_flags(parser)
     parser.add_argument("--seed", type=int, default=0, help="global random seed (default: 0)")
+
+
+def add_balancing_flags(parser: argparse.ArgumentParser) -> None:
+    eplb = parser.add_argument_group("expert placement and load balancing (--balancer chooses the placement)")
+    eplb.add_argument(
+        "--ep-num-redundant-experts", type=int, default=0, metavar="R",
+        help="physical expert slots beyond one per logical expert, each holding a replica of a hot expert; "
+        "experts + R must divide over the EP ranks (default: 0)",
+    )
+    eplb.add_argument(
+        "--ep-dispatch-algorithm", choices=DISPATCH_ALGORITHMS, default=SPREAD,
+        help="which replica a token uses: static (always the first) or spread (routing choices share the replicas "
+        "in turn) (default: spread)",
+    )
+    eplb.add_argument(
+        "--init-expert-location", metavar="FILE", default=None,
+        help="start with this placement: a JSON file with phy2log (a placement, used as it is) or with "
+        "logical_count (an expert-load dump, balanced at start-up by --balancer); see docs/eplb.md",
+    )
+    eplb.add_argument(
+        "--expert-distribution-recorder-mode", choices=(STAT, PER_STEP), default=STAT,
+        help="what a started expert-load recording keeps: stat (one running total) or per-step (default: stat)",
+    )
+    eplb.add_argument(
+        "--expert-distribution-recorder-buffer-size", type=int, default=1000, metavar="STEPS",
+        help="steps a per-step recording keeps, the newest ones (default: 1000)",
+    )
+    eplb.add_argument(
+        "--enable-eplb", action="store_true",
+        help="record a sliding window of expert load while serving, for rebalancing without restarting",
+    )
+    eplb.add_argument(
+        "--eplb-window-size", type=int, default=1000, metavar="STEPS",
+        help="steps of recorded load a rebalance balances (default: 1000)",
+    )
+    eplb.add_argument(
+        "--eplb-rebalance-num-iterations", type=int, default=0, metavar="N",
+        help="rebalance every N forward steps (needs --enable-eplb); 0: only when asked (default: 0)",
+    )
+    eplb.add_argument(
+        "--eplb-rebalance-layers-per-chunk", type=int, default=4, metavar="LAYERS",
+        help="MoE layers whose expert weights move at once, bounding the memory a rebalance borrows (default: 4)",
+    )
 
 
 def parallel_config(args: argparse.Namespace) -> ParallelConfig:
@@ -84,5 +130,14 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,
         parallel=parallel_config(args),
+        ep_num_redundant_experts=args.ep_num_redundant_experts,
+        ep_dispatch_algorithm=args.ep_dispatch_algorithm,
+        init_expert_location=args.init_expert_location,
+        expert_distribution_recorder_mode=args.expert_distribution_recorder_mode,
+        expert_distribution_recorder_buffer_size=args.expert_distribution_recorder_buffer_size,
+        enable_eplb=args.enable_eplb,
+        eplb_window_size=args.eplb_window_size,
+        eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations,
+        eplb_rebalance_layers_per_chunk=args.eplb_rebalance_layers_per_chunk,
         **overrides,
     )

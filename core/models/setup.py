@@ -6,11 +6,12 @@ import contextlib
 
 import torch
 
-from ..interfaces import MoEContext
+from ..interfaces import MoEContext, Placement
+from ..moe.rebalance import PlacementShape, read_expert_location
 from ..moe.runtime import MoERuntime
 from ..parallel import ParallelConfig, ParallelState
 from . import architecture
-from .base import MoECausalLM, read_config
+from .base import MoECausalLM, MoESpec, read_config
 from .loader import load_checkpoint
 
 
@@ -24,6 +25,33 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
+def placement_shape(spec: MoESpec, config, parallel: ParallelState) -> PlacementShape:
+    """Logical experts plus the redundant slots, over the EP ranks (refused when they do not divide)."""
+    ep = parallel.ep
+    redundant = config.ep_num_redundant_experts
+    num_physical = spec.num_experts + redundant
+    if num_physical % ep.size:
+        raise ValueError(
+            f"{spec.num_experts} experts plus {redundant} redundant make {num_physical} physical slots, which do not "
+            f"divide over {ep.size} EP ranks; choose --ep-num-redundant-experts so that they do"
+        )
+    return PlacementShape(
+        num_layers=spec.num_moe_layers,
+        num_logical=spec.num_experts,
+        num_physical=num_physical,
+        num_groups=spec.num_groups,
+        num_nodes=parallel.config.nnodes if ep.size > 1 else 1,
+        num_gpus=ep.size,
+    )
+
+
+def initial_placement(shape: PlacementShape, config, balancer) -> Placement:
+    """From --init-expert-location, else the balancer's placement of a uniform load."""
+    if config.init_expert_location:
+        return read_expert_location(config.init_expert_location, shape, balancer)
+    return shape.plan(balancer, torch.ones(shape.num_layers, shape.num_logical))
+
+
 def build_model(folder: str, config, selection, parallel: ParallelState | None = None, hooks=None) -> MoECausalLM:
     """An empty model of `folder`'s architecture wired to the selected plugins (weights not loaded)."""
     parallel = parallel if parallel is not None else ParallelState(ParallelConfig())
@@ -31,12 +59,8 @@ def build_model(folder: str, config, selection, parallel: ParallelState | None =
     hf_config = read_config(folder)
     arch = architecture(hf_config)
     spec = arch.moe_spec(hf_config)
-    num_physical = spec.num_experts
-    empty_load = torch.zeros(spec.num_moe_layers, spec.num_experts)
-    placement = selection.balancer().rebalance(
-        empty_load, num_physical, spec.num_groups, parallel.config.nnodes, ep.size
-    )
-    placement.check(ep.size)
+    shape = placement_shape(spec, config, parallel)
+    placement = initial_placement(shape, config, selection.balancer())
     if spec.intermediate_size % parallel.moe_tp.size:
         raise ValueError(
             f"the experts' intermediate size {spec.intermediate_size} is not divisible by {parallel.moe_tp.size} ranks"
@@ -45,7 +69,7 @@ def build_model(folder: str, config, selection, parallel: ParallelState | None =
     ctx = MoEContext(
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size // parallel.moe_tp.size,
-        num_physical_experts=num_physical,
+        num_physical_experts=shape.num_physical,
         top_k=spec.top_k,
         dtype=config.torch_dtype,
         device=device,
@@ -53,10 +77,20 @@ def build_model(folder: str, config, selection, parallel: ParallelState | None =
         ep_size=ep.size,
         group=ep.group,
     )
-    runtime = MoERuntime(ctx, selection.dispatcher, selection.moe_kernel, placement, hooks, parallel)
+    runtime = MoERuntime(
+        ctx,
+        selection.dispatcher,
+        selection.moe_kernel,
+        placement,
+        hooks,
+        parallel,
+        dispatch_algorithm=config.ep_dispatch_algorithm,
+        placement_shape=shape,
+    )
     with device, default_dtype(config.torch_dtype):
         model = arch.MODEL_CLASS(hf_config, runtime)
     model.hf_config = hf_config
+    model.moe_runtime = runtime
     return model.eval()
 
 

@@ -7,7 +7,9 @@ import torch
 from ..interfaces import BF16, ExpertWeights, MoEContext, Placement
 from ..parallel import Group, ParallelConfig, ParallelState
 from .adapters import LayoutAdapter
-from .replicas import ReplicaSelector
+from .rebalance import PlacementShape
+from .recorder import LoadRecorder
+from .replicas import SPREAD, ReplicaSelector
 
 
 class MoERuntime:
@@ -19,6 +21,8 @@ class MoERuntime:
         placement: Placement,
         hooks=None,
         parallel: ParallelState | None = None,
+        dispatch_algorithm: str = SPREAD,
+        placement_shape: PlacementShape | None = None,  # what rebalancing may change (default: placement's own)
     ):
         self.ctx = ctx
         self.parallel = parallel if parallel is not None else ParallelState(ParallelConfig())
@@ -26,8 +30,14 @@ class MoERuntime:
         self.kernel = kernel_cls(ctx)
         caps = self.kernel.caps
         self.adapter = LayoutAdapter(dispatcher_cls.caps.layout, caps.layouts, caps.alignment)
-        self.replicas = ReplicaSelector(placement, ctx.device)
+        self.placement_shape = placement_shape or PlacementShape(
+            placement.num_layers, placement.num_logical, placement.num_physical, 1, 1, ctx.ep_size
+        )
+        # room for the most replicas an expert can get: its own slot plus every redundant one
+        max_replicas = 1 + self.placement_shape.num_physical - self.placement_shape.num_logical
+        self.replicas = ReplicaSelector(placement, ctx.device, dispatch_algorithm, max_replicas)
         self.hooks = hooks
+        self.recorders: list[LoadRecorder] = []  # attached by the engine's expert balancing
         self._local_slots = self._index_local_slots(placement)
 
     @property
@@ -54,6 +64,11 @@ class MoERuntime:
     def placement(self) -> Placement:
         return self.replicas.placement
 
+    def apply_placement(self, placement: Placement) -> None:
+        """Route tokens by `placement` from the next step on (its expert weights are already in place)."""
+        self.replicas.update(placement)
+        self._local_slots = self._index_local_slots(placement)
+
     def local_slots(self, layer: int, logical_expert: int) -> list[int]:
         return self._local_slots[layer].get(logical_expert, [])
 
@@ -61,6 +76,9 @@ class MoERuntime:
         return self.kernel.prepare_weights(ExpertWeights(w13=w13.data, w2=w2.data, format=BF16))
 
     def record_load(self, layer: int, logical_ids: torch.Tensor) -> None:
+        """Count one MoE layer's routing choices on the device; a hook implementation gets them as well."""
+        for recorder in self.recorders:
+            recorder.record(layer, logical_ids)
         if self.hooks is not None and self.hooks.hook.moeplex_expert_load_recorded.get_hookimpls():
             counts = torch.bincount(logical_ids.flatten(), minlength=self.placement.num_logical)
             self.hooks.hook.moeplex_expert_load_recorded(layer_id=layer, counts=counts)
