@@ -298,7 +298,8 @@ def gpu_case(tokens, fp8=False):
 def fp32_reference(layout, weights):
     ctx = MoEContext(GPU_H, GPU_I, GPU_E, GPU_TOP_K, torch.float32, torch.device("cuda"))
     fp32 = ExpertWeights(weights.w13.float(), weights.w2.float())
-    return TorchMoEKernel(ctx).apply(attrs.evolve(layout, hidden=layout.hidden.float()), fp32).hidden
+    reference = TorchMoEKernel(ctx)
+    return reference.apply(attrs.evolve(layout, hidden=layout.hidden.float()), reference.prepare_weights(fp32)).hidden
 
 
 def apply_poisoned(kernel, layout, weights):
