@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import tempfile
@@ -51,6 +52,7 @@ def _last_line(text: str) -> str:
 
 def _rank_main(local_rank: int, fn, parallel: ParallelConfig, result_path: str, args) -> None:
     rank = parallel.node_rank * parallel.ranks_per_node + local_rank
+    logging.basicConfig(level=logging.INFO, format="moeplex: %(message)s")  # a spawned process starts unconfigured
     # the node's cores are shared by its ranks: more threads per rank would only contend
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel.ranks_per_node))
     try:

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import logging
+
 import torch
 import torch.distributed as dist
 
 from .config import EngineConfig
 from .engine import Engine
 from .launcher import launch
+from .memory import describe, memory_report
 from .parallel import ParallelState, init_parallel
 from .sampling import SamplingParams
+
+
+log = logging.getLogger(__name__)
 
 
 def assign_to_dp_groups(prompts: Sequence[Sequence[int]], dp_size: int) -> list[int]:
@@ -44,6 +50,7 @@ def _generate_on_rank(rank: int, config: EngineConfig, prompts, params) -> list[
 def generate_on_rank(parallel: ParallelState, config: EngineConfig, prompts, params) -> list[dict] | None:
     """This rank's part of an offline run: its DP group's prompts; rank 0 returns every result."""
     engine = Engine(config, parallel=parallel)
+    log.info(describe(memory_report(engine)))
     rank = parallel.rank
     owners = assign_to_dp_groups(prompts, config.parallel.dp_size)
     mine = [i for i, owner in enumerate(owners) if owner == parallel.dp_rank]

@@ -48,3 +48,18 @@ def hang_after_joining(rank, parallel_config):
 
 def evolve(config, **changes):
     return attrs.evolve(config, **changes)
+
+
+def memory_of_every_rank(rank, parallel_config, folder):
+    from moeplex.engine import Engine
+    from moeplex.memory import memory_report
+
+    parallel = init_parallel(parallel_config, rank, torch.device("cpu"))
+    dispatcher = "naive" if parallel_config.ep_size > 1 else "local"
+    config = EngineConfig(model=folder, show_progress=False, max_total_tokens=1024, dispatcher=dispatcher, parallel=parallel_config)
+    report = memory_report(Engine(config, parallel=parallel))
+    if not parallel_config.distributed:
+        return [report]
+    reports = [None] * parallel_config.world_size if rank == 0 else None
+    dist.gather_object(report, reports, dst=0)
+    return reports

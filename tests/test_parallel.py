@@ -94,3 +94,14 @@ def test_a_hung_rank_times_out_the_others():
 def test_invalid_layouts_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
         ParallelConfig(**settings)
+
+
+def test_each_rank_holds_only_its_shard(folders):
+    folder = folders[0]
+    alone = launch(parallel_ranks.memory_of_every_rank, ParallelConfig(), ParallelConfig(), folder)[0]
+    parallel = ParallelConfig(tp_size=2, ep_size=2, dist_init_addr=free_address(), timeout_s=60)
+    ranks = launch(parallel_ranks.memory_of_every_rank, parallel, parallel, folder)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for report in ranks:
+        assert report["experts_mib"] == pytest.approx(alone["experts_mib"] / 2, rel=0.02)
+        assert report["weights_mib"] < alone["weights_mib"]  # attention and dense layers split too

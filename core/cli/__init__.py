@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from ..launcher import RankFailed
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="moeplex: %(message)s", stream=sys.stderr)
     try:
         return args.run(args) or 0
     except (PluginError, ValueError, FileNotFoundError, RankFailed) as exc:
