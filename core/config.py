@@ -49,6 +49,7 @@ class EngineConfig:
     max_total_tokens: int | None = attrs.field(default=None, validator=_positive)  # KV pool size in tokens
     kv_memory_fraction: float = 0.25  # of free memory, when max_total_tokens is not given
     show_progress: bool = True
+    load_format: str = attrs.field(default="auto", validator=_one_of(("auto", "dummy")))
     parallel: ParallelConfig = ParallelConfig()
     # expert placement and load balancing
     ep_num_redundant_experts: int = attrs.field(default=0, validator=_not_negative)  # physical slots beyond one per expert

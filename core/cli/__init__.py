@@ -13,6 +13,7 @@ from ..registry import PluginError
 # sub-command -> module under moeplex.cli defining add_parser(subparsers) and run(args)
 COMMANDS = {
     "generate": "generate",
+    "bench-one-batch": "bench_one_batch",
     "make-model": "make_model",
     "plugins": "plugins",
     "serve": "serve",

@@ -20,6 +20,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="compute and weight dtype (default: fp32)")
     model.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default: cpu)")
+    model.add_argument(
+        "--load-format", choices=("auto", "dummy"), default="auto",
+        help="auto: read the safetensors files; dummy: random weights made on the device from config.json alone",
+    )
     plugins = parser.add_argument_group("plugins (see `moeplex plugins` for what is installed)")
     plugins.add_argument("--dispatcher", default="local", help="how routed tokens reach their experts (default: local)")
     plugins.add_argument("--moe-kernel", default="torch", help="how experts compute (default: torch)")
@@ -115,7 +119,7 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
-    return EngineConfig(
+    settings = dict(
         model=args.model or default_model(),
         dtype=args.dtype,
         device=args.device,
@@ -130,6 +134,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,
         parallel=parallel_config(args),
+        load_format=args.load_format,
         ep_num_redundant_experts=args.ep_num_redundant_experts,
         ep_dispatch_algorithm=args.ep_dispatch_algorithm,
         init_expert_location=args.init_expert_location,
@@ -139,5 +144,6 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         eplb_window_size=args.eplb_window_size,
         eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations,
         eplb_rebalance_layers_per_chunk=args.eplb_rebalance_layers_per_chunk,
-        **overrides,
     )
+    settings.update(overrides)  # a command's own choices win over the shared flags
+    return EngineConfig(**settings)

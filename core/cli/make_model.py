@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from ..models.make_model import ARCHES, write_checkpoint
 
 
@@ -9,12 +11,40 @@ def add_parser(sub) -> None:
     p = sub.add_parser("make-model", help="write a random-weight Hugging Face checkpoint of a supported architecture")
     p.add_argument("out", metavar="OUT", help="folder to write (created if missing)")
     p.add_argument("--arch", choices=ARCHES, required=True, help="architecture")
-    p.add_argument("--preset", default="tiny", help="size: tiny (tests) or small (CPU benchmarks); default tiny")
+    p.add_argument(
+        "--preset", default="tiny",
+        help="size: tiny (tests), small (CPU benchmarks), or the released shapes (deepseek_v3: v3, qwen3_moe: 30b-a3b, "
+        "mixtral: 8x7b; use with --config-only); default tiny",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    p.add_argument(
+        "--config-only", action="store_true",
+        help="write config and tokenizer but no weights (run it with --load-format dummy)",
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config.json field, VALUE as JSON (e.g. --set num_hidden_layers=4); repeatable",
+    )
     p.set_defaults(run=run)
 
 
+def _overrides(pairs: list[str]) -> dict:
+    overrides = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY=VALUE, got {pair!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value  # a bare string
+    return overrides
+
+
 def run(args) -> int:
-    folder = write_checkpoint(args.out, args.arch, args.preset, args.seed)
-    print(f"wrote a random {args.arch} ({args.preset}) checkpoint to {folder}")
+    folder = write_checkpoint(
+        args.out, args.arch, args.preset, args.seed, overrides=_overrides(args.set), config_only=args.config_only
+    )
+    what = "config (no weights)" if args.config_only else "random checkpoint"
+    print(f"wrote a {args.arch} ({args.preset}) {what} to {folder}")
     return 0

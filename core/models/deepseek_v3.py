@@ -86,6 +86,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         "n_group": 8,
         "topk_group": 4,
     },
+    # the released DeepSeek-V3 shapes, for --config-only folders run with --load-format dummy
+    # (cut the depth with `moeplex make-model --set num_hidden_layers=4`)
+    "v3": {
+        **_TINY,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 3,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+    },
 }
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")

@@ -68,19 +68,33 @@ def _write_json(folder: str, name: str, data: dict) -> None:
         f.write("\n")
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """A random weight for the tensor called `name` (on the generator's device, fp32)."""
+    noise = torch.randn(shape, generator=gen, device=gen.device)
     if "norm" in name:  # RMSNorm weights near one
-        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        return 1.0 + 0.1 * noise
     if name.endswith("bias"):  # router correction bias, attention biases
-        return 0.1 * torch.randn(shape, generator=gen)
+        return 0.1 * noise
     if "embed_tokens" in name:
-        return torch.randn(shape, generator=gen)
+        return noise
     # unit-variance activations through the stack, so logits are peaked and ties unlikely
-    return torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+    return noise / math.sqrt(shape[-1])
 
 
-def write_checkpoint(folder: str, arch: str, preset: str = "tiny", seed: int = 0, max_shard_bytes: int | None = None) -> str:
-    """Write config, generation config, tokenizer and random safetensors weights of `arch`/`preset` to `folder`."""
+def write_checkpoint(
+    folder: str,
+    arch: str,
+    preset: str = "tiny",
+    seed: int = 0,
+    max_shard_bytes: int | None = None,
+    overrides: dict | None = None,
+    config_only: bool = False,
+) -> str:
+    """Write config, generation config, tokenizer and random safetensors weights of `arch`/`preset` to `folder`.
+
+    `overrides` replace config fields (e.g. num_hidden_layers); `config_only` writes no weights,
+    for folders run with --load-format dummy.
+    """
     from ..selection import resolve  # deferred: selection reads the plugin registry
     from .setup import build_model
 
@@ -90,14 +104,16 @@ def write_checkpoint(folder: str, arch: str, preset: str = "tiny", seed: int = 0
     if preset not in module.PRESETS:
         raise ValueError(f"unknown preset {preset!r}; {arch} presets: {', '.join(module.PRESETS)}")
     os.makedirs(folder, exist_ok=True)
-    config = dict(module.PRESETS[preset])
+    config = {**module.PRESETS[preset], **(overrides or {})}
     _write_json(folder, "config.json", config)
     _write_json(folder, "generation_config.json", {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
     write_tokenizer(folder)
+    if config_only:
+        return folder
     engine_config = EngineConfig(model=folder, show_progress=False)
     model = build_model(folder, engine_config, resolve(engine_config))
     gen = torch.Generator().manual_seed(seed)
-    tensors = {name: _random_tensor(name, t.shape, gen).contiguous() for name, t in sorted(model.weight_targets().items())}
+    tensors = {name: random_tensor(name, t.shape, gen).contiguous() for name, t in sorted(model.weight_targets().items())}
     _save_shards(folder, tensors, max_shard_bytes)
     return folder
 

@@ -61,6 +61,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_local_experts": 16,
         "num_experts_per_tok": 2,
     },
+    # Mixtral-8x7B's shapes, for --config-only folders run with --load-format dummy
+    "8x7b": {
+        **_COMMON,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 32768,
+    },
 }
 
 

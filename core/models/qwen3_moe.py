@@ -68,6 +68,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_experts": 32,
         "num_experts_per_tok": 4,
     },
+    # Qwen3-30B-A3B's shapes, for --config-only folders run with --load-format dummy
+    "30b-a3b": {
+        **_COMMON,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "mlp_only_layers": [],
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "max_position_embeddings": 40960,
+    },
 }
 
 

@@ -13,6 +13,7 @@ from ..parallel import ParallelConfig, ParallelState
 from . import architecture
 from .base import MoECausalLM, MoESpec, read_config
 from .loader import load_checkpoint
+from .make_model import random_tensor
 
 
 @contextlib.contextmanager
@@ -94,9 +95,21 @@ def build_model(folder: str, config, selection, parallel: ParallelState | None =
     return model.eval()
 
 
+def init_dummy_weights(model: MoECausalLM, seed: int) -> None:
+    """Random weights made on the model's device from config.json alone (--load-format dummy)."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(random_tensor(name, tuple(param.shape), gen))
+
+
 def load_model(folder: str, config, selection, parallel: ParallelState | None = None, hooks=None) -> MoECausalLM:
-    """`build_model`, then read this rank's weights from the safetensors files and prepare the experts."""
+    """`build_model`, then this rank's weights (read from safetensors, or random ones) and prepared experts."""
     model = build_model(folder, config, selection, parallel, hooks)
-    load_checkpoint(model, folder, show_progress=config.show_progress)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)  # the same on every rank: replicated weights agree
+    else:
+        load_checkpoint(model, folder, show_progress=config.show_progress)
     model.finish_loading()
     return model

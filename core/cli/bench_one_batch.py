@@ -1,0 +1,84 @@
+"""`moeplex bench-one-batch`: prefill one static batch, then decode it, and time both (no server, one rank)."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from ..engine import Engine
+from ..sampling import SamplingParams
+from .flags import add_engine_flags, engine_config
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench-one-batch", help="time the prefill and decode of one static batch")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="requests in the batch (several: one run each)")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request (default: 256)")
+    p.add_argument("--output-len", type=int, default=32, help="tokens decoded per request (default: 32)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per batch size")
+    add_engine_flags(p)
+    p.set_defaults(run=run)
+
+
+def _sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def measure(engine: Engine, batch_size: int, input_len: int, output_len: int) -> dict:
+    """Prefill time of the whole batch (one step) and the median decode step after it."""
+    rng = random.Random(batch_size)
+    vocab = min(engine.vocab_size, 256)
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for _ in range(batch_size):
+        engine.add_request([rng.randrange(vocab) for _ in range(input_len)], params)
+    _sync(engine)
+    start = time.perf_counter()
+    engine.step()  # the whole batch fits the step's token budget: one prefill step
+    _sync(engine)
+    prefill_s = time.perf_counter() - start
+    steps = []
+    while engine.has_work:
+        start = time.perf_counter()
+        engine.step()
+        _sync(engine)
+        steps.append(time.perf_counter() - start)
+    decode_s = statistics.median(steps) if steps else float("nan")
+    return {
+        "batch_size": batch_size,
+        "input_len": input_len,
+        "output_len": output_len,
+        "prefill_ms": round(prefill_s * 1e3, 3),
+        "prefill_tok_s": round(batch_size * input_len / prefill_s, 1),
+        "decode_step_ms": round(decode_s * 1e3, 3),
+        "decode_tok_s": round(batch_size / decode_s, 1),
+    }
+
+
+def run(args) -> int:
+    largest = max(args.batch_size)
+    config = engine_config(
+        args,
+        show_progress=False,
+        max_running_requests=largest,
+        max_batched_tokens=largest * args.input_len,
+        chunked_prefill_size=args.input_len,
+    )
+    if config.parallel.distributed:
+        raise ValueError("bench-one-batch runs one rank; time several ranks with benchmarks/overlap.py or benchmarks/dispatch.py")
+    engine = Engine(config)
+    measure(engine, 1, min(args.input_len, 16), 2)  # warm-up: first-call allocations and kernel compilation
+    if not args.json:
+        print("| batch | input | output | prefill ms | prefill tok/s | decode step ms | decode tok/s |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+    for batch_size in args.batch_size:
+        row = measure(engine, batch_size, args.input_len, args.output_len)
+        if args.json:
+            print(json.dumps(row))
+        else:
+            print(" | ".join(["", *(str(row[k]) for k in row), ""]).strip())
+    return 0
