@@ -41,6 +41,7 @@ def correctness() -> list[str]:
         bf16 = tokens(folder, "cuda", "bf16", "triton")
         same = sum(a == b for x, y in zip(bf16, cpu) for a, b in zip(x, y)) / sum(len(x) for x in cpu)
         lines.append(f"| {arch} | {gpu == cpu} | {same:.0%} |")
+        print(lines[-1], flush=True)
     return lines
 
 
@@ -88,10 +89,12 @@ def speed(name: str, folder: str, flops_s: float, copy_bs: float, decode_batches
         row = measure(engine, batch, 128, 16)
         roof_ms = step_bytes(engine, batch) / copy_bs * 1e3
         lines.append(f"| {name} | decode | {batch} | {row['decode_step_ms']} | {row['decode_tok_s']} | {roof_ms:.3f} | {row['decode_step_ms'] / roof_ms:.2f}x |")
+        print(lines[-1], flush=True)
     for length in prefill_lens:
         row = measure(engine, 1, length, 1)
         roof_ms = 2 * active * length / flops_s * 1e3
         lines.append(f"| {name} | prefill | {length} | {row['prefill_ms']} | {row['prefill_tok_s']} | {roof_ms:.3f} | {row['prefill_ms'] / roof_ms:.2f}x |")
+        print(lines[-1], flush=True)
     del engine
     torch.cuda.empty_cache()
     return lines
