@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import uvicorn
 
@@ -30,6 +31,11 @@ def add_parser(sub) -> None:
         "--shutdown-timeout", type=float, default=30.0,
         help="on SIGTERM, stop accepting and give in-flight requests this many seconds to finish (default: 30)",
     )
+    http.add_argument(
+        "--gil-switch-interval", type=float, default=1e-4,
+        help="Python's thread switch interval in seconds for this process: how soon the engine thread gets the GIL "
+        "back from the HTTP thread (default: 0.0001; Python's own default 0.005 costs throughput under load)",
+    )
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="server log level (default: info)")
     add_engine_flags(p)
     p.set_defaults(run=run)
@@ -43,7 +49,9 @@ def run(args) -> int:
         served_model_name=args.served_model_name,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        gil_switch_interval=args.gil_switch_interval,
     )
+    sys.setswitchinterval(settings.gil_switch_interval)  # this process is the server's: see ServerSettings
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(engine_config(args, show_progress=False))
     app = build_app(engine, settings)

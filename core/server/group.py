@@ -65,7 +65,7 @@ class RequestGroup:
             watching.cancel()
             if collecting not in done:
                 collecting.cancel()
-            pass  # the rest of the group, when one request failed or the client left
+            self.abort()  # the rest of the group, when one request failed or the client left
         return collecting.result() if collecting in done else None
 
 

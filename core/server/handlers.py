@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Awaitable, Callable
 
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
@@ -28,10 +29,13 @@ async def read_json(http: HttpRequest, limit: int):
     if declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body has {declared} bytes; the limit is {limit}")
     body = bytearray()
-    async for piece in http.stream():
-        body += piece
-        if len(body) > limit:
-            raise ApiError(413, f"the request body is over the limit of {limit} bytes")
+    try:
+        async for piece in http.stream():
+            body += piece
+            if len(body) > limit:
+                raise ApiError(413, f"the request body is over the limit of {limit} bytes")
+    except ClientDisconnect:
+        raise ApiError(CLIENT_CLOSED, "the client disconnected while sending the request") from None
     try:
         return json.loads(body, parse_constant=_no_constants)
     except (ValueError, RecursionError) as exc:

@@ -1,7 +1,7 @@
 """Request bodies declared as fields: one declaration both validates a body and describes it in OpenAPI.
 
-A value of null counts as absent (OpenAI clients send null for unset options). Unknown fields are
-refused, so a misspelt option (`max_token`) is a 400 naming it rather than a silent default.
+A value of null counts as absent (OpenAI clients send null for unset options). Unknown fields with a
+value are refused, so a misspelt option (`max_token`) is a 400 naming it rather than a silent default.
 """
 
 from __future__ import annotations
@@ -152,7 +152,8 @@ def parse(body: Any, fields: Sequence[Field], where: str = "") -> dict[str, Any]
     if type(body) is not dict:
         raise bad_request(f"{where.rstrip('.') or 'the request body'} must be a JSON object, got {json_type(body)}")
     names = [f.name for f in fields]
-    unknown = [key for key in body if key not in names]
+    # an unknown key set to null is as absent as a known one (SDKs echo back null fields of earlier answers)
+    unknown = [key for key, value in body.items() if key not in names and value is not None]
     if unknown:
         raise bad_request(
             f"unknown field {where}{unknown[0]!r}; accepted fields: {', '.join(names)}", where + unknown[0], "unknown_field"
