@@ -16,6 +16,8 @@ COMMANDS = {
     "bench-one-batch": "bench_one_batch",
     "make-model": "make_model",
     "plugins": "plugins",
+    "router": "router",
+    "eplb": "eplb",
     "serve": "serve",
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import tempfile
 import sys
 
 import uvicorn
@@ -35,6 +36,10 @@ def add_parser(sub) -> None:
         "--gil-switch-interval", type=float, default=1e-4,
         help="Python's thread switch interval in seconds for this process: how soon the engine thread gets the GIL "
         "back from the HTTP thread (default: 0.0001; Python's own default 0.005 costs throughput under load)",
+    )
+    http.add_argument(
+        "--expert-load-dir", default=tempfile.gettempdir(),
+        help="folder where POST /dump_expert_distribution_record writes its files (default: the system temp folder)",
     )
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="server log level (default: info)")
     add_engine_flags(p)

@@ -12,6 +12,7 @@ from starlette.routing import Route
 from ..engine import Engine
 from .engine_loop import EngineLoop
 from .errors import EXCEPTION_HANDLERS
+from .expert_load import ExpertLoadRoutes
 from .handlers import generation_route
 from .info import InfoRoutes
 from .metrics import ServerMetrics
@@ -33,6 +34,7 @@ def build_app(engine: Engine, settings: ServerSettings) -> Starlette:
     info = InfoRoutes(model, loop, metrics, settings, endpoints)
     routes = [Route(e.path, generation_route(e, loop, settings.max_request_bytes), methods=["POST"]) for e in endpoints]
     routes += info.routes()
+    routes += ExpertLoadRoutes(loop, settings.expert_load_dir, settings.max_request_bytes).routes()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

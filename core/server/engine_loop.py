@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from typing import Any, Callable
 
 import attrs
 
@@ -46,6 +47,14 @@ class LoopStats:
     @property
     def kv_pages_used(self) -> int:
         return self.kv_pages_total - self.kv_pages_free
+
+
+@attrs.frozen
+class EngineCall:
+    """fn(engine), run on the engine thread between two steps; its result or error settles `future`."""
+
+    fn: Callable[[Engine], Any]
+    future: asyncio.Future
 
 
 _HALT = object()
@@ -85,6 +94,12 @@ class EngineLoop:
     def abort(self, rid: str) -> None:
         self._inbox.put(Abort(rid))
 
+    def call(self, fn: Callable[[Engine], Any]) -> asyncio.Future:
+        """A future of fn(engine), which the engine thread runs between two steps (expert-load endpoints)."""
+        future = asyncio.get_running_loop().create_future()
+        self._inbox.put(EngineCall(fn, future))
+        return future
+
     # --- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -119,6 +134,8 @@ class EngineLoop:
                 self._halted = True
             elif isinstance(item, Abort):
                 self._abort(item.rid)
+            elif isinstance(item, EngineCall):
+                self._run_call(item)
             else:
                 self._admit(item)
         except Exception as exc:  # a bug in admission or abort must not take the loop down with it
@@ -139,6 +156,14 @@ class EngineLoop:
             return
         self._progress[ticket.rid] = Progress(request, ticket)
         self.metrics.prompt_tokens.inc(len(ticket.prompt_ids))
+
+    def _run_call(self, call: EngineCall) -> None:
+        try:
+            outcome = call.fn(self.engine)
+        except Exception as exc:  # the caller reports it (a ValueError is the client's 400)
+            outcome = exc
+        if self._events is not None:
+            self._events.call_soon_threadsafe(_settle, call.future, outcome)
 
     def _abort(self, rid: str) -> None:
         """The client has gone: drop the request and its KV pages; nobody is left to tell."""
@@ -167,6 +192,8 @@ class EngineLoop:
         for item in iter(self._next_command, None):
             if isinstance(item, Ticket):
                 self._send([(item.queue, Output.failure(item, status, message))])
+            elif isinstance(item, EngineCall) and self._events is not None:
+                self._events.call_soon_threadsafe(_settle, item.future, RuntimeError(message))
 
     def _fail(self, rids: list[str], status: int, message: str) -> None:
         batch = []
@@ -220,6 +247,15 @@ class EngineLoop:
             steps=self._steps,
             failed_steps=self._failed_steps,
         )
+
+
+def _settle(future: asyncio.Future, outcome) -> None:
+    if future.done():  # the HTTP call was cancelled
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 def _deliver(batch: list[tuple[asyncio.Queue, Output]]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import attrs
 
 
@@ -18,6 +20,7 @@ class ServerSettings:
     served_model_name: str | None = None  # default: the model path
     max_request_bytes: int = attrs.field(default=8 << 20, validator=_positive)  # larger bodies are a 413
     shutdown_timeout: float = attrs.field(default=30.0, validator=_positive)  # drain in-flight requests on SIGTERM
+    expert_load_dir: str = attrs.field(factory=tempfile.gettempdir)  # where expert-load dumps are written
     health_timeout: float = attrs.field(default=20.0, validator=_positive)  # /health_generate's one-token request
     # applied by `moeplex serve` to its process (sys.setswitchinterval), never by build_app: torch releases the
     # GIL around every op, and with Python's 5 ms default the engine thread waits that long to get it back

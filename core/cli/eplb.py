@@ -1,0 +1,37 @@
+"""`moeplex eplb plan`: a placement file from a recorded expert load (for --init-expert-location)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ..moe.rebalance import PlacementShape, placement_record, write_json
+from ..registry import lookup
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eplb", help="plan expert placements from a recorded load (see docs/eplb.md)")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    plan = actions.add_parser("plan", help="balance LOAD.json into PLACEMENT.json")
+    plan.add_argument("--load", required=True, help="JSON with logical_count [layers][experts] or [steps][layers][experts]")
+    plan.add_argument("--num-physical-experts", type=int, required=True, help="physical slots (experts + redundant)")
+    plan.add_argument("--num-groups", type=int, default=1, help="expert groups (DeepSeek-V3 n_group; default: 1)")
+    plan.add_argument("--num-nodes", type=int, default=1, help="nodes (default: 1)")
+    plan.add_argument("--num-gpus", type=int, required=True, help="EP ranks")
+    plan.add_argument("--balancer", default="eplb", help="balancer (default: eplb)")
+    plan.add_argument("--out", required=True, help="placement file to write (phy2log, logcnt, balancedness)")
+    plan.set_defaults(run=run_plan)
+
+
+def run_plan(args) -> int:
+    with open(args.load) as f:
+        load = torch.tensor(json.load(f)["logical_count"], dtype=torch.float64)
+    layers, experts = load.shape[-2:]
+    shape = PlacementShape(layers, experts, args.num_physical_experts, args.num_groups, args.num_nodes, args.num_gpus)
+    placement = shape.plan(lookup("balancer", args.balancer)(), load)
+    record = placement_record(placement, load, args.num_gpus)
+    write_json(args.out, record)
+    mean = sum(record["balancedness"]) / len(record["balancedness"])
+    print(f"wrote {args.out}: {layers} layers, {args.num_physical_experts} slots, mean balancedness {mean:.3f}")
+    return 0

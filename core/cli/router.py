@@ -1,0 +1,91 @@
+"""`moeplex router`: a cache-aware router in front of several `moeplex serve` workers."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from ..router import POLICIES, RouterSettings, build_router_app
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("router", help="route requests over several `moeplex serve` workers (cache-aware by default)")
+    p.add_argument("--worker-urls", nargs="+", metavar="URL", default=[],
+                   help="workers to route to, e.g. http://127.0.0.1:30001 (more can be added with POST /add_worker)")
+    p.add_argument("--policy", choices=POLICIES, default="cache_aware",
+                   help="how a worker is chosen: cache_aware (prefix affinity with load balancing), round_robin, "
+                   "random, shortest_queue (fewest requests in flight) (default: cache_aware)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=30000, help="port to bind (default: 30000)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default: info)")
+    p.add_argument("--access-log", action="store_true", help="log every request (costs CPU under load; default: off)")
+    _add_cache_aware_flags(p)
+    _add_health_flags(p)
+    _add_forwarding_flags(p)
+    p.set_defaults(run=run)
+
+
+def _add_cache_aware_flags(p) -> None:
+    g = p.add_argument_group("cache-aware policy")
+    g.add_argument("--cache-threshold", type=float, default=0.5,
+                   help="when the longest prefix some worker has seen covers more than this fraction of the request "
+                   "text, that worker gets it; otherwise the least loaded worker (default: 0.5)")
+    g.add_argument("--balance-abs-threshold", type=int, default=32,
+                   help="load is imbalanced, and the shortest queue wins over prefix affinity, when the most and least "
+                   "loaded workers differ by more than this many requests AND by the relative threshold (default: 32)")
+    g.add_argument("--balance-rel-threshold", type=float, default=1.1,
+                   help="... and the most loaded worker has more than this times the least loaded one's requests "
+                   "(default: 1.1)")
+    g.add_argument("--eviction-interval-secs", type=float, default=60.0,
+                   help="seconds between evictions of the least recently used text from the tree (default: 60)")
+    g.add_argument("--max-tree-size", type=int, default=1 << 22,
+                   help="characters of the tree each worker keeps after an eviction (default: 4194304)")
+
+
+def _add_health_flags(p) -> None:
+    g = p.add_argument_group("health checks")
+    g.add_argument("--health-check-interval-secs", type=float, default=10.0,
+                   help="seconds between GET /health checks of every worker (default: 10)")
+    g.add_argument("--health-check-timeout-secs", type=float, default=5.0,
+                   help="a health check not answered within this many seconds fails (default: 5)")
+    g.add_argument("--health-failure-threshold", type=int, default=3,
+                   help="failures in a row (forwards or health checks) that take a worker out of routing (default: 3)")
+    g.add_argument("--health-success-threshold", type=int, default=2,
+                   help="passed health checks in a row that put a worker back into routing (default: 2)")
+
+
+def _add_forwarding_flags(p) -> None:
+    g = p.add_argument_group("forwarding and retries")
+    g.add_argument("--max-retries", type=int, default=3,
+                   help="other workers tried when a forward fails before the first byte (default: 3)")
+    g.add_argument("--retry-backoff-ms", type=float, default=50.0,
+                   help="wait before the first retry, doubled for each further one (default: 50)")
+    g.add_argument("--retry-max-backoff-ms", type=float, default=1000.0, help="longest wait before a retry (default: 1000)")
+    g.add_argument("--retry-jitter", type=float, default=0.2,
+                   help="each wait is scaled by a random factor in 1 +- this (default: 0.2)")
+    g.add_argument("--request-timeout-secs", type=float, default=600.0,
+                   help="a worker silent for this many seconds fails the forward (default: 600)")
+    g.add_argument("--connect-timeout-secs", type=float, default=5.0,
+                   help="a worker not accepting a connection within this many seconds fails the forward (default: 5)")
+    g.add_argument("--max-connections", type=int, default=512,
+                   help="pooled connections to all workers together at most (default: 512)")
+    g.add_argument("--max-request-bytes", type=int, default=32 << 20,
+                   help="larger request bodies are refused with 413 by the router itself (default: 32 MiB)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the random policy and of the retry jitter (default: fresh randomness)")
+
+
+def settings_from(args) -> RouterSettings:
+    names = [f.name for f in RouterSettings.__attrs_attrs__]
+    return RouterSettings(**{name: getattr(args, name) for name in names})
+
+
+def run(args) -> int:
+    settings = settings_from(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_router_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=args.access_log)
+    return 0

@@ -1,0 +1,79 @@
+"""Expert-load endpoints (SGLang's paths): start, stop and dump a recording, rebalance the experts.
+
+Each runs on the engine thread between two steps (EngineLoop.call); a refusal of the engine
+(nothing recorded, a wrong mode) is a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from ..moe.rebalance import placement_record
+from .engine_loop import EngineLoop
+from .errors import ApiError, bad_request
+
+MODES = ("stat", "per-step")
+
+
+class ExpertLoadRoutes:
+    def __init__(self, loop: EngineLoop, dump_dir: str, max_request_bytes: int):
+        self.loop = loop
+        self.dump_dir = dump_dir
+        self.max_request_bytes = max_request_bytes
+
+    def routes(self) -> list[Route]:
+        table = {
+            "/start_expert_distribution_record": self.start,
+            "/stop_expert_distribution_record": self.stop,
+            "/dump_expert_distribution_record": self.dump,
+            "/rebalance_experts": self.rebalance,
+        }
+        return [Route(path, handler, methods=["POST"]) for path, handler in table.items()]
+
+    async def start(self, http: HttpRequest) -> JSONResponse:
+        mode = (await self._body(http)).get("mode")
+        if mode is not None and mode not in MODES:
+            raise bad_request(f"mode must be one of {', '.join(MODES)}, got {mode!r}", "mode")
+        await self._on_engine(lambda engine: engine.start_recording(mode))
+        return JSONResponse({"recording": True, "mode": mode or self.loop.engine.config.expert_distribution_recorder_mode})
+
+    async def stop(self, http: HttpRequest) -> JSONResponse:
+        await self._on_engine(lambda engine: engine.stop_recording())
+        return JSONResponse({"recording": False})
+
+    async def dump(self, http: HttpRequest) -> JSONResponse:
+        """Writes the dump into the server's --expert-load-dir and returns it with the file's path."""
+        path = os.path.join(self.dump_dir, f"expert_distribution_{time.time_ns()}.json")
+        data = await self._on_engine(lambda engine: engine.dump_recording(path))
+        return JSONResponse({"path": path, **data})
+
+    async def rebalance(self, http: HttpRequest) -> JSONResponse:
+        """Balances the recorded load and moves the experts; returns the new placement (a placement file's content)."""
+        report = await self._on_engine(lambda engine: engine.rebalance())
+        return JSONResponse({**report.summary(), **placement_record(report.placement, None, 1)})
+
+    async def _body(self, http: HttpRequest) -> dict:
+        body = await http.body()
+        if len(body) > self.max_request_bytes:
+            raise ApiError(413, f"the request body is over the limit of {self.max_request_bytes} bytes")
+        try:
+            data = json.loads(body) if body.strip() else {}
+        except ValueError as exc:
+            raise bad_request(f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise bad_request("the request body must be a JSON object")
+        return data
+
+    async def _on_engine(self, fn):
+        if not self.loop.alive:
+            raise ApiError(503, "the engine is not running")
+        try:
+            return await self.loop.call(fn)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
