@@ -10,7 +10,6 @@ expert's intermediate dimension over the ranks (tensor-parallel experts, summed 
 from __future__ import annotations
 
 import datetime
-import os
 
 import attrs
 import torch

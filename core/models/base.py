@@ -128,6 +128,17 @@ class MoECausalLM(nn.Module, abc.ABC):
     def kv_shapes(self) -> list[list[tuple[int, ...]]]:
         """Per layer, the per-token shapes of what its attention caches."""
 
+    def build_stack(self, config: dict, layers: list[DecoderLayer]) -> None:
+        """embed_tokens, the layers, the final norm and lm_head, under their checkpoint names."""
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        hidden, vocab = config["hidden_size"], config["vocab_size"]
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(vocab, hidden)
+        self.model.layers = nn.ModuleList(layers)
+        self.model.norm = RMSNorm(hidden, config["rms_norm_eps"])
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.requires_grad_(False)
+
     def layers_program(self, state: StepState) -> Generator[str, None, None]:
         for layer in self.model.layers:
             yield from layer.program(state)

@@ -11,7 +11,7 @@ from torch import nn
 from ..moe.layer import MoELayer
 from ..moe.router import RouterSpec
 from ..moe.runtime import MoERuntime
-from .base import DecoderLayer, MoECausalLM, MoESpec, RMSNorm, SiluMLP
+from .base import DecoderLayer, MoECausalLM, MoESpec, SiluMLP
 from .mla import MLAttention
 
 _TINY = {
@@ -167,17 +167,13 @@ class DeepseekV3ForCausalLM(MoECausalLM):
         super().__init__()
         _check_supported(config)
         self.num_hidden_layers = config["num_hidden_layers"]
-        self.tie_word_embeddings = config.get("tie_word_embeddings", False)
         hidden, eps = config["hidden_size"], config["rms_norm_eps"]
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config["vocab_size"], hidden)
-        self.model.layers = nn.ModuleList()
+        layers = []
         for layer in range(config["num_hidden_layers"]):
             moe_index = sum(is_moe_layer(config, earlier) for earlier in range(layer))
             mlp = self._mlp(config, layer, runtime, moe_index)
-            self.model.layers.append(DecoderLayer(layer, MLAttention(config, runtime.attn_tp), mlp, hidden, eps))
-        self.model.norm = RMSNorm(hidden, eps)
-        self.lm_head = nn.Linear(hidden, config["vocab_size"], bias=False)
+            layers.append(DecoderLayer(layer, MLAttention(config, runtime.attn_tp), mlp, hidden, eps))
+        self.build_stack(config, layers)
 
     @staticmethod
     def _mlp(config: dict[str, Any], layer: int, runtime: MoERuntime, moe_index: int) -> nn.Module:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
 
 from ..moe.layer import MoELayer
 from ..moe.router import RouterSpec
 from ..moe.runtime import MoERuntime
-from .base import DecoderLayer, MoECausalLM, MoESpec, RMSNorm, SiluMLP
+from .base import DecoderLayer, MoECausalLM, MoESpec, SiluMLP
 from .mha import MHAttention, check_silu, check_sliding_window, kv_shapes
 
 _COMMON = {
@@ -123,14 +122,7 @@ class Qwen3MoeForCausalLM(MoECausalLM):
         check_config(config)
         self.config = config
         self.attn_tp = runtime.attn_tp
-        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-        hidden, vocab = config["hidden_size"], config["vocab_size"]
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(vocab, hidden)
-        self.model.layers = nn.ModuleList(self._layers(config, runtime))
-        self.model.norm = RMSNorm(hidden, config["rms_norm_eps"])
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
-        self.requires_grad_(False)
+        self.build_stack(config, self._layers(config, runtime))
 
     @staticmethod
     def _layers(config: dict[str, Any], runtime: MoERuntime) -> list[DecoderLayer]:
