@@ -103,7 +103,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--skip-transformers", action="store_true", help="time moeplex only")
     parser.add_argument("--keep-model", metavar="DIR", help="write the checkpoints under DIR/<arch>-<preset> and keep them")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for both engines")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     work = mixed_workload(args.num_requests)
     rows = []

@@ -1,7 +1,8 @@
 """Attention over the paged KV cache (torch reference path, used on CPU).
 
-Every request's keys and values are gathered from its KV slots (ForwardBatch.kv_indices),
-then attended with causal masking offset by the request's cached prefix.
+Extend: every request's keys and values are gathered from its KV slots (ForwardBatch.kv_indices)
+and attended with causal masking offset by the request's cached prefix. Decode: all requests at
+once, their KV gathered into a [B, longest, ...] block with the padding masked out.
 """
 
 from __future__ import annotations
@@ -18,7 +19,41 @@ def write_kv(buffer: torch.Tensor, batch: ForwardBatch, values: torch.Tensor) ->
 
 def gather_kv(buffer: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     """[sum(seq_lens), ...] cached rows of every request, request after request."""
-    return buffer[batch.kv_indices]
+    return buffer.index_select(0, batch.kv_indices)
+
+
+def padded_rows(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B * longest] positions in kv_indices order, [B, longest] mask of the real ones)."""
+    longest = max(batch.seq_lens_cpu)
+    cols = torch.arange(longest, device=batch.seq_lens.device)
+    valid = cols[None, :] < batch.seq_lens[:, None]
+    rows = (batch.kv_indptr[:-1, None] + cols[None, :]).clamp_max(max(batch.kv_indices.numel() - 1, 0))
+    return rows.flatten(), valid
+
+
+def _attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Hq, D] against k [B, L, Hkv, D], v [B, L, Hkv, Dv] -> [B, Hq, Dv]."""
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[2],
+    )
+    return out.squeeze(2)
+
+
+def paged_decode_attention(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
+    """Decode straight from the cache buffers: one gather per buffer into the padded block."""
+    rows, valid = padded_rows(batch)
+    slots = batch.kv_indices.index_select(0, rows)
+    size = (*valid.shape, *key_cache.shape[1:])
+    k = key_cache.index_select(0, slots).view(size)
+    v = value_cache.index_select(0, slots).view(*valid.shape, *value_cache.shape[1:])
+    return _attend_padded(q, k, v, valid, scale)
 
 
 def ragged_attention(
@@ -26,7 +61,10 @@ def ragged_attention(
 ) -> torch.Tensor:
     """q [T, Hq, D]; k [S, Hkv, D], v [S, Hkv, Dv] in kv_indices order -> [T, Hq, Dv]."""
     if batch.mode == ForwardMode.DECODE:
-        return _decode_attention(q, k, v, batch, scale)
+        rows, valid = padded_rows(batch)
+        k = k.index_select(0, rows).view(*valid.shape, *k.shape[1:])
+        v = v.index_select(0, rows).view(*valid.shape, *v.shape[1:])
+        return _attend_padded(q, k, v, valid, scale)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     gqa = q.shape[1] != k.shape[1]
     t0 = 0
@@ -41,21 +79,3 @@ def ragged_attention(
         ).transpose(0, 1)
         t0 += n
     return out
-
-
-def _decode_attention(q, k, v, batch: ForwardBatch, scale: float) -> torch.Tensor:
-    lens = batch.seq_lens
-    max_len = max(batch.seq_lens_cpu)
-    cols = torch.arange(max_len, device=q.device)
-    valid = cols[None, :] < lens[:, None]
-    rows = (batch.kv_indptr[:-1, None] + cols[None, :]).clamp_max(k.shape[0] - 1)
-    kp, vp = k[rows], v[rows]  # [B, L, Hkv, D]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [B, Hq, 1, D]
-        kp.transpose(1, 2),
-        vp.transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out.squeeze(2)

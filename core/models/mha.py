@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..forward_batch import ForwardBatch
-from .attention import gather_kv, ragged_attention, write_kv
+from ..forward_batch import ForwardBatch, ForwardMode
+from .attention import gather_kv, paged_decode_attention, ragged_attention, write_kv
 from ..parallel import Group
 from .base import RMSNorm, rope_parameters
 from .parallel_layers import RowLinear, column_linear
@@ -126,5 +126,8 @@ class MHAttention(nn.Module):
         key_cache, value_cache = cache
         write_kv(key_cache, batch, k)
         write_kv(value_cache, batch, v)
-        out = ragged_attention(q, gather_kv(key_cache, batch), gather_kv(value_cache, batch), batch, self.scale)
+        if batch.mode == ForwardMode.DECODE:
+            out = paged_decode_attention(q, key_cache, value_cache, batch, self.scale)
+        else:
+            out = ragged_attention(q, gather_kv(key_cache, batch), gather_kv(value_cache, batch), batch, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
