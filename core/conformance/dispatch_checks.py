@@ -92,7 +92,8 @@ def identity_output(layout, form: str, dtype: torch.dtype) -> ExpertOutput:
     )
     if form == "per_pair":
         return per_pair
-    return ExpertOutput(reduce_standard(per_pair, layout.topk_ids, layout.topk_weights), weights_applied=True, summed=True)
+    summed = reduce_standard(per_pair, layout.topk_ids, layout.topk_weights)
+    return ExpertOutput(summed, weights_applied=True, summed=True)
 
 
 def assert_combined(out: torch.Tensor, hidden: torch.Tensor, routing: Routing, what: str, fp8: bool) -> None:

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moeplex.registry import lookup
+
 from .dispatch_checks import device_for_rank, make_context, run_check
 
 COLLECTIVE_TIMEOUT_S = 60  # a dispatcher that deadlocks fails instead of hanging the run
@@ -60,26 +62,38 @@ def _merge(per_rank: list[dict[str, str | None]], checks: tuple[str, ...]) -> di
 
 
 def _rank_main(rank: int, world: int, port: int, plugin_name: str, checks: tuple[str, ...], out_dir: str) -> None:
-    from moeplex.registry import lookup
-
     dispatcher_cls = lookup("dispatcher", plugin_name)  # before joining, so a slow import delays no collective
     device = device_for_rank(rank, world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:  # the ranks share this machine's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     try:
-        results = _run_checks(dispatcher_cls, checks, make_context(rank, world, dist.group.WORLD, device))
+        ctx = make_context(rank, world, dist.group.WORLD, device)
+        results, in_step = _run_checks(dispatcher_cls, checks, ctx)
+        with open(Path(out_dir) / f"rank{rank}.json", "w") as f:
+            json.dump(results, f)
+        if in_step:
+            _leave_together()
     finally:
         dist.destroy_process_group()
-    with open(Path(out_dir) / f"rank{rank}.json", "w") as f:
-        json.dump(results, f)
 
 
-def _run_checks(dispatcher_cls: type, checks: tuple[str, ...], ctx) -> dict[str, str | None]:
-    """Runs the checks in order on one rank.
+def _leave_together() -> None:
+    """Tearing down while a peer still talks can abort that peer, so ranks in step leave at once."""
+    try:
+        dist.barrier()
+    except RuntimeError:
+        pass  # a peer raised and left early; what it saw is in its own file
+
+
+def _run_checks(dispatcher_cls: type, checks: tuple[str, ...], ctx) -> tuple[dict[str, str | None], bool]:
+    """Runs the checks in order on one rank: ({check: None or what failed}, whether the ranks are still in step).
 
     A failed assertion comes after every collective of its check, so the ranks stay in
     step and the next check runs; any other exception may leave another rank inside a
@@ -88,12 +102,12 @@ def _run_checks(dispatcher_cls: type, checks: tuple[str, ...], ctx) -> dict[str,
     try:
         dispatcher = dispatcher_cls(ctx)
     except Exception:
-        return dict.fromkeys(checks, f"setting up the dispatcher failed:\n{traceback.format_exc()}")
+        return dict.fromkeys(checks, f"setting up the dispatcher failed:\n{traceback.format_exc()}"), False
     results: dict[str, str | None] = {}
-    crashed = None
+    raised = None
     for check in checks:
-        if crashed is not None:
-            results[check] = f"not run: check '{crashed}' raised before it on this rank"
+        if raised is not None:
+            results[check] = f"not run: check '{raised}' raised before it on this rank"
             continue
         try:
             run_check(dispatcher, check)
@@ -102,5 +116,5 @@ def _run_checks(dispatcher_cls: type, checks: tuple[str, ...], ctx) -> dict[str,
             results[check] = traceback.format_exc()
         except Exception:
             results[check] = traceback.format_exc()
-            crashed = check
-    return results
+            raised = check
+    return results, raised is None

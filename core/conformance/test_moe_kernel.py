@@ -32,10 +32,12 @@ from moeplex.registry import lookup
 
 HIDDEN_SIZE = 128  # multiples of 128: the fp8 block size
 INTERMEDIATE_SIZE = 128
-NUM_EXPERTS = 8
+NUM_EXPERTS = 4  # idle experts beside busy ones; kernels run interpreted on a CPU pay per expert
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
-FP8_TOLERANCE = 0.1  # an fp8 kernel may also quantize the activations, in 1x128 groups
+# An fp8 kernel may quantize the activations too (1x128 groups, 3 mantissa bits): about 4% of each
+# token's output, by norm, on these shapes. Rows are compared by norm, within this fraction.
+FP8_ROW_TOLERANCE = 0.15
 
 
 @attrs.frozen
@@ -105,10 +107,8 @@ def make_weights(weight_format: str, dtype: torch.dtype) -> ExpertWeights:
 
 def copy_of(weights: ExpertWeights) -> ExpertWeights:
     """Each kernel prepares its own copy: prepare_weights may transform in place."""
-    clone = lambda t: None if t is None else t.clone()  # noqa: E731
-    return attrs.evolve(
-        weights, w13=clone(weights.w13), w2=clone(weights.w2), w13_scale=clone(weights.w13_scale), w2_scale=clone(weights.w2_scale)
-    )
+    tensors = {name: getattr(weights, name) for name in ("w13", "w2", "w13_scale", "w2_scale")}
+    return attrs.evolve(weights, **{name: t.clone() for name, t in tensors.items() if t is not None})
 
 
 def case_inputs(case: KernelCase, alignment: int, dtype: torch.dtype) -> tuple[torch.Tensor, Routing]:
@@ -118,7 +118,7 @@ def case_inputs(case: KernelCase, alignment: int, dtype: torch.dtype) -> tuple[t
     return hidden, Routing(routing.topk_ids.to(device()), routing.topk_weights.to(device()))
 
 
-def run_kernel(kernel, layout_name: str, weights: ExpertWeights, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
+def run_kernel(kernel, layout_name: str, weights: ExpertWeights, hidden: torch.Tensor, routing: Routing):
     """[N, H] output of `kernel` on the tokens, fed in `layout_name` and finished as the core finishes it."""
     prepared = kernel.prepare_weights(copy_of(weights))
     standard = StandardLayout(hidden, routing.topk_ids, routing.topk_weights, NUM_EXPERTS)
@@ -126,6 +126,19 @@ def run_kernel(kernel, layout_name: str, weights: ExpertWeights, hidden: torch.T
     layout, restore = adapter(standard)
     output = restore(kernel.apply(layout, prepared))
     return reduce_standard(output, routing.topk_ids, routing.topk_weights)
+
+
+def assert_rows_close(got: torch.Tensor, want: torch.Tensor, tolerance: float, what: str) -> None:
+    """Each token's output within `tolerance` of the reference's norm (of a typical row's, where that is ~0)."""
+    if not want.numel():
+        return
+    want_norm = want.norm(dim=1)
+    floor = 0.1 * want_norm.mean().clamp_min(1e-6)  # tokens routed nowhere must stay near zero
+    error = (got - want).norm(dim=1) / torch.maximum(want_norm, floor)
+    worst = int(error.argmax())
+    assert error[worst] <= tolerance, (
+        f"{what}: token {worst} is off by {float(error[worst]):.3f} of its norm (up to {tolerance} allowed)"
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -142,11 +155,9 @@ def test_matches_torch_reference(kernel_cls, moeplex_plugin, layout, dtype, weig
     reference = lookup("moe_kernel", "torch")(make_context(torch_dtype, top_k))
     want = run_kernel(reference, STANDARD, weights, hidden, routing)
     assert tuple(got.shape) == tuple(want.shape), f"output shape {tuple(got.shape)}, reference {tuple(want.shape)}"
-    tol = max(TOLERANCE[torch_dtype], FP8_TOLERANCE if weight_format == FP8_BLOCK else 0.0)
-    torch.testing.assert_close(
-        got.float(),
-        want.float(),
-        rtol=tol,
-        atol=tol,
-        msg=lambda detail: f"{moeplex_plugin.name} on the {layout} layout differs from the torch kernel\n{detail}",
-    )
+    what = f"{moeplex_plugin.name} on the {layout} layout differs from the torch kernel"
+    if weight_format == FP8_BLOCK:
+        assert_rows_close(got.float(), want.float(), FP8_ROW_TOLERANCE, what)
+    else:
+        tol = TOLERANCE[torch_dtype]
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol, msg=lambda detail: f"{what}\n{detail}")
