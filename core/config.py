@@ -41,6 +41,7 @@ class EngineConfig:
     moe_kernel: str = "torch"
     balancer: str = "static"
     overlap: str = "none"
+    overlap_min_tokens: int | None = None  # below this many tokens a step runs unsplit (None: the strategy's own)
     # scheduler and KV cache
     max_running_requests: int = attrs.field(default=64, validator=_positive)
     max_batched_tokens: int = attrs.field(default=2048, validator=_positive)  # per-step token budget

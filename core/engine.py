@@ -67,7 +67,7 @@ class Engine:
         tokens = _kv_tokens(config, KVPool.bytes_per_token(shapes, config.torch_dtype), self.device)
         self.kv = KVPool(-(-tokens // config.page_size), config.page_size, shapes, config.torch_dtype, self.device)
         self.scheduler = Scheduler(self.kv, config.max_running_requests, config.max_batched_tokens, config.chunked_prefill_size)
-        self.runner = ModelRunner(self.model, self.kv, selection.overlap(), self.device, self.hooks)
+        self.runner = ModelRunner(self.model, self.kv, selection.overlap(min_tokens=config.overlap_min_tokens), self.device, self.hooks)
         self.sampler = Sampler()
         self.tokenizer = load_tokenizer(config.model)
         self.eos_ids = _eos_ids(config.model, self.model.hf_config)

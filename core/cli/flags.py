@@ -29,6 +29,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     plugins.add_argument("--moe-kernel", default="torch", help="how experts compute (default: torch)")
     plugins.add_argument("--balancer", default="static", help="logical-to-physical expert placement (default: static)")
     plugins.add_argument("--overlap", default="none", help="how a forward step is scheduled (default: none)")
+    plugins.add_argument(
+        "--overlap-min-tokens", type=int, default=None,
+        help="steps with fewer tokens run without splitting into micro-batches (default: the strategy's own)",
+    )
     sched = parser.add_argument_group("scheduler and KV cache")
     sched.add_argument("--max-running-requests", type=int, default=64, help="requests decoding at once (default: 64)")
     sched.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget of one step (default: 2048)")
@@ -128,6 +132,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         moe_kernel=args.moe_kernel,
         balancer=args.balancer,
         overlap=args.overlap,
+        overlap_min_tokens=args.overlap_min_tokens,
         max_running_requests=args.max_running_requests,
         max_batched_tokens=args.max_batched_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
