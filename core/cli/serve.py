@@ -1,15 +1,22 @@
-"""`moeplex serve`: the engine behind an OpenAI-compatible and SGLang-native HTTP server."""
+"""`moeplex serve`: the engine behind an OpenAI-compatible and SGLang-native HTTP server.
+
+With several ranks this process starts them (moeplex.launcher) and waits: rank 0 serves HTTP and drives
+the others (moeplex.server.ranks). A rank that fails stops the rest, and the error names it.
+"""
 
 from __future__ import annotations
 
-import logging
-import tempfile
+import contextlib
+import multiprocessing
+import os
+import signal
 import sys
+import tempfile
 
-import uvicorn
-
-from ..engine import Engine
-from ..server import ServerSettings, build_app
+from ..launcher import launch
+from ..parallel import ParallelConfig
+from ..server import ServerSettings
+from ..server.ranks import EngineStopped, serve_on_rank
 from .flags import add_engine_flags, engine_config
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -55,16 +62,34 @@ def run(args) -> int:
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
         gil_switch_interval=args.gil_switch_interval,
+        expert_load_dir=args.expert_load_dir,
     )
-    sys.setswitchinterval(settings.gil_switch_interval)  # this process is the server's: see ServerSettings
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = Engine(engine_config(args, show_progress=False))
-    app = build_app(engine, settings)
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=settings.shutdown_timeout,
-    )
+    config = engine_config(args, show_progress=False)
+    try:
+        with _signals_passed_to_ranks(config.parallel):
+            launch(serve_on_rank, config.parallel, config, settings, args.log_level)
+    except EngineStopped as exc:  # one rank, in this process
+        print(f"moeplex serve: error: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+@contextlib.contextmanager
+def _signals_passed_to_ranks(parallel: ParallelConfig):
+    """With several ranks this process only waits for them: SIGTERM or SIGINT here becomes SIGTERM to each local
+    rank. Rank 0 answers it with a graceful shutdown and then halts the others, which ignore the signal."""
+    if not parallel.distributed:
+        yield
+        return
+
+    def pass_on(signum, frame):
+        for rank in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):  # it may have exited meanwhile
+                os.kill(rank.pid, signal.SIGTERM)
+
+    found = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in found.items():
+            signal.signal(sig, handler)

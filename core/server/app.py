@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Callable
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from ..engine import Engine
+from ..engine_group import EngineGroup
 from .engine_loop import EngineLoop
 from .errors import EXCEPTION_HANDLERS
 from .expert_load import ExpertLoadRoutes
@@ -24,12 +26,18 @@ from .served_model import ServedModel
 from .settings import ServerSettings
 
 
-def build_app(engine: Engine, settings: ServerSettings) -> Starlette:
-    """The app serving `engine`; the engine thread starts and stops with the app's lifespan."""
+def build_app(
+    engine: Engine | EngineGroup, settings: ServerSettings, on_engine_stopped: Callable[[], None] | None = None
+) -> Starlette:
+    """The app serving `engine` (one rank) or a group of ranks; the engine thread starts and stops with the app.
+
+    `on_engine_stopped` is called if the engine loop stops by itself (with several ranks, a rank failed).
+    """
+    group = engine if isinstance(engine, EngineGroup) else EngineGroup(engine)
     metrics = ServerMetrics()
-    loop = EngineLoop(engine, metrics)
+    loop = EngineLoop(group, metrics, on_engine_stopped)
     metrics.watch(lambda: loop.stats)
-    model = ServedModel(engine, settings.served_model_name or engine.config.model)
+    model = ServedModel(group.engine, settings.served_model_name or group.engine.config.model, group.capacity_tokens)
     endpoints = [CompletionsEndpoint(model), ChatEndpoint(model), GenerateEndpoint(model)]
     info = InfoRoutes(model, loop, metrics, settings, endpoints)
     routes = [Route(e.path, generation_route(e, loop, settings.max_request_bytes), methods=["POST"]) for e in endpoints]

@@ -1,7 +1,7 @@
 """Expert-load endpoints (SGLang's paths): start, stop and dump a recording, rebalance the experts.
 
-Each runs on the engine thread between two steps (EngineLoop.call); a refusal of the engine
-(nothing recorded, a wrong mode) is a 400.
+Each runs on every rank between two steps (EngineLoop.call); a refusal of the engine (nothing
+recorded, a wrong mode) is a 400.
 """
 
 from __future__ import annotations
@@ -40,22 +40,22 @@ class ExpertLoadRoutes:
         mode = (await self._body(http)).get("mode")
         if mode is not None and mode not in MODES:
             raise bad_request(f"mode must be one of {', '.join(MODES)}, got {mode!r}", "mode")
-        await self._on_engine(lambda engine: engine.start_recording(mode))
+        await self._on_engine("start_recording", mode)
         return JSONResponse({"recording": True, "mode": mode or self.loop.engine.config.expert_distribution_recorder_mode})
 
     async def stop(self, http: HttpRequest) -> JSONResponse:
-        await self._on_engine(lambda engine: engine.stop_recording())
+        await self._on_engine("stop_recording")
         return JSONResponse({"recording": False})
 
     async def dump(self, http: HttpRequest) -> JSONResponse:
         """Writes the dump into the server's --expert-load-dir and returns it with the file's path."""
         path = os.path.join(self.dump_dir, f"expert_distribution_{time.time_ns()}.json")
-        data = await self._on_engine(lambda engine: engine.dump_recording(path))
+        data = await self._on_engine("dump_recording", path)
         return JSONResponse({"path": path, **data})
 
     async def rebalance(self, http: HttpRequest) -> JSONResponse:
         """Balances the recorded load and moves the experts; returns the new placement (a placement file's content)."""
-        report = await self._on_engine(lambda engine: engine.rebalance())
+        report = await self._on_engine("rebalance")
         return JSONResponse({**report.summary(), **placement_record(report.placement, None, 1)})
 
     async def _body(self, http: HttpRequest) -> dict:
@@ -70,10 +70,10 @@ class ExpertLoadRoutes:
             raise bad_request("the request body must be a JSON object")
         return data
 
-    async def _on_engine(self, fn):
+    async def _on_engine(self, method: str, *args):
         if not self.loop.alive:
             raise ApiError(503, "the engine is not running")
         try:
-            return await self.loop.call(fn)
+            return await self.loop.call(method, *args)
         except ValueError as exc:
             raise bad_request(str(exc)) from None

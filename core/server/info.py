@@ -47,7 +47,10 @@ class InfoRoutes:
             "/health_generate": (self.health_generate, "200 once a one-token generation succeeds"),
             "/v1/models": (self.models, "the served model, OpenAI style"),
             "/get_model_info": (self.model_info, "the model's path, architecture, vocabulary and context (SGLang style)"),
-            "/get_server_info": (self.server_info, "engine and server settings, KV cache pages, queue lengths"),
+            "/get_server_info": (
+                self.server_info,
+                "engine and server settings, KV cache pages, queue lengths, the parallel layout: DP groups and per-rank memory",
+            ),
             "/metrics": (self.prometheus, "Prometheus metrics"),
             "/openapi.json": (self.openapi, "this document"),
         }
@@ -116,8 +119,18 @@ class InfoRoutes:
                 "num_queued_requests": stats.num_queued,
                 "steps": stats.steps,
                 "failed_steps": stats.failed_steps,
+                "parallel": self._parallel(),
             }
         )
+
+    def _parallel(self) -> dict:
+        """The ranks and DP groups: each group's queues and KV pages as of the last round, each rank's memory."""
+        group, stats = self.loop.group, self.loop.stats
+        dp_groups = [
+            {"dp_rank": dp, "ranks": group.group_ranks(dp), "requests_admitted": admitted, **attrs.asdict(g)}
+            for dp, (g, admitted) in enumerate(zip(stats.groups, stats.admitted))
+        ]
+        return {"world_size": group.size, "dp_groups": dp_groups, "ranks": group.ranks}
 
     async def prometheus(self, http: HttpRequest) -> Response:
         body, content_type = self.metrics.render()

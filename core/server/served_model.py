@@ -14,15 +14,16 @@ from .errors import bad_request
 
 
 class ServedModel:
-    def __init__(self, engine: Engine, name: str):
+    def __init__(self, engine: Engine, name: str, capacity_tokens: int):
+        """`capacity_tokens`: the longest sequence the KV cache of every DP group can hold."""
         hf_config = engine.model.hf_config
         self.name = name
         self.path = engine.config.model
         self.vocab_size = engine.vocab_size
         self.architectures = hf_config.get("architectures", [hf_config.get("model_type")])
-        max_positions = hf_config.get("max_position_embeddings") or engine.kv.capacity_tokens
+        max_positions = hf_config.get("max_position_embeddings") or capacity_tokens
         # one sequence can never outgrow the KV pool, however long the model's positions reach
-        self.context_length = min(engine.kv.capacity_tokens, max_positions)
+        self.context_length = min(capacity_tokens, max_positions)
         self.tokenizer = engine.tokenizer
         self.chat_template = ChatTemplate.from_folder(self.path)
         self.bos_token_id = hf_config.get("bos_token_id")

@@ -1,0 +1,143 @@
+"""One engine over every rank, driven from rank 0 one round at a time (what `moeplex serve` runs).
+
+Rank 0 queues commands between rounds: a new request goes to the least-loaded DP group (fewest tokens
+of unfinished requests, ties to the lowest group) and is answered with a mirror Request that every round
+brings up to date, whichever rank holds the real one; aborts and engine calls follow in arrival order.
+step() runs a round on every rank (see rank_worker.py). With one rank the same code runs without a
+collective, so a single-process server is the same path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from .engine import Engine
+from .rank_worker import Abort, Admit, Call, Channel, GroupReport, GroupStats, RankWorker, Round, rank_info
+from .request import Request
+from .sampling import SamplingParams
+
+
+class EngineGroup:
+    def __init__(self, engine: Engine):
+        """Every rank of the engine must be at start-up too (a Follower on ranks 1..N-1)."""
+        self.engine = engine
+        self.parallel = engine.parallel
+        self.worker = RankWorker(engine)
+        self.channel = Channel(engine.parallel)
+        self.ranks: list[dict] = self.channel.gather(rank_info(engine))  # every rank's place and memory
+        self.dp_size = self.parallel.config.dp_size
+        self.stats = [self._initial_stats(dp) for dp in range(self.dp_size)]
+        self.admitted = [0] * self.dp_size  # requests each DP group was given, since start-up
+        self.has_work = False  # whether any rank still had requests after the last round
+        self._mirrors: dict[str, tuple[Request, int]] = {}  # rid -> (mirror, DP group) while unfinished
+        self._queued: list = []
+        self._call_done: list[Callable[[Any], None]] = []  # one per queued Call
+
+    # --- the shape of the group ------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return self.parallel.world.size
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The longest sequence every DP group's KV cache can hold."""
+        return min(info["kv_cache_tokens"] for info in self.ranks)
+
+    @property
+    def keepalive_s(self) -> float | None:
+        """How long rank 0 may wait for a command before it sends an empty round (None: forever)."""
+        return None if self.size == 1 else self.parallel.config.timeout_s / 3
+
+    def group_ranks(self, dp_rank: int) -> list[int]:
+        size = self.parallel.config.attn_tp_size
+        return list(range(dp_rank * size, (dp_rank + 1) * size))
+
+    # --- between rounds ---------------------------------------------------------------------------
+    @property
+    def needs_round(self) -> bool:
+        return self.has_work or bool(self._queued)
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str) -> Request:
+        """The request's mirror; it reaches its DP group in the next round. ValueError if some rank would refuse it."""
+        prompt_ids = list(prompt_ids)
+        self._check(prompt_ids)
+        dp_rank = self._least_loaded()
+        mirror = Request(rid, prompt_ids, params)
+        self._mirrors[rid] = (mirror, dp_rank)
+        self._queued.append(Admit(rid, tuple(prompt_ids), params, dp_rank))
+        self.admitted[dp_rank] += 1
+        return mirror
+
+    def abort(self, rid: str) -> None:
+        """Drop the request (its pages are freed in the next round); its mirror is not updated any more."""
+        entry = self._mirrors.pop(rid, None)
+        if entry is not None:
+            self._queued.append(Abort(rid, entry[1]))
+
+    def call(self, method: str, args: tuple, done: Callable[[Any], None]) -> None:
+        """engine.<method>(*args) on every rank in the next round; done(rank 0's result or exception)."""
+        self._queued.append(Call(method, tuple(args)))
+        self._call_done.append(done)
+
+    def drop_queued_calls(self, error: Exception) -> None:
+        """No round will run them (the loop is stopping): each queued Call is answered with `error`."""
+        done, self._call_done = self._call_done, []
+        self._queued = [c for c in self._queued if not isinstance(c, Call)]
+        for settle in done:
+            settle(error)
+
+    # --- rounds ----------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One round on every rank: the queued commands, one engine step, the DP groups' progress."""
+        round_ = Round(tuple(self._queued))
+        done, self._queued, self._call_done = self._call_done, [], []
+        self.channel.share(round_)
+        for settle, outcome in zip(done, self.worker.apply(round_.commands)):
+            settle(outcome)
+        self.worker.step()
+        self._absorb(self.channel.collect(self.worker.report()))
+
+    def halt(self) -> None:
+        """Release the followers (rank 0 is stopping)."""
+        if self.size > 1:
+            self.channel.share(Round(halt=True))
+
+    def running_rids(self) -> list[str]:
+        """The requests this rank's engine was stepping (or, if none, waiting to step)."""
+        scheduler = self.engine.scheduler
+        return [r.rid for r in list(scheduler.running) or list(scheduler.waiting)]
+
+    def _absorb(self, reports: list[GroupReport]) -> None:
+        for report in reports:
+            self.stats[report.dp_rank] = report.stats
+            for update in report.updates:
+                entry = self._mirrors.get(update.rid)
+                if entry is None:  # aborted meanwhile
+                    continue
+                update.apply(entry[0])
+                if entry[0].finished:
+                    del self._mirrors[update.rid]
+        self.has_work = any(report.has_work for report in reports)
+
+    def _least_loaded(self) -> int:
+        load = [0] * self.dp_size
+        for mirror, dp_rank in self._mirrors.values():
+            load[dp_rank] += mirror.num_tokens
+        return min(range(self.dp_size), key=lambda dp: (load[dp], dp))
+
+    def _check(self, prompt_ids: list[int]) -> None:
+        """The engine's own admission checks, against the smallest KV cache of any group."""
+        vocab = self.engine.vocab_size
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if len(prompt_ids) > self.capacity_tokens:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds at most {self.capacity_tokens}")
+
+    def _initial_stats(self, dp_rank: int) -> GroupStats:
+        info = self.ranks[self.group_ranks(dp_rank)[0]]
+        page_size = self.engine.kv.page_size
+        pages = info["kv_cache_tokens"] // page_size
+        return GroupStats(kv_pages_total=pages, kv_pages_free=pages, page_size=page_size)

@@ -1,0 +1,244 @@
+"""What every rank of a served engine does each round: apply rank 0's commands, step, report progress.
+
+    rank 0 (EngineGroup)                      every rank (a RankWorker; a Follower drives it on ranks 1..N-1)
+    the commands since the last round  --broadcast-->  apply those for this rank's DP group (and every Call)
+                                                       engine.step(), all ranks in lockstep
+    mirror Requests brought up to date <--gather----  each DP group's output rank: what its requests gained
+
+Without DP attention there is one DP group: every rank applies every command and rank 0 reports for the
+group itself, so nothing is gathered.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import attrs
+import torch.distributed as dist
+
+from .engine import Engine
+from .memory import memory_report
+from .parallel import ParallelState
+from .request import FinishReason, Request
+from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+# --- what rank 0 sends ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Admit:
+    rid: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    dp_rank: int
+
+
+@attrs.frozen
+class Abort:
+    rid: str
+    dp_rank: int
+
+
+@attrs.frozen
+class Call:
+    """engine.<method>(*args) on every rank, in step order (the expert-load calls, collectives themselves)."""
+
+    method: str
+    args: tuple = ()
+
+
+@attrs.frozen
+class Round:
+    """One round's commands, in arrival order; `halt` ends the followers' loops instead."""
+
+    commands: tuple = ()
+    halt: bool = False
+
+
+# --- what the DP groups send back -----------------------------------------------------------------
+
+
+@attrs.frozen
+class RequestUpdate:
+    """What a request gained in one round. Text is append-only except for a stop string cut off its end,
+    so it travels as (where the new text starts, the new text)."""
+
+    rid: str
+    new_ids: tuple[int, ...] = ()
+    new_logprobs: tuple[dict, ...] = ()
+    text_from: int = 0
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: Any = None
+    error: str | None = None
+
+    def apply(self, mirror: Request) -> None:
+        mirror.output_ids.extend(self.new_ids)
+        mirror.logprobs.extend(self.new_logprobs)
+        mirror.text = mirror.text[: self.text_from] + self.text
+        if self.finish_reason is not None:
+            mirror.finish(self.finish_reason, self.stop_reason, self.error)
+
+
+@attrs.frozen
+class GroupStats:
+    num_running: int = 0
+    num_queued: int = 0
+    kv_pages_total: int = 0
+    kv_pages_free: int = 0
+    page_size: int = 1
+
+    @classmethod
+    def of(cls, engine: Engine) -> "GroupStats":
+        scheduler, kv = engine.scheduler, engine.kv
+        return cls(len(scheduler.running), len(scheduler.waiting), kv.num_pages, kv.num_free_pages, kv.page_size)
+
+
+@attrs.frozen
+class GroupReport:
+    """One DP group's round, from its output rank."""
+
+    dp_rank: int
+    updates: tuple[RequestUpdate, ...]
+    has_work: bool
+    stats: GroupStats
+
+
+class _Reported:
+    """How much of one request rank 0 has been told about."""
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.ids = self.logprobs = self.text = 0
+
+    def update(self) -> RequestUpdate | None:
+        r = self.request
+        text_from = min(self.text, len(r.text))
+        grew = len(r.output_ids) > self.ids or len(r.logprobs) > self.logprobs or len(r.text) != self.text
+        if not (grew or r.finished):
+            return None
+        update = RequestUpdate(
+            r.rid, tuple(r.output_ids[self.ids :]), tuple(r.logprobs[self.logprobs :]), text_from, r.text[text_from:],
+            r.finish_reason, r.stop_reason, r.error,
+        )
+        self.ids, self.logprobs, self.text = len(r.output_ids), len(r.logprobs), len(r.text)
+        return update
+
+
+# --- every rank -----------------------------------------------------------------------------------
+
+
+class RankWorker:
+    """This rank's engine under rank 0's commands; on an output rank, also what its DP group reports."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.parallel: ParallelState = engine.parallel
+        self._reported: dict[str, _Reported] = {}
+        self._refused: list[RequestUpdate] = []
+
+    def apply(self, commands) -> list:
+        """Apply one round's commands in order; the outcome of each Call (a value or the exception raised)."""
+        outcomes = []
+        for command in commands:
+            if isinstance(command, Call):
+                outcomes.append(self._call(command))
+            elif command.dp_rank != self.parallel.dp_rank:
+                continue  # another DP group's request
+            elif isinstance(command, Admit):
+                self._admit(command)
+            elif isinstance(command, Abort):
+                self.engine.abort(command.rid)
+                self._reported.pop(command.rid, None)
+        return outcomes
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def report(self) -> GroupReport | None:
+        if not self.parallel.is_output_rank:
+            return None
+        updates, self._refused = self._refused, []
+        for rid, reported in list(self._reported.items()):
+            update = reported.update()
+            if update is not None:
+                updates.append(update)
+            if reported.request.finished:
+                del self._reported[rid]
+        return GroupReport(self.parallel.dp_rank, tuple(updates), self.engine.has_work, GroupStats.of(self.engine))
+
+    def _admit(self, command: Admit) -> None:
+        try:
+            request = self.engine.add_request(command.prompt_ids, command.params, rid=command.rid)
+        except ValueError as exc:  # rank 0 checks first, so a refusal here is a fault: fail the request
+            self._refused.append(RequestUpdate(command.rid, finish_reason=FinishReason.ABORT, error=str(exc)))
+            return
+        if self.parallel.is_output_rank:
+            self._reported[request.rid] = _Reported(request)
+
+    def _call(self, call: Call):
+        try:
+            return getattr(self.engine, call.method)(*call.args)
+        except Exception as exc:  # rank 0 answers the caller; every rank refuses alike
+            return exc
+
+
+def rank_info(engine: Engine) -> dict:
+    """This rank's place and memory, as /get_server_info shows it."""
+    return {**memory_report(engine), "dp_rank": engine.parallel.dp_rank, "pid": os.getpid()}
+
+
+class Channel:
+    """Rank 0's rounds out to every rank and the DP groups' reports back: object collectives over the world."""
+
+    def __init__(self, parallel: ParallelState):
+        self.parallel = parallel
+        self.world = parallel.world
+
+    def share(self, round_: Round | None) -> Round:
+        """Rank 0 passes its round; every other rank waits for it here."""
+        if self.world.size == 1:
+            return round_
+        box = [round_]
+        dist.broadcast_object_list(box, src=0, group=self.world.group)
+        return box[0]
+
+    def collect(self, report: GroupReport | None) -> list[GroupReport]:
+        """Every DP group's report, on rank 0 (with one DP group, rank 0's own is all there is)."""
+        if self.parallel.config.dp_size == 1:
+            return [report] if report is not None else []
+        return [r for r in self.gather(report) if r is not None]
+
+    def gather(self, item) -> list:
+        """Every rank's item, on rank 0 (an empty list elsewhere)."""
+        if self.world.size == 1:
+            return [item]
+        everything = [None] * self.world.size if self.world.rank == 0 else None
+        dist.gather_object(item, everything, dst=0, group=self.world.group)
+        return everything or []
+
+
+class Follower:
+    """Ranks 1..N-1 of a served engine: rounds from rank 0 until it halts them.
+
+    While idle, a follower waits inside the broadcast; rank 0 sends an empty round well within the
+    collective timeout, so only a rank that is really gone makes that wait fail.
+    """
+
+    def __init__(self, engine: Engine):
+        self.worker = RankWorker(engine)
+        self.channel = Channel(engine.parallel)
+        self.channel.gather(rank_info(engine))  # rank 0 learns every rank's memory at start-up
+
+    def run(self) -> None:
+        while not (round_ := self.channel.share(None)).halt:
+            for outcome in self.worker.apply(round_.commands):
+                if isinstance(outcome, Exception):
+                    log.debug("engine call refused on this rank: %s", outcome)
+            self.worker.step()
+            self.channel.collect(self.worker.report())
