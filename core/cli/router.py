@@ -71,7 +71,7 @@ def _add_forwarding_flags(p) -> None:
     g.add_argument("--connect-timeout-secs", type=float, default=5.0,
                    help="a worker not accepting a connection within this many seconds fails the forward (default: 5)")
     g.add_argument("--max-connections", type=int, default=512,
-                   help="pooled connections to all workers together at most (default: 512)")
+                   help="pooled connections to each worker at most (default: 512)")
     g.add_argument("--max-request-bytes", type=int, default=32 << 20,
                    help="larger request bodies are refused with 413 by the router itself (default: 32 MiB)")
     g.add_argument("--seed", type=int, default=None,
@@ -86,6 +86,7 @@ def settings_from(args) -> RouterSettings:
 def run(args) -> int:
     settings = settings_from(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # it logs every request at INFO
     app = build_router_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=args.access_log)
     return 0

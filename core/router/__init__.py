@@ -1,0 +1,19 @@
+"""`moeplex router`: a cache-aware router in front of several `moeplex serve` workers.
+
+    settings.py       RouterSettings: every option, validated once
+    radix_tree.py     the approximate radix tree over request text, each node stamped with the workers that saw it
+    policies.py       cache_aware, round_robin, random, shortest_queue: which healthy worker gets a request
+    request_text.py   the text a request is routed by (prompt, messages, or token ids spelled out)
+    workers.py        the worker registry: load from the moment of the decision, failure streaks, in or out
+    health.py         periodic GET /health on every worker
+    upstream.py       one exchange with one worker up to the client's first byte; the pass-through response
+    proxy.py          choose, send, retry on another worker with backoff and jitter
+    metrics.py        Prometheus metrics in the router's own registry
+    app.py            the starlette app: forwarded routes, /health, worker management, /metrics
+    fake_worker.py    a stand-in for `moeplex serve` with a fixed service time, for tests and benchmarks
+"""
+
+from .app import build_router_app
+from .settings import POLICIES, RouterSettings
+
+__all__ = ["build_router_app", "POLICIES", "RouterSettings"]

@@ -1,0 +1,106 @@
+"""Forwarding: choose a worker, send, and on a failure before the first byte try another one.
+
+Retries wait with exponential backoff and jitter, so a worker that has just died is not hammered and
+retries of many requests do not arrive in lockstep. A worker's own answers (2xx, 4xx, 500) pass back
+as they are; only a transport failure or a 502/503/504 is retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import httpx
+from starlette.responses import JSONResponse, Response
+
+from .metrics import RouterMetrics
+from .policies import Policy, least_loaded
+from .settings import RouterSettings
+from .upstream import Upstream, WorkerClients, WorkerUnavailable, open_upstream
+from .workers import Worker, WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+FORWARD_FAILURES = (httpx.TransportError, WorkerUnavailable)
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    """An error of the router's own, in the OpenAI error shape the workers use."""
+    kind = "service_unavailable" if status == 503 else "invalid_request_error" if status < 500 else "internal_server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
+
+
+class Forwarder:
+    def __init__(self, clients: WorkerClients, registry: WorkerRegistry, policy: Policy, metrics: RouterMetrics,
+                 settings: RouterSettings):
+        self.clients = clients
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+        self.settings = settings
+        self._random = random.Random(settings.seed)
+
+    async def forward(self, method: str, path: str, headers: list, body: bytes, text: str | None) -> Response:
+        """Forward to the worker the policy picks for `text` (None: any worker, the least loaded)."""
+        tried: set[str] = set()
+        last_error = "no worker was tried"
+        for attempt in range(self.settings.max_retries + 1):
+            if attempt:
+                self.metrics.retries.inc()
+                await asyncio.sleep(self.backoff(attempt))
+            worker = self._pick(text, tried, attempt)
+            if worker is None:
+                self.metrics.failed_requests.inc()
+                return error_response(503, "no healthy worker: every worker is out of routing")
+            tried.add(worker.url)
+            try:
+                upstream = await self._attempt(worker, method, path, headers, body)
+            except FORWARD_FAILURES as exc:
+                last_error = f"{worker.url}: {type(exc).__name__}: {exc}"
+                continue
+            return upstream.to_response(lambda failed: self._finished(worker, failed))
+        self.metrics.failed_requests.inc()
+        return error_response(502, f"no worker answered after {len(tried)} worker(s) and {attempt + 1} tries; last: {last_error}")
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait before retry `attempt` (1, 2, ...): exponential, capped, with +-jitter."""
+        s = self.settings
+        base = min(s.retry_backoff_ms * 2 ** (attempt - 1), s.retry_max_backoff_ms) / 1000
+        return base * (1 + s.retry_jitter * self._random.uniform(-1.0, 1.0))
+
+    def _pick(self, text: str | None, tried: set[str], attempt: int) -> Worker | None:
+        healthy = self.registry.healthy()
+        if not healthy:
+            return None
+        untried = [w for w in healthy if w.url not in tried] or healthy  # all tried: a worker may try again
+        if text is None:
+            return least_loaded(untried, attempt)
+        choice = self.policy.select(text, untried)
+        self.metrics.decisions.labels(choice.reason).inc()
+        return choice.worker
+
+    async def _attempt(self, worker: Worker, method: str, path: str, headers: list, body: bytes) -> Upstream:
+        self.registry.sent(worker)  # load counts from the moment of the decision
+        try:
+            upstream = await open_upstream(self.clients.client_for(worker.url), worker.url + path, method, headers, body)
+        except BaseException as exc:
+            self.registry.finished(worker)
+            if isinstance(exc, FORWARD_FAILURES):
+                self._failed(worker, exc)
+            raise
+        self.registry.succeeded(worker)
+        self.metrics.requests.labels(worker.url).inc()
+        return upstream
+
+    def _finished(self, worker: Worker, failed: bool) -> None:
+        self.registry.finished(worker)
+        if failed:
+            self._failed(worker, None)
+
+    def _failed(self, worker: Worker, exc: Exception | None) -> None:
+        self.metrics.forward_failures.labels(worker.url).inc()
+        if self.registry.failed(worker):
+            self.metrics.workers_out.inc()
+            log.warning("took %s out of routing after %d failures in a row (last: %r)", worker.url,
+                        worker.failures_in_a_row, exc)
