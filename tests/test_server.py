@@ -36,7 +36,8 @@ class LiveServer:
 
     def __init__(self, app):
         self.app = app
-        self.sock = socket.socket()
+        # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets that say so
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
