@@ -478,3 +478,11 @@ def _stream(url: str, tokens: int, started: threading.Barrier, results: dict) ->
                                                 ("ab", ["abab"], 2), ("", ["ab"], 0)])
 def test_held_back_is_the_longest_end_that_starts_a_stop_string(text, stops, held):
     assert held_back(text, stops) == held
+
+
+def test_stream_events_survive_any_line_splitting():
+    from moeplex.server.sse import event
+
+    text = "a\u2028b\x85c\u2029d\x1ce"  # characters str.splitlines() breaks on
+    line = event({"text": text}).decode()
+    assert len(line.strip().splitlines()) == 1 and json.loads(line[6:])["text"] == text

@@ -15,7 +15,8 @@ HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def event(chunk: dict) -> bytes:
-    return b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    # ASCII only: U+2028, U+0085 and kin stay escaped, so no client's line splitting can cut an event
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def events(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
