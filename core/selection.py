@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import attrs
 import torch
 
 from . import registry
 from .moe.adapters import LayoutAdapter
 from .registry import PluginError
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -66,5 +70,11 @@ def resolve(config, ep_size: int = 1, has_gpu: bool | None = None) -> PluginSele
             f"dispatcher '{config.dispatcher}' produces the {dcaps.layout} layout, which moe_kernel "
             f"'{config.moe_kernel}' (accepting {', '.join(sorted(kcaps.layouts))}) cannot take; kernels that can: "
             f"{_runnable('moe_kernel', lambda c: LayoutAdapter.can_adapt(dcaps.layout, c.layouts))}."
+        )
+    if sel.overlap.caps.needs_async_halves and not dcaps.async_halves:
+        log.warning(
+            "overlap '%s' hides communication only behind a dispatcher whose waits cost no compute; "
+            "dispatcher '%s' has none, so its micro-batches run correctly but overlap nothing",
+            config.overlap, config.dispatcher,
         )
     return sel
