@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -14,7 +13,6 @@ from collections import Counter, defaultdict
 
 import httpx
 import pytest
-import uvicorn
 
 from moeplex.cli import main as cli_main
 from moeplex.config import EngineConfig
@@ -22,37 +20,11 @@ from moeplex.engine import Engine
 from moeplex.router import RouterSettings, build_router_app
 from moeplex.server import ServerSettings, build_app
 
+from live_server import LiveServer
+
 ENGINE = dict(dtype="fp32", show_progress=False, max_total_tokens=4096, page_size=16, max_running_requests=64)
 
 
-def loopback_socket() -> socket.socket:
-    # IPPROTO_TCP spelled out, or asyncio leaves Nagle on and kept-alive answers wait ~40 ms for an ACK
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
-class LiveServer:
-    """uvicorn on a socket bound here (so the port is known and never raced), in a background thread."""
-
-    def __init__(self, app):
-        self.app = app
-        self.sock = loopback_socket()
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(15)
 
 
 def live_router(workers: list[str], **settings) -> LiveServer:

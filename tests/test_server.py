@@ -14,7 +14,6 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,35 +24,13 @@ from moeplex.sampling import SamplingParams
 from moeplex.server import ServerSettings, build_app
 from moeplex.server.progress import held_back
 
+from live_server import LiveServer
+
 KEY = "test-key"
 PROMPT = "Hello"
 CHAT_PROMPT = "<|begin_of_text|><|user|>\nHi\n<|assistant|>\n"  # the template make-model writes, rendered
 ENGINE = dict(dtype="fp32", show_progress=False, max_total_tokens=4096, page_size=16, max_running_requests=64)
 
-
-class LiveServer:
-    """uvicorn on a socket bound here (so the port is known and never raced), in a background thread."""
-
-    def __init__(self, app):
-        self.app = app
-        # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets that say so
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(15)
 
 
 @pytest.fixture(scope="module")

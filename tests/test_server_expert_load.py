@@ -12,7 +12,7 @@ from moeplex.engine import Engine
 from moeplex.server.app import build_app
 from moeplex.server.settings import ServerSettings
 
-from test_server import LiveServer
+from live_server import LiveServer
 
 ENGINE = dict(dtype="fp32", show_progress=False, max_total_tokens=2048, balancer="eplb", ep_num_redundant_experts=4)
 

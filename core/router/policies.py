@@ -10,6 +10,8 @@ in the tree.
 
 from __future__ import annotations
 
+import abc
+
 import itertools
 import random
 
@@ -26,11 +28,12 @@ class Choice:
     reason: str  # cache_hit, cache_miss, imbalanced (cache_aware); otherwise the policy's name
 
 
-class Policy:
+class Policy(abc.ABC):
     name = ""
 
+    @abc.abstractmethod
     def select(self, text: str, workers: list[Worker]) -> Choice:
-        raise NotImplementedError
+        """The worker for a request whose routing text is `text`, among the routable `workers`."""
 
     def forget(self, url: str) -> None:
         """`url` left the router: drop what the policy knows of it."""
