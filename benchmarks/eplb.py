@@ -21,7 +21,6 @@ Physical slots must divide over the GPUs: 288 does for 32 GPUs; for 64 GPUs it b
 from __future__ import annotations
 
 import argparse
-import heapq
 import importlib.util
 import pathlib
 import time
@@ -29,7 +28,7 @@ import time
 import torch
 
 from moeplex.interfaces import Placement
-from moeplex.plugins.balancers.eplb_vec import balanced_packing, replicate_experts
+from moeplex.plugins.balancers.replicate_first import ReplicateFirstBalancer
 from moeplex.registry import discover
 
 NUM_EXPERTS, NUM_GROUPS = 256, 8  # DeepSeek-V3: 256 routed experts in 8 groups
@@ -64,49 +63,6 @@ def load_reference(directory: str | None):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.rebalance_experts
-
-
-def replicate_then_pack(load, num_physical, num_groups, num_nodes, num_gpus) -> torch.Tensor:
-    """Hierarchical placement that replicates before it picks nodes; every expert's replicas share one node.
-
-    DeepSeek's order (groups -> nodes, then replicas inside each node) fixes node loads before it knows
-    which node needs the redundant slots. Here the replica counts come first, from the whole cluster's
-    load; then each expert, with all its replicas as one unit, goes (heaviest first) to the lightest
-    node with room for it, so nodes get equal slot counts and near-equal loads; last, each node's
-    slots are packed onto its GPUs as in EPLB. Groups are not kept whole (num_groups is ignored).
-    """
-    load = load.to(torch.float64)
-    num_layers, num_experts = load.shape
-    slots_per_node = num_physical // num_nodes
-    _, count = replicate_experts(load, num_physical)  # [L, E] replicas per expert
-    node_slots = torch.empty(num_layers, num_nodes, slots_per_node, dtype=torch.int64)
-    for layer in range(num_layers):
-        node_slots[layer] = _experts_onto_nodes(load[layer].tolist(), count[layer].tolist(), num_nodes, slots_per_node)
-    expert_of_slot = node_slots.reshape(num_layers * num_nodes, slots_per_node)
-    per_replica = (load / count).repeat_interleave(num_nodes, dim=0).gather(1, expert_of_slot)
-    gpu, rank = balanced_packing(per_replica, num_gpus // num_nodes)
-    position = gpu * (num_physical // num_gpus) + rank
-    phy2log = torch.empty_like(expert_of_slot).scatter_(1, position, expert_of_slot)
-    return phy2log.reshape(num_layers, num_physical)
-
-
-def _experts_onto_nodes(load: list[float], count: list[int], num_nodes: int, slots_per_node: int) -> torch.Tensor:
-    """[nodes, slots per node] experts, each repeated by its replica count, heaviest first to the lightest node with room."""
-    nodes = [[] for _ in range(num_nodes)]
-    lightest = [(0.0, node) for node in range(num_nodes)]  # (load, node), nodes with free slots
-    for expert in sorted(range(len(load)), key=lambda e: -load[e]):
-        skipped = []
-        while lightest and len(nodes[lightest[0][1]]) + count[expert] > slots_per_node:
-            skipped.append(heapq.heappop(lightest))
-        if not lightest:
-            raise ValueError(f"an expert with {count[expert]} replicas fits on no node of {slots_per_node} slots")
-        node_load, node = heapq.heappop(lightest)
-        nodes[node] += [expert] * count[expert]
-        if len(nodes[node]) < slots_per_node:
-            heapq.heappush(lightest, (node_load + load[expert], node))
-        for entry in skipped:
-            heapq.heappush(lightest, entry)
-    return torch.tensor(nodes, dtype=torch.int64)
 
 
 def ours(balancer):
@@ -160,7 +116,7 @@ def rows(load, places, repeats):
             if policy == "hierarchical":
                 per_expert = (num_physical, NUM_EXPERTS, num_nodes, num_gpus)
                 variant = measure({"vec": places["eplb-vec"], "ref": places["deepseek"]}, load, per_expert, repeats)
-                variant |= measure({"first": replicate_then_pack}, load, shape, repeats)
+                variant |= measure({"first": ours(ReplicateFirstBalancer())}, load, shape, repeats)
             else:
                 variant = {"vec": None, "ref": None, "first": None}
             first = f"{variant['first'][1]:.4f} ({variant['first'][0]:.0f} ms)" if variant["first"] else "-"

@@ -261,3 +261,22 @@ def test_refuses_loads_that_are_not_token_counts(name, bad):
 def test_refuses_loads_without_layers_and_experts(name, shape):
     with pytest.raises(ValueError, match="load"):
         balancer(name).rebalance(torch.ones(shape), 16, 4, 2, 8)
+
+
+def test_replicate_first_keeps_each_experts_replicas_on_one_node_and_beats_eplb_on_zipf():
+    from moeplex.plugins.balancers.eplb import EplbBalancer
+    from moeplex.plugins.balancers.replicate_first import ReplicateFirstBalancer
+
+    gen = torch.Generator().manual_seed(0)
+    ranks = torch.arange(1, 65, dtype=torch.float64)
+    load = torch.stack([(1.0 / ranks)[torch.randperm(64, generator=gen)] * 1000 for _ in range(4)])
+    shape = dict(num_physical=80, num_groups=8, num_nodes=2, num_gpus=8)
+    ours = ReplicateFirstBalancer().rebalance(load, **shape)
+    ours.check(8)
+    node_of_slot = torch.arange(80) // 40
+    for layer in range(4):
+        for expert in range(64):
+            slots = ours.log2phy[layer, expert, : int(ours.logcnt[layer, expert])]
+            assert len(set(node_of_slot[slots].tolist())) == 1  # all replicas of an expert on one node
+    theirs = EplbBalancer().rebalance(load, **shape)
+    assert ours.balancedness(load, 8).mean() > theirs.balancedness(load, 8).mean()
