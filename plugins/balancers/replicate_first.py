@@ -18,7 +18,7 @@ import torch
 
 from moeplex.interfaces import Balancer, BalancerCaps, Placement
 
-from ._packing import check_shape, total_load
+from ._packing import check_shape, eplb_placement, total_load
 from .eplb_vec import balanced_packing, replicate_experts
 
 
@@ -28,7 +28,16 @@ class ReplicateFirstBalancer(Balancer):
     def rebalance(self, load, num_physical, num_groups, num_nodes, num_gpus) -> Placement:
         total = total_load(load)
         check_shape(total.shape[1], num_physical, num_groups, num_nodes, num_gpus)
-        return Placement.from_phy2log(replicate_then_pack(total, num_physical, num_nodes, num_gpus), total.shape[1])
+        try:
+            phy2log = replicate_then_pack(total, num_physical, num_nodes, num_gpus)
+        except NoRoom:
+            # whole experts cannot always fill nodes exactly (a fragmentation corner): EPLB's order always can
+            return eplb_placement(total, num_physical, num_groups, num_nodes, num_gpus, balanced_packing, replicate_experts)
+        return Placement.from_phy2log(phy2log, total.shape[1])
+
+
+class NoRoom(ValueError):
+    pass
 
 
 def replicate_then_pack(load: torch.Tensor, num_physical: int, num_nodes: int, num_gpus: int) -> torch.Tensor:
@@ -36,6 +45,7 @@ def replicate_then_pack(load: torch.Tensor, num_physical: int, num_nodes: int, n
     num_layers = load.shape[0]
     slots_per_node = num_physical // num_nodes
     _, count = replicate_experts(load, num_physical)  # [L, E] replicas per expert, from the whole cluster
+    count = torch.stack([capped(load[layer].tolist(), count[layer].tolist(), slots_per_node) for layer in range(num_layers)])
     node_slots = torch.stack(
         [experts_onto_nodes(load[layer].tolist(), count[layer].tolist(), num_nodes, slots_per_node) for layer in range(num_layers)]
     )
@@ -47,6 +57,17 @@ def replicate_then_pack(load: torch.Tensor, num_physical: int, num_nodes: int, n
     return phy2log.reshape(num_layers, num_physical)
 
 
+def capped(load: list[float], count: list[int], cap: int) -> torch.Tensor:
+    """Replica counts of at most `cap` (one node's slots); the excess goes, one by one, to the expert with
+    the highest load per replica that is below the cap (ties to the lower expert)."""
+    excess = sum(max(0, c - cap) for c in count)
+    count = [min(c, cap) for c in count]
+    for _ in range(excess):
+        expert = max((e for e in range(len(count)) if count[e] < cap), key=lambda e: (load[e] / count[e], -e))
+        count[expert] += 1
+    return torch.tensor(count, dtype=torch.int64)
+
+
 def experts_onto_nodes(load: list[float], count: list[int], num_nodes: int, slots_per_node: int) -> torch.Tensor:
     """[nodes, slots per node]: each expert repeated by its replica count, heaviest first to the lightest node with room."""
     nodes: list[list[int]] = [[] for _ in range(num_nodes)]
@@ -56,7 +77,7 @@ def experts_onto_nodes(load: list[float], count: list[int], num_nodes: int, slot
         while lightest and len(nodes[lightest[0][1]]) + count[expert] > slots_per_node:
             skipped.append(heapq.heappop(lightest))
         if not lightest:
-            raise ValueError(f"an expert with {count[expert]} replicas fits on no node of {slots_per_node} slots")
+            raise NoRoom(f"an expert with {count[expert]} replicas fits on no node's free slots")
         node_load, node = heapq.heappop(lightest)
         nodes[node] += [expert] * count[expert]
         if len(nodes[node]) < slots_per_node:
