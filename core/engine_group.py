@@ -87,15 +87,17 @@ class EngineGroup:
             settle(error)
 
     # --- rounds ----------------------------------------------------------------------------------
-    def step(self) -> None:
-        """One round on every rank: the queued commands, one engine step, the DP groups' progress."""
+    def step(self) -> list[GroupReport]:
+        """One round on every rank: the queued commands, one engine step; the DP groups' progress (also absorbed)."""
         round_ = Round(tuple(self._queued))
         done, self._queued, self._call_done = self._call_done, [], []
         self.channel.share(round_)
         for settle, outcome in zip(done, self.worker.apply(round_.commands)):
             settle(outcome)
         self.worker.step()
-        self._absorb(self.channel.collect(self.worker.report()))
+        reports = self.channel.collect(self.worker.report())
+        self._absorb(reports)
+        return reports
 
     def halt(self) -> None:
         """Release the followers (rank 0 is stopping)."""

@@ -248,3 +248,17 @@ def test_a_dead_rank_stops_the_server_with_an_error_naming_it(dp2):
     os.kill(dp2.rank_pids[1], signal.SIGKILL)
     assert dp2.proc.wait(timeout=45) == 2
     assert "rank 1 died" in dp2.proc.stderr.read()
+
+
+# --- one rank: the engine in a process of its own -------------------------------------------------------
+
+
+def test_one_rank_runs_apart_from_the_http_process_and_its_death_stops_the_server(folder, reference):
+    with RankedServer(folder) as one:
+        assert len(one.rank_pids) == 1 and one.rank_pids[0] != one.proc.pid
+        [expected] = greedy_ids(reference, [reference.encode(PROMPT)], 6)
+        body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        assert one.client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == expected
+        os.kill(one.rank_pids[0], signal.SIGKILL)
+        assert one.proc.wait(timeout=30) == 2
+        assert "rank 0 died" in one.proc.stderr.read()

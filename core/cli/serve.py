@@ -1,22 +1,16 @@
 """`moeplex serve`: the engine behind an OpenAI-compatible and SGLang-native HTTP server.
 
-With several ranks this process starts them (moeplex.launcher) and waits: rank 0 serves HTTP and drives
-the others (moeplex.server.ranks). A rank that fails stops the rest, and the error names it.
+This process is the HTTP front end; it spawns every rank of the engine, rank 0 leading the others
+(moeplex.server.ranks). A rank that fails stops the rest, and the error names it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
-import os
-import signal
 import sys
 import tempfile
 
-from ..launcher import launch
-from ..parallel import ParallelConfig
 from ..server import ServerSettings
-from ..server.ranks import EngineStopped, serve_on_rank
+from ..server.ranks import EngineStopped, serve
 from .flags import add_engine_flags, engine_config
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -41,8 +35,8 @@ def add_parser(sub) -> None:
     )
     http.add_argument(
         "--gil-switch-interval", type=float, default=1e-4,
-        help="Python's thread switch interval in seconds for this process: how soon the engine thread gets the GIL "
-        "back from the HTTP thread (default: 0.0001; Python's own default 0.005 costs throughput under load)",
+        help="Python's thread switch interval in seconds for the HTTP process: how soon the thread receiving the "
+        "engine's reports gets the GIL back from the event loop (default: 0.0001; Python's own default is 0.005)",
     )
     http.add_argument(
         "--expert-load-dir", default=tempfile.gettempdir(),
@@ -66,30 +60,8 @@ def run(args) -> int:
     )
     config = engine_config(args, show_progress=False)
     try:
-        with _signals_passed_to_ranks(config.parallel):
-            launch(serve_on_rank, config.parallel, config, settings, args.log_level)
-    except EngineStopped as exc:  # one rank, in this process
+        serve(config, settings, args.log_level)
+    except EngineStopped as exc:
         print(f"moeplex serve: error: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-@contextlib.contextmanager
-def _signals_passed_to_ranks(parallel: ParallelConfig):
-    """With several ranks this process only waits for them: SIGTERM or SIGINT here becomes SIGTERM to each local
-    rank. Rank 0 answers it with a graceful shutdown and then halts the others, which ignore the signal."""
-    if not parallel.distributed:
-        yield
-        return
-
-    def pass_on(signum, frame):
-        for rank in multiprocessing.active_children():
-            with contextlib.suppress(ProcessLookupError):  # it may have exited meanwhile
-                os.kill(rank.pid, signal.SIGTERM)
-
-    found = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in found.items():
-            signal.signal(sig, handler)

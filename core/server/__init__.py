@@ -1,9 +1,10 @@
 """`moeplex serve`: OpenAI-compatible and SGLang-native HTTP serving.
 
-    ranks.py          what each rank runs: rank 0 uvicorn around an EngineGroup, the others a Follower
-    app.py            the starlette app: routes, middleware, the engine thread's lifetime
-    engine_loop.py    the engine on its own thread; requests in through a queue, one EngineGroup round per step,
-                      Outputs back per step (moeplex.engine_group / rank_worker: the ranks' side)
+    ranks.py          the processes: this one the HTTP front end, every rank spawned (rank 0 leads, the others follow)
+    app.py            the starlette app: routes, middleware, the leader's lifetime (in-process engines: a leader thread)
+    engine_loop.py    the front end of the engine: commands out to the leader, its round reports into the HTTP calls
+    leader.py         rank 0: the front end's commands in, one EngineGroup round per step, one report per round out
+                      (moeplex.engine_group / rank_worker: the ranks' side)
     progress.py       what each running request has sent its client (stop-string hold-back)
     group.py          the engine requests of one HTTP call, read back through one asyncio queue
     handlers.py       body -> fields -> Plan -> engine -> JSON or server-sent events

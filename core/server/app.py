@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 from typing import Callable
 
+import attrs
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from ..engine import Engine
 from ..engine_group import EngineGroup
+from ..tokenizer import load_tokenizer
 from .engine_loop import EngineLoop
 from .errors import EXCEPTION_HANDLERS
 from .expert_load import ExpertLoadRoutes
 from .handlers import generation_route
 from .info import InfoRoutes
+from .leader import EngineFacts, Leader
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, HttpMetrics
 from .native import GenerateEndpoint
@@ -26,18 +30,32 @@ from .served_model import ServedModel
 from .settings import ServerSettings
 
 
-def build_app(
-    engine: Engine | EngineGroup, settings: ServerSettings, on_engine_stopped: Callable[[], None] | None = None
-) -> Starlette:
-    """The app serving `engine` (one rank) or a group of ranks; the engine thread starts and stops with the app.
+@attrs.frozen
+class LeaderLink:
+    """The front end's end of a leader running elsewhere (another process): its connection and start-up facts."""
 
-    `on_engine_stopped` is called if the engine loop stops by itself (with several ranks, a rank failed).
+    connection: multiprocessing.connection.Connection
+    facts: EngineFacts
+
+
+def build_app(
+    engine: Engine | LeaderLink, settings: ServerSettings, on_engine_stopped: Callable[[], None] | None = None
+) -> Starlette:
+    """The app serving `engine` (one rank, led from a thread of this process) or the leader behind `link`.
+    The leader starts and stops with the app.
+
+    `on_engine_stopped` is called if the leader stops by itself (with several ranks, a rank failed).
     """
-    group = engine if isinstance(engine, EngineGroup) else EngineGroup(engine)
     metrics = ServerMetrics()
-    loop = EngineLoop(group, metrics, on_engine_stopped)
+    if isinstance(engine, LeaderLink):
+        loop = EngineLoop(engine.connection, engine.facts, metrics, on_engine_stopped)
+    else:
+        group = EngineGroup(engine)
+        here, there = multiprocessing.Pipe()
+        loop = EngineLoop(here, EngineFacts.of(group), metrics, on_engine_stopped, leader=Leader(group, there))
     metrics.watch(lambda: loop.stats)
-    model = ServedModel(group.engine, settings.served_model_name or group.engine.config.model, group.capacity_tokens)
+    facts = loop.facts
+    model = ServedModel(facts, settings.served_model_name or facts.config.model, load_tokenizer(facts.config.model))
     endpoints = [CompletionsEndpoint(model), ChatEndpoint(model), GenerateEndpoint(model)]
     info = InfoRoutes(model, loop, metrics, settings, endpoints)
     routes = [Route(e.path, generation_route(e, loop, settings.max_request_bytes), methods=["POST"]) for e in endpoints]
@@ -50,7 +68,7 @@ def build_app(
         try:
             yield
         finally:
-            await asyncio.to_thread(loop.stop)
+            await loop.stop()
 
     app = Starlette(
         routes=routes,

@@ -1,262 +1,225 @@
-"""The engine on a thread of its own, so the event loop never waits for a forward step.
+"""The HTTP side of the engine: requests out to the leader (rank 0), its round reports back into the HTTP calls.
 
-    event loop  --Ticket / Abort / EngineCall-->  inbox (queue.SimpleQueue)  -->  engine thread: a round of
-                                                                                  the EngineGroup (every rank)
-    event loop  <--Outputs, one call per round (call_soon_threadsafe)--  engine thread: what each request gained
+    event loop  --Commands (what arrived since the last send, one message)-->  connection  -->  Leader (leader.py),
+                                                                                in its own process, or on a thread
+    event loop  <--RoundReport, one per round-- reader thread <-- connection <--  of this one for an in-process engine
 
-After every round the engine thread compares each request (the mirror the EngineGroup keeps up to date)
-with what its client has been sent (Progress) and pushes the difference to the asyncio queue of the HTTP
-call that asked for it. With one rank, a failed step fails the requests it was running with a 500 and the
-loop carries on; with several, the ranks can no longer agree, so the loop stops and says why (`failure`).
-While no rank has work the thread waits on its inbox; with several ranks it sends an empty round now and
-then so the followers' wait stays within the collective timeout.
+The front end keeps a mirror of each request it admitted and brings it up to date from every report; after
+each report it compares the mirrors with what each client has been sent (Progress) and pushes the difference
+to the asyncio queue of the HTTP call that asked for it. Everything but the reader thread's blocking receive
+runs on the event loop, so no state here is shared between threads. If the leader stops without being asked
+(with several ranks, a rank failed), every request fails with a 503 and `failure` says why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import queue
 import threading
 import time
+from multiprocessing.connection import Connection
 from typing import Callable
 
-import attrs
-
 from ..engine import Engine
-from ..engine_group import EngineGroup
-from ..rank_worker import GroupStats
+from ..request import Request
+from .leader import Cancel, Commands, EngineCall, EngineFacts, Failure, Halted, Leader, RoundReport, Submit
 from .metrics import ServerMetrics
 from .outputs import Output, Ticket
 from .progress import Progress
 
 log = logging.getLogger("moeplex.server")
 
-
-@attrs.frozen
-class Abort:
-    rid: str
+SHUTTING_DOWN = "the server is shutting down"
 
 
-@attrs.frozen
-class LoopStats:
-    """The engine's state as of its last step, published for the HTTP side to read without locks."""
-
-    groups: tuple[GroupStats, ...]  # one per DP group
-    admitted: tuple[int, ...]  # requests each DP group was given since start-up
-    steps: int
-    failed_steps: int
-
-    @property
-    def num_running(self) -> int:
-        return sum(g.num_running for g in self.groups)
-
-    @property
-    def num_queued(self) -> int:
-        return sum(g.num_queued for g in self.groups)
-
-    @property
-    def kv_pages_total(self) -> int:
-        return sum(g.kv_pages_total for g in self.groups)
-
-    @property
-    def kv_pages_free(self) -> int:
-        return sum(g.kv_pages_free for g in self.groups)
-
-    @property
-    def page_size(self) -> int:
-        return self.groups[0].page_size
-
-    @property
-    def kv_pages_used(self) -> int:
-        return self.kv_pages_total - self.kv_pages_free
-
-
-@attrs.frozen
-class EngineCall:
-    """engine.<method>(*args) on every rank between two steps; rank 0's result or error settles `future`."""
-
-    method: str
-    args: tuple
-    future: asyncio.Future
-
-
-_HALT = object()
+class EngineStopped(RuntimeError):
+    """The leader stopped without being asked to (with several ranks: a rank failed or stopped answering)."""
 
 
 class EngineLoop:
-    def __init__(self, group: EngineGroup, metrics: ServerMetrics, on_stopped: Callable[[], None] | None = None):
-        """`on_stopped` is called from the engine thread if the loop stops by itself (see `failure`)."""
-        self.group = group
+    def __init__(
+        self,
+        connection: Connection,
+        facts: EngineFacts,
+        metrics: ServerMetrics,
+        on_stopped: Callable[[], None] | None = None,
+        leader: Leader | None = None,
+    ):
+        """`leader`: run it on a thread of this process (an in-process engine); None: it runs in another process.
+        `on_stopped` is called on the event loop if the leader stops by itself (see `failure`)."""
+        self.connection = connection
+        self.facts = facts
+        self.config = facts.config
         self.metrics = metrics
         self.on_stopped = on_stopped
-        self.failure: BaseException | None = None  # why the loop stopped when nobody asked it to
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.leader = leader
+        self.failure: EngineStopped | None = None  # why the leader stopped when nobody asked it to
+        self.stats = facts.stats
         self._progress: dict[str, Progress] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._outbox: list = []
         self._events: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._halted = False
-        self._steps = self._failed_steps = 0
-        self.stats = self._snapshot()
+        self._threads: list[threading.Thread] = []
+        self._running = False
+        self._halting = False
+        self._halted: asyncio.Future | None = None
 
     @property
-    def engine(self) -> Engine:
-        """Rank 0's engine (with one rank, the engine)."""
-        return self.group.engine
+    def engine(self) -> Engine | None:
+        """The in-process engine (rank 0's), if there is one."""
+        return self.leader.group.engine if self.leader is not None else None
 
-    # --- called from the event loop -------------------------------------------------------------
+    # --- the event loop's side --------------------------------------------------------------------
     def start(self, events: asyncio.AbstractEventLoop) -> None:
         self._events = events
-        self._thread = threading.Thread(target=self._run, name="moeplex-engine", daemon=True)
-        self._thread.start()
+        self._halted = events.create_future()
+        if self.leader is not None:
+            self._threads.append(threading.Thread(target=_lead, args=(self.leader,), name="moeplex-leader", daemon=True))
+        self._threads.append(threading.Thread(target=self._read, name="moeplex-reports", daemon=True))
+        self._running = True
+        for thread in self._threads:
+            thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Fail whatever is still running (503) and end the thread."""
-        self._inbox.put(_HALT)
-        if self._thread is not None:
-            self._thread.join(timeout)
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Halt the leader (and through it every rank), then fail whatever is still running (503)."""
+        if self._running and not self._halting:
+            self._flush(halt=True)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._halted), timeout)
+            except asyncio.TimeoutError:
+                log.warning("the engine did not halt within %.0f s", timeout)
+        self._shut_down(SHUTTING_DOWN)
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join, timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._halted
+        return self._running and not self._halting
 
     def submit(self, ticket: Ticket) -> None:
-        self._inbox.put(ticket)
+        if not self.alive:
+            ticket.queue.put_nowait(Output.failure(ticket, 503, SHUTTING_DOWN))
+            return
+        try:
+            self._check(ticket.prompt_ids)
+        except ValueError as exc:  # the engine's own checks: vocabulary, KV capacity
+            self.metrics.finished.labels("rejected").inc()
+            ticket.queue.put_nowait(Output.failure(ticket, 400, str(exc)))
+            return
+        mirror = Request(ticket.rid, list(ticket.prompt_ids), ticket.params)
+        self._progress[ticket.rid] = Progress(mirror, ticket)
+        self.metrics.prompt_tokens.inc(len(ticket.prompt_ids))
+        self._command(Submit(ticket.rid, tuple(ticket.prompt_ids), ticket.params))
 
     def abort(self, rid: str) -> None:
-        self._inbox.put(Abort(rid))
+        """The client has gone: drop the request and its KV pages; nobody is left to tell."""
+        if self._progress.pop(rid, None) is not None:
+            self._command(Cancel(rid))
+            self.metrics.finished.labels("abort").inc()
 
     def call(self, method: str, *args) -> asyncio.Future:
         """A future of engine.<method>(*args), run on every rank between two steps (expert-load endpoints)."""
         future = asyncio.get_running_loop().create_future()
-        self._inbox.put(EngineCall(method, args, future))
+        if not self.alive:
+            future.set_exception(RuntimeError("the engine is not running"))
+            return future
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        self._command(EngineCall(call_id, method, tuple(args)))
         return future
 
-    # --- the engine thread ----------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while not self._halted:
-                self._take_commands(block=not self.group.needs_round)
-                # with several ranks an idle round is the keep-alive that the followers wait for
-                if not self._halted and (self.group.needs_round or self.group.size > 1):
-                    self._step()
-                self.stats = self._snapshot()
-            self.group.halt()
-        except BaseException as exc:
-            self.failure = exc
-            log.exception("the engine loop stopped")
-        finally:
-            self._halted = True
-            self._fail_everything(503, "the server is shutting down")
-            self.stats = self._snapshot()
-            if self.failure is not None and self.on_stopped is not None:
-                self.on_stopped()
+    def _command(self, item) -> None:
+        """Queue a command; everything queued in one pass of the event loop goes to the leader as one message."""
+        if not self._outbox:
+            self._events.call_soon(self._flush)
+        self._outbox.append(item)
 
-    def _take_commands(self, block: bool) -> None:
-        item = self._wait_for_command() if block else self._next_command()
-        while item is not None:
-            self._handle(item)
-            item = self._next_command()
-
-    def _wait_for_command(self):
-        try:
-            return self._inbox.get(timeout=self.group.keepalive_s)
-        except queue.Empty:
-            return None
-
-    def _next_command(self):
-        try:
-            return self._inbox.get_nowait()
-        except queue.Empty:
-            return None
-
-    def _handle(self, item) -> None:
-        try:
-            if item is _HALT:
-                self._halted = True
-            elif isinstance(item, Abort):
-                self._abort(item.rid)
-            elif isinstance(item, EngineCall):
-                self._run_call(item)
-            else:
-                self._admit(item)
-        except Exception as exc:  # a bug in admission or abort must not take the loop down with it
-            log.exception("engine command failed")
-            if isinstance(item, Ticket):
-                self._progress.pop(item.rid, None)
-                self._send([(item.queue, Output.failure(item, 500, f"{type(exc).__name__}: {exc}"))])
-
-    def _admit(self, ticket: Ticket) -> None:
-        if self._halted:
-            self._send([(ticket.queue, Output.failure(ticket, 503, "the server is shutting down"))])
+    def _flush(self, halt: bool = False) -> None:
+        items, self._outbox = tuple(self._outbox), []
+        if not (items or halt) or not self._running or self._halting:
             return
+        self._halting = halt
         try:
-            request = self.group.add_request(ticket.prompt_ids, ticket.params, rid=ticket.rid)
-        except ValueError as exc:  # the engine's own checks: vocabulary, KV capacity
-            self.metrics.finished.labels("rejected").inc()
-            self._send([(ticket.queue, Output.failure(ticket, 400, str(exc)))])
-            return
-        self._progress[ticket.rid] = Progress(request, ticket)
-        self.metrics.prompt_tokens.inc(len(ticket.prompt_ids))
+            self.connection.send(Commands(items, halt))
+        except OSError:  # the leader has gone; the reader thread says so
+            pass
 
-    def _run_call(self, call: EngineCall) -> None:
-        # the caller reports an error (a ValueError is the client's 400)
-        self.group.call(call.method, call.args, lambda outcome: self._resolve(call.future, outcome))
+    def _check(self, prompt_ids) -> None:
+        vocab, capacity = self.facts.vocab_size, self.facts.capacity_tokens
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        if len(prompt_ids) > capacity:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds at most {capacity}")
 
-    def _resolve(self, future: asyncio.Future, outcome) -> None:
-        if self._events is not None:
-            self._events.call_soon_threadsafe(_settle, future, outcome)
-
-    def _abort(self, rid: str) -> None:
-        """The client has gone: drop the request and its KV pages; nobody is left to tell."""
-        if self._progress.pop(rid, None) is not None:
-            self.group.abort(rid)
-            self.metrics.finished.labels("abort").inc()
-
-    def _step(self) -> None:
-        self._steps += 1
+    # --- the reader thread: blocks on the connection, hands each message to the event loop -----------
+    def _read(self) -> None:
+        reason: str | None = "the engine process has gone"
         try:
-            self.group.step()
-        except Exception as exc:
-            if self.group.size > 1:
-                raise  # the other ranks are somewhere inside this step: nothing to carry on with
-            self._failed_steps += 1
-            log.exception("engine step failed; failing the requests it was running")
-            # the step's batch came from the running requests; if none, the waiting ones broke it
-            self._fail(self.group.running_rids(), 500, f"engine step failed: {type(exc).__name__}: {exc}")
+            while not isinstance(message := self.connection.recv(), Halted):
+                self._events.call_soon_threadsafe(self._absorb, message)
+            reason = message.reason
+        except (EOFError, OSError):
+            pass
+        try:
+            self._events.call_soon_threadsafe(self._on_halted, reason)
+        except RuntimeError:  # the event loop has closed: nobody is waiting any more
+            pass
+
+    # --- back on the event loop ---------------------------------------------------------------------
+    def _absorb(self, report: RoundReport) -> None:
+        self.stats = report.stats
+        for update in report.updates:
+            progress = self._progress.get(update.rid)
+            if progress is not None:  # else aborted meanwhile
+                update.apply(progress.request)
+        for failure in report.failures:
+            self._fail(failure)
+        for call_id, outcome in report.outcomes:
+            future = self._calls.pop(call_id, None)
+            if future is not None and not future.done():  # else the HTTP call was cancelled
+                _settle(future, outcome)
         self._send_progress()
 
-    def _fail_everything(self, status: int, message: str) -> None:
-        self._fail(list(self._progress), status, message)
-        self.group.drop_queued_calls(RuntimeError(message))
-        for item in iter(self._next_command, None):
-            if isinstance(item, Ticket):
-                self._send([(item.queue, Output.failure(item, status, message))])
-            elif isinstance(item, EngineCall):
-                self._resolve(item.future, RuntimeError(message))
+    def _on_halted(self, reason: str | None) -> None:
+        if reason is not None or not self._halting:
+            self.failure = EngineStopped(reason or "the engine stopped")
+            log.error("the engine stopped: %s", self.failure)
+        self._running = False
+        self._shut_down(SHUTTING_DOWN)
+        if not self._halted.done():
+            self._halted.set_result(None)
+        if self.failure is not None and self.on_stopped is not None:
+            self.on_stopped()
 
-    def _fail(self, rids: list[str], status: int, message: str) -> None:
-        batch = []
-        for rid in rids:
-            progress = self._progress.pop(rid, None)
-            self.group.abort(rid)
-            if progress is not None:
-                self.metrics.finished.labels("error").inc()
-                batch.append((progress.ticket.queue, Output.failure(progress.ticket, status, message)))
-        self._send(batch)
+    def _shut_down(self, message: str) -> None:
+        for rid in list(self._progress):
+            self._fail(Failure(rid, 503, message))
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(RuntimeError(message))
+
+    def _fail(self, failure: Failure) -> None:
+        progress = self._progress.pop(failure.rid, None)
+        if progress is not None:
+            self.metrics.finished.labels("rejected" if failure.status == 400 else "error").inc()
+            progress.ticket.queue.put_nowait(Output.failure(progress.ticket, failure.status, failure.message))
 
     def _send_progress(self) -> None:
         now = time.monotonic()
-        batch = []
         for rid, progress in list(self._progress.items()):
             output = progress.advance()
             if output is None:
                 continue
             self._observe(progress, output, now)
-            batch.append((progress.ticket.queue, output))
+            progress.ticket.queue.put_nowait(output)
             if output.finished:
                 del self._progress[rid]
-        self._send(batch)
 
     def _observe(self, progress: Progress, output: Output, now: float) -> None:
         if output.token_ids:
@@ -268,27 +231,16 @@ class EngineLoop:
             self.metrics.finished.labels("error" if output.error else output.finish_reason).inc()
             self.metrics.e2e.observe(now - progress.ticket.submitted_at)
 
-    def _send(self, batch: list[tuple[asyncio.Queue, Output]]) -> None:
-        if not batch or self._events is None:
-            return
-        try:
-            self._events.call_soon_threadsafe(_deliver, batch)
-        except RuntimeError:  # the event loop has closed: nobody is waiting any more
-            pass
 
-    def _snapshot(self) -> LoopStats:
-        return LoopStats(tuple(self.group.stats), tuple(self.group.admitted), self._steps, self._failed_steps)
+def _lead(leader: Leader) -> None:
+    try:
+        leader.run()
+    except BaseException:  # the leader has told the front end already
+        log.exception("the engine loop stopped")
 
 
 def _settle(future: asyncio.Future, outcome) -> None:
-    if future.done():  # the HTTP call was cancelled
-        return
     if isinstance(outcome, BaseException):
         future.set_exception(outcome)
     else:
         future.set_result(outcome)
-
-
-def _deliver(batch: list[tuple[asyncio.Queue, Output]]) -> None:
-    for events, output in batch:
-        events.put_nowait(output)

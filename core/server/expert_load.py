@@ -41,7 +41,7 @@ class ExpertLoadRoutes:
         if mode is not None and mode not in MODES:
             raise bad_request(f"mode must be one of {', '.join(MODES)}, got {mode!r}", "mode")
         await self._on_engine("start_recording", mode)
-        return JSONResponse({"recording": True, "mode": mode or self.loop.engine.config.expert_distribution_recorder_mode})
+        return JSONResponse({"recording": True, "mode": mode or self.loop.config.expert_distribution_recorder_mode})
 
     async def stop(self, http: HttpRequest) -> JSONResponse:
         await self._on_engine("stop_recording")

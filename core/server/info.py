@@ -107,7 +107,7 @@ class InfoRoutes:
         return JSONResponse(
             {
                 "version": package_version(),
-                "engine": attrs.asdict(self.loop.engine.config),
+                "engine": attrs.asdict(self.loop.config),
                 "server": settings,
                 "kv_cache": {
                     "num_pages": stats.kv_pages_total,
@@ -125,12 +125,12 @@ class InfoRoutes:
 
     def _parallel(self) -> dict:
         """The ranks and DP groups: each group's queues and KV pages as of the last round, each rank's memory."""
-        group, stats = self.loop.group, self.loop.stats
+        facts, stats = self.loop.facts, self.loop.stats
         dp_groups = [
-            {"dp_rank": dp, "ranks": group.group_ranks(dp), "requests_admitted": admitted, **attrs.asdict(g)}
+            {"dp_rank": dp, "ranks": facts.group_ranks(dp), "requests_admitted": admitted, **attrs.asdict(g)}
             for dp, (g, admitted) in enumerate(zip(stats.groups, stats.admitted))
         ]
-        return {"world_size": group.size, "dp_groups": dp_groups, "ranks": group.ranks}
+        return {"world_size": facts.world_size, "dp_groups": dp_groups, "ranks": list(facts.ranks)}
 
     async def prometheus(self, http: HttpRequest) -> Response:
         body, content_type = self.metrics.render()

@@ -1,17 +1,24 @@
-"""What each rank of `moeplex serve` runs: rank 0 the HTTP server around an EngineGroup, the others a Follower.
+"""The processes of `moeplex serve`: the HTTP front end here, every rank of the engine spawned.
 
-    moeplex serve (waits for its ranks; SIGTERM here becomes SIGTERM to each rank, see cli/serve.py)
-      rank 0        uvicorn + the engine loop thread: one round of the EngineGroup per step
-      ranks 1..N-1  Follower: receive a round, apply it, step, report; ignore SIGINT / SIGTERM
-                    (rank 0 drains its requests on a signal, then halts them)
+    moeplex serve   the front end: uvicorn, tokenizer, request mirrors, streaming (app.py, engine_loop.py);
+                    SIGINT / SIGTERM here drain the requests in flight, then halt the leader
+      rank 0        the leader (leader.py): the front end's commands in through a pipe, one EngineGroup round
+                    per step, one report per round back
+      ranks 1..N-1  Follower: receive a round, apply it, step, report
+    Every rank ignores SIGINT / SIGTERM: stopping is the front end's to decide, and the leader halts the others.
+
+Two processes even for one rank: the forward steps and the HTTP work then never wait for each other's GIL.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import signal
 import sys
+import threading
+from multiprocessing.connection import Connection
 
 import torch
 import uvicorn
@@ -19,38 +26,92 @@ import uvicorn
 from ..config import EngineConfig
 from ..engine import Engine
 from ..engine_group import EngineGroup
+from ..launcher import RankFailed, launch
 from ..memory import describe, memory_report
 from ..parallel import init_parallel
 from ..rank_worker import Follower
-from .app import build_app
+from .app import LeaderLink, build_app
+from .engine_loop import EngineStopped
+from .leader import EngineFacts, Leader
 from .settings import ServerSettings
 
 log = logging.getLogger("moeplex.server")
 
 
-class EngineStopped(RuntimeError):
-    """The engine loop stopped without being asked to (with several ranks: a rank failed or stopped answering)."""
-
-
-def serve_on_rank(rank: int, config: EngineConfig, settings: ServerSettings, log_level: str) -> None:
+def serve(config: EngineConfig, settings: ServerSettings, log_level: str) -> None:
+    """Start the ranks, serve HTTP until a signal or a failed rank; RankFailed / EngineStopped say what went wrong."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    if rank != 0:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # stopping is rank 0's to decide
-            signal.signal(sig, signal.SIG_IGN)
+    here, there = multiprocessing.get_context("spawn").Pipe()
+    ranks = RankProcesses(config, there, log_level)
+    try:
+        facts = here.recv()
+    except EOFError:  # rank 0 is gone before it could lead
+        ranks.join()
+        raise RankFailed("rank 0 stopped during start-up") from None
+    finally:
+        there.close()  # the ranks hold their own copy: the leader's exit must reach `here` as the end of the pipe
+    server = HttpServer(LeaderLink(here, facts), settings, log_level)
+    try:
+        server.run()
+    finally:
+        here.close()  # a leader still waiting (say uvicorn could not bind its port) sees the pipe end and halts
+    ranks.join()
+    failure = server.app.state.engine_loop.failure
+    if failure is not None:
+        raise failure
+
+
+class RankProcesses:
+    """Every local rank in a process of its own, waited for on a thread; join() raises RankFailed if one failed."""
+
+    def __init__(self, config: EngineConfig, connection: Connection, log_level: str):
+        self.failure: RankFailed | None = None
+        args = (config, connection, log_level)
+        self.thread = threading.Thread(target=self._run, args=args, name="moeplex-ranks", daemon=True)
+        self.thread.start()
+
+    def _run(self, config: EngineConfig, connection: Connection, log_level: str) -> None:
+        try:
+            if config.parallel.distributed:
+                launch(serve_on_rank, config.parallel, config, connection, log_level)
+            else:  # launch() would run one rank in this process: spawn it, as the front end must stay apart
+                rank = multiprocessing.get_context("spawn").Process(
+                    target=serve_on_rank, args=(0, config, connection, log_level), name="moeplex-rank-0"
+                )
+                rank.start()
+                rank.join()
+                if rank.exitcode != 0:
+                    raise RankFailed(f"rank 0 died (exit code {rank.exitcode})")
+        except RankFailed as exc:
+            self.failure = exc
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)
+        if self.failure is not None:
+            raise self.failure
+
+
+def serve_on_rank(rank: int, config: EngineConfig, connection: Connection, log_level: str) -> None:
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # stopping is the front end's to decide
+        signal.signal(sig, signal.SIG_IGN)
     engine = Engine(config, parallel=init_parallel(config.parallel, rank, torch.device(config.device)))
     log.info(describe(memory_report(engine)))
     if rank == 0:
-        HttpServer(EngineGroup(engine), settings, log_level).run()
+        group = EngineGroup(engine)
+        connection.send(EngineFacts.of(group))
+        Leader(group, connection).run()
     else:
+        connection.close()  # only the leader talks to the front end
         Follower(engine).run()
 
 
 class HttpServer:
-    """uvicorn around the app; it stops on SIGINT / SIGTERM (draining requests) or when the engine loop stops."""
+    """uvicorn around the app; it stops on SIGINT / SIGTERM (draining requests) or when the leader stops."""
 
-    def __init__(self, group: EngineGroup, settings: ServerSettings, log_level: str):
+    def __init__(self, link: LeaderLink, settings: ServerSettings, log_level: str):
         self.settings = settings
-        self.app = build_app(group, settings, on_engine_stopped=self._engine_stopped)
+        self.app = build_app(link, settings, on_engine_stopped=self._engine_stopped)
         config = uvicorn.Config(
             self.app,
             host=settings.host,
@@ -64,18 +125,15 @@ class HttpServer:
         sys.setswitchinterval(self.settings.gil_switch_interval)  # this process is the server's: see ServerSettings
         with _signals_answered_by_uvicorn():
             self.server.run()
-        failure = self.app.state.engine_loop.failure
-        if failure is not None:
-            raise EngineStopped(f"the engine loop stopped: {type(failure).__name__}: {failure}")
 
     def _engine_stopped(self) -> None:
-        self.server.should_exit = True  # uvicorn checks it between ticks, so any thread may set it
+        self.server.should_exit = True
 
 
 @contextlib.contextmanager
 def _signals_answered_by_uvicorn():
     """uvicorn answers SIGINT and SIGTERM with a graceful shutdown and afterwards raises the signal again for the
-    handlers it found; the server has stopped by then, so those handlers leave the rank to exit normally."""
+    handlers it found; the server has stopped by then, so those handlers leave the process to exit normally."""
     found = {sig: signal.signal(sig, _already_answered) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
@@ -86,3 +144,6 @@ def _signals_answered_by_uvicorn():
 
 def _already_answered(signum, frame) -> None:
     pass
+
+
+__all__ = ["EngineStopped", "serve"]

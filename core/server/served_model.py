@@ -1,30 +1,31 @@
 """What the HTTP side knows about the served model: its name, limits, tokenizer and chat template.
 
-Everything here is read-only after start-up, so handlers on the event loop use it while the engine
-thread runs (the Rust tokenizer is safe to share between threads).
+Everything here is read-only after start-up, so handlers on the event loop use it freely; the
+tokenizer is the HTTP process's own copy.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from ..engine import Engine
+from tokenizers import Tokenizer
+
 from .chat_template import ChatTemplate
 from .errors import bad_request
+from .leader import EngineFacts
 
 
 class ServedModel:
-    def __init__(self, engine: Engine, name: str, capacity_tokens: int):
-        """`capacity_tokens`: the longest sequence the KV cache of every DP group can hold."""
-        hf_config = engine.model.hf_config
+    def __init__(self, facts: EngineFacts, name: str, tokenizer: Tokenizer | None):
+        hf_config = facts.hf_config
         self.name = name
-        self.path = engine.config.model
-        self.vocab_size = engine.vocab_size
+        self.path = facts.config.model
+        self.vocab_size = facts.vocab_size
         self.architectures = hf_config.get("architectures", [hf_config.get("model_type")])
-        max_positions = hf_config.get("max_position_embeddings") or capacity_tokens
+        max_positions = hf_config.get("max_position_embeddings") or facts.capacity_tokens
         # one sequence can never outgrow the KV pool, however long the model's positions reach
-        self.context_length = min(capacity_tokens, max_positions)
-        self.tokenizer = engine.tokenizer
+        self.context_length = min(facts.capacity_tokens, max_positions)
+        self.tokenizer = tokenizer
         self.chat_template = ChatTemplate.from_folder(self.path)
         self.bos_token_id = hf_config.get("bos_token_id")
         self._token_texts: dict[int, str] = {}  # bounded by the vocabulary

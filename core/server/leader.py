@@ -1,0 +1,219 @@
+"""Rank 0 of a served engine as a leader: the front end's commands in, one EngineGroup round each step, reports out.
+
+    front end (HTTP process)  --Commands, one message per batch-->  Leader (rank 0): queue them on the EngineGroup
+                                                                    a round on every rank (see engine_group.py)
+    front end  <--RoundReport, one message per round------------  what each request gained, call outcomes, stats
+
+The leader sends EngineFacts once at start-up: all the front end knows of the engine besides the reports.
+While no rank has work it blocks on its connection; with several ranks it runs an empty round now and then,
+so the followers' wait stays within the collective timeout. With one rank a failed step fails the requests
+it was running and the leader carries on; with several the ranks can no longer agree, so it stops and says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+
+from ..config import EngineConfig
+from ..engine_group import EngineGroup
+from ..rank_worker import GroupStats, RequestUpdate
+from ..sampling import SamplingParams
+
+log = logging.getLogger("moeplex.server")
+
+
+# --- the front end's side of the connection -------------------------------------------------------
+
+
+@attrs.frozen
+class Submit:
+    rid: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@attrs.frozen
+class Cancel:
+    """The client has gone: drop the request and its KV pages."""
+
+    rid: str
+
+
+@attrs.frozen
+class EngineCall:
+    """engine.<method>(*args) on every rank between two steps; rank 0's result or error answers call `id`."""
+
+    id: int
+    method: str
+    args: tuple = ()
+
+
+@attrs.frozen
+class Commands:
+    items: tuple = ()
+    halt: bool = False  # after `items`: end the rounds, release the followers, answer Halted
+
+
+# --- the leader's side ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class LoopStats:
+    """The engine's state as of its last round."""
+
+    groups: tuple[GroupStats, ...]  # one per DP group
+    admitted: tuple[int, ...]  # requests each DP group was given since start-up
+    steps: int
+    failed_steps: int
+
+    @property
+    def num_running(self) -> int:
+        return sum(g.num_running for g in self.groups)
+
+    @property
+    def num_queued(self) -> int:
+        return sum(g.num_queued for g in self.groups)
+
+    @property
+    def kv_pages_total(self) -> int:
+        return sum(g.kv_pages_total for g in self.groups)
+
+    @property
+    def kv_pages_free(self) -> int:
+        return sum(g.kv_pages_free for g in self.groups)
+
+    @property
+    def page_size(self) -> int:
+        return self.groups[0].page_size
+
+    @property
+    def kv_pages_used(self) -> int:
+        return self.kv_pages_total - self.kv_pages_free
+
+
+@attrs.frozen
+class Failure:
+    """A request the engine gave up on: `status` is the HTTP status its client gets."""
+
+    rid: str
+    status: int
+    message: str
+
+
+@attrs.frozen
+class RoundReport:
+    updates: tuple[RequestUpdate, ...]
+    failures: tuple[Failure, ...]
+    outcomes: tuple[tuple[int, Any], ...]  # (call id, rank 0's result or exception)
+    stats: LoopStats
+
+
+@attrs.frozen
+class Halted:
+    """The last message: `reason` is None when the front end asked for it, else why the rounds stopped."""
+
+    reason: str | None = None
+
+
+@attrs.frozen
+class EngineFacts:
+    """What the front end needs of the engine, fixed at start-up."""
+
+    config: EngineConfig
+    hf_config: dict
+    vocab_size: int
+    capacity_tokens: int  # the longest sequence every DP group's KV cache can hold
+    world_size: int
+    attn_tp_size: int
+    ranks: tuple[dict, ...]  # every rank's place and memory
+    stats: LoopStats  # before the first round
+
+    @classmethod
+    def of(cls, group: EngineGroup) -> "EngineFacts":
+        engine = group.engine
+        return cls(
+            engine.config, engine.model.hf_config, engine.vocab_size, group.capacity_tokens, group.size,
+            group.parallel.config.attn_tp_size, tuple(group.ranks), LoopStats(tuple(group.stats), tuple(group.admitted), 0, 0),
+        )
+
+    def group_ranks(self, dp_rank: int) -> list[int]:
+        size = self.attn_tp_size
+        return list(range(dp_rank * size, (dp_rank + 1) * size))
+
+
+class Leader:
+    def __init__(self, group: EngineGroup, connection: Connection):
+        self.group = group
+        self.connection = connection
+        self._halted = False
+        self._steps = self._failed_steps = 0
+        self._failures: list[Failure] = []
+        self._outcomes: list[tuple[int, Any]] = []
+
+    def run(self) -> None:
+        """Rounds until the front end halts them; raises (after telling the front end) if they cannot go on."""
+        try:
+            while not self._halted:
+                self._take_commands(block=not self.group.needs_round)
+                # with several ranks an idle round is the keep-alive that the followers wait for
+                if not self._halted and (self.group.needs_round or self.group.size > 1):
+                    self._round()
+            self.group.halt()
+        except BaseException as exc:
+            self._tell(Halted(f"{type(exc).__name__}: {exc}"))
+            raise
+        self._tell(Halted())
+
+    def _take_commands(self, block: bool) -> None:
+        if block and not self.connection.poll(self.group.keepalive_s):
+            return
+        while not self._halted and self.connection.poll(0):
+            try:
+                commands: Commands = self.connection.recv()
+            except EOFError:  # the front end has gone without a word: nobody is left to serve
+                self._halted = True
+                return
+            for item in commands.items:
+                self._handle(item)
+            self._halted = commands.halt
+
+    def _handle(self, item) -> None:
+        if isinstance(item, Submit):
+            try:
+                self.group.add_request(item.prompt_ids, item.params, rid=item.rid)
+            except ValueError as exc:  # the front end checks first; the engine's own checks have the last word
+                self._failures.append(Failure(item.rid, 400, str(exc)))
+        elif isinstance(item, Cancel):
+            self.group.abort(item.rid)
+        elif isinstance(item, EngineCall):
+            self.group.call(item.method, item.args, lambda outcome, id=item.id: self._outcomes.append((id, outcome)))
+
+    def _round(self) -> None:
+        self._steps += 1
+        try:
+            reports = self.group.step()
+        except Exception as exc:
+            if self.group.size > 1:
+                raise  # the other ranks are somewhere inside this step: nothing to carry on with
+            self._failed_steps += 1
+            log.exception("engine step failed; failing the requests it was running")
+            message = f"engine step failed: {type(exc).__name__}: {exc}"
+            # the step's batch came from the running requests; if none, the waiting ones broke it
+            for rid in self.group.running_rids():
+                self.group.abort(rid)
+                self._failures.append(Failure(rid, 500, message))
+            reports = []
+        updates = tuple(update for report in reports for update in report.updates)
+        stats = LoopStats(tuple(self.group.stats), tuple(self.group.admitted), self._steps, self._failed_steps)
+        self.connection.send(RoundReport(updates, tuple(self._failures), tuple(self._outcomes), stats))
+        self._failures, self._outcomes = [], []
+
+    def _tell(self, message: Halted) -> None:
+        try:
+            self.connection.send(message)
+        except OSError:  # the front end has gone
+            pass
