@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import sys
 
-from moeplex.cli import main
+from moeplex.cli import main as moeplex_main
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return moeplex_main(["eplb", "report", "--load", *argv])
+
 
 if __name__ == "__main__":
-    sys.exit(main(["eplb", "report", "--load", *sys.argv[1:]]))
+    sys.exit(main())
