@@ -7,6 +7,9 @@ import json
 from .. import registry
 
 
+TITLES = {"dispatcher": "dispatchers", "moe_kernel": "MoE kernels", "balancer": "balancers", "overlap": "overlap strategies"}
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("plugins", help="list installed dispatchers, MoE kernels, balancers and overlap strategies")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
@@ -28,7 +31,7 @@ def run(args) -> int:
         print(json.dumps(listing, indent=2))
         return 0
     for kind, entries in listing.items():
-        print(f"{kind}s:")
+        print(f"{TITLES[kind]}:")
         for e in entries:
             caps = e.get("capabilities")
             shown = ", ".join(f"{k}={v}" for k, v in caps.items() if v not in (False, None, [], 0)) if caps else e["error"]
