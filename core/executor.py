@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from .forward_batch import ForwardBatch
 from .interfaces import BatchMeta, OverlapStrategy
 from .kv_cache import KVPool
+
+
+@attrs.define
+class StepState:
+    """What one (micro-)batch carries through the layer stack."""
+
+    hidden: torch.Tensor
+    batch: ForwardBatch
+    kv: KVPool
+    shared_during_dispatch: bool = False  # the overlap strategy's choice, read by MoE layers
 
 
 def micro_batch_ranges(cuts, num_tokens: int) -> list[tuple[int, int]]:
@@ -32,8 +43,6 @@ def step_cuts(strategy: OverlapStrategy, batch: ForwardBatch) -> list[int] | Non
 
 def run_layers(model, batch: ForwardBatch, kv: KVPool, strategy: OverlapStrategy) -> torch.Tensor:
     """[T, H] hidden states after the last layer (micro-batches put back in token order)."""
-    from .models.base import StepState  # the executor is the models' caller; import lazily to keep layering
-
     hidden = model.model.embed_tokens(batch.input_ids)
     shared_during_dispatch = strategy.caps.shared_during_dispatch
     cuts = step_cuts(strategy, batch)

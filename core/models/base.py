@@ -11,7 +11,7 @@ import attrs
 import torch
 from torch import nn
 
-from ..executor import run_layers
+from ..executor import StepState, run_layers
 from ..forward_batch import ForwardBatch
 from ..kv_cache import KVPool
 from ..moe.layer import MoELayer
@@ -48,16 +48,6 @@ def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     params["rope_type"] = rope_type
     return params
-
-
-@attrs.define
-class StepState:
-    """What one (micro-)batch carries through the layer stack."""
-
-    hidden: torch.Tensor
-    batch: ForwardBatch
-    kv: KVPool
-    shared_during_dispatch: bool = False  # the overlap strategy's choice, read by MoE layers
 
 
 class SiluMLP(nn.Module):

@@ -7,7 +7,7 @@ from typing import Generator
 import torch
 from torch import nn
 
-from ..forward_batch import ForwardBatch
+from ..executor import StepState
 from ..models.loader import Target
 from .router import Router, RouterSpec
 from .runtime import MoERuntime
@@ -78,7 +78,7 @@ class MoELayer(nn.Module):
     def finish_loading(self) -> None:
         self.prepared = self.runtime.prepare_weights(self.w13, self.w2)
 
-    def program(self, hidden: torch.Tensor, state) -> Generator[str, None, torch.Tensor]:
+    def program(self, hidden: torch.Tensor, state: StepState) -> Generator[str, None, torch.Tensor]:
         """Yields while dispatch and combine are in flight; returns [T, H].
 
         The ranks of an attention group hold the same tokens; when experts are sharded over
@@ -115,13 +115,3 @@ class MoELayer(nn.Module):
         counts = [total // tp.size + (i < total % tp.size) for i in range(tp.size)]
         start = sum(counts[: tp.rank])
         return hidden[start : start + counts[tp.rank]], counts
-
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        from ..models.base import StepState  # the layer's own state type; lazily, models import this module
-
-        program = self.program(hidden, StepState(hidden, batch, kv=None))
-        while True:
-            try:
-                next(program)
-            except StopIteration as done:
-                return done.value

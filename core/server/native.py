@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
-from .endpoint import MAX_SEED, MAX_TOP_LOGPROBS, Plan, expand, make_sampling_params
+from .endpoint import MAX_SEED, MAX_TOP_LOGPROBS, Plan, expand, choice_params
 from .errors import bad_request
 from .group import RequestGroup
 from .openai_common import MAX_N, STOP, TOKEN_IDS
@@ -136,19 +136,7 @@ class GenerateEndpoint:
 
 
 def _params(sampling: dict, logprobs: int, choice: int):
-    seed = sampling["sampling_seed"]
-    return make_sampling_params(
-        max_new_tokens=sampling["max_new_tokens"],
-        temperature=sampling["temperature"],
-        top_p=sampling["top_p"],
-        top_k=sampling["top_k"],
-        min_p=sampling["min_p"],
-        seed=None if seed is None else seed + choice,
-        stop=sampling["stop"],
-        stop_token_ids=sampling["stop_token_ids"],
-        ignore_eos=sampling["ignore_eos"],
-        logprobs=logprobs,
-    )
+    return choice_params(sampling, sampling["max_new_tokens"], sampling["sampling_seed"], logprobs, choice)
 
 
 def _finish_reason(c: Completion) -> dict | None:

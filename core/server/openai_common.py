@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .endpoint import MAX_SEED, MAX_TOP_LOGPROBS, make_sampling_params
+from .endpoint import MAX_SEED, choice_params
 from .outputs import Completion
 from .schema import BOOLEAN, INTEGER, NUMBER, OBJECT, STRING, AnyOf, Field, ListOf, ObjectOf
 from .served_model import ServedModel
@@ -48,19 +48,7 @@ def sampling_fields(max_tokens_default: int | None) -> list[Field]:
 
 def params_for_choice(values: dict, model: ServedModel, max_tokens: int, logprobs: int, choice: int):
     model.check_token_ids(values["stop_token_ids"] or (), "stop_token_ids")
-    seed = values["seed"]
-    return make_sampling_params(
-        max_new_tokens=max_tokens,
-        temperature=values["temperature"],
-        top_p=values["top_p"],
-        top_k=values["top_k"],
-        min_p=values["min_p"],
-        seed=None if seed is None else seed + choice,
-        stop=values["stop"],
-        stop_token_ids=values["stop_token_ids"],
-        ignore_eos=values["ignore_eos"],
-        logprobs=logprobs,
-    )
+    return choice_params(values, max_tokens, values["seed"], logprobs, choice)
 
 
 def usage(completions: list[Completion], n: int) -> dict:
