@@ -51,4 +51,6 @@ def build_forward_batch(seqs: Sequence[ScheduledSeq], kv: KVPool, device: torch.
         prefix_lens=prefix_lens,
         kv_indices=kv_indices.to(device),
         kv_indptr=kv_indptr.to(device),
+        page_table=table.to(device),
+        page_size=kv.page_size,
     )

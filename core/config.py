@@ -5,11 +5,13 @@ from __future__ import annotations
 import attrs
 import torch
 
+from .attention import ATTENTION_BACKENDS, AUTO
 from .moe.recorder import PER_STEP, STAT
 from .moe.replicas import DISPATCH_ALGORITHMS, SPREAD
 from .parallel import ParallelConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+QUANTIZE_EXPERTS = ("none", "fp8")  # --quantize-experts
 
 
 def _positive(instance, attribute, value):
@@ -42,6 +44,12 @@ class EngineConfig:
     balancer: str = "static"
     overlap: str = "none"
     overlap_min_tokens: int | None = None  # below this many tokens a step runs unsplit (None: the strategy's own)
+    max_dispatch_tokens_per_rank: int | None = attrs.field(default=None, validator=_positive)  # fixed buffers
+    dispatch_fp8: bool = False  # send routed activations as fp8 where the dispatcher can
+    # GPU serving path
+    attention_backend: str = attrs.field(default=AUTO, validator=_one_of(ATTENTION_BACKENDS))  # auto: triton on CUDA
+    disable_cuda_graph: bool = False  # decode steps run eagerly even where they could replay a graph
+    cuda_graph_max_bs: int = attrs.field(default=256, validator=_positive)  # largest captured decode batch
     # scheduler and KV cache
     max_running_requests: int = attrs.field(default=64, validator=_positive)
     max_batched_tokens: int = attrs.field(default=2048, validator=_positive)  # per-step token budget
@@ -51,6 +59,7 @@ class EngineConfig:
     kv_memory_fraction: float = 0.25  # of free memory, when max_total_tokens is not given
     show_progress: bool = True
     load_format: str = attrs.field(default="auto", validator=_one_of(("auto", "dummy")))
+    quantize_experts: str = attrs.field(default="none", validator=_one_of(QUANTIZE_EXPERTS))  # fp8: block-quantize at load
     parallel: ParallelConfig = ParallelConfig()
     # expert placement and load balancing
     ep_num_redundant_experts: int = attrs.field(default=0, validator=_not_negative)  # physical slots beyond one per expert

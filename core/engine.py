@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
+from .cuda_graph import decode_graphs
 from .forward_batch import ForwardBatch
 from .interfaces import BatchMeta
 from .hooks import make_plugin_manager
@@ -67,7 +68,9 @@ class Engine:
         tokens = _kv_tokens(config, KVPool.bytes_per_token(shapes, config.torch_dtype), self.device)
         self.kv = KVPool(-(-tokens // config.page_size), config.page_size, shapes, config.torch_dtype, self.device)
         self.scheduler = Scheduler(self.kv, config.max_running_requests, config.max_batched_tokens, config.chunked_prefill_size)
-        self.runner = ModelRunner(self.model, self.kv, selection.overlap(min_tokens=config.overlap_min_tokens), self.device, self.hooks)
+        strategy = selection.overlap(min_tokens=config.overlap_min_tokens)
+        graphs = decode_graphs(config, self.model, self.kv, strategy, selection, self.parallel.config.world_size)
+        self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs)
         self.sampler = Sampler()
         self.tokenizer = load_tokenizer(config.model)
         self.eos_ids = _eos_ids(config.model, self.model.hf_config)
@@ -168,7 +171,8 @@ class Engine:
             return None
         # split only when every rank with tokens can; idle ranks follow with empty micro-batches
         split = all(row[2] for row in everyone if row[0])
-        return attrs.evolve(batch, global_num_tokens=counts, overlap_split=split)
+        all_decode = not any(row[1] for row in everyone if row[0])
+        return attrs.evolve(batch, global_num_tokens=counts, overlap_split=split, global_all_decode=all_decode)
 
     def _drain_dropped(self) -> list[Request]:
         dropped, self.scheduler.dropped = self.scheduler.dropped, []

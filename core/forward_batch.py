@@ -22,8 +22,8 @@ class ForwardMode(enum.IntEnum):
         return self is ForwardMode.EXTEND
 
 
-def _per(axis: str, **metadata):
-    return attrs.field(metadata={"axis": axis, **metadata})
+def _per(axis: str, default=attrs.NOTHING, **metadata):
+    return attrs.field(default=default, metadata={"axis": axis, **metadata})
 
 
 @attrs.frozen
@@ -32,7 +32,9 @@ class ForwardBatch:
 
     Request i adds tokens positions[cu_extend[i]:cu_extend[i+1]], i.e. the positions
     prefix_lens[i] .. seq_lens[i]-1 of its sequence; their KV goes to out_cache_loc.
-    kv_indices[kv_indptr[i]:kv_indptr[i+1]] are the KV slots of its whole sequence.
+    kv_indices[kv_indptr[i]:kv_indptr[i+1]] are the KV slots of its whole sequence; the same slots
+    as pages: token j of request i is in page page_table[i, j // page_size] (the form kernels and
+    CUDA graphs read, since its shape does not follow the token count).
     """
 
     mode: ForwardMode
@@ -44,10 +46,14 @@ class ForwardBatch:
     prefix_lens: tuple[int, ...] = _per(REQUEST)  # tokens already in the KV cache (CPU side)
     kv_indices: torch.Tensor = _per(RAGGED, indptr="kv_indptr")  # [sum(seq_lens)] flattened KV slots
     kv_indptr: torch.Tensor = _per(REQUEST)  # [B + 1]
+    page_table: torch.Tensor | None = _per(REQUEST, default=None)  # [B, >= longest sequence's pages]
+    page_size: int = 1  # tokens per page of page_table
     # DP attention: the token count of every rank this step (None without DP attention)
     global_num_tokens: tuple[int, ...] | None = None
     # DP attention: whether every rank splits this step into micro-batches (None: decide locally)
     overlap_split: bool | None = None
+    # DP attention: whether every rank with tokens decodes this step (None: read this rank's mode)
+    global_all_decode: bool | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +86,7 @@ class ForwardBatch:
             prefix_lens=(),
             kv_indices=empty,
             kv_indptr=torch.zeros(1, dtype=torch.int64, device=device),
+            page_table=torch.empty(0, 1, dtype=torch.int64, device=device),
         )
 
     def slice_tokens(self, start: int, end: int) -> "ForwardBatch":
@@ -101,6 +108,9 @@ class ForwardBatch:
         kv_indptr = torch.zeros(len(kept) + 1, dtype=torch.int64)
         kv_indptr[1:] = torch.tensor(seq, dtype=torch.int64).cumsum(0)
         tokens = {name: getattr(self, name)[start:end] for name in self.fields_along(TOKEN)}
+        table = self.page_table
+        if table is not None:
+            table = table[torch.tensor(kept, dtype=torch.int64, device=table.device)]
         return attrs.evolve(
             self,
             **tokens,
@@ -109,6 +119,7 @@ class ForwardBatch:
             seq_lens=torch.tensor(seq, dtype=torch.int64, device=device),
             kv_indices=torch.cat(runs) if runs else self.kv_indices[:0],
             kv_indptr=kv_indptr.to(device),
+            page_table=table,
         )
 
     @classmethod

@@ -14,6 +14,9 @@ class KVPool:
     `layer_shapes[l]` lists the per-token shape of everything layer l caches: for
     MHA/GQA a key and a value ([kv_heads, head_dim] each), for MLA one row of the
     compressed latent concatenated with the rope key.
+
+    One page more than `num_pages` is allocated and never handed out: the scratch page, which
+    the padding rows of a CUDA-graph batch write to and read from, so they touch no request's KV.
     """
 
     def __init__(
@@ -27,10 +30,11 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.buffers = [
-            [torch.zeros(num_pages * page_size, *shape, dtype=dtype, device=device) for shape in shapes]
+            [torch.zeros((num_pages + 1) * page_size, *shape, dtype=dtype, device=device) for shape in shapes]
             for shapes in layer_shapes
         ]
         self._free = deque(range(num_pages))
+        self.scratch_page = num_pages
 
     @staticmethod
     def bytes_per_token(layer_shapes: Sequence[Sequence[tuple[int, ...]]], dtype: torch.dtype) -> int:

@@ -15,7 +15,7 @@ def _bytes(tensors) -> int:
 
 def memory_report(engine) -> dict:
     """Per-rank sizes in MiB; under EP each rank's expert share is 1 / ep of the model's experts."""
-    experts = [p for layer in engine.model.moe_layers() for p in (layer.w13, layer.w2)]
+    experts = [p for layer in engine.model.moe_layers() for p in layer.expert_tensors()]
     expert_ids = {id(p) for p in experts}
     others = [p for p in engine.model.parameters() if id(p) not in expert_ids]
     kv = [buffer for layer in engine.kv.buffers for buffer in layer]

@@ -7,18 +7,20 @@ from typing import Sequence
 import torch
 
 from .batch_builder import ScheduledSeq, build_forward_batch
+from .cuda_graph import DecodeGraphs
 from .forward_batch import ForwardBatch
 from .kv_cache import KVPool
 from .scheduler import ScheduledWork
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVPool, strategy, device: torch.device, hooks=None):
+    def __init__(self, model, kv: KVPool, strategy, device: torch.device, hooks=None, graphs: DecodeGraphs | None = None):
         self.model = model
         self.kv = kv
         self.strategy = strategy
         self.device = device
         self.hooks = hooks
+        self.graphs = graphs  # captured decode steps, replayed for the decode batches they hold
 
     def prepare(self, work: Sequence[ScheduledWork]) -> ForwardBatch:
         seqs = [
@@ -30,7 +32,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """[B, vocab] fp32 logits of each request's last processed token."""
-        logits = self.model(batch, self.kv, self.strategy)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.run(batch)
+        else:
+            logits = self.model(batch, self.kv, self.strategy)
         if self.hooks is not None:
             self.hooks.hook.moeplex_forward_done(batch=batch, logits=logits)
         return logits

@@ -55,8 +55,10 @@ class PluginInfo:
 
 
 def _plain(value):
-    if isinstance(value, (frozenset, set, tuple, list)):
+    if isinstance(value, (frozenset, set)):
         return sorted(_plain(v) for v in value)
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
     if hasattr(value, "is_floating_point"):  # torch.dtype
         return str(value).removeprefix("torch.")
     return value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import attrs
@@ -20,6 +21,10 @@ class PluginSelection:
     moe_kernel: type
     balancer: type
     overlap: type
+
+
+def _capability() -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability())
 
 
 def _runnable(kind: str, ok) -> str:
@@ -49,6 +54,20 @@ def resolve(config, ep_size: int = 1, has_gpu: bool | None = None) -> PluginSele
                 f"{kind} '{name}' needs a CUDA GPU and none is visible; {kind}s that run here: "
                 f"{_runnable(kind, lambda c: not c.needs_gpu)}."
             )
+        missing = [module for module in caps.requires if importlib.util.find_spec(module) is None]
+        if missing:
+            raise PluginError(
+                f"{kind} '{name}' needs the Python package{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(missing)}, which {'are' if len(missing) > 1 else 'is'} not installed (see docs/plugins.md); "
+                f"{kind}s that run here: {_runnable(kind, lambda c: not c.needs_gpu or has_gpu)}."
+            )
+        if has_gpu and caps.min_compute_capability and _capability() < caps.min_compute_capability:
+            need, have = caps.min_compute_capability, _capability()
+            raise PluginError(
+                f"{kind} '{name}' needs a GPU of compute capability {need[0]}.{need[1]} or newer (Hopper for 9.0), "
+                f"but this one is {have[0]}.{have[1]}; {kind}s that run here: "
+                f"{_runnable(kind, lambda c: not c.min_compute_capability or c.min_compute_capability <= have)}."
+            )
     if ep_size > 1 and not dcaps.multi_rank:
         raise PluginError(
             f"dispatcher '{config.dispatcher}' serves one EP rank only, but --ep-size is {ep_size}; "
@@ -65,11 +84,34 @@ def resolve(config, ep_size: int = 1, has_gpu: bool | None = None) -> PluginSele
             f"moe_kernel '{config.moe_kernel}' does not compute in {config.dtype}; kernels that do: "
             f"{_runnable('moe_kernel', lambda c: dtype in c.dtypes)}."
         )
-    if not LayoutAdapter.can_adapt(dcaps.layout, kcaps.layouts):
+    def takes_all(caps) -> bool:
+        return all(LayoutAdapter.can_adapt(layout, caps.layouts) for layout in dcaps.layouts)
+
+    for layout in dcaps.layouts:
+        if not LayoutAdapter.can_adapt(layout, kcaps.layouts):
+            raise PluginError(
+                f"dispatcher '{config.dispatcher}' produces the {layout} layout, which moe_kernel "
+                f"'{config.moe_kernel}' (accepting {', '.join(sorted(kcaps.layouts))}) cannot take; kernels that can: "
+                f"{_runnable('moe_kernel', takes_all)}."
+            )
+    if getattr(config, "dispatch_fp8", False) and not dcaps.fp8_payload:
         raise PluginError(
-            f"dispatcher '{config.dispatcher}' produces the {dcaps.layout} layout, which moe_kernel "
-            f"'{config.moe_kernel}' (accepting {', '.join(sorted(kcaps.layouts))}) cannot take; kernels that can: "
-            f"{_runnable('moe_kernel', lambda c: LayoutAdapter.can_adapt(dcaps.layout, c.layouts))}."
+            f"--dispatch-fp8 needs a dispatcher that sends fp8 rows, and '{config.dispatcher}' does not; "
+            f"dispatchers that do: {_runnable('dispatcher', lambda c: c.fp8_payload)}."
+        )
+    limit = getattr(config, "max_dispatch_tokens_per_rank", None)
+    if dcaps.fixed_max_tokens and not dcaps.other_layouts and limit and limit < config.max_batched_tokens:
+        raise PluginError(
+            f"dispatcher '{config.dispatcher}' holds at most --max-dispatch-tokens-per-rank {limit} tokens, but a "
+            f"step may send --max-batched-tokens {config.max_batched_tokens}; lower that, raise the buffer, or use "
+            f"a dispatcher that switches modes: {_runnable('dispatcher', lambda c: c.other_layouts)}."
+        )
+    in_flight = getattr(sel.overlap.caps, "transfers_in_flight", 1)
+    if in_flight > dcaps.max_in_flight:
+        raise PluginError(
+            f"overlap '{config.overlap}' keeps {in_flight} dispatches in flight, but dispatcher "
+            f"'{config.dispatcher}' holds {dcaps.max_in_flight} at a time; dispatchers that hold {in_flight}: "
+            f"{_runnable('dispatcher', lambda c: c.max_in_flight >= in_flight)}."
         )
     if sel.overlap.caps.needs_async_halves and not dcaps.async_halves:
         log.warning(

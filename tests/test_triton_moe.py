@@ -35,7 +35,7 @@ from moeplex.plugins.moe_kernels.triton_moe.configs import (  # noqa: E402
     table_file,
     write_table,
 )
-from moeplex.plugins.moe_kernels.triton_moe.finish import quantize_rows  # noqa: E402
+from moeplex.kernels.fp8 import quantize_rows  # noqa: E402
 from moeplex.plugins.moe_kernels.triton_moe.plugin import INTERPRETED, TritonMoEKernel  # noqa: E402
 from moeplex.quant import dequantize_activations, dequantize_blocks, quantize_activations, quantize_blocks  # noqa: E402
 

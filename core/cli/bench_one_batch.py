@@ -72,13 +72,16 @@ def run(args) -> int:
         raise ValueError("bench-one-batch runs one rank; time several ranks with benchmarks/overlap.py or benchmarks/dispatch.py")
     engine = Engine(config)
     measure(engine, 1, min(args.input_len, 16), 2)  # warm-up: first-call allocations and kernel compilation
+    setup = {"attention_backend": engine.model.attention_backend.name, "cuda_graph": engine.runner.graphs is not None}
     if not args.json:
+        graphs = f"CUDA graphs for batches up to {engine.runner.graphs.sizes[-1]}" if setup["cuda_graph"] else "no CUDA graphs"
+        print(f"{setup['attention_backend']} attention, {graphs}\n")
         print("| batch | input | output | prefill ms | prefill tok/s | decode step ms | decode tok/s |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
     for batch_size in args.batch_size:
         row = measure(engine, batch_size, args.input_len, args.output_len)
         if args.json:
-            print(json.dumps(row))
+            print(json.dumps({**row, **setup}))
         else:
             print(" | ".join(["", *(str(row[k]) for k in row), ""]).strip())
     return 0

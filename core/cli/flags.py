@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import DTYPES, EngineConfig
+from ..attention import ATTENTION_BACKENDS, AUTO
+from ..config import DTYPES, QUANTIZE_EXPERTS, EngineConfig
 from ..models.make_model import default_model
 from ..moe.recorder import PER_STEP, STAT
 from ..moe.replicas import DISPATCH_ALGORITHMS, SPREAD
@@ -24,6 +25,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "--load-format", choices=("auto", "dummy"), default="auto",
         help="auto: read the safetensors files; dummy: random weights made on the device from config.json alone",
     )
+    model.add_argument(
+        "--quantize-experts", choices=QUANTIZE_EXPERTS, default="none",
+        help="fp8: hold the routed experts in fp8 with one scale per 128x128 block, quantizing plain weights at load "
+        "(needs an --moe-kernel that takes fp8-block weights); none: quantize nothing. An fp8 checkpoint "
+        "(quantization_config in config.json) keeps its experts in fp8 either way where the kernel takes them "
+        "(default: none)",
+    )
     plugins = parser.add_argument_group("plugins (see `moeplex plugins` for what is installed)")
     plugins.add_argument("--dispatcher", default="local", help="how routed tokens reach their experts (default: local)")
     plugins.add_argument("--moe-kernel", default="torch", help="how experts compute (default: torch)")
@@ -32,6 +40,33 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     plugins.add_argument(
         "--overlap-min-tokens", type=int, default=None,
         help="steps with fewer tokens run without splitting into micro-batches (default: the strategy's own)",
+    )
+    plugins.add_argument(
+        "--max-dispatch-tokens-per-rank", type=int, default=None, metavar="N",
+        help="tokens one rank sends per MoE layer that fixed-size dispatch buffers (deepep-ll, deepep-auto's "
+        "decode steps) hold; default: --max-running-requests for a dispatcher with a fallback mode, "
+        "else --max-batched-tokens",
+    )
+    plugins.add_argument(
+        "--dispatch-fp8", action="store_true",
+        help="send routed activations as fp8 with one scale per 128 values (dispatchers with fp8_payload; "
+        "halves the bytes moved, adds fp8 rounding before the experts)",
+    )
+    gpu = parser.add_argument_group("attention and CUDA graphs")
+    gpu.add_argument(
+        "--attention-backend", choices=ATTENTION_BACKENDS, default=AUTO,
+        help="who computes attention over the paged KV cache: torch (SDPA, the reference) or triton (split-K "
+        "decode kernels, MLA decode in the latent space); auto: triton on CUDA, torch elsewhere (default: auto)",
+    )
+    gpu.add_argument(
+        "--disable-cuda-graph", action="store_true",
+        help="run every decode step eagerly; by default on CUDA, decode steps replay CUDA graphs captured at "
+        "start-up when the attention backend and every selected plugin are graph-safe",
+    )
+    gpu.add_argument(
+        "--cuda-graph-max-bs", type=int, default=256, metavar="N",
+        help="largest decode batch captured in a CUDA graph (sizes 1, 2, 4, 8, then every 8, up to N and at most "
+        "--max-running-requests); larger batches run eagerly, smaller ones pad to the next size (default: 256)",
     )
     sched = parser.add_argument_group("scheduler and KV cache")
     sched.add_argument("--max-running-requests", type=int, default=64, help="requests decoding at once (default: 64)")
@@ -133,6 +168,11 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         balancer=args.balancer,
         overlap=args.overlap,
         overlap_min_tokens=args.overlap_min_tokens,
+        max_dispatch_tokens_per_rank=args.max_dispatch_tokens_per_rank,
+        dispatch_fp8=args.dispatch_fp8,
+        attention_backend=args.attention_backend,
+        disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
         max_running_requests=args.max_running_requests,
         max_batched_tokens=args.max_batched_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
@@ -140,6 +180,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         max_total_tokens=args.max_total_tokens,
         parallel=parallel_config(args),
         load_format=args.load_format,
+        quantize_experts=args.quantize_experts,
         ep_num_redundant_experts=args.ep_num_redundant_experts,
         ep_dispatch_algorithm=args.ep_dispatch_algorithm,
         init_expert_location=args.init_expert_location,

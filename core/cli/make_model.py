@@ -22,6 +22,11 @@ def add_parser(sub) -> None:
         help="write config and tokenizer but no weights (run it with --load-format dummy)",
     )
     p.add_argument(
+        "--fp8", action="store_true",
+        help="write a DeepSeek-V3 style fp8 checkpoint: every linear projection but lm_head as float8_e4m3fn with "
+        "one fp32 scale per 128x128 block (X.weight_scale_inv), and quantization_config in config.json",
+    )
+    p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a config.json field, VALUE as JSON (e.g. --set num_hidden_layers=4); repeatable",
     )
@@ -43,8 +48,9 @@ def _overrides(pairs: list[str]) -> dict:
 
 def run(args) -> int:
     folder = write_checkpoint(
-        args.out, args.arch, args.preset, args.seed, overrides=_overrides(args.set), config_only=args.config_only
+        args.out, args.arch, args.preset, args.seed, overrides=_overrides(args.set), config_only=args.config_only,
+        fp8=args.fp8,
     )
-    what = "config (no weights)" if args.config_only else "random checkpoint"
+    what = "config (no weights)" if args.config_only else "random fp8 checkpoint" if args.fp8 else "random checkpoint"
     print(f"wrote a {args.arch} ({args.preset}) {what} to {folder}")
     return 0

@@ -43,17 +43,38 @@ TWO_IN_FLIGHT = "two_in_flight"
 CHECKS = (*CASES, TWO_IN_FLIGHT)
 
 
-def device_for_rank(ep_rank: int = 0, ep_size: int = 1) -> torch.device:
-    """A GPU per rank where there are enough, else the CPU."""
+def device_for_rank(ep_rank: int = 0, ep_size: int = 1, needs_gpu: bool = False) -> torch.device:
+    """A GPU per rank where there are enough; else one shared GPU for a GPU-only plugin; else the CPU."""
     if torch.cuda.is_available() and torch.cuda.device_count() >= ep_size:
         return torch.device("cuda", ep_rank)
+    if torch.cuda.is_available() and needs_gpu:
+        return torch.device("cuda", 0)
     return torch.device("cpu")
 
 
-def make_context(ep_rank: int, ep_size: int, group, device: torch.device) -> MoEContext:
+def backend_for(device: torch.device, ep_size: int) -> str:
+    """NCCL where every rank has a GPU of its own; gloo otherwise (NCCL refuses two ranks on one GPU)."""
+    shared = device.type == "cuda" and torch.cuda.device_count() < ep_size
+    return "nccl" if device.type == "cuda" and not shared else "gloo"
+
+
+def hidden_size_for(caps) -> int:
+    """HIDDEN_SIZE, or the smallest hidden size a dispatcher that names its sizes can move."""
+    sizes = getattr(caps, "hidden_sizes", None)
+    return HIDDEN_SIZE if not sizes or HIDDEN_SIZE in sizes else min(sizes)
+
+
+def payloads_for(caps) -> tuple[str, ...]:
+    """The row formats to check: bf16 always, fp8 too for a dispatcher that can send it."""
+    return ("bf16", "fp8") if getattr(caps, "fp8_payload", False) else ("bf16",)
+
+
+def make_context(
+    ep_rank: int, ep_size: int, group, device: torch.device, hidden_size: int = HIDDEN_SIZE, fp8: bool = False
+) -> MoEContext:
     return MoEContext(
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=HIDDEN_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size,
         num_physical_experts=NUM_EXPERTS,
         top_k=TOP_K,
         dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
@@ -62,6 +83,7 @@ def make_context(ep_rank: int, ep_size: int, group, device: torch.device) -> MoE
         ep_size=ep_size,
         group=group,
         max_tokens_per_rank=MAX_TOKENS_PER_RANK,
+        dispatch_fp8=fp8,
     )
 
 
@@ -142,6 +164,11 @@ def check_two_in_flight(dispatcher: Dispatcher) -> None:
     rank = f"rank {ctx.ep_rank} of {ctx.ep_size}"
     assert_combined(out_a, hidden_a, routing_a, f"{rank}, micro-batch A", dispatched_a.layout.fp8 is not None)
     assert_combined(out_b, hidden_b, routing_b, f"{rank}, micro-batch B", dispatched_b.layout.fp8 is not None)
+
+
+def checks_for(caps) -> tuple[str, ...]:
+    """The checks a dispatcher must pass: two in flight only where it declares room for two."""
+    return CHECKS if getattr(caps, "max_in_flight", 2) >= 2 else tuple(CASES)
 
 
 def run_check(dispatcher: Dispatcher, name: str) -> None:

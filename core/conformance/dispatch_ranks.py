@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from moeplex.registry import lookup
 
-from .dispatch_checks import device_for_rank, make_context, run_check
+from .dispatch_checks import backend_for, device_for_rank, hidden_size_for, make_context, payloads_for, run_check
 
 COLLECTIVE_TIMEOUT_S = 60  # a dispatcher that deadlocks fails instead of hanging the run
 SPAWN_TIMEOUT_S = 300
@@ -33,8 +33,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def check_key(check: str, payload: str) -> str:
+    return check if payload == "bf16" else f"{check}[{payload}]"
+
+
 def run_on_ranks(plugin_name: str, checks: tuple[str, ...], world: int, out_dir: Path) -> dict[str, str | None]:
-    """{check: None if it passed on every rank, else what failed on which rank}."""
+    """{check_key(check, payload): None if it passed on every rank, else what failed on which rank}."""
     out_dir.mkdir(parents=True, exist_ok=True)
     context = mp.spawn(
         _rank_main, args=(world, free_port(), plugin_name, checks, str(out_dir)), nprocs=world, join=False
@@ -45,7 +49,7 @@ def run_on_ranks(plugin_name: str, checks: tuple[str, ...], world: int, out_dir:
             for process in context.processes:
                 process.kill()
             raise TimeoutError(f"{world} ranks of dispatcher '{plugin_name}' did not finish in {SPAWN_TIMEOUT_S} s")
-    return _merge([_read(out_dir, rank) for rank in range(world)], checks)
+    return _merge([_read(out_dir, rank) for rank in range(world)])
 
 
 def _read(out_dir: Path, rank: int) -> dict[str, str | None]:
@@ -53,9 +57,9 @@ def _read(out_dir: Path, rank: int) -> dict[str, str | None]:
         return json.load(f)
 
 
-def _merge(per_rank: list[dict[str, str | None]], checks: tuple[str, ...]) -> dict[str, str | None]:
+def _merge(per_rank: list[dict[str, str | None]]) -> dict[str, str | None]:
     merged = {}
-    for check in checks:
+    for check in per_rank[0]:
         errors = [f"rank {rank}: {results[check]}" for rank, results in enumerate(per_rank) if results[check]]
         merged[check] = "\n".join(errors) or None
     return merged
@@ -63,19 +67,27 @@ def _merge(per_rank: list[dict[str, str | None]], checks: tuple[str, ...]) -> di
 
 def _rank_main(rank: int, world: int, port: int, plugin_name: str, checks: tuple[str, ...], out_dir: str) -> None:
     dispatcher_cls = lookup("dispatcher", plugin_name)  # before joining, so a slow import delays no collective
-    device = device_for_rank(rank, world)
+    device = device_for_rank(rank, world, dispatcher_cls.caps.needs_gpu)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:  # the ranks share this machine's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend_for(device, world)
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     try:
-        ctx = make_context(rank, world, dist.group.WORLD, device)
-        results, in_step = _run_checks(dispatcher_cls, checks, ctx)
+        results, in_step = {}, True
+        for payload in payloads_for(dispatcher_cls.caps):
+            ctx = make_context(
+                rank, world, dist.group.WORLD, device, hidden_size_for(dispatcher_cls.caps), payload == "fp8"
+            )
+            if in_step:
+                found, in_step = _run_checks(dispatcher_cls, checks, ctx)
+            else:
+                found = dict.fromkeys(checks, "not run: an earlier check raised on this rank")
+            results.update({check_key(check, payload): error for check, error in found.items()})
         with open(Path(out_dir) / f"rank{rank}.json", "w") as f:
             json.dump(results, f)
         if in_step:

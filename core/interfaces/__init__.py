@@ -15,6 +15,7 @@ from .layouts import (
     Layout,
     MaskedLayout,
     StandardLayout,
+    placeholder,
     reduce_standard,
 )
 from .moe_kernel import BF16, FP8_BLOCK, WEIGHT_FORMATS, ExpertWeights, KernelCaps, MoEKernel

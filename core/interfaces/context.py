@@ -24,7 +24,8 @@ class MoEContext:
     ep_rank: int = 0
     ep_size: int = 1
     group: Any = None  # torch.distributed ProcessGroup of the EP ranks; None for one rank
-    max_tokens_per_rank: int = 8192
+    max_tokens_per_rank: int = 8192  # the most tokens one rank dispatches in one step (fixed buffers)
+    dispatch_fp8: bool = False  # send activations as fp8 with 128-wide group scales where the dispatcher can
 
     def __attrs_post_init__(self):
         if self.num_physical_experts % self.ep_size:

@@ -24,10 +24,22 @@ class DispatcherCaps:
     fp8_payload: bool = False
     combine_applies_weights: bool = False
     async_halves: bool = False  # waiting in *_finish costs no compute (receive hooks)
+    requires: tuple[str, ...] = ()  # Python modules it imports when an instance is made
+    min_compute_capability: tuple[int, int] | None = None  # e.g. (9, 0): Hopper or newer
+    hidden_sizes: frozenset[int] | None = None  # the hidden sizes it can move (None: any)
+    max_top_k: int | None = None  # the most experts a token may pick (None: any)
+    other_layouts: frozenset[str] = frozenset()  # layouts it produces in some steps besides `layout`
+    max_in_flight: int = 2  # dispatches (or combines) one instance can have launched and not yet finished
 
     def __attrs_post_init__(self):
-        if self.layout not in ALL_LAYOUTS:
-            raise ValueError(f"unknown layout {self.layout!r}; layouts are {', '.join(ALL_LAYOUTS)}")
+        unknown = {self.layout, *self.other_layouts} - set(ALL_LAYOUTS)
+        if unknown:
+            raise ValueError(f"unknown layouts {sorted(unknown)}; layouts are {', '.join(ALL_LAYOUTS)}")
+
+    @property
+    def layouts(self) -> tuple[str, ...]:
+        """Every layout dispatch_finish may produce, `layout` first."""
+        return (self.layout, *sorted(self.other_layouts - {self.layout}))
 
 
 class Dispatcher(abc.ABC):

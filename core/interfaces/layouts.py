@@ -3,6 +3,10 @@
 Each layout is one small tagged type. A dispatcher produces one of them; a kernel
 declares which it accepts; the core converts between them with the adapters in
 `moeplex.moe.adapters` when the two differ.
+
+A layout with an fp8 payload may carry `hidden` only for its shape and compute dtype:
+a dispatcher that received fp8 rows alone sets it to `placeholder(...)`, an expanded
+view of one element. Kernels read the rows from the payload then.
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ class Fp8Payload:
     values: torch.Tensor
     scales: torch.Tensor
     group_size: int = 128
+
+
+def placeholder(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor of `shape` that takes no memory: where only the payload holds the rows."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 @attrs.frozen
@@ -64,12 +73,16 @@ class ContiguousLayout:
 
 @attrs.frozen
 class MaskedLayout:
-    """[local_experts, max_rows, H] with the valid row count of every expert (graph-safe)."""
+    """[local_experts, max_rows, H] with the valid row count of every expert (graph-safe).
+
+    `expected_rows` is a hint of the typical count (0: unknown), for kernels that pick tiles by it.
+    """
 
     name: ClassVar[str] = MASKED
     hidden: torch.Tensor
     counts: torch.Tensor
     fp8: Fp8Payload | None = None
+    expected_rows: int = 0
 
     @property
     def num_local_experts(self) -> int:

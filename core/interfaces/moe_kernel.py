@@ -24,6 +24,9 @@ class KernelCaps:
     alignment: int = 1  # rows per expert group in the contiguous layout
     needs_gpu: bool = False
     graph_safe: bool = False
+    fp8_compute: bool = False  # computes in fp8 whatever the weights: matches the reference within fp8 error
+    requires: tuple[str, ...] = ()  # Python modules it imports when an instance is made
+    min_compute_capability: tuple[int, int] | None = None  # e.g. (9, 0): Hopper or newer
 
     def __attrs_post_init__(self):
         unknown = set(self.layouts) - set(ALL_LAYOUTS)

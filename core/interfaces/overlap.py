@@ -20,6 +20,7 @@ class OverlapCaps:
     min_tokens: int = 0  # default: below this many tokens per step the core runs without splitting
     needs_multi_rank: bool = False
     shared_during_dispatch: bool = False  # run shared experts while the routed tokens' dispatch is in flight
+    transfers_in_flight: int = 1  # dispatches it keeps launched and unfinished at once (two micro-batches: 2)
 
 
 @attrs.frozen

@@ -129,6 +129,12 @@ class MoECausalLM(nn.Module, abc.ABC):
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.requires_grad_(False)
 
+    def set_attention_backend(self, backend) -> None:
+        """Every layer's attention computes with `backend` (an AttentionBackend) from now on."""
+        self.attention_backend = backend
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+
     def layers_program(self, state: StepState) -> Generator[str, None, None]:
         for layer in self.model.layers:
             yield from layer.program(state)
@@ -148,13 +154,22 @@ class MoECausalLM(nn.Module, abc.ABC):
         for prefix, module in self.named_modules():
             if isinstance(module, MoELayer):
                 targets.update(module.expert_targets(prefix + ".experts", self.expert_names))
-                expert_params.update({f"{prefix}.w13", f"{prefix}.w2"})
+                expert_params.update(f"{prefix}.{name}" for name, _ in module.named_parameters(recurse=False))
         for name, param in self.named_parameters():
             if name not in expert_params:
                 targets[name] = parameter_target(param)
         if getattr(self, "tie_word_embeddings", False):
             targets.pop("lm_head.weight", None)
         return targets
+
+    def fp8_weight_names(self) -> set[str]:
+        """Checkpoint names of the weights a DeepSeek-V3 style fp8 checkpoint stores in fp8: every linear
+        projection, experts included, but lm_head; embeddings, norms and routers stay in floating point."""
+        names = {f"{prefix}.weight" for prefix, module in self.named_modules() if isinstance(module, (nn.Linear, RowLinear))}
+        for prefix, module in self.named_modules():
+            if isinstance(module, MoELayer):
+                names.update(module.expert_targets(prefix + ".experts", self.expert_names))
+        return names - {"lm_head.weight"}
 
     def ignores_tensor(self, name: str) -> bool:
         if getattr(self, "tie_word_embeddings", False) and name == "lm_head.weight":

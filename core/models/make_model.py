@@ -17,7 +17,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from ..config import EngineConfig
+from ..quant import quantize_blocks
 from . import architecture
+from .loader import FP8_QUANTIZATION_CONFIG, SCALE_SUFFIX
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 CHAT_TEMPLATE = (
@@ -89,11 +91,13 @@ def write_checkpoint(
     max_shard_bytes: int | None = None,
     overrides: dict | None = None,
     config_only: bool = False,
+    fp8: bool = False,
 ) -> str:
     """Write config, generation config, tokenizer and random safetensors weights of `arch`/`preset` to `folder`.
 
     `overrides` replace config fields (e.g. num_hidden_layers); `config_only` writes no weights,
-    for folders run with --load-format dummy.
+    for folders run with --load-format dummy; `fp8` writes a DeepSeek-V3 style fp8 checkpoint (every
+    linear projection but lm_head in float8_e4m3fn with `weight_scale_inv` block scales).
     """
     from ..selection import resolve  # deferred: selection reads the plugin registry
     from .setup import build_model
@@ -105,7 +109,10 @@ def write_checkpoint(
         raise ValueError(f"unknown preset {preset!r}; {arch} presets: {', '.join(module.PRESETS)}")
     os.makedirs(folder, exist_ok=True)
     config = {**module.PRESETS[preset], **(overrides or {})}
-    _write_json(folder, "config.json", config)
+    if fp8:
+        config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    # the random weights come from a plain model: config.json says fp8 only once the weights are written
+    _write_json(folder, "config.json", config if config_only else _plain(config))
     _write_json(folder, "generation_config.json", {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
     write_tokenizer(folder)
     if config_only:
@@ -114,8 +121,27 @@ def write_checkpoint(
     model = build_model(folder, engine_config, resolve(engine_config))
     gen = torch.Generator().manual_seed(seed)
     tensors = {name: random_tensor(name, t.shape, gen).contiguous() for name, t in sorted(model.weight_targets().items())}
+    if fp8:
+        tensors = quantize_tensors(tensors, model.fp8_weight_names())
     _save_shards(folder, tensors, max_shard_bytes)
+    _write_json(folder, "config.json", config)
     return folder
+
+
+def _plain(config: dict) -> dict:
+    return {key: value for key, value in config.items() if key != "quantization_config"}
+
+
+def quantize_tensors(tensors: dict[str, torch.Tensor], names: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors with each one in `names` as fp8 values plus `{name}_scale_inv`, one fp32 scale per 128x128 block."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name in names:
+            values, scale = quantize_blocks(tensor)
+            out[name], out[name + SCALE_SUFFIX] = values.contiguous(), scale.contiguous()
+        else:
+            out[name] = tensor
+    return out
 
 
 def _save_shards(folder: str, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..attention import AttentionBackend, TorchAttention, gather_kv, write_kv
 from ..forward_batch import ForwardBatch, ForwardMode
-from .attention import gather_kv, paged_decode_attention, ragged_attention, write_kv
 from ..parallel import Group
 from .base import RMSNorm, rope_parameters
 from .parallel_layers import RowLinear, column_linear
@@ -44,7 +44,7 @@ def kv_shapes(config: dict[str, Any], tp: Group = Group()) -> list[list[tuple[in
 
 
 def check_sliding_window(window: int | None, config: dict[str, Any]) -> None:
-    """Refuse a sliding window that could bind: ragged_attention always attends to the whole sequence.
+    """Refuse a sliding window that could bind: every attention backend attends to the whole sequence.
 
     A window of at least max_position_embeddings never changes a result for the sequences
     the model is made for, so it is accepted and ignored.
@@ -64,7 +64,12 @@ def check_silu(config: dict[str, Any]) -> None:
 
 
 class MHAttention(nn.Module):
-    """q/k/v projections -> optional per-head RMSNorm of q and k (Qwen3) -> rope -> paged attention -> o_proj."""
+    """q/k/v projections -> optional per-head RMSNorm of q and k (Qwen3) -> rope -> paged attention -> o_proj.
+
+    `backend` computes the attention proper (set by the model's `set_attention_backend`).
+    """
+
+    backend: AttentionBackend
 
     def __init__(
         self,
@@ -96,6 +101,7 @@ class MHAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.qk_norm = qk_norm_eps is not None
         self.rotary_emb = RotaryEmbedding(head_dim, rope_params)
+        self.backend = TorchAttention()
 
     @classmethod
     def from_config(
@@ -127,7 +133,7 @@ class MHAttention(nn.Module):
         write_kv(key_cache, batch, k)
         write_kv(value_cache, batch, v)
         if batch.mode == ForwardMode.DECODE:
-            out = paged_decode_attention(q, key_cache, value_cache, batch, self.scale)
+            out = self.backend.decode(q, key_cache, value_cache, batch, self.scale)
         else:
-            out = ragged_attention(q, gather_kv(key_cache, batch), gather_kv(value_cache, batch), batch, self.scale)
+            out = self.backend.extend(q, gather_kv(key_cache, batch), gather_kv(value_cache, batch), batch, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))

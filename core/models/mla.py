@@ -1,8 +1,12 @@
 """Multi-head Latent Attention (DeepSeek-V2/V3) over the paged KV cache.
 
 The cache holds, per token, only the normalised KV latent (kv_lora_rank) and the rotated rope key
-(qk_rope_head_dim, shared by all heads). Each step up-projects the whole sequence's latents with
-kv_b_proj into per-head nope keys and values, then attends.
+(qk_rope_head_dim, shared by all heads). Extend up-projects the sequence's latents with kv_b_proj
+into per-head nope keys and values, then attends. Decode absorbs the up-projections instead, as
+DeepSeek serves it: with kv_b_proj = [W_UK; W_UV] per head, q_nope . (W_UK c) = (W_UK^T q_nope) . c,
+so each query moves into the latent space and attends to the cached rows themselves (one "KV head"
+that every query head shares, the latent doubling as the value); the latent-space output then
+goes through W_UV. Decode reads kv_lora_rank + rope numbers per cached token, not heads * (k + v).
 """
 
 from __future__ import annotations
@@ -12,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..forward_batch import ForwardBatch
-from .attention import gather_kv, ragged_attention, write_kv
+from ..attention import AttentionBackend, TorchAttention, gather_kv, write_kv
+from ..forward_batch import ForwardBatch, ForwardMode
 from ..parallel import Group
 from .base import RMSNorm, rope_parameters
 from .parallel_layers import RowLinear, column_linear
@@ -39,7 +43,12 @@ def softmax_scale(config: dict[str, Any]) -> float:
 
 
 class MLAttention(nn.Module):
-    """forward(x [T, H], batch, cache [latent+rope key buffer]) -> [T, H]; names follow the HF checkpoint."""
+    """forward(x [T, H], batch, cache [latent+rope key buffer]) -> [T, H]; names follow the HF checkpoint.
+
+    `backend` computes the attention proper (set by the model's `set_attention_backend`).
+    """
+
+    backend: AttentionBackend
 
     def __init__(self, config: dict[str, Any], tp: Group = Group()):
         super().__init__()
@@ -69,6 +78,7 @@ class MLAttention(nn.Module):
             self.rope_dim, mla_rope_parameters(config), interleaved=config.get("rope_interleave", True)
         )
         self.scale = softmax_scale(config)
+        self.backend = TorchAttention()
 
     @property
     def cache_width(self) -> int:
@@ -96,6 +106,22 @@ class MLAttention(nn.Module):
         q_rope, k_rope = self.rotary(batch.positions, q_rope, k_rope[:, None, :])
         (buffer,) = cache
         write_kv(buffer, batch, torch.cat((self.kv_a_layernorm(latent), k_rope[:, 0]), dim=-1))
-        k, v = self.expand(gather_kv(buffer, batch))
-        out = ragged_attention(torch.cat((q_nope, q_rope), dim=-1), k, v, batch, self.scale)
+        if batch.mode == ForwardMode.DECODE:
+            out = self.absorbed_decode(q_nope, q_rope, buffer, batch)
+        else:
+            k, v = self.expand(gather_kv(buffer, batch))
+            out = self.backend.extend(torch.cat((q_nope, q_rope), dim=-1), k, v, batch, self.scale)
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.v_dim))
+
+    def absorbed_decode(
+        self, q_nope: torch.Tensor, q_rope: torch.Tensor, buffer: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """[B, heads, v]: attention in the latent space against the cached rows as they are."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w.split([self.nope_dim, self.v_dim], dim=1)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, heads, kv_lora_rank]
+        keys = buffer.unsqueeze(1)  # [slots, 1, kv_lora_rank + rope]
+        values = buffer[:, : self.kv_lora_rank].unsqueeze(1)  # the latent: a view, no copy
+        q = torch.cat((q_latent, q_rope), dim=-1)
+        latent_out = self.backend.decode(q, keys, values, batch, self.scale)  # [B, heads, kv_lora_rank]
+        return torch.bmm(latent_out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)

@@ -6,12 +6,14 @@ import contextlib
 
 import torch
 
+from ..attention import make_attention_backend
 from ..interfaces import MoEContext, Placement
 from ..moe.rebalance import PlacementShape, read_expert_location
 from ..moe.runtime import MoERuntime
 from ..parallel import ParallelConfig, ParallelState
 from . import architecture
 from .base import MoECausalLM, MoESpec, read_config
+from .expert_format import expert_weight_format
 from .loader import load_checkpoint
 from .make_model import random_tensor
 
@@ -53,6 +55,14 @@ def initial_placement(shape: PlacementShape, config, balancer) -> Placement:
     return shape.plan(balancer, torch.ones(shape.num_layers, shape.num_logical))
 
 
+def dispatch_tokens_per_rank(config, caps) -> int:
+    """What a fixed dispatch buffer must hold: the flag, else a decode batch where the dispatcher
+    has another mode for bigger steps, else any step's tokens."""
+    if config.max_dispatch_tokens_per_rank:
+        return config.max_dispatch_tokens_per_rank
+    return config.max_running_requests if caps.other_layouts else config.max_batched_tokens
+
+
 def build_model(folder: str, config, selection, parallel: ParallelState | None = None, hooks=None) -> MoECausalLM:
     """An empty model of `folder`'s architecture wired to the selected plugins (weights not loaded)."""
     parallel = parallel if parallel is not None else ParallelState(ParallelConfig())
@@ -77,6 +87,8 @@ def build_model(folder: str, config, selection, parallel: ParallelState | None =
         ep_rank=ep.rank,
         ep_size=ep.size,
         group=ep.group,
+        max_tokens_per_rank=dispatch_tokens_per_rank(config, selection.dispatcher.caps),
+        dispatch_fp8=config.dispatch_fp8,
     )
     runtime = MoERuntime(
         ctx,
@@ -87,11 +99,13 @@ def build_model(folder: str, config, selection, parallel: ParallelState | None =
         parallel,
         dispatch_algorithm=config.ep_dispatch_algorithm,
         placement_shape=shape,
+        expert_format=expert_weight_format(hf_config, config, selection.moe_kernel, ctx.intermediate_size),
     )
     with device, default_dtype(config.torch_dtype):
         model = arch.MODEL_CLASS(hf_config, runtime)
     model.hf_config = hf_config
     model.moe_runtime = runtime
+    model.set_attention_backend(make_attention_backend(config.attention_backend, device, config.torch_dtype))
     return model.eval()
 
 
@@ -99,9 +113,16 @@ def init_dummy_weights(model: MoECausalLM, seed: int) -> None:
     """Random weights made on the model's device from config.json alone (--load-format dummy)."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
+    quantized = [layer for layer in model.moe_layers() if layer.w13_scale is not None]
+    skip = {id(t) for layer in quantized for t in layer.expert_tensors()}
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(random_tensor(name, tuple(param.shape), gen))
+            if id(param) not in skip:
+                param.copy_(random_tensor(name, tuple(param.shape), gen))
+        for layer in quantized:  # fp8 experts: random plain weights, quantized one slot at a time
+            for slot in range(layer.w13.shape[0]):
+                w13 = random_tensor("w13", tuple(layer.w13.shape[1:]), gen)
+                layer.write_plain_expert(slot, w13, random_tensor("w2", tuple(layer.w2.shape[1:]), gen))
 
 
 def load_model(folder: str, config, selection, parallel: ParallelState | None = None, hooks=None) -> MoECausalLM:

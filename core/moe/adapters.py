@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import attrs
 import torch
 
 from ..interfaces import (
@@ -60,22 +61,53 @@ def _moved_fp8(fp8: Fp8Payload | None, source: torch.Tensor, shape: tuple[int, .
     return Fp8Payload(values, scales, fp8.group_size)
 
 
-def standard_to_contiguous(layout: StandardLayout, alignment: int) -> tuple[ContiguousLayout, Restore]:
-    pairs, experts, counts = _pairs_by_expert(layout)
-    padded = (counts + alignment - 1) // alignment * alignment
+@attrs.frozen
+class ContiguousPlan:
+    """Where every routed (row, k) pair of a standard layout goes in the contiguous layout."""
+
+    pairs: torch.Tensor  # [P] flat pair ids (row * K + k) of the pairs with an id, sorted by expert
+    rows: torch.Tensor  # [P] their row in the contiguous layout
+    expert_index: torch.Tensor  # [M] int32 local expert of each contiguous row, -1 on padding
+    top_k: int
+
+    @property
+    def sources(self) -> torch.Tensor:
+        """[P] the standard-layout row of every pair."""
+        return self.pairs // self.top_k
+
+
+def plan_contiguous(
+    topk_ids: torch.Tensor, num_local_experts: int, alignment: int, counts: list[int] | None = None
+) -> ContiguousPlan:
+    """Group the pairs of local expert ids `topk_ids` [N, K] (-1: elsewhere) per expert, padded to `alignment`.
+
+    `counts`, the pairs per local expert when the host already knows them (as DeepEP's
+    dispatch reports), saves the one host sync that sizes the result.
+    """
+    layout = StandardLayout(topk_ids.new_empty(topk_ids.shape[0], 0), topk_ids, topk_ids, num_local_experts)
+    pairs, experts, device_counts = _pairs_by_expert(layout)
+    padded = (device_counts + alignment - 1) // alignment * alignment
     group_start = torch.cumsum(padded, 0) - padded
-    rows = group_start[experts] + _rank_within_expert(experts, counts)
-    total = int(padded.sum())
-    source = pairs // layout.topk_ids.shape[1]
+    rows = group_start[experts] + _rank_within_expert(experts, device_counts)
+    if counts is None:
+        total = int(padded.sum())
+    else:
+        total = sum(-(-count // alignment) * alignment for count in counts)
+    expert_index = torch.full((total,), -1, dtype=torch.int32, device=topk_ids.device)
+    expert_index[rows] = experts.to(torch.int32)
+    return ContiguousPlan(pairs, rows, expert_index, topk_ids.shape[1])
+
+
+def standard_to_contiguous(layout: StandardLayout, alignment: int) -> tuple[ContiguousLayout, Restore]:
+    plan = plan_contiguous(layout.topk_ids, layout.num_local_experts, alignment)
+    rows, source, total = plan.rows, plan.sources, plan.expert_index.shape[0]
     hidden = layout.hidden.new_zeros(total, layout.hidden.shape[1])
     hidden[rows] = layout.hidden[source]
-    expert_index = torch.full((total,), -1, dtype=torch.int32, device=hidden.device)
-    expert_index[rows] = experts.to(torch.int32)
     fp8 = _moved_fp8(layout.fp8, source, (total,), (rows,))
-    converted = ContiguousLayout(hidden, expert_index, layout.num_local_experts, alignment, fp8)
+    converted = ContiguousLayout(hidden, plan.expert_index, layout.num_local_experts, alignment, fp8)
 
     def restore(output: ExpertOutput) -> ExpertOutput:
-        return ExpertOutput(_unsorted(output.hidden[rows], pairs, layout), weights_applied=False, summed=False)
+        return ExpertOutput(_unsorted(output.hidden[rows], plan.pairs, layout), weights_applied=False, summed=False)
 
     return converted, restore
 
@@ -89,7 +121,8 @@ def standard_to_masked(layout: StandardLayout, alignment: int) -> tuple[MaskedLa
     hidden = layout.hidden.new_zeros(layout.num_local_experts, max_rows, layout.hidden.shape[1])
     hidden[experts, slot] = layout.hidden[source]
     fp8 = _moved_fp8(layout.fp8, source, (layout.num_local_experts, max_rows), (experts, slot))
-    converted = MaskedLayout(hidden, counts.to(torch.int32), fp8)
+    expected = -(-pairs.numel() // max(layout.num_local_experts, 1)) if layout.num_rows else 0
+    converted = MaskedLayout(hidden, counts.to(torch.int32), fp8, expected_rows=min(expected, max_rows))
 
     def restore(output: ExpertOutput) -> ExpertOutput:
         return ExpertOutput(_unsorted(output.hidden[experts, slot], pairs, layout), weights_applied=False, summed=False)
@@ -108,15 +141,18 @@ def _identity(output: ExpertOutput) -> ExpertOutput:
 
 
 class LayoutAdapter:
-    """Chosen once at start-up for a (dispatcher layout, kernel) pair."""
+    """Chosen once at start-up for a (dispatcher layouts, kernel) pair; a layout the kernel takes passes as it is."""
 
-    def __init__(self, source: str, accepted: frozenset[str], alignment: int):
-        self.source = source
-        self.target = source if source in accepted else next(
-            (to for (frm, to) in ADAPTERS if frm == source and to in accepted), None
-        )
-        if self.target is None:
-            raise ValueError(f"no adapter turns the {source} layout into any of {sorted(accepted)}")
+    def __init__(self, sources, accepted: frozenset[str], alignment: int):
+        sources = (sources,) if isinstance(sources, str) else tuple(sources)
+        self.targets = {}
+        for source in sources:
+            target = source if source in accepted else next(
+                (to for (frm, to) in ADAPTERS if frm == source and to in accepted), None
+            )
+            if target is None:
+                raise ValueError(f"no adapter turns the {source} layout into any of {sorted(accepted)}")
+            self.targets[source] = target
         self.alignment = alignment
 
     @staticmethod
@@ -124,6 +160,7 @@ class LayoutAdapter:
         return source in accepted or any(frm == source and to in accepted for (frm, to) in ADAPTERS)
 
     def __call__(self, layout: Layout) -> tuple[Layout, Restore]:
-        if self.target == self.source:
+        target = self.targets[layout.name]
+        if target == layout.name:
             return layout, _identity
-        return ADAPTERS[(self.source, self.target)](layout, self.alignment)
+        return ADAPTERS[(layout.name, target)](layout, self.alignment)

@@ -8,24 +8,35 @@ import torch
 from torch import nn
 
 from ..executor import StepState
-from ..models.loader import Target
+from ..interfaces import FP8_BLOCK
+from ..models.loader import CheckpointError, Target
+from ..quant import BLOCK, FP8, quantize_blocks
 from .router import Router, RouterSpec
 from .runtime import MoERuntime
 
+GATE, UP, DOWN = "gate", "up", "down"  # an expert's projections, in the order of MoECausalLM.expert_names
 
-def _slot_copier(param: torch.Tensor, slots: list[int], where: tuple[slice, ...]):
-    def copy(tensor: torch.Tensor) -> None:
-        for slot in slots:
-            param.data[(slot, *where)].copy_(tensor)
 
-    return copy
+def _holder(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def _blocks(size: int) -> int:
+    return -(-size // BLOCK)
+
+
+def _write_rows(param: torch.Tensor, slots: list[int], first_row: int, values: torch.Tensor) -> None:
+    for slot in slots:
+        param.data[slot, first_row : first_row + values.shape[0]].copy_(values)
 
 
 class MoELayer(nn.Module):
     """router -> replica selector -> dispatch -> (layout adapter) -> kernel -> combine, plus shared experts.
 
     Expert weights are held for this rank's physical slots only:
-    w13 [E_local, 2I, H] (gate rows then up rows) and w2 [E_local, H, I].
+    w13 [E_local, 2I, H] (gate rows then up rows) and w2 [E_local, H, I], in the model dtype, or for
+    the fp8-block format in float8_e4m3fn with fp32 scales per 128x128 block of each slot:
+    w13_scale [E_local, ceil(2I/128), ceil(H/128)] and w2_scale [E_local, ceil(H/128), ceil(I/128)].
     """
 
     def __init__(
@@ -43,10 +54,18 @@ class MoELayer(nn.Module):
         self.gate = Router(hidden_size, router_spec)
         local = runtime.ctx.num_local_experts
         inter = intermediate_size // runtime.moe_tp.size  # this rank's slice of every expert
-        self.w13 = nn.Parameter(torch.empty(local, 2 * inter, hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(local, hidden_size, inter), requires_grad=False)
+        fp8 = runtime.expert_format == FP8_BLOCK
+        self.w13 = _holder(local, 2 * inter, hidden_size, dtype=FP8 if fp8 else None)
+        self.w2 = _holder(local, hidden_size, inter, dtype=FP8 if fp8 else None)
+        self.w13_scale = _holder(local, _blocks(2 * inter), _blocks(hidden_size), dtype=torch.float32) if fp8 else None
+        self.w2_scale = _holder(local, _blocks(hidden_size), _blocks(inter), dtype=torch.float32) if fp8 else None
+        self._unpaired: dict[int, dict[str, torch.Tensor]] = {}  # expert -> its gate or up, awaiting the other
         self.shared_experts = shared_experts
         self.prepared = None
+
+    def expert_tensors(self) -> list[nn.Parameter]:
+        """What one slot's expert consists of (each indexed by local slot): w13, w2 and, in fp8, their scales."""
+        return [t for t in (self.w13, self.w2, self.w13_scale, self.w2_scale) if t is not None]
 
     def local_slots(self, logical_expert: int) -> list[int]:
         """This rank's local slots holding `logical_expert` (empty when none does)."""
@@ -61,22 +80,77 @@ class MoELayer(nn.Module):
         inter, hidden = self.w2.shape[2], self.w2.shape[1]
         tp = self.runtime.moe_tp
         full = inter * tp.size
-        # (parameter, where it goes in the slot, checkpoint shape, which slice this rank reads)
-        parts = (
-            (self.w13, (slice(0, inter),), (full, hidden), (0, tp.rank * inter, inter)),
-            (self.w13, (slice(inter, None),), (full, hidden), (0, tp.rank * inter, inter)),
-            (self.w2, (slice(None), slice(None)), (hidden, full), (1, tp.rank * inter, inter)),
-        )
+        rows, cols = (0, tp.rank * inter, inter), (1, tp.rank * inter, inter)
+        # (projection, checkpoint shape, which slice this rank reads)
+        parts = ((GATE, (full, hidden), rows), (UP, (full, hidden), rows), (DOWN, (hidden, full), cols))
         targets = {}
         for expert in range(self.gate.spec.num_experts):
             slots = self.local_slots(expert)
-            for proj, (param, where, shape, select) in zip(names, parts):
-                copy = _slot_copier(param, slots, where) if slots else None
-                targets[f"{prefix}.{expert}.{proj}.weight"] = Target(shape, copy, select if tp.size > 1 else None)
+            for proj, (part, shape, select) in zip(names, parts):
+                copy = self._copier(slots, part, expert) if slots else None
+                copy_fp8 = self._fp8_copier(slots, part) if slots else None
+                targets[f"{prefix}.{expert}.{proj}.weight"] = Target(shape, copy, select if tp.size > 1 else None, copy_fp8)
         return targets
 
+    def _place(self, part: str) -> tuple[nn.Parameter, nn.Parameter | None, int]:
+        """(weight, its scales, first row) where projection `part` lives in a slot."""
+        if part == DOWN:
+            return self.w2, self.w2_scale, 0
+        return self.w13, self.w13_scale, 0 if part == GATE else self.w2.shape[2]
+
+    def _copier(self, slots: list[int], part: str, expert: int):
+        """Takes one projection in floating point: stored as it is, or quantized (gate and up together,
+        since they share 128-row blocks when the intermediate size is not a multiple of 128)."""
+        weight, scale, first_row = self._place(part)
+
+        def copy(tensor: torch.Tensor) -> None:
+            if scale is None:
+                _write_rows(weight, slots, first_row, tensor)
+            elif part == DOWN:
+                self._write_quantized(slots, weight, scale, tensor)
+            else:
+                halves = self._unpaired.setdefault(expert, {})
+                halves[part] = tensor
+                if len(halves) == 2:
+                    del self._unpaired[expert]
+                    self._write_quantized(slots, weight, scale, torch.cat([halves[GATE], halves[UP]]))
+
+        return copy
+
+    def _fp8_copier(self, slots: list[int], part: str):
+        """Takes one projection's fp8 values and block scales as an fp8 checkpoint stores them, when they fit the
+        layer's blocks as they are; None otherwise (the loader then dequantizes them for `_copier`)."""
+        weight, scale, first_row = self._place(part)
+        if scale is None or self.w2.shape[2] % BLOCK:
+            return None
+
+        def copy(values: torch.Tensor, scales: torch.Tensor) -> None:
+            _write_rows(weight, slots, first_row, values)
+            _write_rows(scale, slots, first_row // BLOCK, scales)
+
+        return copy
+
+    def _write_quantized(self, slots: list[int], weight: nn.Parameter, scale: nn.Parameter, tensor: torch.Tensor) -> None:
+        values, scales = quantize_blocks(tensor.to(weight.device))
+        _write_rows(weight, slots, 0, values)
+        _write_rows(scale, slots, 0, scales)
+
+    def write_plain_expert(self, slot: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Give one local slot floating-point weights w13 [2I, H] and w2 [H, I] (quantized when the layer holds fp8)."""
+        for (weight, scale, _), tensor in ((self._place(GATE), w13), (self._place(DOWN), w2)):
+            if scale is None:
+                _write_rows(weight, [slot], 0, tensor)
+            else:
+                self._write_quantized([slot], weight, scale, tensor)
+
     def finish_loading(self) -> None:
-        self.prepared = self.runtime.prepare_weights(self.w13, self.w2)
+        if self._unpaired:
+            expert, halves = next(iter(self._unpaired.items()))
+            raise CheckpointError(
+                f"MoE layer {self.moe_index}: expert {expert} got its {', '.join(halves)} projection but not the other "
+                "one to quantize it with (are gate and up stored in different formats?)"
+            )
+        self.prepared = self.runtime.prepare_weights(*self.expert_tensors())
 
     def program(self, hidden: torch.Tensor, state: StepState) -> Generator[str, None, torch.Tensor]:
         """Yields while dispatch and combine are in flight; returns [T, H].

@@ -23,13 +23,18 @@ class MoERuntime:
         parallel: ParallelState | None = None,
         dispatch_algorithm: str = SPREAD,
         placement_shape: PlacementShape | None = None,  # what rebalancing may change (default: placement's own)
+        expert_format: str = BF16,  # how the MoE layers hold their experts: BF16 (the model dtype) or FP8_BLOCK
     ):
         self.ctx = ctx
         self.parallel = parallel if parallel is not None else ParallelState(ParallelConfig())
         self.dispatcher = dispatcher_cls(ctx)
         self.kernel = kernel_cls(ctx)
         caps = self.kernel.caps
-        self.adapter = LayoutAdapter(dispatcher_cls.caps.layout, caps.layouts, caps.alignment)
+        if expert_format not in caps.weight_formats:
+            formats = ", ".join(sorted(caps.weight_formats))
+            raise ValueError(f"the MoE kernel takes {formats} expert weights, not {expert_format}")
+        self.expert_format = expert_format
+        self.adapter = LayoutAdapter(dispatcher_cls.caps.layouts, caps.layouts, caps.alignment)
         self.placement_shape = placement_shape or PlacementShape(
             placement.num_layers, placement.num_logical, placement.num_physical, 1, 1, ctx.ep_size
         )
@@ -72,8 +77,17 @@ class MoERuntime:
     def local_slots(self, layer: int, logical_expert: int) -> list[int]:
         return self._local_slots[layer].get(logical_expert, [])
 
-    def prepare_weights(self, w13: torch.Tensor, w2: torch.Tensor):
-        return self.kernel.prepare_weights(ExpertWeights(w13=w13.data, w2=w2.data, format=BF16))
+    def prepare_weights(self, w13: torch.Tensor, w2: torch.Tensor, w13_scale=None, w2_scale=None):
+        """The kernel's form of one layer's experts (the block scales only for fp8 experts)."""
+        scales = [None if scale is None else scale.data for scale in (w13_scale, w2_scale)]
+        return self.kernel.prepare_weights(ExpertWeights(w13.data, w2.data, self.expert_format, *scales))
+
+    @property
+    def records_load(self) -> bool:
+        """Whether steps count routing choices now (a recording is on, or a hook observes the load)."""
+        if any(recorder.recording for recorder in self.recorders):
+            return True
+        return self.hooks is not None and bool(self.hooks.hook.moeplex_expert_load_recorded.get_hookimpls())
 
     def record_load(self, layer: int, logical_ids: torch.Tensor) -> None:
         """Count one MoE layer's routing choices on the device; a hook implementation gets them as well."""

@@ -132,19 +132,18 @@ class WeightMover:
         return dist.get_global_rank(self.ep.group, ep_rank)
 
     def _payload(self, layer: int, slot: int) -> torch.Tensor:
-        """A copy of one slot's weights as one flat tensor: w13 then w2."""
-        moe = self.layers[layer]
-        return torch.cat([moe.w13.data[slot].reshape(-1), moe.w2.data[slot].reshape(-1)])
+        """A copy of one slot's expert as one flat byte tensor: w13, w2 and, for fp8 experts, their block scales."""
+        return torch.cat([t.data[slot].view(-1).view(torch.uint8) for t in self.layers[layer].expert_tensors()])
 
     def _receive_buffer(self, layer: int) -> torch.Tensor:
-        moe = self.layers[layer]
-        size = moe.w13.data[0].numel() + moe.w2.data[0].numel()
-        return torch.empty(size, dtype=moe.w13.dtype, device=moe.w13.device)
+        tensors = self.layers[layer].expert_tensors()
+        size = sum(t.data[0].numel() * t.element_size() for t in tensors)
+        return torch.empty(size, dtype=torch.uint8, device=tensors[0].device)
 
     def _write(self, transfer: Transfer, payload: torch.Tensor) -> None:
-        moe = self.layers[transfer.layer]
-        w13, w2 = moe.w13.data, moe.w2.data
-        split = w13[0].numel()
         for slot in transfer.dst_slots:
-            w13[slot].copy_(payload[:split].view_as(w13[slot]))
-            w2[slot].copy_(payload[split:].view_as(w2[slot]))
+            offset = 0
+            for t in self.layers[transfer.layer].expert_tensors():
+                dst = t.data[slot].view(-1).view(torch.uint8)
+                dst.copy_(payload[offset : offset + dst.numel()])
+                offset += dst.numel()

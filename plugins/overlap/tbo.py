@@ -34,7 +34,7 @@ def two_batch_cut(meta: BatchMeta, tolerance: float = BALANCE_TOLERANCE) -> int 
 
 
 class TwoBatchOverlap(OverlapStrategy):
-    caps = OverlapCaps(needs_async_halves=True, min_tokens=2, shared_during_dispatch=True)
+    caps = OverlapCaps(needs_async_halves=True, min_tokens=2, shared_during_dispatch=True, transfers_in_flight=2)
 
     def plan(self, meta: BatchMeta) -> Sequence[int] | None:
         cut = two_batch_cut(meta)

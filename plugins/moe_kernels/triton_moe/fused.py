@@ -6,11 +6,12 @@ import attrs
 import torch
 
 from moeplex.interfaces import FP8_BLOCK, ExpertWeights, Fp8Payload
+from moeplex.kernels.fp8 import quantize_rows
 from moeplex.quant import BLOCK as GROUP, dequantize_activations
 
 from .align import Alignment, align_in_place, align_pairs, can_align_in_place
 from .configs import TileConfig
-from .finish import quantize_rows, sum_topk
+from .finish import sum_topk
 from .kernel import grouped_gemm
 
 

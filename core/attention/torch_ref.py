@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache (torch reference path, used on CPU).
+"""Attention over the paged KV cache in plain torch (the `torch` backend, and every backend's extend path).
 
 Extend: every request's keys and values are gathered from its KV slots (ForwardBatch.kv_indices)
 and attended with causal masking offset by the request's cached prefix. Decode: all requests at
@@ -50,8 +50,7 @@ def paged_decode_attention(
     """Decode straight from the cache buffers: one gather per buffer into the padded block."""
     rows, valid = padded_rows(batch)
     slots = batch.kv_indices.index_select(0, rows)
-    size = (*valid.shape, *key_cache.shape[1:])
-    k = key_cache.index_select(0, slots).view(size)
+    k = key_cache.index_select(0, slots).view(*valid.shape, *key_cache.shape[1:])
     v = value_cache.index_select(0, slots).view(*valid.shape, *value_cache.shape[1:])
     return _attend_padded(q, k, v, valid, scale)
 
@@ -72,10 +71,14 @@ def ragged_attention(
     for i, (prefix, n) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
         ks, vs = k[indptr[i] : indptr[i + 1]], v[indptr[i] : indptr[i + 1]]
         qs = q[t0 : t0 + n]
-        # query j sits at position prefix + j and may see keys 0 .. prefix + j
-        mask = torch.arange(prefix + n, device=q.device)[None, :] <= (prefix + torch.arange(n, device=q.device))[:, None]
+        if prefix:
+            # query j sits at position prefix + j and may see keys 0 .. prefix + j
+            positions = torch.arange(prefix + n, device=q.device)
+            causal = dict(attn_mask=positions[None, :] <= (prefix + torch.arange(n, device=q.device))[:, None])
+        else:
+            causal = dict(is_causal=True)  # no mask to build, and SDPA may pick its flash kernel
         out[t0 : t0 + n] = F.scaled_dot_product_attention(
-            qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=gqa
+            qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), scale=scale, enable_gqa=gqa, **causal
         ).transpose(0, 1)
         t0 += n
     return out

@@ -1,0 +1,66 @@
+"""Attention backends: who computes attention over the paged KV cache (`--attention-backend`).
+
+A model's attention layers project, rotate and write the cache themselves, then hand the
+attention proper to the backend:
+
+- decode(q [B, Hq, Dk], key_cache [slots, Hkv, Dk], value_cache [slots, Hkv, Dv], batch, scale)
+  -> [B, Hq, Dv]: one query per request against its cached sequence, read in place. MLA's
+  absorbed decode passes the latent buffer as one KV head and its first kv_lora_rank columns as
+  the values.
+- extend(q [T, Hq, Dk], k [S, Hkv, Dk], v [S, Hkv, Dv] in kv_indices order, batch, scale)
+  -> [T, Hq, Dv]: causal over each request's cached prefix and new tokens.
+
+Every backend gives the `torch` backend's results within the dtype's tolerance. `graph_safe`
+says whether decode reads only fixed-size tensors (no host values), so a CUDA graph can capture it.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..forward_batch import ForwardBatch
+from .torch_ref import paged_decode_attention, ragged_attention
+
+AUTO = "auto"
+ATTENTION_BACKENDS = (AUTO, "torch", "triton")
+
+
+class AttentionBackend:
+    name: ClassVar[str]
+    graph_safe: ClassVar[bool] = False
+
+    def decode(
+        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch, scale: float
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float
+    ) -> torch.Tensor:
+        # torch SDPA per request: flash-capable for whole prompts, a small mask for chunks after a prefix
+        return ragged_attention(q, k, v, batch, scale)
+
+
+class TorchAttention(AttentionBackend):
+    """The reference: decode gathers every request's cache rows into a padded block for SDPA."""
+
+    name = "torch"
+
+    def decode(self, q, key_cache, value_cache, batch, scale):
+        return paged_decode_attention(q, key_cache, value_cache, batch, scale)
+
+
+def make_attention_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
+    """The backend `--attention-backend` names; auto is triton on CUDA and torch elsewhere."""
+    device = torch.device(device)
+    if name == AUTO:
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttention()
+    if name == "triton":
+        from .triton_backend import TritonAttention  # imports triton only when chosen
+
+        return TritonAttention(device, dtype)
+    raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")

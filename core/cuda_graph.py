@@ -1,0 +1,245 @@
+"""CUDA-graph decode: the whole layer stack of a decode step captured once per batch size, then replayed.
+
+A decode step launches hundreds of small kernels; replaying them as one graph removes the launch
+cost that dominates small batches. A graph replays fixed addresses, so every captured step reads
+one set of static input tensors (DecodeInputs) sized for the largest captured batch. A batch of B
+requests is copied in and padded to the next captured size S; the padding requests decode one
+token at position 0 whose KV lives in the KV pool's scratch page, so they touch no real request.
+
+Graphs are used only where nothing in the step reads a host value or changes shape: a CUDA device,
+one rank, a graph-safe attention backend, a dispatcher and MoE kernel that declare `graph_safe`,
+an overlap strategy that runs the padded batch whole, and no expert-load recording (its counts
+would include the padding and its buffers are swapped between recordings).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Callable, Sequence
+
+import attrs
+import torch
+
+from .forward_batch import ForwardBatch, ForwardMode
+from .interfaces import BatchMeta
+from .kv_cache import KVPool
+
+log = logging.getLogger(__name__)
+
+WARMUP_RUNS = 2  # eager runs before a capture: Triton compiles, the allocator settles
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    """The batch sizes to capture: 1, 2, 4, 8, then every multiple of 8 below max_bs, then max_bs."""
+    if max_bs < 1:
+        raise ValueError(f"the largest CUDA-graph batch must be at least 1, got {max_bs}")
+    return sorted({s for s in (1, 2, 4) if s < max_bs} | set(range(8, max_bs, 8)) | {max_bs})
+
+
+def padded_size(batch_size: int, sizes: Sequence[int]) -> int | None:
+    """The smallest captured size holding `batch_size` requests (None: too large for any graph)."""
+    at = bisect.bisect_left(sizes, batch_size)
+    return sizes[at] if at < len(sizes) else None
+
+
+def graph_batch_sizes(max_bs: int, strategy) -> list[int]:
+    """The capture sizes whose padded decode batch the overlap strategy runs whole (a split cannot be captured)."""
+    return [s for s in capture_sizes(max_bs) if strategy.cuts(BatchMeta(ForwardMode.DECODE, (1,) * s)) is None]
+
+
+def why_no_graphs(config, device: torch.device, selection, attention_backend, world_size: int) -> str | None:
+    """Why decode cannot use CUDA graphs on this engine, or None when it can."""
+    if config.disable_cuda_graph:
+        return "--disable-cuda-graph is set"
+    if device.type != "cuda":
+        return f"the device is {device.type}, not a CUDA GPU"
+    if world_size > 1:
+        return f"the engine spans {world_size} ranks and graphs are captured for one rank only"
+    if not attention_backend.graph_safe:
+        return f"the {attention_backend.name} attention backend reads host-side lengths (triton does not)"
+    for kind, name, plugin in (
+        ("dispatcher", config.dispatcher, selection.dispatcher),
+        ("moe_kernel", config.moe_kernel, selection.moe_kernel),
+    ):
+        if not getattr(plugin.caps, "graph_safe", False):
+            return f"{kind} '{name}' does not declare itself graph-safe"
+    return None
+
+
+def max_pages_per_request(kv: KVPool, max_context: int | None) -> int:
+    """Page-table width: the pages of the longest sequence the pool (and the model) can hold."""
+    pages = kv.num_pages if max_context is None else min(kv.num_pages, kv.pages_for(max_context))
+    return max(pages, 1)
+
+
+@attrs.define
+class DecodeInputs:
+    """The static tensors every captured decode step reads: room for max_bs requests of max_pages pages.
+
+    Rows beyond the live batch are padding requests: one token (id 0, position 0) whose KV goes to,
+    and is read from, the scratch page.
+    """
+
+    input_ids: torch.Tensor  # [max_bs]
+    positions: torch.Tensor  # [max_bs]
+    out_cache_loc: torch.Tensor  # [max_bs]
+    seq_lens: torch.Tensor  # [max_bs]
+    page_table: torch.Tensor  # [max_bs, max_pages]
+    rows: torch.Tensor  # [max_bs] 0, 1, ...: the rows whose logits a step returns
+    page_size: int
+    scratch_page: int
+
+    @classmethod
+    def allocate(cls, max_bs: int, max_pages: int, kv: KVPool, device: torch.device | str) -> DecodeInputs:
+        def ints(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        inputs = cls(
+            input_ids=ints(max_bs),
+            positions=ints(max_bs),
+            out_cache_loc=ints(max_bs),
+            seq_lens=ints(max_bs),
+            page_table=ints(max_bs, max_pages, dtype=torch.int32),
+            rows=torch.arange(max_bs, device=device),
+            page_size=kv.page_size,
+            scratch_page=kv.scratch_page,
+        )
+        inputs.pad(0, max_bs)
+        return inputs
+
+    @property
+    def max_bs(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def max_pages(self) -> int:
+        return self.page_table.shape[1]
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        table = batch.page_table
+        return batch.batch_size <= self.max_bs and table is not None and table.shape[1] <= self.max_pages
+
+    def pad(self, start: int, end: int) -> None:
+        """Make rows start .. end-1 padding requests."""
+        self.input_ids[start:end] = 0
+        self.positions[start:end] = 0
+        self.out_cache_loc[start:end] = self.scratch_page * self.page_size
+        self.seq_lens[start:end] = 1
+        self.page_table[start:end, 0] = self.scratch_page
+
+    def load(self, batch: ForwardBatch, size: int) -> None:
+        """Copy a decode batch into rows 0 .. B-1 and pad rows B .. size-1 (a larger batch may have used them)."""
+        count, width = batch.batch_size, batch.page_table.shape[1]
+        self.input_ids[:count].copy_(batch.input_ids)
+        self.positions[:count].copy_(batch.positions)
+        self.out_cache_loc[:count].copy_(batch.out_cache_loc)
+        self.seq_lens[:count].copy_(batch.seq_lens)
+        self.page_table[:count, :width].copy_(batch.page_table)
+        self.pad(count, size)
+
+    def batch(self, size: int) -> ForwardBatch:
+        """The decode batch of the first `size` rows, as a captured step sees it.
+
+        Its CPU-side lengths claim the longest sequence a row may hold, so host-side choices made
+        at capture (the attention's split count) suit every batch replayed later. It has no
+        kv_indices: graph-safe attention reads the page table.
+        """
+        longest = self.max_pages * self.page_size
+        device = self.input_ids.device
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=self.input_ids[:size],
+            positions=self.positions[:size],
+            out_cache_loc=self.out_cache_loc[:size],
+            seq_lens=self.seq_lens[:size],
+            extend_lens=(1,) * size,
+            prefix_lens=(longest - 1,) * size,
+            kv_indices=torch.empty(0, dtype=torch.int64, device=device),
+            kv_indptr=torch.zeros(size + 1, dtype=torch.int64, device=device),
+            page_table=self.page_table[:size],
+            page_size=self.page_size,
+        )
+
+
+Capture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
+
+
+class CudaGraphCapture:
+    """Turns a step function into a replay function; all graphs share one memory pool."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+
+    def __call__(self, step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for _ in range(WARMUP_RUNS):
+                step()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            out = step()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
+
+
+class DecodeGraphs:
+    """One captured decode step per batch size; a decode batch replays the smallest that holds it.
+
+    `capture` turns a step function into a replay function (CudaGraphCapture on the GPU; the tests
+    pass one that simply calls the step again, which checks everything but the capture itself).
+    """
+
+    def __init__(self, model, kv: KVPool, strategy, inputs: DecodeInputs, sizes: Sequence[int], capture: Capture):
+        self.model, self.inputs = model, inputs
+        self.replays: dict[int, Callable[[], torch.Tensor]] = {}
+        for size in sorted(sizes, reverse=True):  # largest first: the smaller graphs reuse its memory
+            batch, rows = inputs.batch(size), inputs.rows[:size]
+            self.replays[size] = capture(lambda batch=batch, rows=rows: model(batch, kv, strategy, logits_at=rows))
+        self.sizes = sorted(self.replays)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        runtime = getattr(self.model, "moe_runtime", None)
+        return (
+            batch.mode == ForwardMode.DECODE
+            and batch.global_num_tokens is None
+            and self.inputs.fits(batch)
+            and padded_size(batch.batch_size, self.sizes) is not None
+            and not (runtime is not None and runtime.records_load)
+        )
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """[B, vocab] logits of a decode batch (a copy: the graph's output is overwritten by the next replay)."""
+        size = padded_size(batch.batch_size, self.sizes)
+        self.inputs.load(batch, size)
+        return self.replays[size]()[: batch.batch_size].clone()
+
+
+def decode_graphs(config, model, kv: KVPool, strategy, selection, world_size: int) -> DecodeGraphs | None:
+    """Capture the decode graphs this engine can use, or say (on a GPU) why it uses none."""
+    device = torch.device(config.device)
+    reason = why_no_graphs(config, device, selection, model.attention_backend, world_size)
+    if not reason and model.moe_runtime.records_load:
+        reason = "expert load is recorded every step (--enable-eplb, or a hook observes it)"
+    sizes = [] if reason else graph_batch_sizes(min(config.cuda_graph_max_bs, config.max_running_requests), strategy)
+    if not reason and not sizes:
+        reason = f"overlap '{config.overlap}' splits every decode batch into micro-batches"
+    if reason:
+        if device.type == "cuda":
+            log.info("decode runs without CUDA graphs: %s", reason)
+        return None
+    max_pages = max_pages_per_request(kv, model.hf_config.get("max_position_embeddings"))
+    inputs = DecodeInputs.allocate(sizes[-1], max_pages, kv, device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        graphs = DecodeGraphs(model, kv, strategy, inputs, sizes, CudaGraphCapture(device))
+    log.info("captured CUDA graphs for decode batches of %s requests in %.1f s", sizes, time.perf_counter() - start)
+    return graphs

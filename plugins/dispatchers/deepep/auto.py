@@ -1,0 +1,74 @@
+"""`deepep-auto`: DeepEP's normal mode for extend steps, its low-latency mode for decode steps.
+
+One buffer serves both modes. Every EP rank must pick the same mode for a step, so the
+choice reads only what all ranks agree on: the step's forward mode and token counts
+(under DP attention the engine shares them before the step; see ForwardBatch). A decode
+step larger than the low-latency buffer goes the normal way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeplex.interfaces import CONTIGUOUS, MASKED, Dispatched, Dispatcher, DispatcherCaps, ExpertOutput, MoEContext
+
+from .buffers import LL_HIDDEN_SIZES, LL_MAX_TOP_K, check_low_latency, check_normal, make_buffer
+from .low_latency import LowLatencyHandle, LowLatencyMode, PendingLowLatency, PendingLowLatencyCombine
+from .normal import NormalMode
+
+
+def low_latency_step(batch, max_tokens: int) -> bool:
+    """Whether a step goes the low-latency way; the same answer on every EP rank."""
+    if batch is None:  # no step to read (a bare dispatch): the mode that takes any size
+        return False
+    all_decode = batch.global_all_decode
+    if all_decode is None:
+        all_decode = not batch.mode.is_extend and batch.num_tokens > 0
+    counts = batch.global_num_tokens or (batch.num_tokens,)
+    return bool(all_decode) and max(counts) <= max_tokens
+
+
+class DeepEPAutoDispatcher(Dispatcher):
+    name = "deepep-auto"
+    caps = DispatcherCaps(
+        layout=CONTIGUOUS,
+        other_layouts=frozenset({MASKED}),
+        multi_rank=True,
+        single_rank=False,
+        needs_gpu=True,
+        graph_safe=True,  # decode steps, the ones captured, go the low-latency way
+        needs_host_sync=True,  # in extend steps
+        fixed_max_tokens=True,
+        fp8_payload=True,
+        combine_applies_weights=True,
+        async_halves=True,
+        max_in_flight=1,  # each low-latency transfer clears the other buffer's receive flags
+        requires=("deep_ep",),
+        min_compute_capability=(9, 0),
+        hidden_sizes=LL_HIDDEN_SIZES,
+        max_top_k=LL_MAX_TOP_K,
+    )
+
+    def __init__(self, ctx: MoEContext):
+        super().__init__(ctx)
+        check_normal(ctx, self.name)
+        check_low_latency(ctx, self.name)
+        deep_ep, buffer, plan = make_buffer(ctx, self.name, normal=True, low_latency=True)
+        self.normal = NormalMode(ctx, deep_ep, buffer)
+        self.low_latency = LowLatencyMode(ctx, buffer, plan.ll_tokens_per_rank, self.name)
+
+    def dispatch_start(self, hidden, topk_ids, topk_weights, batch=None):
+        mode = self.low_latency if low_latency_step(batch, self.low_latency.max_tokens) else self.normal
+        return mode.dispatch_start(hidden, topk_ids, topk_weights)
+
+    def dispatch_finish(self, pending) -> Dispatched:
+        mode = self.low_latency if isinstance(pending, PendingLowLatency) else self.normal
+        return mode.dispatch_finish(pending)
+
+    def combine_start(self, output: ExpertOutput, handle):
+        mode = self.low_latency if isinstance(handle, LowLatencyHandle) else self.normal
+        return mode.combine_start(output, handle)
+
+    def combine_finish(self, pending) -> torch.Tensor:
+        mode = self.low_latency if isinstance(pending, PendingLowLatencyCombine) else self.normal
+        return mode.combine_finish(pending)

@@ -1,0 +1,153 @@
+"""`deepep-normal`: DeepEP's high-throughput mode, for prefill-sized batches.
+
+The received rows are grouped per local expert and padded for DeepGEMM (the contiguous
+layout). Dispatch learns on the host how many rows arrive (DeepEP's normal mode syncs
+once for that), so this mode is not CUDA-graph safe; its kernels run on DeepEP's own
+stream and SMs, and the halves wait on events, so compute overlaps them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from moeplex.interfaces import (
+    CONTIGUOUS,
+    ContiguousLayout,
+    Dispatched,
+    DispatcherCaps,
+    ExpertOutput,
+    Fp8Payload,
+    MoEContext,
+    placeholder,
+)
+from moeplex.kernels.fp8 import quantize_rows
+from moeplex.moe.adapters import ContiguousPlan, plan_contiguous
+
+from .buffers import OneModeDispatcher, FP8_GROUP, as_bf16, check_normal, make_buffer
+
+ALIGNMENT = 128  # rows per expert group: DeepGEMM's contiguous-layout alignment on Hopper
+
+
+@attrs.frozen
+class NormalHandle:
+    deepep: Any  # DeepEP's own handle for combine
+    plan: ContiguousPlan
+    weights: torch.Tensor  # [N_recv, K] fp32 top-k weights of the received rows
+    num_rows: int  # N_recv
+    dtype: torch.dtype  # the source hidden's dtype
+
+
+@attrs.frozen
+class PendingNormalDispatch:
+    received: Any  # rows, or (fp8 rows, scales)
+    topk_ids: torch.Tensor  # [N_recv, K] local expert ids, -1 for experts elsewhere
+    weights: torch.Tensor
+    counts: list[int]  # rows received per local expert
+    deepep: Any
+    event: Any
+    dtype: torch.dtype
+    sent: tuple  # inputs kept alive until the kernels that read them are done
+
+
+@attrs.frozen
+class PendingNormalCombine:
+    combined: torch.Tensor
+    event: Any
+    dtype: torch.dtype
+    sent: torch.Tensor
+
+
+def grouped_rows(rows: torch.Tensor, plan: ContiguousPlan) -> torch.Tensor:
+    """Received rows [N, ...] -> contiguous rows [M, ...] (padding rows zero)."""
+    out = rows.new_zeros(plan.expert_index.shape[0], *rows.shape[1:])
+    out[plan.rows] = rows[plan.sources]
+    return out
+
+
+def weighted_sum(output: torch.Tensor, plan: ContiguousPlan, weights: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[N, H] fp32: every received row's sum over its local experts of w_k * expert_k(row)."""
+    pair_weights = weights.reshape(-1)[plan.pairs].float()
+    out = torch.zeros(num_rows, output.shape[-1], dtype=torch.float32, device=output.device)
+    out.index_add_(0, plan.sources, output[plan.rows].float() * pair_weights[:, None])
+    return out
+
+
+def contiguous_layout(pending: PendingNormalDispatch, ctx: MoEContext) -> tuple[ContiguousLayout, ContiguousPlan]:
+    plan = plan_contiguous(pending.topk_ids, ctx.num_local_experts, ALIGNMENT, pending.counts)
+    if isinstance(pending.received, tuple):
+        values, scales = pending.received
+        fp8 = Fp8Payload(grouped_rows(values, plan), grouped_rows(scales, plan), FP8_GROUP)
+        hidden = placeholder((fp8.values.shape[0], ctx.hidden_size), torch.bfloat16, values.device)
+    else:
+        fp8, hidden = None, grouped_rows(pending.received, plan)
+    return ContiguousLayout(hidden, plan.expert_index, ctx.num_local_experts, ALIGNMENT, fp8), plan
+
+
+class NormalMode:
+    """The normal-mode halves over one buffer; `deepep-normal` and `deepep-auto` both use it."""
+
+    def __init__(self, ctx: MoEContext, deep_ep, buffer):
+        self.ctx, self.deep_ep, self.buffer = ctx, deep_ep, buffer
+
+    def dispatch_start(self, hidden, topk_ids, topk_weights) -> PendingNormalDispatch:
+        buffer, previous = self.buffer, self.deep_ep.Buffer.capture()
+        topk_ids, weights = topk_ids.to(torch.int64).contiguous(), topk_weights.float().contiguous()
+        per_rank, per_rdma_rank, per_expert, in_rank, event = buffer.get_dispatch_layout(
+            topk_ids, self.ctx.num_physical_experts, previous_event=previous, async_finish=True,
+            allocate_on_comm_stream=True,
+        )
+        x = as_bf16(hidden)
+        if self.ctx.dispatch_fp8:
+            x = quantize_rows(x)
+        received, recv_ids, recv_weights, counts, handle, event = buffer.dispatch(
+            x, topk_idx=topk_ids, topk_weights=weights, num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            previous_event=event, async_finish=True, allocate_on_comm_stream=True,
+        )
+        return PendingNormalDispatch(
+            received, recv_ids, recv_weights, list(counts), handle, event, hidden.dtype, (x, topk_ids, weights)
+        )
+
+    def dispatch_finish(self, pending: PendingNormalDispatch) -> Dispatched:
+        pending.event.current_stream_wait()
+        layout, plan = contiguous_layout(pending, self.ctx)
+        handle = NormalHandle(pending.deepep, plan, pending.weights, pending.topk_ids.shape[0], pending.dtype)
+        return Dispatched(layout, handle)
+
+    def combine_start(self, output: ExpertOutput, handle: NormalHandle) -> PendingNormalCombine:
+        rows = weighted_sum(output.hidden, handle.plan, handle.weights, handle.num_rows).to(torch.bfloat16)
+        combined, _, event = self.buffer.combine(
+            rows, handle.deepep, previous_event=self.deep_ep.Buffer.capture(), async_finish=True,
+            allocate_on_comm_stream=True,
+        )
+        return PendingNormalCombine(combined, event, handle.dtype, rows)
+
+    def combine_finish(self, pending: PendingNormalCombine) -> torch.Tensor:
+        pending.event.current_stream_wait()
+        return pending.combined.to(pending.dtype)
+
+
+class DeepEPNormalDispatcher(OneModeDispatcher):
+    name = "deepep-normal"
+    caps = DispatcherCaps(
+        layout=CONTIGUOUS,
+        multi_rank=True,
+        single_rank=False,  # DeepEP's intranode kernels exist for 2, 4 and 8 ranks
+        needs_gpu=True,
+        graph_safe=False,
+        needs_host_sync=True,
+        fp8_payload=True,
+        combine_applies_weights=True,
+        async_halves=True,
+        requires=("deep_ep",),
+        min_compute_capability=(9, 0),
+    )
+
+    def __init__(self, ctx: MoEContext):
+        super().__init__(ctx)
+        check_normal(ctx, self.name)
+        deep_ep, buffer, _ = make_buffer(ctx, self.name, normal=True, low_latency=False)
+        self.mode = NormalMode(ctx, deep_ep, buffer)

@@ -1,0 +1,241 @@
+"""CUDA-graph decode: which sizes are captured, how a batch is padded into the static inputs, when graphs are off.
+
+On the CPU every part but the capture itself runs: DecodeGraphs takes a `capture` that here just
+calls the step again, so a replay reads the static inputs exactly as a CUDA graph would. The `gpu`
+tests capture real graphs and check that replay equals eager decode.
+"""
+
+import os
+from types import SimpleNamespace
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+
+import pytest  # noqa: E402
+
+from moeplex.attention import TorchAttention  # noqa: E402
+from moeplex.attention.triton_backend import INTERPRETED, TritonAttention  # noqa: E402
+from moeplex.batch_builder import ScheduledSeq, build_forward_batch  # noqa: E402
+from moeplex.cli import build_parser  # noqa: E402
+from moeplex.cli.flags import engine_config  # noqa: E402
+from moeplex.config import EngineConfig  # noqa: E402
+from moeplex.cuda_graph import (  # noqa: E402
+    DecodeGraphs,
+    DecodeInputs,
+    capture_sizes,
+    graph_batch_sizes,
+    max_pages_per_request,
+    padded_size,
+    why_no_graphs,
+)
+from moeplex.engine import Engine  # noqa: E402
+from moeplex.forward_batch import ForwardMode  # noqa: E402
+from moeplex.kv_cache import KVPool  # noqa: E402
+from moeplex.model_runner import ModelRunner  # noqa: E402
+from moeplex.models.setup import load_model  # noqa: E402
+from moeplex.registry import lookup  # noqa: E402
+from moeplex.sampling import SamplingParams  # noqa: E402
+from moeplex.selection import resolve  # noqa: E402
+
+PAGE = 4
+
+
+def test_capture_sizes_double_then_step_by_eight_up_to_the_maximum():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    with pytest.raises(ValueError):
+        capture_sizes(0)
+
+
+def test_a_batch_pads_to_the_next_captured_size():
+    sizes = capture_sizes(20)
+    assert [padded_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 17, 20)] == [1, 2, 4, 8, 8, 16, 20, 20]
+    assert padded_size(21, sizes) is None
+
+
+def test_sizes_an_overlap_strategy_would_split_are_not_captured():
+    class SplitsFrom16:
+        def cuts(self, meta):
+            return [meta.num_tokens // 2] if meta.num_tokens >= 16 and meta.mode == ForwardMode.DECODE else None
+
+    assert graph_batch_sizes(32, SplitsFrom16()) == [1, 2, 4, 8]
+    assert graph_batch_sizes(32, lookup("overlap", "none")()) == capture_sizes(32)
+
+
+def plugins(dispatcher_safe=True, kernel_safe=True):
+    caps = SimpleNamespace  # a plugin declaring nothing about graphs counts as unsafe
+    return SimpleNamespace(
+        dispatcher=SimpleNamespace(caps=caps(graph_safe=True) if dispatcher_safe else caps()),
+        moe_kernel=SimpleNamespace(caps=caps(graph_safe=kernel_safe)),
+    )
+
+
+def test_graphs_are_off_unless_everything_in_the_step_can_be_captured():
+    config = EngineConfig(model="m", device="cuda", dispatcher="local", moe_kernel="triton")
+    cuda, triton_attention = torch.device("cuda"), SimpleNamespace(name="triton", graph_safe=True)
+    assert why_no_graphs(config, cuda, plugins(), triton_attention, world_size=1) is None
+    off = EngineConfig(model="m", device="cuda", disable_cuda_graph=True)
+    assert "--disable-cuda-graph" in why_no_graphs(off, cuda, plugins(), triton_attention, 1)
+    assert "cpu" in why_no_graphs(config, torch.device("cpu"), plugins(), triton_attention, 1)
+    assert "2 ranks" in why_no_graphs(config, cuda, plugins(), triton_attention, 2)
+    assert "torch attention" in why_no_graphs(config, cuda, plugins(), TorchAttention(), 1)
+    assert "dispatcher 'local'" in why_no_graphs(config, cuda, plugins(dispatcher_safe=False), triton_attention, 1)
+    assert "moe_kernel 'triton'" in why_no_graphs(config, cuda, plugins(kernel_safe=False), triton_attention, 1)
+
+
+def test_the_page_table_is_as_wide_as_the_longest_sequence_the_pool_or_model_allows():
+    kv = KVPool(50, PAGE, [[(1,)]], torch.float32, "cpu")
+    assert max_pages_per_request(kv, None) == 50
+    assert max_pages_per_request(kv, 4096) == 50
+    assert max_pages_per_request(kv, 30) == 8
+
+
+def small_batch(kv, lengths):
+    seqs = [ScheduledSeq([5 + i], n - 1, kv.allocate(kv.pages_for(n))) for i, n in enumerate(lengths)]
+    return build_forward_batch(seqs, kv, "cpu")
+
+
+def test_inputs_hold_the_batch_then_padding_that_only_touches_the_scratch_page():
+    kv = KVPool(32, PAGE, [[(1,)]], torch.float32, "cpu")
+    inputs = DecodeInputs.allocate(max_bs=8, max_pages=6, kv=kv, device="cpu")
+    scratch = kv.scratch_page
+    assert scratch == 32 and kv.buffers[0][0].shape[0] == 33 * PAGE  # one page beyond the pool, never handed out
+    big = small_batch(kv, [9, 3, 14, 2, 6])
+    inputs.load(big, 8)
+    small = small_batch(kv, [5, 7])
+    inputs.load(small, 4)  # rows 2, 3 held requests of the big batch: now they are padding
+    assert inputs.input_ids[:4].tolist() == [5, 6, 0, 0]
+    assert inputs.positions[:4].tolist() == [4, 6, 0, 0]
+    assert inputs.seq_lens[:4].tolist() == [5, 7, 1, 1]
+    assert inputs.out_cache_loc[:2].tolist() == small.out_cache_loc.tolist()
+    assert inputs.out_cache_loc[2:4].tolist() == [scratch * PAGE] * 2
+    assert inputs.page_table[:2, :2].tolist() == small.page_table.tolist()
+    assert inputs.page_table[2:4, 0].tolist() == [scratch] * 2
+    view = inputs.batch(4)
+    assert view.mode == ForwardMode.DECODE and view.batch_size == 4 and view.page_size == PAGE
+    assert max(view.seq_lens_cpu) == 6 * PAGE  # host-side choices see the longest sequence a row can hold
+    assert view.seq_lens.data_ptr() == inputs.seq_lens.data_ptr()  # a view of the static tensors, not a copy
+    assert inputs.fits(small) and not inputs.fits(small_batch(kv, [30]))  # 8 pages > 6
+
+
+def test_engine_on_cpu_runs_without_graphs_and_says_nothing(tiny_model_dir, caplog):
+    engine = Engine(EngineConfig(model=tiny_model_dir("mixtral"), show_progress=False, max_total_tokens=256))
+    assert engine.runner.graphs is None
+    assert "CUDA graphs" not in caplog.text
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench-one-batch"])
+def test_every_engine_command_takes_the_graph_and_attention_flags(command, capsys):
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "--help"])
+    help_text = capsys.readouterr().out
+    for flag in ("--attention-backend", "--disable-cuda-graph", "--cuda-graph-max-bs"):
+        assert flag in help_text
+    extra = ["--input-ids", "1,2"] if command == "generate" else []
+    args = parser.parse_args([command, "--model", "m", *extra, "--attention-backend", "triton",
+                              "--disable-cuda-graph", "--cuda-graph-max-bs", "48"])
+    config = engine_config(args)
+    assert (config.attention_backend, config.disable_cuda_graph, config.cuda_graph_max_bs) == ("triton", True, 48)
+    defaults = engine_config(parser.parse_args([command, "--model", "m", *extra]))
+    assert (defaults.attention_backend, defaults.disable_cuda_graph, defaults.cuda_graph_max_bs) == ("auto", False, 256)
+
+
+def cache_buffers(kv: KVPool) -> list[torch.Tensor]:
+    return [buffer for layer in kv.buffers for buffer in layer]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and not INTERPRETED, reason="the triton kernels cannot run here")
+def test_replaying_through_the_static_inputs_equals_eager_decode(tiny_model_dir, arch):
+    """Everything but the capture: a batch of 5 padded to 8, then one of 3 padded to 4 over rows the first used."""
+    config = EngineConfig(model=tiny_model_dir(arch), show_progress=False)
+    model = load_model(config.model, config, resolve(config))
+    model.set_attention_backend(TritonAttention("cpu", torch.float32, min_split_tokens=4, target_programs=8, block_n=16))
+    overlap = lookup("overlap", "none")()
+    kv = KVPool(24, PAGE, model.kv_shapes(), torch.float32, "cpu")
+    inputs = DecodeInputs.allocate(max_bs=8, max_pages=8, kv=kv, device="cpu")
+    graphs = DecodeGraphs(model, kv, overlap, inputs, capture_sizes(8), capture=lambda step: step)
+    runner = ModelRunner(model, kv, overlap, torch.device("cpu"), graphs=graphs)
+    prompts = [[256, 3, 4, 5, 6], [256, 9], [256] + list(range(20, 29)), [256, 1, 2], [256, 50, 51, 52]]
+    pages = [kv.allocate(kv.pages_for(len(p) + 1)) for p in prompts]
+    runner.forward(build_forward_batch([ScheduledSeq(p, 0, pg) for p, pg in zip(prompts, pages)], kv, "cpu"))
+    real_slots = slice(0, kv.scratch_page * PAGE)
+    for step, rows in enumerate(([0, 1, 2, 3, 4], [4, 2, 0])):
+        if step == 1:  # request 3 finished and a new request owns its pages: replaying must leave them alone
+            for buffer in cache_buffers(kv):
+                buffer[kv.slots(pages[3], 0, len(pages[3]) * PAGE)] = 0
+        batch = build_forward_batch([ScheduledSeq([7], len(prompts[r]), pages[r]) for r in rows], kv, "cpu")
+        assert graphs.can_run(batch)
+        before = [b.clone() for b in cache_buffers(kv)]
+        replayed = runner.forward(batch)
+        after_replay = [b.clone() for b in cache_buffers(kv)]
+        for buffer, saved in zip(cache_buffers(kv), before):
+            buffer.copy_(saved)
+        with torch.inference_mode():
+            eager = model(batch, kv, overlap)
+        assert replayed.shape == eager.shape
+        assert ((replayed - eager).abs().max() / eager.abs().max()).item() < 1e-5
+        for buffer, replayed_buffer in zip(cache_buffers(kv), after_replay):
+            assert torch.allclose(buffer[real_slots], replayed_buffer[real_slots], rtol=1e-5, atol=1e-6)
+
+
+def test_no_replay_while_expert_load_is_recorded(tiny_model_dir):
+    config = EngineConfig(model=tiny_model_dir("qwen3_moe"), show_progress=False, max_total_tokens=256, page_size=PAGE)
+    engine = Engine(config)
+    kv, model = engine.kv, engine.model
+    inputs = DecodeInputs.allocate(max_bs=2, max_pages=4, kv=kv, device="cpu")
+    graphs = DecodeGraphs(model, kv, engine.runner.strategy, inputs, [1, 2], capture=lambda step: (lambda: None))
+    batch = small_batch(kv, [3, 6])
+    assert graphs.can_run(batch)
+    engine.start_recording()
+    assert model.moe_runtime.records_load and not graphs.can_run(batch)
+    engine.stop_recording()
+    assert graphs.can_run(batch)
+    extend = build_forward_batch([ScheduledSeq([1, 2], 0, kv.allocate(1))], kv, "cpu")
+    assert not graphs.can_run(extend) and not graphs.can_run(small_batch(kv, [2, 3, 4]))  # extend; 3 > 2
+
+
+# --- on the GPU: real graphs -------------------------------------------------------------------------
+
+
+def gpu_engine(folder, dtype, **overrides):
+    settings = dict(
+        model=folder, dtype=dtype, device="cuda", moe_kernel="triton", attention_backend="triton",
+        show_progress=False, max_total_tokens=4096, max_running_requests=16, cuda_graph_max_bs=16,
+    )
+    settings.update(overrides)
+    return Engine(EngineConfig(**settings))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_graph_replay_equals_eager_on_gpu(tiny_model_dir, arch, dtype):
+    engine = gpu_engine(tiny_model_dir(arch), dtype)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.sizes == capture_sizes(16)
+    model, kv, overlap = engine.model, engine.kv, engine.runner.strategy
+    prompts = [[256, 3, 4, 5, 6], [256, 9], [256] + list(range(20, 49))]
+    pages = [kv.allocate(kv.pages_for(len(p) + 1)) for p in prompts]
+    with torch.inference_mode():
+        model(build_forward_batch([ScheduledSeq(p, 0, pg) for p, pg in zip(prompts, pages)], kv, "cuda"), kv, overlap)
+        batch = build_forward_batch([ScheduledSeq([7], len(p), pg) for p, pg in zip(prompts, pages)], kv, "cuda")
+        replayed = graphs.run(batch)  # padded to 4; writes the new token's KV, as eager does again below
+        eager = model(batch, kv, overlap)
+    tolerance = 1e-4 if dtype == "fp32" else 3e-2
+    assert ((replayed - eager).abs().max() / eager.abs().max()).item() < tolerance
+
+
+@pytest.mark.gpu
+def test_greedy_generation_is_the_same_with_and_without_graphs_on_gpu(tiny_model_dir, arch):
+    prompts = [[256] + list(range(30, 30 + n)) for n in (3, 11, 6)]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    with_graphs = gpu_engine(tiny_model_dir(arch), "fp32")
+    eager = gpu_engine(tiny_model_dir(arch), "fp32", disable_cuda_graph=True)
+    assert with_graphs.runner.graphs is not None and eager.runner.graphs is None
+    tokens = [r.output_ids for r in with_graphs.generate(prompts, params)]
+    assert tokens == [r.output_ids for r in eager.generate(prompts, params)]
