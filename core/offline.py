@@ -6,6 +6,7 @@ from typing import Sequence
 
 import logging
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -13,7 +14,7 @@ from .config import EngineConfig
 from .engine import Engine
 from .launcher import launch
 from .memory import describe, memory_report
-from .parallel import ParallelState, init_parallel
+from .parallel import ParallelState, init_parallel, rank_device
 from .sampling import SamplingParams
 
 
@@ -43,6 +44,7 @@ def result_of(request, with_text: bool) -> dict:
 
 
 def _generate_on_rank(rank: int, config: EngineConfig, prompts, params) -> list[dict] | None:
+    config = attrs.evolve(config, device=rank_device(config.device, rank, config.parallel))
     parallel = init_parallel(config.parallel, rank, torch.device(config.device))
     return generate_on_rank(parallel, config, prompts, params)
 

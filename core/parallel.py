@@ -162,3 +162,12 @@ def local_rank(rank: int, config: ParallelConfig) -> int:
     return rank - config.node_rank * config.ranks_per_node
 
 
+def rank_device(device: str, rank: int, config: ParallelConfig) -> str:
+    """The device of one rank: `cuda` without an index means one GPU per rank of this machine."""
+    if device != "cuda" or not config.distributed:
+        return device
+    index = local_rank(rank, config) % max(torch.cuda.device_count(), 1)
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+

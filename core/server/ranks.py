@@ -20,6 +20,7 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
+import attrs
 import torch
 import uvicorn
 
@@ -28,7 +29,7 @@ from ..engine import Engine
 from ..engine_group import EngineGroup
 from ..launcher import RankFailed, launch
 from ..memory import describe, memory_report
-from ..parallel import init_parallel
+from ..parallel import init_parallel, rank_device
 from ..rank_worker import Follower
 from .app import LeaderLink, build_app
 from .engine_loop import EngineStopped
@@ -95,6 +96,7 @@ def serve_on_rank(rank: int, config: EngineConfig, connection: Connection, log_l
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     for sig in (signal.SIGINT, signal.SIGTERM):  # stopping is the front end's to decide
         signal.signal(sig, signal.SIG_IGN)
+    config = attrs.evolve(config, device=rank_device(config.device, rank, config.parallel))
     engine = Engine(config, parallel=init_parallel(config.parallel, rank, torch.device(config.device)))
     log.info(describe(memory_report(engine)))
     if rank == 0:
