@@ -1,0 +1,248 @@
+"""Expert parallelism over the GPUs of one machine: greedy tokens against one GPU, and dispatch + combine per layer.
+
+    python benchmarks/ep_multi_gpu.py --gpus 2 --out benchmarks/results/ep_multi_gpu_h200x2.md
+
+One process per GPU over NCCL; NVLink multicast stays off (NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1).
+
+1. Correctness. A DeepSeek-V3-shaped model cut small (hidden 2048, the smallest size DeepEP's
+   low-latency kernels take; 16 routed experts, top-4; random weights written once) generates
+   greedily with `--dp-size N --enable-dp-attention --tp-size N --ep-size N` and each dispatcher, and the
+   tokens are compared with one GPU running the `local` dispatcher. DP attention keeps every request's
+   attention on one GPU, so only the MoE layers' expert parallelism differs from the one-GPU run.
+2. Dispatch + combine of one MoE layer at DeepSeek-V3 shapes (hidden 7168, 256 experts, top-8, uniform
+   routing, identity experts): prefill-sized batches (4096 tokens per rank) for `naive` and
+   `deepep-normal`, decode-sized ones (128 tokens per rank) for `naive` and `deepep-ll`, rows sent in
+   bf16 or fp8. Median over iterations of the slowest rank; GB/s counts the bytes of the rows that leave
+   or reach each rank (DeepEP's own convention: dispatched rows out, combined rows back), next to
+   DeepEP's published figures (intranode normal mode ~150 GB/s over NVLink on H800; low-latency dispatch
+   of 128 tokens in the 100-200 us range at EP8).
+
+On a machine without GPUs, `--cpu` runs both parts on gloo ranks with the CPU plugins (a check of the
+script, not a measurement worth keeping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moeplex.conformance.dispatch_ranks import free_port
+from moeplex.interfaces import ExpertOutput, MoEContext, StandardLayout
+from moeplex.registry import PluginError, lookup
+
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+PROMPTS = ["256,11,12,13,14,15", "256,40,41", "256,90,91,92,93,94,95,96,97", "256,7"]
+HIDDEN, EXPERTS, TOP_K = 7168, 256, 8
+BATCHES = (("prefill", 4096, ("naive", "deepep-normal")), ("decode", 128, ("naive", "deepep-ll")))
+
+
+# --- 1. correctness ---------------------------------------------------------------------------------
+
+
+def make_model(folder: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "moeplex.cli", "make-model", str(folder), "--arch", "deepseek_v3",
+         "--set", "hidden_size=2048", "--set", "moe_intermediate_size=256", "--set", "intermediate_size=1024"],
+        check=True, stdout=subprocess.DEVNULL,
+    )
+
+
+def generate(folder: Path, device: str, dtype: str, kernel: str, dispatcher: str, gpus: int, max_new: int):
+    """Every prompt's greedy tokens, or the error that stopped the run."""
+    parallel = [] if gpus == 1 else [
+        "--tp-size", str(gpus), "--ep-size", str(gpus), "--dp-size", str(gpus), "--enable-dp-attention",
+        "--dist-init-addr", f"127.0.0.1:{free_port()}",
+    ]
+    command = [
+        sys.executable, "-m", "moeplex.cli", "generate", "--model", str(folder),
+        "--device", device, "--dtype", dtype, "--moe-kernel", kernel, "--dispatcher", dispatcher, *parallel,
+        "--max-new-tokens", str(max_new), "--ignore-eos", "--json", "--input-ids", *PROMPTS,
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **NO_MULTICAST}, timeout=600)
+    if done.returncode:
+        return None, (done.stderr.strip().splitlines() or ["failed"])[-1]
+    return [json.loads(line)["output_ids"] for line in done.stdout.splitlines()], None
+
+
+def correctness(args, dispatchers: list[str]) -> list[str]:
+    device, dtype, kernel = ("cpu", "fp32", "torch") if args.cpu else ("cuda", "bf16", "triton")
+    lines = [
+        f"### Greedy tokens with {args.gpus} ranks against one {'process' if args.cpu else 'GPU'}",
+        "",
+        f"DeepSeek-V3 cut small (hidden 2048, 16 experts, top-4, 3 layers, random weights), {dtype}, "
+        f"`--moe-kernel {kernel}`, {len(PROMPTS)} prompts x {args.max_new_tokens} tokens; reference: one rank, "
+        "`local` dispatcher.",
+        "",
+        "| dispatcher | equal tokens | all prompts equal |",
+        "|---|---:|---|",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "model"
+        make_model(folder)
+        reference, error = generate(folder, device, dtype, kernel, "local", 1, args.max_new_tokens)
+        if error:
+            return lines + [f"| local (reference) | failed: {error} | |"]
+        for name in dispatchers:
+            got, error = generate(folder, device, dtype, kernel, name, args.gpus, args.max_new_tokens)
+            if error:
+                lines.append(f"| {name} | failed: {error} | no |")
+                continue
+            equal = sum(a == b for want, have in zip(reference, got) for a, b in zip(want, have))
+            total = sum(len(want) for want in reference)
+            lines.append(f"| {name} | {equal}/{total} | {'yes' if got == reference else 'no'} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
+# --- 2. dispatch + combine ----------------------------------------------------------------------------
+
+
+def identity_output(layout) -> ExpertOutput:
+    """What identity experts hand back: the received rows (zeros where only an fp8 payload holds them)."""
+    rows = layout.hidden if layout.fp8 is None else torch.zeros(layout.hidden.shape, dtype=torch.bfloat16,
+                                                                 device=layout.hidden.device)
+    if isinstance(layout, StandardLayout):
+        return ExpertOutput(rows, weights_applied=True, summed=True)
+    return ExpertOutput(rows, weights_applied=False, summed=False)
+
+
+def slowest_median(step, iters: int, warmup: int, device: torch.device) -> float:
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    value = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
+def wire_bytes(ids: torch.Tensor, rank: int, world: int, experts: int, hidden: int, fp8: bool) -> float:
+    """Bytes of the rows leaving this rank for other ranks in dispatch, and coming back in combine."""
+    dest = ids // (experts // world)
+    remote = torch.nn.functional.one_hot(dest, world).amax(dim=1)
+    remote[:, rank] = 0
+    rows = int(remote.sum())
+    dispatch_row = hidden + hidden // 128 * 4 if fp8 else 2 * hidden
+    return rows * (dispatch_row + 2 * hidden)
+
+
+def rank_main(rank: int, world: int, port: int, args, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **NO_MULTICAST)
+    if args.cpu:
+        device, backend, hidden, experts = torch.device("cpu"), "gloo", 1024, 64
+        torch.set_num_threads(1)
+    else:
+        torch.cuda.set_device(rank)
+        device, backend, hidden, experts = torch.device("cuda", rank), "nccl", HIDDEN, EXPERTS
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    rows = []
+    try:
+        for label, tokens, names in BATCHES:
+            tokens = tokens // 8 if args.cpu else tokens
+            gen = torch.Generator().manual_seed(rank)
+            ids = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :TOP_K].to(device)
+            weights = torch.rand(tokens, TOP_K, generator=gen).to(device)
+            x = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16)
+            for name in names:
+                for fp8 in (False, True):
+                    rows.append(measure(name, fp8, label, x, ids, weights, rank, world, hidden, experts, device, args))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(rows))
+
+
+def measure(name, fp8, label, x, ids, weights, rank, world, hidden, experts, device, args) -> dict:
+    row = dict(dispatcher=name, payload="fp8" if fp8 else "bf16", batch=label, tokens=x.shape[0])
+    ctx = MoEContext(hidden, hidden, experts, TOP_K, torch.bfloat16, device, rank, world, dist.group.WORLD,
+                     max_tokens_per_rank=x.shape[0], dispatch_fp8=fp8)
+    try:
+        cls = lookup("dispatcher", name)
+        if fp8 and not cls.caps.fp8_payload:
+            return {**row, "skipped": "sends no fp8 rows"}
+        dispatcher = cls(ctx)
+    except (PluginError, ValueError) as exc:
+        return {**row, "skipped": str(exc)}
+
+    def layer():
+        dispatched = dispatcher.dispatch(x, ids, weights)
+        return dispatcher.combine(identity_output(dispatched.layout), dispatched.handle)
+
+    seconds = slowest_median(layer, args.iters, args.warmup, device)
+    moved = torch.tensor([wire_bytes(ids.cpu(), rank, world, experts, hidden, fp8)], device=device)
+    dist.all_reduce(moved)
+    return {**row, "us": seconds * 1e6, "gbps": moved.item() / world / seconds / 1e9}
+
+
+def dispatch_table(args, rows: list[dict]) -> list[str]:
+    shape = "hidden 1024, 64 experts (CPU check)" if args.cpu else f"hidden {HIDDEN}, {EXPERTS} experts"
+    lines = [
+        f"### Dispatch + combine per MoE layer, {args.gpus} ranks",
+        "",
+        f"{shape}, top-{TOP_K}, uniform routing, identity experts; median of {args.iters} layers after "
+        f"{args.warmup}, slowest rank. GB/s: bytes of rows leaving this rank in dispatch and reaching it back in "
+        "combine, per rank, over the layer time.",
+        "",
+        "| batch | tokens/rank | dispatcher | rows sent as | layer µs | GB/s per rank |",
+        "|---|---:|---|---|---:|---:|",
+    ]
+    for row in rows:
+        if "skipped" in row:
+            lines.append(f"| {row['batch']} | {row['tokens']} | {row['dispatcher']} | {row['payload']} | "
+                         f"skipped: {row['skipped']} | |")
+        else:
+            lines.append(f"| {row['batch']} | {row['tokens']} | {row['dispatcher']} | {row['payload']} | "
+                         f"{row['us']:.0f} | {row['gbps']:.1f} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gpus", type=int, default=2, help="ranks, one per GPU (default: 2)")
+    parser.add_argument("--parts", nargs="+", choices=("correctness", "dispatch"), default=["correctness", "dispatch"])
+    parser.add_argument("--iters", type=int, default=20, help="timed layers per measurement (default: 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed layers first (default: 5)")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt (default: 16)")
+    parser.add_argument("--cpu", action="store_true", help="check the script on gloo ranks with CPU plugins")
+    parser.add_argument("--out", type=Path, help="also write the Markdown to this file")
+    args = parser.parse_args()
+    if not args.cpu and torch.cuda.device_count() < args.gpus:
+        parser.error(f"--gpus {args.gpus} needs that many CUDA devices; {torch.cuda.device_count()} visible")
+    machine = "CPU (gloo)" if args.cpu else f"{args.gpus} x {torch.cuda.get_device_name(0)}"
+    lines = [f"## Expert parallelism on {machine}", "", f"torch {torch.__version__}, {datetime.date.today()}.", ""]
+    if "correctness" in args.parts:
+        dispatchers = ["naive"] if args.cpu else ["naive", "deepep-normal", "deepep-ll", "deepep-auto"]
+        lines += correctness(args, dispatchers) + [""]
+    if "dispatch" in args.parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            out_path = os.path.join(tmp, "rows.json")
+            mp.spawn(rank_main, args=(args.gpus, free_port(), args, out_path), nprocs=args.gpus)
+            lines += dispatch_table(args, json.loads(Path(out_path).read_text()))
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
