@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import tempfile
+import zlib
 
 import torch
 from safetensors.torch import save_file
@@ -70,6 +71,14 @@ def _write_json(folder: str, name: str, data: dict) -> None:
         f.write("\n")
 
 
+def named_random_tensor(name: str, shape: tuple[int, ...], seed: int, device="cpu") -> torch.Tensor:
+    """`random_tensor` drawn from a generator of the tensor's own (seeded by `seed` and its name), so the
+    checkpoint make-model writes and the weights `--load-format dummy` makes are the same on any device
+    and any parallel layout: each rank draws whole tensors and keeps its slices and experts."""
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return random_tensor(name, shape, gen)
+
+
 def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """A random weight for the tensor called `name` (on the generator's device, fp32)."""
     noise = torch.randn(shape, generator=gen, device=gen.device)
@@ -119,8 +128,7 @@ def write_checkpoint(
         return folder
     engine_config = EngineConfig(model=folder, show_progress=False)
     model = build_model(folder, engine_config, resolve(engine_config))
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {name: random_tensor(name, t.shape, gen).contiguous() for name, t in sorted(model.weight_targets().items())}
+    tensors = {name: named_random_tensor(name, t.shape, seed).contiguous() for name, t in model.weight_targets().items()}
     if fp8:
         tensors = quantize_tensors(tensors, model.fp8_weight_names())
     _save_shards(folder, tensors, max_shard_bytes)

@@ -15,7 +15,7 @@ from . import architecture
 from .base import MoECausalLM, MoESpec, read_config
 from .expert_format import expert_weight_format
 from .loader import load_checkpoint
-from .make_model import random_tensor
+from .make_model import named_random_tensor
 
 
 @contextlib.contextmanager
@@ -110,19 +110,22 @@ def build_model(folder: str, config, selection, parallel: ParallelState | None =
 
 
 def init_dummy_weights(model: MoECausalLM, seed: int) -> None:
-    """Random weights made on the model's device from config.json alone (--load-format dummy)."""
+    """Random weights made on the model's device from config.json alone (--load-format dummy).
+
+    The same values `moeplex make-model --seed SEED` writes: every checkpoint tensor is drawn
+    whole from a generator of its own, and each rank keeps its slice and its experts, so any
+    parallel layout (and every replica of an expert) holds the same model.
+    """
     device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    quantized = [layer for layer in model.moe_layers() if layer.w13_scale is not None]
-    skip = {id(t) for layer in quantized for t in layer.expert_tensors()}
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if id(param) not in skip:
-                param.copy_(random_tensor(name, tuple(param.shape), gen))
-        for layer in quantized:  # fp8 experts: random plain weights, quantized one slot at a time
-            for slot in range(layer.w13.shape[0]):
-                w13 = random_tensor("w13", tuple(layer.w13.shape[1:]), gen)
-                layer.write_plain_expert(slot, w13, random_tensor("w2", tuple(layer.w2.shape[1:]), gen))
+        for name, target in model.weight_targets().items():
+            if target.copy is None:
+                continue  # another rank's expert
+            tensor = named_random_tensor(name, target.shape, seed, device)
+            if target.select is not None:
+                dim, start, length = target.select
+                tensor = tensor.narrow(dim, start, length)
+            target.copy(tensor)
 
 
 def load_model(folder: str, config, selection, parallel: ParallelState | None = None, hooks=None) -> MoECausalLM:
