@@ -8,12 +8,19 @@ step larger than the low-latency buffer goes the normal way.
 
 from __future__ import annotations
 
+import attrs
 import torch
 
-from moeplex.interfaces import CONTIGUOUS, MASKED, Dispatched, Dispatcher, DispatcherCaps, ExpertOutput, MoEContext
+from moeplex.interfaces import CONTIGUOUS, MASKED, Dispatched, Dispatcher, ExpertOutput, MoEContext
 
-from .buffers import LL_HIDDEN_SIZES, LL_MAX_TOP_K, check_low_latency, check_normal, make_buffer
-from .low_latency import LowLatencyHandle, LowLatencyMode, PendingLowLatency, PendingLowLatencyCombine
+from .buffers import check_low_latency, check_normal, make_buffer
+from .low_latency import (
+    DeepEPLowLatencyDispatcher,
+    LowLatencyHandle,
+    LowLatencyMode,
+    PendingLowLatency,
+    PendingLowLatencyCombine,
+)
 from .normal import NormalMode
 
 
@@ -30,23 +37,13 @@ def low_latency_step(batch, max_tokens: int) -> bool:
 
 class DeepEPAutoDispatcher(Dispatcher):
     name = "deepep-auto"
-    caps = DispatcherCaps(
+    # the low-latency mode's capabilities, with what the normal mode adds for extend steps
+    caps = attrs.evolve(
+        DeepEPLowLatencyDispatcher.caps,
         layout=CONTIGUOUS,
         other_layouts=frozenset({MASKED}),
-        multi_rank=True,
-        single_rank=False,
-        needs_gpu=True,
-        graph_safe=True,  # decode steps, the ones captured, go the low-latency way
-        needs_host_sync=True,  # in extend steps
-        fixed_max_tokens=True,
-        fp8_payload=True,
-        combine_applies_weights=True,
-        async_halves=True,
-        max_in_flight=1,  # each low-latency transfer clears the other buffer's receive flags
-        requires=("deep_ep",),
-        min_compute_capability=(9, 0),
-        hidden_sizes=LL_HIDDEN_SIZES,
-        max_top_k=LL_MAX_TOP_K,
+        single_rank=False,  # the normal mode's intranode kernels need 2, 4 or 8 ranks
+        needs_host_sync=True,  # in extend steps; decode steps, the ones captured in graphs, have none
     )
 
     def __init__(self, ctx: MoEContext):
