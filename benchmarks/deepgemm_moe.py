@@ -18,7 +18,7 @@ import argparse
 import datetime
 
 import torch
-from fused_moe import SHAPES, Shape, bench_ms, graph_ms, make_layout, make_weights, measure_roofline
+from fused_moe import SHAPES, Shape, Work, bench_ms, graph_ms, make_layout, make_weights, measure_roofline
 
 from moeplex.interfaces import FP8_BLOCK, ExpertWeights, MoEContext
 from moeplex.moe.adapters import LayoutAdapter
@@ -37,8 +37,7 @@ def context(shape: Shape) -> MoEContext:
 
 def row(shape: Shape, tokens: int, roof, kernels: dict, decode: bool) -> str:
     layout = make_layout(shape, tokens, seed=tokens)
-    routed = layout.topk_ids[layout.topk_ids >= 0]
-    pairs, experts_hit = routed.numel(), torch.unique(routed).numel()
+    work = Work.of(layout, shape, 1)  # fp8 weights
     (dg, dg_w), (tr, tr_w), (ref, ref_w) = kernels["deepgemm"], kernels["triton"], kernels["torch"]
     target = "masked" if decode else "contiguous"
     converted, _ = LayoutAdapter("standard", frozenset({target}), dg.caps.alignment)(layout)
@@ -47,14 +46,12 @@ def row(shape: Shape, tokens: int, roof, kernels: dict, decode: bool) -> str:
     tr_ms = min(bench_ms(lambda: tr.apply(layout, tr_w)), graph_ms(lambda: tr.apply(layout, tr_w)) if decode else 1e9)
     ref_ms = bench_ms(lambda: ref.apply(layout, ref_w)) if tokens <= 4096 else float("nan")
     best = min(dg_ms, dg_graph) if decode else dg_ms
-    flops = 6 * pairs * shape.hidden * shape.intermediate
-    weight_bytes = experts_hit * 3 * shape.hidden * shape.intermediate  # fp8
-    ideal_ms = max(flops / roof.matmul_tflops / 1e9, weight_bytes / roof.copy_gbps / 1e6)
+    ideal_ms = work.ideal_ms(roof)
     graph = f"{dg_graph * 1e3:.0f}" if decode else "-"
     torch_cell = f"{ref_ms * 1e3:.0f}" if ref_ms == ref_ms else "-"
     return (
-        f"| {tokens} | {target} | {experts_hit} | {dg_ms * 1e3:.0f} | {graph} | {tr_ms * 1e3:.0f} | {torch_cell} | "
-        f"{tr_ms / best:.2f} | {flops / best / 1e9:.0f} | {weight_bytes / best / 1e6:.0f} | "
+        f"| {tokens} | {target} | {work.experts_hit} | {dg_ms * 1e3:.0f} | {graph} | {tr_ms * 1e3:.0f} | {torch_cell} | "
+        f"{tr_ms / best:.2f} | {work.flops / best / 1e9:.0f} | {work.weight_bytes / best / 1e6:.0f} | "
         f"{100 * ideal_ms / best:.0f}% |"
     )
 

@@ -108,17 +108,36 @@ def measure_roofline(fp8: bool) -> Roofline:
     return Roofline(matmul_tflops=2 * n**3 / ms / 1e9, copy_gbps=2 * src.numel() / copy_ms / 1e6)
 
 
+@attrs.frozen
+class Work:
+    """What one batch asks of the experts of one rank."""
+
+    pairs: int  # routed (token, expert) pairs here
+    experts_hit: int
+    flops: float  # 2 x (H x 2I + I x H) per pair
+    weight_bytes: float  # the hit experts' weights, read once
+
+    @classmethod
+    def of(cls, layout: StandardLayout, shape: Shape, bytes_per_weight: int) -> Work:
+        routed = layout.topk_ids[layout.topk_ids >= 0]
+        pairs, hit = routed.numel(), torch.unique(routed).numel()
+        return cls(pairs, hit, 6 * pairs * shape.hidden * shape.intermediate,
+                   hit * 3 * shape.hidden * shape.intermediate * bytes_per_weight)
+
+    def ideal_ms(self, roof: Roofline) -> float:
+        """The larger of the compute time at the matmul peak and the weight-streaming time at the copy rate."""
+        return max(self.flops / roof.matmul_tflops / 1e9, self.weight_bytes / roof.copy_gbps / 1e6)
+
+
 def row(shape: Shape, tokens: int, fp8: bool, roof: Roofline, kernels) -> str:
     layout = make_layout(shape, tokens, seed=tokens)
-    routed = layout.topk_ids[layout.topk_ids >= 0]
-    pairs, experts_hit = routed.numel(), torch.unique(routed).numel()
+    work = Work.of(layout, shape, 1 if fp8 else 2)
+    pairs, experts_hit, flops, weight_bytes = work.pairs, work.experts_hit, work.flops, work.weight_bytes
     (triton_kernel, triton_weights), (torch_kernel, torch_weights) = kernels
     triton_eager = bench_ms(lambda: triton_kernel.apply(layout, triton_weights))
     triton_graph = graph_ms(lambda: triton_kernel.apply(layout, triton_weights))
     torch_ms = bench_ms(lambda: torch_kernel.apply(layout, torch_weights))
-    flops = 6 * pairs * shape.hidden * shape.intermediate  # 2 x (H x 2I + I x H) per routed pair
-    weight_bytes = experts_hit * 3 * shape.hidden * shape.intermediate * (1 if fp8 else 2)
-    ideal_ms = max(flops / roof.matmul_tflops / 1e9, weight_bytes / roof.copy_gbps / 1e6)
+    ideal_ms = work.ideal_ms(roof)
     best = min(triton_eager, triton_graph)
     return (
         f"| {tokens} | {pairs} | {experts_hit} | {triton_eager * 1e3:.1f} | {triton_graph * 1e3:.1f} | "

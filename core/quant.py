@@ -11,8 +11,9 @@ FP8_MAX = torch.finfo(FP8).max
 BLOCK = 128
 
 
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
+def num_blocks(size: int, block: int = BLOCK) -> int:
+    """Blocks of `block` covering `size` (the last one may be partial)."""
+    return -(-size // block)
 
 
 def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
@@ -25,7 +26,7 @@ def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: int = BL
 def quantize_blocks(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [..., N, K] -> (fp8 values, scale [..., ceil(N/b), ceil(K/b)]) with dequantized = fp8 * scale."""
     n, k = weight.shape[-2:]
-    padded = torch.nn.functional.pad(weight.float(), (0, _ceil(k, block) * block - k, 0, _ceil(n, block) * block - n))
+    padded = torch.nn.functional.pad(weight.float(), (0, num_blocks(k, block) * block - k, 0, num_blocks(n, block) * block - n))
     blocks = padded.unflatten(-1, (-1, block)).unflatten(-3, (-1, block))  # [..., nb, b, kb, b]
     amax = blocks.abs().amax(dim=(-3, -1)).clamp_min(1e-12)  # [..., nb, kb]
     scale = amax / FP8_MAX

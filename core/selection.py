@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from . import registry
+from .interfaces import FP8_BLOCK
 from .moe.adapters import LayoutAdapter
 from .registry import PluginError
 
@@ -87,6 +88,13 @@ def resolve(config, ep_size: int = 1, has_gpu: bool | None = None) -> PluginSele
     def takes_all(caps) -> bool:
         return all(LayoutAdapter.can_adapt(layout, caps.layouts) for layout in dcaps.layouts)
 
+    formats = kcaps.weight_formats
+    if getattr(config, "quantize_experts", "none") == "fp8" and FP8_BLOCK not in formats:
+        raise PluginError(
+            f"--quantize-experts fp8 needs an MoE kernel that takes {FP8_BLOCK} weights, and moe_kernel "
+            f"'{config.moe_kernel}' takes {', '.join(sorted(formats))} only; kernels that do: "
+            f"{_runnable('moe_kernel', lambda c: FP8_BLOCK in c.weight_formats)}."
+        )
     for layout in dcaps.layouts:
         if not LayoutAdapter.can_adapt(layout, kcaps.layouts):
             raise PluginError(

@@ -16,6 +16,7 @@ says whether decode reads only fixed-size tensors (no host values), so a CUDA gr
 
 from __future__ import annotations
 
+import abc
 from typing import ClassVar
 
 import torch
@@ -27,14 +28,15 @@ AUTO = "auto"
 ATTENTION_BACKENDS = (AUTO, "torch", "triton")
 
 
-class AttentionBackend:
+class AttentionBackend(abc.ABC):
     name: ClassVar[str]
     graph_safe: ClassVar[bool] = False
 
+    @abc.abstractmethod
     def decode(
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch, scale: float
     ) -> torch.Tensor:
-        raise NotImplementedError
+        """[B, Hq, Dv]: each request's one query against its cached sequence."""
 
     def extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float

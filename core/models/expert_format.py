@@ -9,35 +9,17 @@ from __future__ import annotations
 
 import logging
 
-from .. import registry
 from ..interfaces import BF16, FP8_BLOCK
 from ..quant import BLOCK
-from ..registry import PluginError
 from .loader import is_fp8_checkpoint
 
 log = logging.getLogger(__name__)
 
 
-def _kernels_taking_fp8() -> str:
-    names = []
-    for name, info in registry.discover("moe_kernel").items():
-        try:
-            if FP8_BLOCK in info.load().caps.weight_formats:
-                names.append(name)
-        except PluginError:
-            continue
-    return ", ".join(names) or "none"
-
-
 def expert_weight_format(hf_config: dict, config, kernel_cls: type, intermediate_per_rank: int) -> str:
     """BF16 or FP8_BLOCK for the experts of the model `hf_config` under `config` (an EngineConfig)."""
     formats = kernel_cls.caps.weight_formats
-    if config.quantize_experts == "fp8":
-        if FP8_BLOCK not in formats:
-            raise PluginError(
-                f"--quantize-experts fp8 needs an MoE kernel that takes {FP8_BLOCK} weights, and moe_kernel "
-                f"'{config.moe_kernel}' takes {', '.join(sorted(formats))} only; kernels that do: {_kernels_taking_fp8()}."
-            )
+    if config.quantize_experts == "fp8":  # selection.resolve refused a kernel without fp8-block weights
         return FP8_BLOCK
     if not is_fp8_checkpoint(hf_config):
         return BF16

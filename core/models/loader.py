@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from ..quant import BLOCK, dequantize_blocks
+from ..quant import BLOCK, dequantize_blocks, num_blocks
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 FP8_DTYPE = "F8_E4M3"  # safetensors' name of float8_e4m3fn
@@ -197,10 +197,6 @@ def _check_finite(name: str, tensor: torch.Tensor) -> None:
         raise CheckpointError(f"tensor {name} holds non-finite or non-floating values")
 
 
-def _blocks(size: int) -> int:
-    return -(-size // BLOCK)
-
-
 def _load_fp8(reader: CheckpointReader, name: str, target: Target) -> None:
     """Give `target` the fp8 weight `name`: as stored when it keeps fp8 and its slice is block-aligned, else dequantized."""
     scale = name + SCALE_SUFFIX
@@ -210,7 +206,7 @@ def _load_fp8(reader: CheckpointReader, name: str, target: Target) -> None:
         )
     if len(target.shape) != 2:
         raise CheckpointError(f"tensor {name} has block scales but is not a matrix (shape {list(target.shape)})")
-    expected = tuple(_blocks(size) for size in target.shape)
+    expected = tuple(num_blocks(size) for size in target.shape)
     if reader.shape(scale) != expected:
         raise CheckpointError(
             f"tensor {scale} has shape {list(reader.shape(scale))}; weight {name} of shape {list(target.shape)} needs "
@@ -219,7 +215,7 @@ def _load_fp8(reader: CheckpointReader, name: str, target: Target) -> None:
     select = target.select
     if target.copy_fp8 is not None and _block_aligned(select, target.shape):
         values = reader.read(name, select)
-        scales = reader.read(scale, None if select is None else (select[0], select[1] // BLOCK, _blocks(select[2])))
+        scales = reader.read(scale, None if select is None else (select[0], select[1] // BLOCK, num_blocks(select[2])))
         _check_finite(name, values)
         _check_finite(scale, scales)
         target.copy_fp8(values, scales.float())
@@ -241,7 +237,7 @@ def _dequantized(reader: CheckpointReader, name: str, scale: str, select, shape:
     if select is None:
         return dequantize_blocks(reader.read(name), reader.read(scale))
     dim, start, length = select
-    first, end = start // BLOCK, _blocks(start + length)
+    first, end = start // BLOCK, num_blocks(start + length)
     rows = min(end * BLOCK, shape[dim]) - first * BLOCK
     values = reader.read(name, (dim, first * BLOCK, rows))
     scales = reader.read(scale, (dim, first, end - first))

@@ -10,7 +10,7 @@ from torch import nn
 from ..executor import StepState
 from ..interfaces import FP8_BLOCK
 from ..models.loader import CheckpointError, Target
-from ..quant import BLOCK, FP8, quantize_blocks
+from ..quant import BLOCK, FP8, num_blocks, quantize_blocks
 from .router import Router, RouterSpec
 from .runtime import MoERuntime
 
@@ -19,10 +19,6 @@ GATE, UP, DOWN = "gate", "up", "down"  # an expert's projections, in the order o
 
 def _holder(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-def _blocks(size: int) -> int:
-    return -(-size // BLOCK)
 
 
 def _write_rows(param: torch.Tensor, slots: list[int], first_row: int, values: torch.Tensor) -> None:
@@ -57,8 +53,8 @@ class MoELayer(nn.Module):
         fp8 = runtime.expert_format == FP8_BLOCK
         self.w13 = _holder(local, 2 * inter, hidden_size, dtype=FP8 if fp8 else None)
         self.w2 = _holder(local, hidden_size, inter, dtype=FP8 if fp8 else None)
-        self.w13_scale = _holder(local, _blocks(2 * inter), _blocks(hidden_size), dtype=torch.float32) if fp8 else None
-        self.w2_scale = _holder(local, _blocks(hidden_size), _blocks(inter), dtype=torch.float32) if fp8 else None
+        self.w13_scale = _holder(local, num_blocks(2 * inter), num_blocks(hidden_size), dtype=torch.float32) if fp8 else None
+        self.w2_scale = _holder(local, num_blocks(hidden_size), num_blocks(inter), dtype=torch.float32) if fp8 else None
         self._unpaired: dict[int, dict[str, torch.Tensor]] = {}  # expert -> its gate or up, awaiting the other
         self.shared_experts = shared_experts
         self.prepared = None
@@ -134,14 +130,6 @@ class MoELayer(nn.Module):
         values, scales = quantize_blocks(tensor.to(weight.device))
         _write_rows(weight, slots, 0, values)
         _write_rows(scale, slots, 0, scales)
-
-    def write_plain_expert(self, slot: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Give one local slot floating-point weights w13 [2I, H] and w2 [H, I] (quantized when the layer holds fp8)."""
-        for (weight, scale, _), tensor in ((self._place(GATE), w13), (self._place(DOWN), w2)):
-            if scale is None:
-                _write_rows(weight, [slot], 0, tensor)
-            else:
-                self._write_quantized([slot], weight, scale, tensor)
 
     def finish_loading(self) -> None:
         if self._unpaired:
