@@ -1,18 +1,23 @@
-"""End-to-end checks and step timings on a GPU (eager; no CUDA graphs yet).
+"""End-to-end checks and step timings on a GPU, CUDA graphs on and off.
 
-    python benchmarks/e2e_gpu.py --out benchmarks/results/e2e_h200.md
+    python benchmarks/e2e_gpu.py --out benchmarks/results/e2e_h200.md [--profile DIR]
 
 1. Correctness: greedy tokens of every architecture's tiny model on the GPU (fp32, torch kernel)
    equal the CPU run's; bf16 with the triton kernel is reported as the share of equal tokens.
 2. Speed: `bench-one-batch`-style prefill and decode of real-shaped models with random weights
    made on the device (Qwen3-30B-A3B shapes; DeepSeek-V3 shapes cut to 4 layers), against the
-   roofline measured in the same run: weight bytes a decode step must read / copy bandwidth,
-   prefill FLOPs / bf16 matmul rate.
+   roofline measured in the same run: for decode, the weight and KV bytes a step must read over
+   the copy bandwidth; for prefill, the matmul and attention FLOPs over the bf16 matmul rate.
+   Decode runs with the captured CUDA graphs and again eagerly on the same engine.
+3. `--profile DIR`: one eager decode step at batch 1 and one 4k prefill per model under
+   torch.profiler, the kernels sorted by GPU time, written to DIR.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import random
 import tempfile
 
 import torch
@@ -24,6 +29,7 @@ from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
 
 PROMPTS = [[256] + list(range(1, 40)), [256, 5, 6, 7]]
+DECODE_CONTEXT = 128  # prompt tokens before the timed decode steps
 
 
 def tokens(folder: str, device: str, dtype: str, kernel: str) -> list[list[int]]:
@@ -63,38 +69,113 @@ def peaks() -> tuple[float, float]:
     return results[0], results[1]
 
 
-def step_bytes(engine: Engine, batch: int) -> float:
-    """Weight bytes one decode step reads: everything but the experts, plus the experts the batch can hit."""
-    moe = engine.model.moe_layers()
-    expert_ids = {id(p) for layer in moe for p in (layer.w13, layer.w2)}
-    dense = sum(p.numel() * p.element_size() for p in engine.model.parameters() if id(p) not in expert_ids)
-    experts = 0
-    for layer in moe:
-        per_expert = (layer.w13[0].numel() + layer.w2[0].numel()) * layer.w13.element_size()
-        experts += per_expert * min(layer.w13.shape[0], batch * layer.gate.spec.top_k)
-    return dense + experts
+class Roofline:
+    """What one step must read (decode) or compute (prefill) for this model."""
+
+    def __init__(self, engine: Engine):
+        model, config = engine.model, engine.model.hf_config
+        self.moe = model.moe_layers()
+        expert_ids = {id(p) for layer in self.moe for p in (layer.w13, layer.w2)}
+        # the embedding table is read one row per token, not whole (unless lm_head shares it)
+        embedding = model.model.embed_tokens.weight
+        dense = [p for p in model.parameters() if id(p) not in expert_ids and (p is not embedding or model.tie_word_embeddings)]
+        self.dense_bytes = sum(p.numel() * p.element_size() for p in dense)
+        self.dense_params = sum(p.numel() for p in dense)
+        self.kv_bytes_per_token = sum(buf[0].numel() * buf.element_size() for bufs in engine.kv.buffers for buf in bufs)
+        self.layers = config["num_hidden_layers"]
+        heads = config["num_attention_heads"]
+        if "kv_lora_rank" in config:  # MLA prefill: per head nope + rope keys, v values
+            self.qk_dim, self.v_dim = config["qk_nope_head_dim"] + config["qk_rope_head_dim"], config["v_head_dim"]
+        else:
+            self.qk_dim = self.v_dim = config.get("head_dim") or config["hidden_size"] // heads
+        self.heads = heads
+
+    def expert_bytes(self, batch: int) -> float:
+        """Expected bytes of the distinct experts `batch` tokens hit under uniform routing."""
+        total = 0.0
+        for layer in self.moe:
+            experts, top_k = layer.w13.shape[0], layer.gate.spec.top_k
+            hit = experts * (1 - (1 - top_k / experts) ** batch)
+            total += hit * (layer.w13[0].numel() + layer.w2[0].numel()) * layer.w13.element_size()
+        return total
+
+    def decode_bytes(self, batch: int, context: int) -> float:
+        return self.dense_bytes + self.expert_bytes(batch) + batch * context * self.kv_bytes_per_token
+
+    def prefill_flops(self, tokens: int) -> float:
+        matmul = 2 * tokens * self.dense_params
+        for layer in self.moe:
+            matmul += 2 * tokens * layer.gate.spec.top_k * (layer.w13[0].numel() + layer.w2[0].numel())
+        attention = 2 * tokens * tokens * self.heads * (self.qk_dim + self.v_dim) * self.layers / 2  # causal half
+        return matmul + attention
 
 
-def speed(name: str, folder: str, flops_s: float, copy_bs: float, decode_batches, prefill_lens) -> list[str]:
+def decode_rows(name: str, engine: Engine, roof: Roofline, copy_bs: float, batches) -> list[str]:
+    lines = []
+    graphs = engine.runner.graphs
+    for batch in batches:
+        for mode in ("on", "off") if graphs is not None else ("off",):
+            engine.runner.graphs = graphs if mode == "on" else None
+            row = measure(engine, batch, DECODE_CONTEXT, 16)
+            roof_ms = roof.decode_bytes(batch, DECODE_CONTEXT + 8) / copy_bs * 1e3
+            lines.append(f"| {name} | decode | {batch} | {mode} | {row['decode_step_ms']} | {row['decode_tok_s']} | "
+                         f"{roof_ms:.3f} | {row['decode_step_ms'] / roof_ms:.2f}x |")
+            print(lines[-1], flush=True)
+    engine.runner.graphs = graphs
+    return lines
+
+
+def prefill_rows(name: str, engine: Engine, roof: Roofline, flops_s: float, lengths) -> list[str]:
+    lines = []
+    for length in lengths:
+        row = measure(engine, 1, length, 1)
+        roof_ms = roof.prefill_flops(length) / flops_s * 1e3
+        lines.append(f"| {name} | prefill | {length} | - | {row['prefill_ms']} | {row['prefill_tok_s']} | "
+                     f"{roof_ms:.3f} | {row['prefill_ms'] / roof_ms:.2f}x |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def profile(name: str, engine: Engine, folder: str) -> None:
+    """Kernel tables of one eager decode step (batch 1) and one 4k prefill."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    rng = random.Random(0)
+    for tag, length in (("decode_bs1", DECODE_CONTEXT), ("prefill_4096", 4096)):
+        engine.add_request([rng.randrange(256) for _ in range(length)], params)
+        engine.step()
+        engine.step()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            if tag.startswith("prefill"):
+                while engine.has_work:
+                    engine.step()
+                engine.add_request([rng.randrange(256) for _ in range(length)], params)
+            engine.step()
+            torch.cuda.synchronize()
+        while engine.has_work:
+            engine.step()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
+        with open(os.path.join(folder, f"{name.split()[0]}_{tag}.txt"), "w") as f:
+            f.write(table)
+        print(f"--- {name} {tag}\n{table[:6000]}", flush=True)
+    engine.runner.graphs = graphs
+
+
+def speed(name: str, folder: str, flops_s: float, copy_bs: float, args, prefill_lens) -> list[str]:
     config = EngineConfig(model=folder, device="cuda", dtype="bf16", moe_kernel="triton", load_format="dummy",
-                          show_progress=False, max_running_requests=max(decode_batches),
-                          max_batched_tokens=max(prefill_lens + [max(decode_batches) * 128]),
+                          show_progress=False, max_running_requests=max(args.decode),
+                          cuda_graph_max_bs=max(args.decode),
+                          max_batched_tokens=max(prefill_lens + [max(args.decode) * DECODE_CONTEXT]),
                           chunked_prefill_size=max(prefill_lens), max_total_tokens=40000)
     engine = Engine(config)
     measure(engine, 1, 16, 2)
-    params = sum(p.numel() for p in engine.model.parameters())
-    active = params - sum(l.w13.numel() + l.w2.numel() for l in engine.model.moe_layers()) * (1 - 8 / engine.model.moe_layers()[0].w13.shape[0])
-    lines = []
-    for batch in decode_batches:
-        row = measure(engine, batch, 128, 16)
-        roof_ms = step_bytes(engine, batch) / copy_bs * 1e3
-        lines.append(f"| {name} | decode | {batch} | {row['decode_step_ms']} | {row['decode_tok_s']} | {roof_ms:.3f} | {row['decode_step_ms'] / roof_ms:.2f}x |")
-        print(lines[-1], flush=True)
-    for length in prefill_lens:
-        row = measure(engine, 1, length, 1)
-        roof_ms = 2 * active * length / flops_s * 1e3
-        lines.append(f"| {name} | prefill | {length} | {row['prefill_ms']} | {row['prefill_tok_s']} | {roof_ms:.3f} | {row['prefill_ms'] / roof_ms:.2f}x |")
-        print(lines[-1], flush=True)
+    roof = Roofline(engine)
+    if args.profile:
+        profile(name, engine, args.profile)
+    lines = decode_rows(name, engine, roof, copy_bs, args.decode) + prefill_rows(name, engine, roof, flops_s, prefill_lens)
     del engine
     torch.cuda.empty_cache()
     return lines
@@ -106,17 +187,23 @@ def main() -> None:
     parser.add_argument("--decode", type=int, nargs="+", default=[1, 8, 32, 128, 256])
     parser.add_argument("--prefill", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--only", choices=("qwen", "dsv3"), help="one model instead of both")
+    parser.add_argument("--profile", metavar="DIR", help="write kernel tables of an eager decode step and a prefill here")
     args = parser.parse_args()
-    lines = [f"## moeplex on {torch.cuda.get_device_name()} (eager, torch {torch.__version__})", ""]
+    lines = [f"## moeplex on {torch.cuda.get_device_name()} (torch {torch.__version__}, triton MoE kernel and attention)", ""]
     if not args.skip_correctness:
         lines += correctness() + [""]
     flops_s, copy_bs = peaks()
-    lines += [f"Measured: bf16 matmul {flops_s / 1e12:.0f} TFLOP/s, device copy {copy_bs / 1e9:.0f} GB/s.", "",
-              "| model | phase | batch / tokens | step ms | tok/s | roofline ms | ratio to roofline |", "|---|---|---:|---:|---:|---:|---:|"]
-    qwen = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True)
-    lines += speed("Qwen3-30B-A3B shapes", qwen, flops_s, copy_bs, args.decode, args.prefill)
-    dsv3 = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4}, config_only=True)
-    lines += speed("DeepSeek-V3 shapes, 4 layers", dsv3, flops_s, copy_bs, args.decode, args.prefill[:1])
+    lines += [f"Measured: bf16 matmul {flops_s / 1e12:.0f} TFLOP/s, device copy {copy_bs / 1e9:.0f} GB/s. "
+              f"Decode after a {DECODE_CONTEXT}-token prompt, median of 16 steps.", "",
+              "| model | phase | batch / tokens | CUDA graphs | step ms | tok/s | roofline ms | ratio to roofline |",
+              "|---|---|---:|---|---:|---:|---:|---:|"]
+    if args.only != "dsv3":
+        qwen = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True)
+        lines += speed("Qwen3-30B-A3B shapes", qwen, flops_s, copy_bs, args, args.prefill)
+    if args.only != "qwen":
+        dsv3 = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4}, config_only=True)
+        lines += speed("DeepSeek-V3 shapes, 4 layers", dsv3, flops_s, copy_bs, args, args.prefill[:1])
     table = "\n".join(lines)
     print(table)
     if args.out:

@@ -77,8 +77,10 @@ def ragged_attention(
             causal = dict(attn_mask=positions[None, :] <= (prefix + torch.arange(n, device=q.device))[:, None])
         else:
             causal = dict(is_causal=True)  # no mask to build, and SDPA may pick its flash kernel
+        # 4-D [1, heads, tokens, dim]: SDPA's flash and memory-efficient kernels take nothing else and
+        # would fall back to the math path, which materializes every score in fp32
         out[t0 : t0 + n] = F.scaled_dot_product_attention(
-            qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), scale=scale, enable_gqa=gqa, **causal
-        ).transpose(0, 1)
+            *(x.transpose(0, 1).unsqueeze(0) for x in (qs, ks, vs)), scale=scale, enable_gqa=gqa, **causal
+        )[0].transpose(0, 1)
         t0 += n
     return out

@@ -34,7 +34,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     plugins = parser.add_argument_group("plugins (see `moeplex plugins` for what is installed)")
     plugins.add_argument("--dispatcher", default="local", help="how routed tokens reach their experts (default: local)")
-    plugins.add_argument("--moe-kernel", default="torch", help="how experts compute (default: torch)")
+    plugins.add_argument(
+        "--moe-kernel", help="how experts compute (default: triton on a CUDA device, which CUDA graphs can capture; torch elsewhere)"
+    )
     plugins.add_argument("--balancer", default="static", help="logical-to-physical expert placement (default: static)")
     plugins.add_argument("--overlap", default="none", help="how a forward step is scheduled (default: none)")
     plugins.add_argument(
@@ -164,7 +166,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         device=args.device,
         seed=args.seed,
         dispatcher=args.dispatcher,
-        moe_kernel=args.moe_kernel,
+        moe_kernel=args.moe_kernel or ("triton" if args.device.startswith("cuda") else "torch"),
         balancer=args.balancer,
         overlap=args.overlap,
         overlap_min_tokens=args.overlap_min_tokens,

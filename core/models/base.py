@@ -13,6 +13,7 @@ from torch import nn
 
 from ..executor import StepState, run_layers
 from ..forward_batch import ForwardBatch
+from ..kernels.norm import rms_norm
 from ..kv_cache import KVPool
 from ..moe.layer import MoELayer
 from ..parallel import Group
@@ -71,16 +72,32 @@ class SiluMLP(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """weight * x / rms(x), computed in fp32 and rounded to x's dtype before the weight multiplies it.
+
+    `fused`: one Triton kernel instead of the torch ops (set on CUDA by MoECausalLM.use_fused_kernels).
+    """
+
+    fused = False
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return rms_norm(x, self.weight, self.eps)[0]
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(s), s) for s = residual + x: the residual stream's update and its norm (one kernel when fused)."""
+        if self.fused:
+            return rms_norm(x, self.weight, self.eps, residual)
+        total = residual + x
+        return self(total), total
 
 
 class DecoderLayer(nn.Module):
@@ -98,10 +115,10 @@ class DecoderLayer(nn.Module):
     def program(self, state: StepState) -> Generator[str, None, None]:
         hidden = state.hidden
         attn = self.self_attn(self.input_layernorm(hidden), state.batch, state.kv.layer(self.layer_id))
-        hidden = hidden + attn
+        normed, hidden = self.post_attention_layernorm.add_norm(attn, hidden)
         yield "attention"
         mlp = getattr(self, self.mlp_name)
-        out = yield from mlp.program(self.post_attention_layernorm(hidden), state)
+        out = yield from mlp.program(normed, state)
         state.hidden = hidden + out
 
 
@@ -134,6 +151,12 @@ class MoECausalLM(nn.Module, abc.ABC):
         self.attention_backend = backend
         for layer in self.model.layers:
             layer.self_attn.backend = backend
+
+    def use_fused_kernels(self, on: bool) -> None:
+        """Every module that offers a fused Triton path (it declares `fused`) takes it, or the torch ops."""
+        for module in self.modules():
+            if hasattr(type(module), "fused"):
+                module.fused = on
 
     def layers_program(self, state: StepState) -> Generator[str, None, None]:
         for layer in self.model.layers:

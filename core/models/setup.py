@@ -106,6 +106,7 @@ def build_model(folder: str, config, selection, parallel: ParallelState | None =
     model.hf_config = hf_config
     model.moe_runtime = runtime
     model.set_attention_backend(make_attention_backend(config.attention_backend, device, config.torch_dtype))
+    model.use_fused_kernels(device.type == "cuda")  # norms, rope and routing in Triton where it compiles
     return model.eval()
 
 

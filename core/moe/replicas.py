@@ -41,8 +41,14 @@ class ReplicaSelector:
         self.log2phy[:, :, :replicas].copy_(placement.log2phy)
         self.logcnt.copy_(placement.logcnt)
         self.placement = placement
+        logical = torch.arange(placement.num_logical)
+        # one replica per expert, in the slot of its own id: selection is the identity and costs no kernels
+        # (graphs are never captured where the placement can change: EPLB records the load every step)
+        self.identity = bool((placement.logcnt == 1).all() and (placement.log2phy[:, :, 0].cpu() == logical).all())
 
     def __call__(self, layer: int, logical_ids: torch.Tensor) -> torch.Tensor:
+        if self.identity:
+            return logical_ids
         valid = logical_ids >= 0
         ids = logical_ids.clamp_min(0)
         if self.algorithm == SPREAD:

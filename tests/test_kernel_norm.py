@@ -1,0 +1,82 @@
+"""The fused RMSNorm kernel equals the torch RMSNorm module (with and without the residual add before it)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+
+import pytest  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from moeplex.kernels.norm import _rms_norm_kernel, rms_norm  # noqa: E402
+from moeplex.models.base import RMSNorm  # noqa: E402
+
+if not torch.cuda.is_available() and not isinstance(_rms_norm_kernel, InterpretedFunction):
+    pytest.skip("the triton kernels were imported before TRITON_INTERPRET=1 was set and cannot run on this CPU",
+                allow_module_level=True)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def reference(size: int, eps: float, dtype: torch.dtype) -> RMSNorm:
+    norm = RMSNorm(size, eps).to(DEVICE, dtype)
+    norm.weight.copy_(torch.rand(size) + 0.5)
+    return norm
+
+
+def check(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=TOLERANCE[want.dtype], atol=TOLERANCE[want.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(5, 48), (3, 4, 20), (0, 48)])
+def test_norm_and_add_norm_equal_the_module(dtype, shape):
+    torch.manual_seed(0)
+    norm = reference(shape[-1], 1e-6, dtype)
+    x = torch.randn(shape, device=DEVICE).to(dtype) * 3
+    residual = torch.randn(shape, device=DEVICE).to(dtype)
+    want = norm(x)
+    check(rms_norm(x, norm.weight, norm.eps)[0], want)
+    want_normed, want_sum = norm.add_norm(x, residual)
+    got_normed, got_sum = rms_norm(x, norm.weight, norm.eps, residual)
+    assert torch.equal(got_sum, want_sum)  # the sum rounds once, as torch's add does
+    check(got_normed, want_normed)
+    norm.fused = True
+    check(norm(x), want)
+    check(norm.add_norm(x, residual)[0], want_normed)
+
+
+def test_strided_rows_are_read_in_place():
+    """MLA normalizes the latent columns of a wider projection: a view whose rows are strided."""
+    torch.manual_seed(1)
+    wide = torch.randn(6, 40, device=DEVICE)
+    latent = wide[:, :32]
+    norm = reference(32, 1e-6, torch.float32)
+    before = wide.clone()
+    check(rms_norm(latent, norm.weight, norm.eps)[0], norm(latent))
+    assert torch.equal(wide, before)
+
+
+def test_wrong_shapes_are_refused():
+    x = torch.randn(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="8 columns"):
+        rms_norm(x, torch.ones(4, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="differ in shape"):
+        rms_norm(x, torch.ones(8, device=DEVICE), 1e-6, torch.randn(3, 8, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cols", [2048, 7168, 1536, 512, 128])
+def test_serving_shapes_bf16(cols):
+    torch.manual_seed(2)
+    norm = reference(cols, 1e-6, torch.bfloat16)
+    x = torch.randn(4096, cols, device=DEVICE, dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    want_normed, want_sum = norm.add_norm(x, residual)
+    got_normed, got_sum = rms_norm(x, norm.weight, norm.eps, residual)
+    assert torch.equal(got_sum, want_sum)
+    check(got_normed, want_normed)
