@@ -126,9 +126,8 @@ class MHAttention(nn.Module):
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(batch.positions, q, k)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
+        q, k = self.rotary_emb(batch.positions, q, k, *norms)
         key_cache, value_cache = cache
         write_kv(key_cache, batch, k)
         write_kv(value_cache, batch, v)

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from ..kernels.rope import rope_
+
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
 
@@ -112,7 +114,11 @@ class RotaryEmbedding(nn.Module):
     """Applies rotary embeddings to [T, heads, dim] queries and keys at given positions.
 
     `interleaved`: the rotated pairs are adjacent dims (DeepSeek's checkpoints) rather than dims i and i + dim/2.
+    `fused`: one Triton kernel rotates q and k in place, with the optional per-head norms before
+    (set on CUDA by MoECausalLM.use_fused_kernels); otherwise torch ops make new tensors.
     """
+
+    fused = False
 
     def __init__(self, dim: int, params: dict, interleaved: bool = False):
         super().__init__()
@@ -125,7 +131,17 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, k) rotated, each first normalized per head by its RMSNorm where one is given (Qwen3)."""
+        if self.fused:
+            norms = {} if q_norm is None else dict(q_norm=q_norm.weight, k_norm=k_norm.weight, eps=q_norm.eps)
+            rope_(q, k, positions, self.inv_freq, self.scale, self.interleaved, **norms)
+            return q, k
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         cos, sin = self.cos_sin(positions, q.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]
         if self.interleaved:

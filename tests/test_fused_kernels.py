@@ -1,0 +1,46 @@
+"""Whole models give the same logits with the fused Triton kernels (norms, rope, routing) as with the torch ops.
+
+The torch path is checked against transformers in the architecture tests; here every
+architecture's tiny checkpoint runs a batched prefill over scattered pages and decode steps both
+ways. Without CUDA the kernels run under Triton's interpreter (fp32).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+
+import pytest  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from model_helpers import assert_matches, load_ours, new_pool, scattered_pages, step, token_sequence  # noqa: E402
+from moeplex.batch_builder import ScheduledSeq  # noqa: E402
+from moeplex.kernels.norm import _rms_norm_kernel  # noqa: E402
+
+if not torch.cuda.is_available() and not isinstance(_rms_norm_kernel, InterpretedFunction):
+    pytest.skip("the triton kernels were imported before TRITON_INTERPRET=1 was set and cannot run on this CPU",
+                allow_module_level=True)
+
+
+def run(model, sequences, decode_steps):
+    """Logits of a batched prefill of each sequence but its last `decode_steps` tokens, then of each decode step."""
+    kv = new_pool(model)
+    pages = [scattered_pages(kv, kv.pages_for(len(seq))) for seq in sequences]
+    prompt = [len(seq) - decode_steps for seq in sequences]
+    steps = [step(model, kv, [ScheduledSeq(seq[:n], 0, p) for seq, n, p in zip(sequences, prompt, pages)])]
+    for i in range(decode_steps):
+        steps.append(step(model, kv, [ScheduledSeq(seq[n + i : n + i + 1], n + i, p)
+                                      for seq, n, p in zip(sequences, prompt, pages)]))
+    return steps
+
+
+def test_fused_kernels_give_the_torch_logits(tiny_model_dir, arch):
+    model = load_ours(tiny_model_dir(arch))
+    sequences = [token_sequence(n, seed=n) for n in (5, 12, 9)]
+    reference = run(model, sequences, decode_steps=2)
+    model.use_fused_kernels(True)
+    fused = run(model, sequences, decode_steps=2)
+    for i, (ours, theirs) in enumerate(zip(fused, reference)):
+        assert_matches(ours, theirs, f"{arch} step {i}")
