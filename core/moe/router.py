@@ -6,6 +6,8 @@ import attrs
 import torch
 from torch import nn
 
+from ..kernels.topk import route_topk
+
 
 @attrs.frozen
 class RouterSpec:
@@ -23,7 +25,11 @@ class Router(nn.Module):
     """hidden [T, H] -> (topk_ids [T, K] logical experts, topk_weights [T, K] fp32).
 
     The gate weight stays fp32 whatever the model dtype, as the reference implementations keep it.
+    `fused`: scores, group and expert top-k and the weights in one Triton kernel after the linear
+    (set on CUDA by MoECausalLM.use_fused_kernels).
     """
+
+    fused = False
 
     def __init__(self, hidden_size: int, spec: RouterSpec):
         super().__init__()
@@ -36,6 +42,8 @@ class Router(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = torch.nn.functional.linear(hidden.float(), self.weight.float())
+        if self.fused:
+            return route_topk(logits, self.spec, getattr(self, "e_score_correction_bias", None))
         if self.spec.scoring == "sigmoid":
             ids, weights = self._grouped_sigmoid(logits)
         else:
