@@ -15,18 +15,31 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from model_helpers import assert_matches, load_ours, new_pool, scattered_pages, step, token_sequence  # noqa: E402
-from moeplex.batch_builder import ScheduledSeq  # noqa: E402
+from model_helpers import PAGE_SIZE, assert_matches, no_overlap, scattered_pages, token_sequence  # noqa: E402
+from moeplex.batch_builder import ScheduledSeq, build_forward_batch  # noqa: E402
+from moeplex.config import EngineConfig  # noqa: E402
 from moeplex.kernels.norm import _rms_norm_kernel  # noqa: E402
+from moeplex.kv_cache import KVPool  # noqa: E402
+from moeplex.models.setup import load_model  # noqa: E402
+from moeplex.selection import resolve  # noqa: E402
 
 if not torch.cuda.is_available() and not isinstance(_rms_norm_kernel, InterpretedFunction):
     pytest.skip("the triton kernels were imported before TRITON_INTERPRET=1 was set and cannot run on this CPU",
                 allow_module_level=True)
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def step(model, kv: KVPool, seqs) -> torch.Tensor:
+    batch = build_forward_batch(seqs, kv, DEVICE)
+    with torch.inference_mode():
+        return model(batch, kv, no_overlap(), logits_at=torch.arange(batch.num_tokens, device=DEVICE))
+
+
 def run(model, sequences, decode_steps):
     """Logits of a batched prefill of each sequence but its last `decode_steps` tokens, then of each decode step."""
-    kv = new_pool(model)
+    kv = KVPool(64, PAGE_SIZE, model.kv_shapes(), torch.float32, DEVICE)
     pages = [scattered_pages(kv, kv.pages_for(len(seq))) for seq in sequences]
     prompt = [len(seq) - decode_steps for seq in sequences]
     steps = [step(model, kv, [ScheduledSeq(seq[:n], 0, p) for seq, n, p in zip(sequences, prompt, pages)])]
@@ -37,7 +50,9 @@ def run(model, sequences, decode_steps):
 
 
 def test_fused_kernels_give_the_torch_logits(tiny_model_dir, arch):
-    model = load_ours(tiny_model_dir(arch))
+    config = EngineConfig(model=tiny_model_dir(arch), dtype="fp32", device=DEVICE, show_progress=False)
+    model = load_model(config.model, config, resolve(config))
+    model.use_fused_kernels(False)  # on CUDA they are on from the start
     sequences = [token_sequence(n, seed=n) for n in (5, 12, 9)]
     reference = run(model, sequences, decode_steps=2)
     model.use_fused_kernels(True)
