@@ -69,7 +69,7 @@ def test_dense_and_moe_layers_follow_mlp_only_layers(models):
     assert config["mlp_only_layers"] == [1]
     assert kinds == [MoELayer, SiluMLP, MoELayer]
     dense = ours.model.layers[1].mlp
-    assert dense.gate_proj.out_features == config["intermediate_size"]
+    assert dense.gate_up.sizes == [config["intermediate_size"]] * 2
     assert [layer.moe_index for layer in ours.moe_layers()] == [0, 1]
     assert all(layer.w2.shape[-1] == config["moe_intermediate_size"] for layer in ours.moe_layers())
 

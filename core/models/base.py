@@ -18,7 +18,7 @@ from ..kv_cache import KVPool
 from ..moe.layer import MoELayer
 from ..parallel import Group
 from .loader import Target, parameter_target
-from .parallel_layers import RowLinear, column_linear
+from .parallel_layers import MergedColumnLinear, RowLinear, column_linear
 
 
 @attrs.frozen
@@ -56,15 +56,15 @@ class SiluMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, names=("gate_proj", "up_proj", "down_proj"), tp: Group = Group()):
         super().__init__()
-        self.names = names
         gate, up, down = names
-        setattr(self, gate, column_linear(hidden_size, intermediate_size, tp, what="intermediate_size"))
-        setattr(self, up, column_linear(hidden_size, intermediate_size, tp, what="intermediate_size"))
+        self.gate_up = MergedColumnLinear(hidden_size, {gate: (intermediate_size, tp), up: (intermediate_size, tp)},
+                                          what="intermediate_size")
+        self.down_name = down
         setattr(self, down, RowLinear(intermediate_size, hidden_size, tp, what="intermediate_size"))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
-        gate, up, down = (getattr(self, n) for n in self.names)
-        return down(nn.functional.silu(gate(x)) * up(x))
+        gate, up = self.gate_up(x)
+        return getattr(self, self.down_name)(nn.functional.silu(gate) * up)
 
     def program(self, x: torch.Tensor, state: StepState) -> Generator[str, None, torch.Tensor]:
         return self(x)
@@ -122,6 +122,11 @@ class DecoderLayer(nn.Module):
         state.hidden = hidden + out
 
 
+def _parent(prefix: str) -> str:
+    """'a.b.c' -> 'a.b.': the prefix of the module holding module 'a.b.c'."""
+    return prefix.rpartition(".")[0] + "." if "." in prefix else ""
+
+
 class MoECausalLM(nn.Module, abc.ABC):
     """embed -> decoder layers (run by the overlap strategy) -> norm -> lm_head on each request's last token.
 
@@ -173,13 +178,17 @@ class MoECausalLM(nn.Module, abc.ABC):
 
     def weight_targets(self) -> dict[str, Target]:
         targets: dict[str, Target] = {}
-        expert_params = set()
+        covered = set()  # parameters whose module names the checkpoint tensors itself
         for prefix, module in self.named_modules():
             if isinstance(module, MoELayer):
                 targets.update(module.expert_targets(prefix + ".experts", self.expert_names))
-                expert_params.update(f"{prefix}.{name}" for name, _ in module.named_parameters(recurse=False))
+            elif isinstance(module, MergedColumnLinear):
+                targets.update(module.checkpoint_targets(_parent(prefix)))
+            else:
+                continue
+            covered.update(f"{prefix}.{name}" for name, _ in module.named_parameters(recurse=False))
         for name, param in self.named_parameters():
-            if name not in expert_params:
+            if name not in covered:
                 targets[name] = parameter_target(param)
         if getattr(self, "tie_word_embeddings", False):
             targets.pop("lm_head.weight", None)
@@ -190,6 +199,8 @@ class MoECausalLM(nn.Module, abc.ABC):
         projection, experts included, but lm_head; embeddings, norms and routers stay in floating point."""
         names = {f"{prefix}.weight" for prefix, module in self.named_modules() if isinstance(module, (nn.Linear, RowLinear))}
         for prefix, module in self.named_modules():
+            if isinstance(module, MergedColumnLinear):
+                names.update(module.part_names(_parent(prefix)))
             if isinstance(module, MoELayer):
                 names.update(module.expert_targets(prefix + ".experts", self.expert_names))
         return names - {"lm_head.weight"}

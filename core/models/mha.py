@@ -14,7 +14,7 @@ from ..attention import AttentionBackend, TorchAttention, gather_kv, write_kv
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..parallel import Group
 from .base import RMSNorm, rope_parameters
-from .parallel_layers import RowLinear, column_linear
+from .parallel_layers import MergedColumnLinear, RowLinear
 from .rope import RotaryEmbedding, with_yarn_defaults
 
 
@@ -92,9 +92,9 @@ class MHAttention(nn.Module):
         # each rank keeps whole heads: num_heads / tp query heads and the key-value heads they read
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads // tp.size, num_kv_heads // kv_tp.size, head_dim
         self.scale = head_dim**-0.5
-        self.q_proj = column_linear(hidden_size, num_heads * head_dim, tp, bias=qkv_bias)
-        self.k_proj = column_linear(hidden_size, num_kv_heads * head_dim, kv_tp, bias=qkv_bias)
-        self.v_proj = column_linear(hidden_size, num_kv_heads * head_dim, kv_tp, bias=qkv_bias)
+        kv_size = (num_kv_heads * head_dim, kv_tp)
+        parts = {"q_proj": (num_heads * head_dim, tp), "k_proj": kv_size, "v_proj": kv_size}
+        self.qkv_proj = MergedColumnLinear(hidden_size, parts, bias=qkv_bias)
         self.o_proj = RowLinear(num_heads * head_dim, hidden_size, tp, bias=o_bias)
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
@@ -123,9 +123,10 @@ class MHAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: list[torch.Tensor]) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
         q, k = self.rotary_emb(batch.positions, q, k, *norms)
         key_cache, value_cache = cache

@@ -20,7 +20,7 @@ from ..attention import AttentionBackend, TorchAttention, gather_kv, write_kv
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..parallel import Group
 from .base import RMSNorm, rope_parameters
-from .parallel_layers import RowLinear, column_linear
+from .parallel_layers import MergedColumnLinear, RowLinear, column_linear
 from .rope import RotaryEmbedding, with_yarn_defaults, yarn_mscale
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
@@ -64,13 +64,15 @@ class MLAttention(nn.Module):
         self.kv_lora_rank = config["kv_lora_rank"]
         self.q_lora_rank = config.get("q_lora_rank")
         q_out = heads * (self.nope_dim + self.rope_dim)
+        # the input's down-projections (the kv latent with the rope key, and the q LoRA's) as one GEMM
+        down = {"kv_a_proj_with_mqa": (self.kv_lora_rank + self.rope_dim, Group())}
         if self.q_lora_rank is None:
             self.q_proj = column_linear(hidden, q_out, tp)
         else:
-            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            down["q_a_proj"] = (self.q_lora_rank, Group())
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LORA_NORM_EPS)
             self.q_b_proj = column_linear(self.q_lora_rank, q_out, tp)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.down_proj = MergedColumnLinear(hidden, down, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
         self.kv_b_proj = column_linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), tp)
         self.o_proj = RowLinear(heads * self.v_dim, hidden, tp, bias=bias)
@@ -84,12 +86,9 @@ class MLAttention(nn.Module):
     def cache_width(self) -> int:
         return self.kv_lora_rank + self.rope_dim
 
-    def queries(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, heads, nope + rope] (the rope part not yet rotated)."""
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    def queries(self, x: torch.Tensor, q_down: torch.Tensor | None) -> torch.Tensor:
+        """[T, heads, nope + rope] (the rope part not yet rotated) from x, or from x's q LoRA down-projection."""
+        q = self.q_proj(x) if q_down is None else self.q_b_proj(self.q_a_layernorm(q_down))
         return q.view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim)
 
     def expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,8 +100,9 @@ class MLAttention(nn.Module):
         return torch.cat((k_nope, k_rope), dim=-1), v
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: list[torch.Tensor]) -> torch.Tensor:
-        q_nope, q_rope = self.queries(x).split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv_down, *q_down = self.down_proj(x)  # q_down: [the q LoRA's input], or [] without the LoRA
+        q_nope, q_rope = self.queries(x, q_down[0] if q_down else None).split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = kv_down.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_rope, k_rope = self.rotary(batch.positions, q_rope, k_rope[:, None, :])
         (buffer,) = cache
         write_kv(buffer, batch, torch.cat((self.kv_a_layernorm(latent), k_rope[:, 0]), dim=-1))
