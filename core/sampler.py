@@ -34,12 +34,42 @@ def _generator(request: Request, device: torch.device) -> torch.Generator | None
     return request.generator
 
 
+def filtered_probs(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
+    """_filtered_probs of every row at once, row i with params[i]: a fixed number of kernels whatever the batch."""
+    device = logits.device
+
+    def column(values, dtype=torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)[:, None]
+
+    logits = logits / column([p.temperature for p in params])
+    vocab = logits.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        k = column(top_k, torch.int64)
+        values = torch.topk(logits, max(top_k), dim=-1).values
+        kth = torch.where(k > 0, values.gather(-1, (k - 1).clamp_min(0)), float("-inf"))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.top_p < 1.0 for p in params):
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= column([p.top_p for p in params])
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    if any(p.min_p > 0.0 for p in params):
+        probs = probs.masked_fill(probs < column([p.min_p for p in params]) * probs.amax(-1, keepdim=True), 0.0)
+    return probs
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-        """One token per row of `logits` [B, V] (fp32); greedy rows in one argmax."""
+        """One token per row of `logits` [B, V] (fp32): greedy rows in one argmax, unseeded sampled rows
+        together, a row with a seed from its own random stream (reproducible whatever shares its batch)."""
         tokens = torch.argmax(logits, dim=-1)
+        shared = [row for row, r in enumerate(requests) if not r.params.greedy and r.params.seed is None]
+        if shared:
+            probs = filtered_probs(logits[shared], [requests[row].params for row in shared])
+            tokens[shared] = torch.multinomial(probs, 1)[:, 0]
         for row, request in enumerate(requests):
-            if not request.params.greedy:
+            if not request.params.greedy and request.params.seed is not None:
                 probs = _filtered_probs(logits[row], request.params)
                 tokens[row] = torch.multinomial(probs, 1, generator=_generator(request, logits.device))[0]
         chosen = tokens.tolist()
