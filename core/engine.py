@@ -1,4 +1,12 @@
-"""Engine: schedule, run the model, post-process — one step at a time."""
+"""Engine: schedule, run the model, post-process — one step at a time.
+
+Under the overlap schedule (a CUDA engine of one rank, unless --disable-overlap-schedule) a step
+schedules and launches the next batch before it reads the tokens of the batch before: the host's
+work of step N+1 (scheduling, batch building, launching) runs while the GPU computes step N. A
+request that stops in step N was already given a place in step N+1; that token is dropped, and its
+pages are freed at once (the GPU runs steps in order, so step N+1's writes land before any later
+owner's). A request whose next token is its last (max_new_tokens) is not scheduled again.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ from tqdm.auto import tqdm
 from .config import EngineConfig
 from .cuda_graph import decode_graphs
 from .forward_batch import ForwardBatch
+from .in_flight import InFlight
 from .interfaces import BatchMeta
 from .hooks import make_plugin_manager
 from .kv_cache import KVPool
@@ -53,6 +62,18 @@ def _kv_tokens(config: EngineConfig, bytes_per_token: int, device: torch.device)
     return max(config.page_size, min(int(free * config.kv_memory_fraction) // bytes_per_token, MAX_DEFAULT_KV_TOKENS))
 
 
+def _overlap_schedule(config: EngineConfig, device: torch.device, world_size: int) -> bool:
+    """Whether steps overlap (the flag, or by default where it pays: on a CUDA device, with one rank)."""
+    if config.overlap_schedule and world_size > 1:
+        raise ValueError(
+            f"the overlap schedule runs on an engine of one rank and this one spans {world_size}; "
+            "leave it to its default (off for several ranks)"
+        )
+    if config.overlap_schedule is None:
+        return device.type == "cuda" and world_size == 1
+    return config.overlap_schedule
+
+
 class Engine:
     def __init__(self, config: EngineConfig, hooks=None, parallel: ParallelState | None = None):
         self.config = config
@@ -71,6 +92,8 @@ class Engine:
         strategy = selection.overlap(min_tokens=config.overlap_min_tokens)
         graphs = decode_graphs(config, self.model, self.kv, strategy, selection, self.parallel.config.world_size)
         self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs)
+        self.overlap_schedule = _overlap_schedule(config, self.device, self.parallel.config.world_size)
+        self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet
         self.sampler = Sampler()
         self.tokenizer = load_tokenizer(config.model)
         self.eos_ids = _eos_ids(config.model, self.model.hf_config)
@@ -109,7 +132,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.in_flight is not None
 
     def any_rank_has_work(self) -> bool:
         """Under DP attention, whether any rank still has requests (all ranks must keep stepping)."""
@@ -135,12 +158,18 @@ class Engine:
 
     # --- the loop -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one scheduled step; return the requests that finished in it."""
+        """Run one scheduled step; return the requests that finished (under the overlap schedule: whose
+        tokens of the step before, read now, finished them)."""
         work = self.scheduler.schedule()
         finished = self._drain_dropped()
-        batch = self._agree(self.runner.prepare(work))
-        if batch is None:
-            return finished
+        batch = self._agree(self.runner.prepare(work, self.in_flight))
+        launched = self._launch(work, batch) if batch is not None else None
+        if self.overlap_schedule:
+            launched, self.in_flight = self.in_flight, launched
+        return finished + self._complete(launched)
+
+    def _launch(self, work, batch: ForwardBatch) -> InFlight | None:
+        """Run the batch and sample on the device; the requests due a token hold a place for it."""
         self.hooks.hook.moeplex_batch_scheduled(batch=batch)
         logits = self.runner.forward(batch)
         self.balancing.after_forward()  # counts the step in the load recorders; may move experts between steps
@@ -149,10 +178,28 @@ class Engine:
             item.request.num_cached += item.num_tokens
             if item.request.num_uncached == 0:
                 due.append(row)
+        if not due:
+            return None
         requests = [work[row].request for row in due]
-        tokens = self.sampler(logits[due], requests) if due else []
-        for request, token in zip(requests, tokens):
-            if self._append(request, token):
+        logits = logits[due]
+        for row, request in enumerate(requests):
+            request.pending_rows.append(row)
+        return InFlight.start(requests, logits, self.sampler.draw(logits, requests))
+
+    def _complete(self, step: InFlight | None) -> list[Request]:
+        """Read a launched step's tokens into its requests; those that finish with them."""
+        if step is None:
+            return []
+        tokens = step.token_list()
+        live = [row for row, request in enumerate(step.requests) if not request.finished]
+        if any(step.requests[row].params.logprobs > 0 for row in live):
+            requests = [step.requests[row] for row in live]
+            self.sampler.record_logprobs(step.logits[live], requests, [tokens[row] for row in live])
+        finished = []
+        for row in live:
+            request = step.requests[row]
+            request.pending_rows.pop(0)
+            if self._append(request, tokens[row]):
                 finished.append(request)
         return finished
 
@@ -208,6 +255,7 @@ class Engine:
         return False
 
     def _retire(self, request: Request) -> None:
+        request.pending_rows.clear()  # a token still in flight comes too late
         self.scheduler.finish(request)
         self._requests.pop(request.rid, None)
         detok = self._detok.pop(request.rid, None)

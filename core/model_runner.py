@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import attrs
 import torch
 
 from .batch_builder import ScheduledSeq, build_forward_batch
 from .cuda_graph import DecodeGraphs
 from .forward_batch import ForwardBatch
+from .in_flight import InFlight, fill_placeholders
 from .kv_cache import KVPool
 from .scheduler import ScheduledWork
 
@@ -22,12 +24,16 @@ class ModelRunner:
         self.hooks = hooks
         self.graphs = graphs  # captured decode steps, replayed for the decode batches they hold
 
-    def prepare(self, work: Sequence[ScheduledWork]) -> ForwardBatch:
+    def prepare(self, work: Sequence[ScheduledWork], in_flight: InFlight | None = None) -> ForwardBatch:
+        """The batch of the scheduled work; tokens still in flight are read on the device from `in_flight`."""
         seqs = [
             ScheduledSeq(w.request.token_ids(w.request.num_cached, w.num_tokens), w.request.num_cached, w.request.pages)
             for w in work
         ]
-        return build_forward_batch(seqs, self.kv, self.device)
+        batch = build_forward_batch(seqs, self.kv, self.device)
+        if in_flight is not None and any(w.request.pending_rows for w in work):
+            batch = attrs.evolve(batch, input_ids=fill_placeholders(batch.input_ids, in_flight.tokens))
+        return batch
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -25,6 +25,10 @@ class Request:
     Each step processes some of the uncached tokens all_ids[num_cached:]; when none
     remain afterwards, the step's logits give the next token. A preempted request
     drops its cache (num_cached = 0) and recomputes everything when re-admitted.
+
+    Under the overlap schedule a step's tokens reach the host only after the next step is
+    launched: until then each is `pending`, counted in num_tokens, and given to that next
+    step as the placeholder -(row + 1), its row among the sampled tokens still on the device.
     """
 
     rid: str
@@ -43,21 +47,30 @@ class Request:
     arrival_time: float = attrs.Factory(time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
+    pending_rows: list[int] = attrs.Factory(list)  # per step in flight that samples for it, the row of its token
+
+    @property
+    def awaiting_final_token(self) -> bool:
+        """Whether the token in flight is its last (max_new_tokens): nothing more to schedule."""
+        return bool(self.pending_rows) and len(self.output_ids) + len(self.pending_rows) >= self.params.max_new_tokens
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
     def token_ids(self, start: int, count: int) -> list[int]:
-        """all_ids[start:start+count] without concatenating the whole sequence (decode asks for one)."""
-        prompt = len(self.prompt_ids)
-        if start >= prompt:
-            return self.output_ids[start - prompt : start - prompt + count]
-        return (self.prompt_ids[start : start + count] + self.output_ids)[:count]
+        """all_ids[start:start+count] without concatenating the whole sequence (decode asks for one);
+        a pending token is its placeholder."""
+        end, prompt = start + count, len(self.prompt_ids)
+        ids = self.prompt_ids[start:end] + self.output_ids[max(0, start - prompt) : max(0, end - prompt)]
+        first_pending = prompt + len(self.output_ids)
+        if end > first_pending:
+            ids += [-(row + 1) for row in self.pending_rows[max(0, start - first_pending) : end - first_pending]]
+        return ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + len(self.pending_rows)
 
     @property
     def num_uncached(self) -> int:

@@ -61,7 +61,14 @@ def filtered_probs(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-        """One token per row of `logits` [B, V] (fp32): greedy rows in one argmax, unseeded sampled rows
+        """One token per row of `logits` [B, V] (fp32), with the logprobs the requests ask for recorded."""
+        chosen = self.draw(logits, requests).tolist()
+        self.record_logprobs(logits, requests, chosen)
+        return chosen
+
+    @staticmethod
+    def draw(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """[B] tokens on the logits' device, no host sync: greedy rows in one argmax, unseeded sampled rows
         together, a row with a seed from its own random stream (reproducible whatever shares its batch)."""
         tokens = torch.argmax(logits, dim=-1)
         shared = [row for row, r in enumerate(requests) if not r.params.greedy and r.params.seed is None]
@@ -72,12 +79,10 @@ class Sampler:
             if not request.params.greedy and request.params.seed is not None:
                 probs = _filtered_probs(logits[row], request.params)
                 tokens[row] = torch.multinomial(probs, 1, generator=_generator(request, logits.device))[0]
-        chosen = tokens.tolist()
-        self._record_logprobs(logits, requests, chosen)
-        return chosen
+        return tokens
 
     @staticmethod
-    def _record_logprobs(logits: torch.Tensor, requests: Sequence[Request], chosen: list[int]) -> None:
+    def record_logprobs(logits: torch.Tensor, requests: Sequence[Request], chosen: list[int]) -> None:
         rows = [i for i, r in enumerate(requests) if r.params.logprobs > 0]
         if not rows:
             return

@@ -53,7 +53,7 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0:
                 break
-            if request not in self.running:  # preempted while making room for an older request
+            if request not in self.running or request.awaiting_final_token:  # preempted, or nothing left to ask
                 continue
             n = self._chunk(request, budget)
             if not self._reserve(request, n, preempt=True):

@@ -16,10 +16,18 @@ transformers = pytest.importorskip("transformers")
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
 
 
+ENGINE_DEFAULTS = dict(dtype="fp32", show_progress=False, max_total_tokens=4096, page_size=4)
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sequential", "overlap-schedule"])
+def overlap_schedule(request, monkeypatch):
+    """Every test here runs twice: each step read before the next is scheduled, and the overlap schedule."""
+    monkeypatch.setitem(ENGINE_DEFAULTS, "overlap_schedule", request.param)
+    return request.param
+
+
 def make_engine(folder: str, **overrides) -> Engine:
-    settings = dict(model=folder, dtype="fp32", show_progress=False, max_total_tokens=4096, page_size=4)
-    settings.update(overrides)
-    return Engine(EngineConfig(**settings))
+    return Engine(EngineConfig(model=folder, **{**ENGINE_DEFAULTS, **overrides}))
 
 
 def hf_greedy(folder: str, prompt: list[int], new_tokens: int) -> list[int]:
@@ -119,3 +127,42 @@ def test_bad_prompts_are_refused(tiny_model_dir):
         engine.add_request([1, 99999], GREEDY)
     with pytest.raises(ValueError, match="KV cache holds at most"):
         engine.add_request(list(range(100)) * 50, GREEDY)
+
+
+def count_forwards(engine: Engine) -> list[int]:
+    """A list that grows by one entry (the batch size) per forward pass the engine launches."""
+    calls, forward = [], engine.runner.forward
+
+    def counted(batch):
+        calls.append(batch.batch_size)
+        return forward(batch)
+
+    engine.runner.forward = counted
+    return calls
+
+
+def test_the_overlap_schedule_wastes_no_step_on_length_and_one_row_on_a_stop(tiny_model_dir, overlap_schedule):
+    folder = tiny_model_dir("qwen3_moe")
+    engine = make_engine(folder)
+    calls = count_forwards(engine)
+    prompts = _mixed_prompts(3, seed=4)
+    free = engine.generate(prompts, [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 6, 9)])
+    assert len(calls) == 9 and calls[3:] == [2, 2, 2, 1, 1, 1]  # one prefill step, then one decode per token
+    calls.clear()
+    stop = free[2].output_ids[4]
+    [stopped] = engine.generate([prompts[2]], SamplingParams(max_new_tokens=9, temperature=0.0, stop_token_ids=[stop]))
+    assert stopped.output_ids == free[2].output_ids[: free[2].output_ids.index(stop) + 1]
+    # the step after the stop was launched before its token was read: one row of wasted work
+    assert len(calls) == len(stopped.output_ids) + overlap_schedule
+    assert not engine.has_work and engine.kv.num_free_pages == engine.kv.num_pages
+
+
+def test_the_overlap_schedule_is_refused_across_ranks():
+    from moeplex.engine import _overlap_schedule
+
+    config = EngineConfig(model="unused", overlap_schedule=True)
+    with pytest.raises(ValueError, match="one rank"):
+        _overlap_schedule(config, torch.device("cpu"), world_size=2)
+    assert _overlap_schedule(EngineConfig(model="unused"), torch.device("cuda"), world_size=1)
+    assert not _overlap_schedule(EngineConfig(model="unused"), torch.device("cuda"), world_size=2)
+    assert not _overlap_schedule(EngineConfig(model="unused"), torch.device("cpu"), world_size=1)

@@ -54,11 +54,16 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="send routed activations as fp8 with one scale per 128 values (dispatchers with fp8_payload; "
         "halves the bytes moved, adds fp8 rounding before the experts)",
     )
-    gpu = parser.add_argument_group("attention and CUDA graphs")
+    gpu = parser.add_argument_group("GPU execution: attention, CUDA graphs, the overlap schedule")
     gpu.add_argument(
         "--attention-backend", choices=ATTENTION_BACKENDS, default=AUTO,
         help="who computes attention over the paged KV cache: torch (SDPA, the reference) or triton (split-K "
         "decode kernels, MLA decode in the latent space); auto: triton on CUDA, torch elsewhere (default: auto)",
+    )
+    gpu.add_argument(
+        "--disable-overlap-schedule", action="store_true",
+        help="finish each step (read its tokens) before scheduling the next; by default a CUDA engine of one rank "
+        "schedules and launches step N+1 while the GPU still runs step N",
     )
     gpu.add_argument(
         "--disable-cuda-graph", action="store_true",
@@ -174,6 +179,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         dispatch_fp8=args.dispatch_fp8,
         attention_backend=args.attention_backend,
         disable_cuda_graph=args.disable_cuda_graph,
+        overlap_schedule=False if args.disable_overlap_schedule else None,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         max_running_requests=args.max_running_requests,
         max_batched_tokens=args.max_batched_tokens,
