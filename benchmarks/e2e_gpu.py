@@ -1,4 +1,4 @@
-"""End-to-end checks and step timings on a GPU, CUDA graphs on and off.
+"""End-to-end checks and step timings on a GPU: CUDA graphs on and off, the overlap schedule on and off.
 
     python benchmarks/e2e_gpu.py --out benchmarks/results/e2e_h200.md [--profile DIR]
 
@@ -8,7 +8,9 @@
    made on the device (Qwen3-30B-A3B shapes; DeepSeek-V3 shapes cut to 4 layers), against the
    roofline measured in the same run: for decode, the weight and KV bytes a step must read over
    the copy bandwidth; for prefill, the matmul and attention FLOPs over the bf16 matmul rate.
-   Decode runs with the captured CUDA graphs and again eagerly on the same engine.
+   Decode runs with the captured CUDA graphs and the overlap schedule, then with each of them off
+   on the same engine; the sequential rows say how long each step spent on the host outside the
+   forward pass (what the overlap schedule can hide).
 3. `--profile DIR`: one eager decode step at batch 1 and one 4k prefill per model under
    torch.profiler, the kernels sorted by GPU time, written to DIR.
 """
@@ -133,18 +135,27 @@ def measure_with_host_time(engine: Engine, batch: int) -> tuple[dict, float]:
     return row, row["decode_step_ms"] - statistics.median(spent[1:]) * 1e3
 
 
+DECODE_MODES = (("on", "on"), ("on", "off"), ("off", "on"))  # (CUDA graphs, overlap schedule)
+
+
 def decode_rows(name: str, engine: Engine, roof: Roofline, copy_bs: float, batches) -> list[str]:
     lines = []
     graphs = engine.runner.graphs
     for batch in batches:
-        for mode in ("on", "off") if graphs is not None else ("off",):
-            engine.runner.graphs = graphs if mode == "on" else None
-            row, host_ms = measure_with_host_time(engine, batch)
+        for use_graphs, overlap in DECODE_MODES:
+            engine.runner.graphs = graphs if use_graphs == "on" else None
+            engine.overlap_schedule = overlap == "on"
+            if overlap == "on":  # timing the forward pass alone would serialize the steps
+                row, host = measure(engine, batch, DECODE_CONTEXT, 16), "-"
+            else:
+                row, host_ms = measure_with_host_time(engine, batch)
+                host = f"{host_ms:.3f}"
             roof_ms = roof.decode_bytes(batch, DECODE_CONTEXT + 8) / copy_bs * 1e3
-            lines.append(f"| {name} | decode | {batch} | {mode} | {row['decode_step_ms']} | {host_ms:.3f} | "
+            lines.append(f"| {name} | decode | {batch} | {use_graphs} | {overlap} | {row['decode_step_ms']} | {host} | "
                          f"{row['decode_tok_s']} | {roof_ms:.3f} | {row['decode_step_ms'] / roof_ms:.2f}x |")
             print(lines[-1], flush=True)
     engine.runner.graphs = graphs
+    engine.overlap_schedule = True
     return lines
 
 
@@ -153,7 +164,7 @@ def prefill_rows(name: str, engine: Engine, roof: Roofline, flops_s: float, leng
     for length in lengths:
         row = measure(engine, 1, length, 1)
         roof_ms = roof.prefill_flops(length) / flops_s * 1e3
-        lines.append(f"| {name} | prefill | {length} | - | {row['prefill_ms']} | - | {row['prefill_tok_s']} | "
+        lines.append(f"| {name} | prefill | {length} | - | - | {row['prefill_ms']} | - | {row['prefill_tok_s']} | "
                      f"{roof_ms:.3f} | {row['prefill_ms'] / roof_ms:.2f}x |")
         print(lines[-1], flush=True)
     return lines
@@ -164,6 +175,7 @@ def profile(name: str, engine: Engine, folder: str) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     graphs, engine.runner.graphs = engine.runner.graphs, None
+    engine.overlap_schedule = False  # each profiled step whole
     params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
     for tag, length in (("decode_bs1", DECODE_CONTEXT), ("prefill_4096", 4096)):
@@ -185,6 +197,7 @@ def profile(name: str, engine: Engine, folder: str) -> None:
             f.write(table)
         print(f"--- {name} {tag}\n{table[:6000]}", flush=True)
     engine.runner.graphs = graphs
+    engine.overlap_schedule = True
 
 
 def speed(name: str, folder: str, flops_s: float, copy_bs: float, args, prefill_lens) -> list[str]:
@@ -219,9 +232,9 @@ def main() -> None:
     flops_s, copy_bs = peaks()
     lines += [f"Measured: bf16 matmul {flops_s / 1e12:.0f} TFLOP/s, device copy {copy_bs / 1e9:.0f} GB/s. "
               f"Decode after a {DECODE_CONTEXT}-token prompt, median of 16 steps.", "",
-              "| model | phase | batch / tokens | CUDA graphs | step ms | host ms outside forward | tok/s | roofline ms "
-              "| ratio to roofline |",
-              "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+              "| model | phase | batch / tokens | CUDA graphs | overlap schedule | step ms | host ms outside forward "
+              "| tok/s | roofline ms | ratio to roofline |",
+              "|---|---|---:|---|---|---:|---:|---:|---:|---:|"]
     if args.only != "dsv3":
         qwen = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True)
         lines += speed("Qwen3-30B-A3B shapes", qwen, flops_s, copy_bs, args, args.prefill)
