@@ -42,7 +42,7 @@ def build_forward_batch(seqs: Sequence[ScheduledSeq], kv: KVPool, device: torch.
     kv_indptr = torch.zeros(batch_size + 1, dtype=torch.int64)
     kv_indptr[1:] = seq_lens.cumsum(0)
     input_ids = torch.tensor([t for s in seqs for t in s.new_tokens], dtype=torch.int64)
-    on_device = _to_device(device, input_ids, positions, slots[owner, positions], seq_lens, kv_indices, kv_indptr, table)
+    on_device = to_device(device, input_ids, positions, slots[owner, positions], seq_lens, kv_indices, kv_indptr, table)
     input_ids, positions, out_cache_loc, seq_lens, kv_indices, kv_indptr, table = on_device
     return ForwardBatch(
         mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
@@ -59,8 +59,12 @@ def build_forward_batch(seqs: Sequence[ScheduledSeq], kv: KVPool, device: torch.
     )
 
 
-def _to_device(device: torch.device | str, *tensors: torch.Tensor) -> list[torch.Tensor]:
-    """The int64 tensors on `device`; to a GPU as one copy from pinned memory (each small copy costs ~10 us)."""
+def to_device(device: torch.device | str, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors (of one dtype) on `device`; to a GPU as one asynchronous copy from pinned memory.
+
+    A copy from pageable memory would make the host wait for the GPU to finish all the work queued
+    before it, which defeats the overlap schedule; many small copies also cost ~10 us each.
+    """
     device = torch.device(device)
     if device.type == "cpu":
         return list(tensors)

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .cuda_graph import decode_graphs
+from .batch_builder import to_device
 from .forward_batch import ForwardBatch
 from .in_flight import InFlight
 from .interfaces import BatchMeta
@@ -181,7 +182,8 @@ class Engine:
         if not due:
             return None
         requests = [work[row].request for row in due]
-        logits = logits[due]
+        if len(due) < len(work):  # some requests are mid-prompt
+            logits = logits[to_device(logits.device, torch.tensor(due))[0]]
         for row, request in enumerate(requests):
             request.pending_rows.append(row)
         return InFlight.start(requests, logits, self.sampler.draw(logits, requests))

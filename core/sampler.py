@@ -6,6 +6,7 @@ from typing import Sequence
 
 import torch
 
+from .batch_builder import to_device
 from .request import Request
 
 
@@ -39,7 +40,7 @@ def filtered_probs(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
     device = logits.device
 
     def column(values, dtype=torch.float32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)[:, None]
+        return to_device(device, torch.tensor(values, dtype=dtype))[0][:, None]
 
     logits = logits / column([p.temperature for p in params])
     vocab = logits.shape[-1]
@@ -73,8 +74,11 @@ class Sampler:
         tokens = torch.argmax(logits, dim=-1)
         shared = [row for row, r in enumerate(requests) if not r.params.greedy and r.params.seed is None]
         if shared:
-            probs = filtered_probs(logits[shared], [requests[row].params for row in shared])
-            tokens[shared] = torch.multinomial(probs, 1)[:, 0]
+            every = len(shared) == len(requests)
+            index = None if every else to_device(logits.device, torch.tensor(shared))[0]
+            probs = filtered_probs(logits if every else logits[index], [requests[row].params for row in shared])
+            drawn = torch.multinomial(probs, 1)[:, 0]
+            tokens = drawn if every else tokens.index_copy(0, index, drawn)
         for row, request in enumerate(requests):
             if not request.params.greedy and request.params.seed is not None:
                 probs = _filtered_probs(logits[row], request.params)
