@@ -4,7 +4,7 @@
     python benchmarks/tune_fused_moe.py --shape deepseek-v3-ep8 --dtype fp8 --shard 1/3   (and 2/3)
 
 Every candidate runs the whole fused path (align, both GEMMs, finish) on the routing of
-benchmarks/fused_moe.py, timed with triton.testing.do_bench. Candidates are the outer loop, so each
+benchmarks/fused_moe.py, replayed as a CUDA graph (triton.testing.do_bench_cudagraph). Candidates are the outer loop, so each
 compiles once and is timed at every token count. A search too long for one run is split with
 --shard i/n; each run also re-times the entry already in the table and the default, and keeps the
 fastest, so the shards merge into one table. --budget-s stops a run early with what it has. The
@@ -20,7 +20,7 @@ import time
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench_cudagraph
 
 from fused_moe import SHAPES, TOKENS, context, make_layout, make_weights  # benchmarks/fused_moe.py, beside this file
 
@@ -55,7 +55,8 @@ def time_config(config: TileConfig, layout, prepared: PreparedWeights) -> float:
         return moe_standard(acts, layout.topk_ids, layout.topk_weights, prepared, config)
 
     try:
-        return do_bench(run, warmup=5, rep=25, return_mode="median")
+        # replayed as a CUDA graph, as decode runs it: timed eagerly, small M measures the host's launches
+        return do_bench_cudagraph(run, rep=25, return_mode="median")
     except Exception as exc:  # too much shared memory or registers for this GPU: not a candidate
         print(f"  skip {config}: {type(exc).__name__}", flush=True)
         return float("inf")
