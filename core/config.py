@@ -40,7 +40,10 @@ class EngineConfig:
     seed: int = 0
     # plugins (names are entry-point names)
     dispatcher: str = "local"
-    moe_kernel: str = "torch"
+    # default: triton on a CUDA device (CUDA graphs can capture it), the torch reference elsewhere
+    moe_kernel: str = attrs.field(
+        default=attrs.Factory(lambda self: "triton" if self.device.startswith("cuda") else "torch", takes_self=True)
+    )
     balancer: str = "static"
     overlap: str = "none"
     overlap_min_tokens: int | None = None  # below this many tokens a step runs unsplit (None: the strategy's own)

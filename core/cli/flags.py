@@ -171,7 +171,6 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         device=args.device,
         seed=args.seed,
         dispatcher=args.dispatcher,
-        moe_kernel=args.moe_kernel or ("triton" if args.device.startswith("cuda") else "torch"),
         balancer=args.balancer,
         overlap=args.overlap,
         overlap_min_tokens=args.overlap_min_tokens,
@@ -199,5 +198,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         eplb_rebalance_num_iterations=args.eplb_rebalance_num_iterations,
         eplb_rebalance_layers_per_chunk=args.eplb_rebalance_layers_per_chunk,
     )
+    if args.moe_kernel:
+        settings["moe_kernel"] = args.moe_kernel  # else the config's default for the device
     settings.update(overrides)  # a command's own choices win over the shared flags
     return EngineConfig(**settings)
