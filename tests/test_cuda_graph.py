@@ -5,23 +5,18 @@ calls the step again, so a replay reads the static inputs exactly as a CUDA grap
 tests capture real graphs and check that replay equals eager decode.
 """
 
-import os
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
-
-import pytest  # noqa: E402
-
-from moeplex.attention import TorchAttention  # noqa: E402
-from moeplex.attention.triton_backend import INTERPRETED, TritonAttention  # noqa: E402
-from moeplex.batch_builder import ScheduledSeq, build_forward_batch  # noqa: E402
-from moeplex.cli import build_parser  # noqa: E402
-from moeplex.cli.flags import engine_config  # noqa: E402
-from moeplex.config import EngineConfig  # noqa: E402
-from moeplex.cuda_graph import (  # noqa: E402
+from moeplex.attention import TorchAttention
+from moeplex.attention.triton_backend import INTERPRETED, TritonAttention
+from moeplex.batch_builder import ScheduledSeq, build_forward_batch
+from moeplex.cli import build_parser
+from moeplex.cli.flags import engine_config
+from moeplex.config import EngineConfig
+from moeplex.cuda_graph import (
     DecodeGraphs,
     DecodeInputs,
     capture_sizes,
@@ -30,14 +25,14 @@ from moeplex.cuda_graph import (  # noqa: E402
     padded_size,
     why_no_graphs,
 )
-from moeplex.engine import Engine  # noqa: E402
-from moeplex.forward_batch import ForwardMode  # noqa: E402
-from moeplex.kv_cache import KVPool  # noqa: E402
-from moeplex.model_runner import ModelRunner  # noqa: E402
-from moeplex.models.setup import load_model  # noqa: E402
-from moeplex.registry import lookup  # noqa: E402
-from moeplex.sampling import SamplingParams  # noqa: E402
-from moeplex.selection import resolve  # noqa: E402
+from moeplex.engine import Engine
+from moeplex.forward_batch import ForwardMode
+from moeplex.kv_cache import KVPool
+from moeplex.model_runner import ModelRunner
+from moeplex.models.setup import load_model
+from moeplex.registry import lookup
+from moeplex.sampling import SamplingParams
+from moeplex.selection import resolve
 
 PAGE = 4
 

@@ -5,30 +5,19 @@ architecture's tiny checkpoint runs a batched prefill over scattered pages and d
 ways. Without CUDA the kernels run under Triton's interpreter (fp32).
 """
 
-import os
-
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+from model_helpers import PAGE_SIZE, assert_matches, no_overlap, scattered_pages, token_sequence
+from moeplex.batch_builder import ScheduledSeq, build_forward_batch
+from moeplex.config import EngineConfig
+from moeplex.kernels.norm import _rms_norm_kernel
+from moeplex.kv_cache import KVPool
+from moeplex.models.setup import load_model
+from moeplex.selection import resolve
+from triton_guard import DEVICE, skip_unless_runnable
 
-import pytest  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+skip_unless_runnable(_rms_norm_kernel)
 
-from model_helpers import PAGE_SIZE, assert_matches, no_overlap, scattered_pages, token_sequence  # noqa: E402
-from moeplex.batch_builder import ScheduledSeq, build_forward_batch  # noqa: E402
-from moeplex.config import EngineConfig  # noqa: E402
-from moeplex.kernels.norm import _rms_norm_kernel  # noqa: E402
-from moeplex.kv_cache import KVPool  # noqa: E402
-from moeplex.models.setup import load_model  # noqa: E402
-from moeplex.selection import resolve  # noqa: E402
-
-if not torch.cuda.is_available() and not isinstance(_rms_norm_kernel, InterpretedFunction):
-    pytest.skip("the triton kernels were imported before TRITON_INTERPRET=1 was set and cannot run on this CPU",
-                allow_module_level=True)
-
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def step(model, kv: KVPool, seqs) -> torch.Tensor:
@@ -50,7 +39,7 @@ def run(model, sequences, decode_steps):
 
 
 def test_fused_kernels_give_the_torch_logits(tiny_model_dir, arch):
-    config = EngineConfig(model=tiny_model_dir(arch), dtype="fp32", device=DEVICE, show_progress=False)
+    config = EngineConfig(model=tiny_model_dir(arch), dtype="fp32", device=str(DEVICE), show_progress=False)
     model = load_model(config.model, config, resolve(config))
     model.use_fused_kernels(False)  # on CUDA they are on from the start
     sequences = [token_sequence(n, seed=n) for n in (5, 12, 9)]

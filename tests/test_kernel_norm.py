@@ -1,23 +1,13 @@
 """The fused RMSNorm kernel equals the torch RMSNorm module (with and without the residual add before it)."""
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+from moeplex.kernels.norm import _rms_norm_kernel, rms_norm
+from moeplex.models.base import RMSNorm
+from triton_guard import DEVICE, skip_unless_runnable
 
-import pytest  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from moeplex.kernels.norm import _rms_norm_kernel, rms_norm  # noqa: E402
-from moeplex.models.base import RMSNorm  # noqa: E402
-
-if not torch.cuda.is_available() and not isinstance(_rms_norm_kernel, InterpretedFunction):
-    pytest.skip("the triton kernels were imported before TRITON_INTERPRET=1 was set and cannot run on this CPU",
-                allow_module_level=True)
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+skip_unless_runnable(_rms_norm_kernel)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 

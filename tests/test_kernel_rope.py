@@ -4,27 +4,16 @@ Without CUDA the kernel runs under Triton's interpreter, so shapes are tiny and 
 fp16 (the interpreter computes bf16 wrongly); the `gpu` tests add bf16 at Qwen3's and DeepSeek's shapes.
 """
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel is decorated
+from moeplex.kernels import rope as rope_kernel
+from moeplex.kernels.rope import rope_
+from moeplex.models.base import RMSNorm
+from moeplex.models.rope import RotaryEmbedding
+from triton_guard import DEVICE, skip_unless_runnable
 
-import pytest  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from moeplex.kernels import rope as rope_kernel  # noqa: E402
-from moeplex.kernels.rope import rope_  # noqa: E402
-from moeplex.models.base import RMSNorm  # noqa: E402
-from moeplex.models.rope import RotaryEmbedding  # noqa: E402
-
-INTERPRETED = isinstance(rope_kernel._rope_kernel, InterpretedFunction)
-if not torch.cuda.is_available() and not INTERPRETED:
-    pytest.skip("the rope kernel was imported before TRITON_INTERPRET=1 was set and cannot run on this CPU",
-                allow_module_level=True)
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+skip_unless_runnable(rope_kernel._rope_kernel)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DEFAULT = {"rope_type": "default", "rope_theta": 10000.0}
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}

@@ -5,24 +5,14 @@ every router at a serving batch of 4096 tokens. The order of the K experts in a 
 are compared as sets (sorted by expert id, weights alongside).
 """
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel is decorated
+from moeplex.kernels.topk import _route_topk_kernel, route_topk
+from moeplex.moe.router import Router, RouterSpec
+from triton_guard import DEVICE, skip_unless_runnable
 
-import pytest  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from moeplex.kernels.topk import _route_topk_kernel, route_topk  # noqa: E402
-from moeplex.moe.router import Router, RouterSpec  # noqa: E402
-
-if not torch.cuda.is_available() and not isinstance(_route_topk_kernel, InterpretedFunction):
-    pytest.skip("the triton kernel was imported before TRITON_INTERPRET=1 was set and cannot run on this CPU",
-                allow_module_level=True)
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+skip_unless_runnable(_route_topk_kernel)
 HIDDEN = 32
 SPECS = {
     "mixtral": RouterSpec(num_experts=8, top_k=2),

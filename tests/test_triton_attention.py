@@ -6,32 +6,25 @@ more than a sequence has tiles leave some splits empty. The `gpu` tests add serv
 """
 
 import json
-import os
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
+from moeplex.attention import TorchAttention, make_attention_backend
+from moeplex.attention.triton_backend import TritonAttention
+from moeplex.attention.triton_decode import _split_kernel, decode_attention
+from moeplex.batch_builder import ScheduledSeq, build_forward_batch
+from moeplex.cli import main
+from moeplex.config import EngineConfig
+from moeplex.forward_batch import ForwardMode
+from moeplex.kv_cache import KVPool
+from moeplex.models.setup import load_model
+from moeplex.registry import lookup
+from moeplex.selection import resolve
 
-import pytest  # noqa: E402
+from triton_guard import DEVICE, skip_unless_runnable
 
-from moeplex.attention import TorchAttention, make_attention_backend  # noqa: E402
-from moeplex.attention.triton_backend import INTERPRETED, TritonAttention  # noqa: E402
-from moeplex.attention.triton_decode import decode_attention  # noqa: E402
-from moeplex.batch_builder import ScheduledSeq, build_forward_batch  # noqa: E402
-from moeplex.cli import main  # noqa: E402
-from moeplex.config import EngineConfig  # noqa: E402
-from moeplex.forward_batch import ForwardMode  # noqa: E402
-from moeplex.kv_cache import KVPool  # noqa: E402
-from moeplex.models.setup import load_model  # noqa: E402
-from moeplex.registry import lookup  # noqa: E402
-from moeplex.selection import resolve  # noqa: E402
-
-if not torch.cuda.is_available() and not INTERPRETED:
-    pytest.skip("the triton kernels were imported before TRITON_INTERPRET=1 was set and cannot run on this CPU",
-                allow_module_level=True)
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+skip_unless_runnable(_split_kernel)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 PAGE = 4
 

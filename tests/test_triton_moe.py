@@ -5,18 +5,12 @@ its 64-wide default tiles, H=72 and I=88 give two K and N tiles, the last partia
 tests run compiled on the GPU; the `gpu` tests add serving shapes, bf16, poisoned buffers and CUDA graphs.
 """
 
-import os
-
 import attrs
+import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are decorated
-
-import pytest  # noqa: E402
-
-from moeplex.interfaces import (  # noqa: E402
+from moeplex.interfaces import (
     BF16,
     FP8_BLOCK,
     ContiguousLayout,
@@ -25,25 +19,24 @@ from moeplex.interfaces import (  # noqa: E402
     MoEContext,
     StandardLayout,
 )
-from moeplex.moe.adapters import standard_to_contiguous, standard_to_masked  # noqa: E402
-from moeplex.plugins.moe_kernels.torch_ref import TorchMoEKernel  # noqa: E402
-from moeplex.plugins.moe_kernels.triton_moe.align import align_in_place, align_pairs  # noqa: E402
-from moeplex.plugins.moe_kernels.triton_moe.configs import (  # noqa: E402
+from moeplex.moe.adapters import standard_to_contiguous, standard_to_masked
+from moeplex.plugins.moe_kernels.torch_ref import TorchMoEKernel
+from moeplex.plugins.moe_kernels.triton_moe.align import align_in_place, align_pairs
+from moeplex.plugins.moe_kernels.triton_moe.configs import (
     INTERPRETER_DEVICE,
     TileConfig,
     TileTables,
     table_file,
     write_table,
 )
-from moeplex.kernels.fp8 import quantize_rows  # noqa: E402
-from moeplex.plugins.moe_kernels.triton_moe.plugin import INTERPRETED, TritonMoEKernel  # noqa: E402
-from moeplex.quant import dequantize_activations, dequantize_blocks, quantize_activations, quantize_blocks  # noqa: E402
+from moeplex.kernels.fp8 import quantize_rows
+from moeplex.plugins.moe_kernels.triton_moe.kernel import grouped_gemm_kernel
+from moeplex.plugins.moe_kernels.triton_moe.plugin import INTERPRETED, TritonMoEKernel
+from moeplex.quant import dequantize_activations, dequantize_blocks, quantize_activations, quantize_blocks
 
-if not torch.cuda.is_available() and not INTERPRETED:
-    pytest.skip("the triton kernels were imported before TRITON_INTERPRET=1 was set and cannot run on this CPU",
-                allow_module_level=True)
+from triton_guard import DEVICE, skip_unless_runnable
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+skip_unless_runnable(grouped_gemm_kernel)
 H, I = 72, 88
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2}
 
