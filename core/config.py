@@ -42,7 +42,7 @@ class EngineConfig:
     dispatcher: str = "local"
     # default: triton on a CUDA device (CUDA graphs can capture it), the torch reference elsewhere
     moe_kernel: str = attrs.field(
-        default=attrs.Factory(lambda self: "triton" if self.device.startswith("cuda") else "torch", takes_self=True)
+        default=attrs.Factory(lambda self: "triton" if str(self.device).startswith("cuda") else "torch", takes_self=True)
     )
     balancer: str = "static"
     overlap: str = "none"
