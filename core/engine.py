@@ -22,7 +22,6 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .cuda_graph import decode_graphs
-from .batch_builder import to_device
 from .forward_batch import ForwardBatch
 from .in_flight import InFlight
 from .interfaces import BatchMeta
@@ -38,6 +37,7 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .selection import resolve
 from .tokenizer import Detokenizer, load_tokenizer
+from .transfer import to_device
 
 MAX_DEFAULT_KV_TOKENS = 1 << 17
 

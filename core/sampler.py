@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from .batch_builder import to_device
+from .transfer import to_device
 from .request import Request
 
 

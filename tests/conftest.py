@@ -6,6 +6,13 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+# The same examples on every run, so a CI run cannot fail by the luck of the draw; look further with
+# HYPOTHESIS_PROFILE=explore (or pytest --hypothesis-profile=explore).
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 if not torch.cuda.is_available():
     # Triton kernels run under its interpreter on CPU; the switch must be set before they are decorated
