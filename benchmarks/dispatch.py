@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from report import emit  # benchmarks/report.py, beside this file
+
 from moeplex.conformance.dispatch_ranks import free_port
 from moeplex.interfaces import ExpertOutput, MoEContext
 from moeplex.registry import lookup
@@ -197,11 +199,7 @@ def main() -> None:
             print(f"skipping {world} ranks: {gpus} CUDA device(s)")
             continue
         rows.extend(run_ranks(world, shape, args))
-    text = table(rows, shape, backend, machine, args)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    emit(table(rows, shape, backend, machine, args), args.out)
 
 
 def _device(rank: int) -> torch.device:

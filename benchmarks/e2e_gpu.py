@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from report import emit  # benchmarks/report.py, beside this file
+
 from moeplex.cli.bench_one_batch import measure
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
@@ -242,11 +244,7 @@ def main() -> None:
     if args.only != "qwen":
         dsv3 = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4}, config_only=True)
         lines += speed("DeepSeek-V3 shapes, 4 layers", dsv3, flops_s, copy_bs, args, args.prefill[:1])
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

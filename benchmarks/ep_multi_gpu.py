@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from report import emit  # benchmarks/report.py, beside this file
+
 from moeplex.conformance.dispatch_ranks import free_port
 from moeplex.interfaces import ExpertOutput, MoEContext, StandardLayout
 from moeplex.registry import PluginError, lookup
@@ -238,10 +240,7 @@ def main() -> None:
             out_path = os.path.join(tmp, "rows.json")
             mp.spawn(rank_main, args=(args.gpus, free_port(), args, out_path), nprocs=args.gpus)
             lines += dispatch_table(args, json.loads(Path(out_path).read_text()))
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import warnings
 
 import torch
 
+from report import emit  # benchmarks/report.py, beside this file
+
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
 from moeplex.models.make_model import write_checkpoint
@@ -96,11 +98,7 @@ def main() -> None:
         lines += ["", host_profile(engine, args.steps), ""]
         while engine.has_work:
             engine.step()
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report + "\n")
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

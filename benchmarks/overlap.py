@@ -22,6 +22,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from report import emit  # benchmarks/report.py, beside this file
+
 from moeplex.batch_builder import ScheduledSeq, build_forward_batch
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
@@ -115,11 +117,7 @@ def main() -> None:
             none, tbo, sbo = (row[name] * 1e3 for name in STRATEGIES)
             lines.append(f"| {ranks} | {row['batch']} | {row['tokens']} | {none:.1f} | {tbo:.1f} | {sbo:.1f} | "
                          f"{none / tbo:.2f}x | {none / sbo:.2f}x |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -10,23 +10,6 @@ from .transfer import to_device
 from .request import Request
 
 
-def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p filtering of one row of fp32 logits."""
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    return probs
-
-
 def _generator(request: Request, device: torch.device) -> torch.Generator | None:
     if request.params.seed is None:
         return None
@@ -36,7 +19,8 @@ def _generator(request: Request, device: torch.device) -> torch.Generator | None
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
-    """_filtered_probs of every row at once, row i with params[i]: a fixed number of kernels whatever the batch."""
+    """Temperature, then top-k, top-p and min-p filtering of each row of fp32 logits with its own params[i],
+    all rows at once: a fixed number of kernels whatever the batch."""
     device = logits.device
 
     def column(values, dtype=torch.float32) -> torch.Tensor:
@@ -53,6 +37,7 @@ def filtered_probs(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)
     if any(p.top_p < 1.0 for p in params):
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
         drop = sorted_probs.cumsum(-1) - sorted_probs >= column([p.top_p for p in params])
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
     if any(p.min_p > 0.0 for p in params):
@@ -69,21 +54,22 @@ class Sampler:
 
     @staticmethod
     def draw(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        """[B] tokens on the logits' device, no host sync: greedy rows in one argmax, unseeded sampled rows
-        together, a row with a seed from its own random stream (reproducible whatever shares its batch)."""
+        """[B] tokens on the logits' device, no host sync: greedy rows in one argmax, sampled rows filtered
+        and drawn together, a row with a seed then drawn again from its own random stream (reproducible
+        whatever shares its batch)."""
         tokens = torch.argmax(logits, dim=-1)
-        shared = [row for row, r in enumerate(requests) if not r.params.greedy and r.params.seed is None]
-        if shared:
-            every = len(shared) == len(requests)
-            index = None if every else to_device(logits.device, torch.tensor(shared))[0]
-            probs = filtered_probs(logits if every else logits[index], [requests[row].params for row in shared])
-            drawn = torch.multinomial(probs, 1)[:, 0]
-            tokens = drawn if every else tokens.index_copy(0, index, drawn)
-        for row, request in enumerate(requests):
-            if not request.params.greedy and request.params.seed is not None:
-                probs = _filtered_probs(logits[row], request.params)
-                tokens[row] = torch.multinomial(probs, 1, generator=_generator(request, logits.device))[0]
-        return tokens
+        sampled = [row for row, r in enumerate(requests) if not r.params.greedy]
+        if not sampled:
+            return tokens
+        every = len(sampled) == len(requests)
+        index = None if every else to_device(logits.device, torch.tensor(sampled))[0]
+        probs = filtered_probs(logits if every else logits[index], [requests[row].params for row in sampled])
+        drawn = torch.multinomial(probs, 1)[:, 0]
+        for j, row in enumerate(sampled):
+            request = requests[row]
+            if request.params.seed is not None:
+                drawn[j] = torch.multinomial(probs[j], 1, generator=_generator(request, logits.device))[0]
+        return drawn if every else tokens.index_copy(0, index, drawn)
 
     @staticmethod
     def record_logprobs(logits: torch.Tensor, requests: Sequence[Request], chosen: list[int]) -> None:

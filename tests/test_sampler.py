@@ -4,8 +4,24 @@ import pytest
 import torch
 
 from moeplex.request import Request
-from moeplex.sampler import Sampler, _filtered_probs, filtered_probs
+from moeplex.sampler import Sampler, filtered_probs
 from moeplex.sampling import SamplingParams
+
+
+def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """The reference: temperature, then top-k, top-p and min-p filtering of one row, written out per row."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs
 
 MIXED = [
     SamplingParams(temperature=0.7),

@@ -13,6 +13,7 @@ order as the probabilities do but stay distinct where probabilities round to the
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -104,8 +105,16 @@ def _route_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, num_tokens, n
     tl.store(weights_ptr + out, weights, mask=out_mask)
 
 
+@functools.cache
 def _group_layout(spec: RouterSpec) -> tuple[int, int, int]:
-    """(padded group count, experts per group, groups kept) of the kernel; one group when routing is not grouped."""
+    """(padded group count, experts per group, groups kept) of the kernel; one group when routing is not grouped.
+
+    Checks the spec once per spec (a router calls this every step): a refusal raises again on every call.
+    """
+    if spec.scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"unknown router scoring {spec.scoring!r}; expected 'softmax' or 'sigmoid'")
+    if not 1 <= spec.top_k <= spec.num_experts:
+        raise ValueError(f"top_k {spec.top_k} is not between 1 and num_experts {spec.num_experts}")
     if spec.scoring == "softmax" or spec.num_groups == 1:
         return 1, triton.next_power_of_2(spec.num_experts), 1
     size, rest = divmod(spec.num_experts, spec.num_groups)
@@ -120,12 +129,8 @@ def _group_layout(spec: RouterSpec) -> tuple[int, int, int]:
 
 
 def _check(logits: torch.Tensor, spec: RouterSpec, correction_bias: torch.Tensor | None) -> None:
-    if spec.scoring not in ("softmax", "sigmoid"):
-        raise ValueError(f"unknown router scoring {spec.scoring!r}; expected 'softmax' or 'sigmoid'")
     if logits.dim() != 2 or logits.shape[1] != spec.num_experts:
         raise ValueError(f"logits must be [T, {spec.num_experts}]; got {list(logits.shape)}")
-    if not 1 <= spec.top_k <= spec.num_experts:
-        raise ValueError(f"top_k {spec.top_k} is not between 1 and num_experts {spec.num_experts}")
     if spec.correction_bias != (correction_bias is not None):
         raise ValueError("pass the correction bias exactly when spec.correction_bias is set (as Router holds one)")
     if correction_bias is not None and correction_bias.shape != (spec.num_experts,):
@@ -140,8 +145,8 @@ def route_topk(logits: torch.Tensor, spec: RouterSpec, correction_bias: torch.Te
     The order of the K ids in a row may differ from torch.topk's. `correction_bias` [E] is
     given exactly when spec.correction_bias is set; like Router, only sigmoid scoring uses it.
     """
-    _check(logits, spec, correction_bias)
     num_groups, group_size, topk_groups = _group_layout(spec)
+    _check(logits, spec, correction_bias)
     num_tokens = logits.shape[0]
     ids = torch.empty(num_tokens, spec.top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(num_tokens, spec.top_k, dtype=torch.float32, device=logits.device)

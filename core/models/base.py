@@ -18,7 +18,7 @@ from ..kv_cache import KVPool
 from ..moe.layer import MoELayer
 from ..parallel import Group
 from .loader import Target, parameter_target
-from .parallel_layers import MergedColumnLinear, RowLinear, column_linear
+from .parallel_layers import MergedColumnLinear, RowLinear
 
 
 @attrs.frozen
