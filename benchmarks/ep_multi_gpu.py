@@ -16,6 +16,11 @@ One process per GPU over NCCL; NVLink multicast stays off (NCCL_NVLS_ENABLE=0, N
    or reach each rank (DeepEP's own convention: dispatched rows out, combined rows back), next to
    DeepEP's published figures (intranode normal mode ~150 GB/s over NVLink on H800; low-latency dispatch
    of 128 tokens in the 100-200 us range at EP8).
+3. One whole MoE layer (dispatch, the experts' grouped GEMMs, combine) at DeepSeek-V3 shapes under a
+   Zipf-skewed router, with the static placement and with EPLB over redundant expert slots: the time per
+   layer (slowest rank) and the balancedness of the (token, expert) pairs each rank computes. EPLB
+   places the experts from a calibration batch's recorded load and is measured on other batches drawn
+   from the same law, as the engine rebalances from past steps.
 
 On a machine without GPUs, `--cpu` runs both parts on gloo ranks with the CPU plugins (a check of the
 script, not a measurement worth keeping).
@@ -41,13 +46,16 @@ import torch.multiprocessing as mp
 from report import emit  # benchmarks/report.py, beside this file
 
 from moeplex.conformance.dispatch_ranks import free_port
-from moeplex.interfaces import ExpertOutput, MoEContext, StandardLayout
+from moeplex.interfaces import ExpertOutput, ExpertWeights, MoEContext, StandardLayout
+from moeplex.moe.adapters import LayoutAdapter
+from moeplex.moe.replicas import SPREAD, STATIC, ReplicaSelector
 from moeplex.registry import PluginError, lookup
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 PROMPTS = ["256,11,12,13,14,15", "256,40,41", "256,90,91,92,93,94,95,96,97", "256,7"]
 HIDDEN, EXPERTS, TOP_K = 7168, 256, 8
 BATCHES = (("prefill", 4096, ("naive", "deepep-normal")), ("decode", 128, ("naive", "deepep-ll")))
+INTERMEDIATE, GROUPS = 2048, 8  # DeepSeek-V3's expert intermediate size and expert groups
 
 
 # --- 1. correctness ---------------------------------------------------------------------------------
@@ -156,17 +164,22 @@ def rank_main(rank: int, world: int, port: int, args, out_path: str) -> None:
         torch.cuda.set_device(rank)
         device, backend, hidden, experts = torch.device("cuda", rank), "nccl", HIDDEN, EXPERTS
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    rows = []
+    rows = {"dispatch": [], "eplb": []}
     try:
-        for label, tokens, names in BATCHES:
-            tokens = tokens // 8 if args.cpu else tokens
-            gen = torch.Generator().manual_seed(rank)
-            ids = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :TOP_K].to(device)
-            weights = torch.rand(tokens, TOP_K, generator=gen).to(device)
-            x = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16)
-            for name in names:
-                for fp8 in (False, True):
-                    rows.append(measure(name, fp8, label, x, ids, weights, rank, world, hidden, experts, device, args))
+        if "dispatch" in args.parts:
+            for label, tokens, names in BATCHES:
+                tokens = tokens // 8 if args.cpu else tokens
+                gen = torch.Generator().manual_seed(rank)
+                ids = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :TOP_K].to(device)
+                weights = torch.rand(tokens, TOP_K, generator=gen).to(device)
+                x = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16)
+                for name in names:
+                    for fp8 in (False, True):
+                        rows["dispatch"].append(
+                            measure(name, fp8, label, x, ids, weights, rank, world, hidden, experts, device, args)
+                        )
+        if "eplb" in args.parts:
+            rows["eplb"] = eplb_rows(rank, world, device, args)
     finally:
         dist.barrier()
         dist.destroy_process_group()
@@ -196,6 +209,97 @@ def measure(name, fp8, label, x, ids, weights, rank, world, hidden, experts, dev
     return {**row, "us": seconds * 1e6, "gbps": moved.item() / world / seconds / 1e9}
 
 
+# --- 3. one MoE layer under a Zipf-skewed router, EPLB on and off ---------------------------------------
+
+
+def zipf_router(tokens: int, experts: int, skew: float, hot_order: torch.Tensor, seed: int) -> torch.Tensor:
+    """[T, K] distinct expert ids per token from a Zipf law over the experts ranked by `hot_order`."""
+    gen = torch.Generator().manual_seed(seed)
+    probs = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** skew
+    return hot_order[torch.multinomial(probs.expand(tokens, -1), TOP_K, replacement=False, generator=gen)]
+
+
+def eplb_plans(args, experts: int, world: int, load: torch.Tensor):
+    """(label, placement, replica selection) per row; the static placement is the reference."""
+    def plan(name: str, slots: int):
+        return lookup("balancer", name)().rebalance(load, slots, GROUPS, 1, world)
+
+    yield "static", plan("static", experts), STATIC
+    yield "eplb, no redundant", plan("eplb", experts), STATIC
+    yield f"eplb, {args.redundant} redundant", plan("eplb", experts + args.redundant), SPREAD
+
+
+def eplb_rows(rank: int, world: int, device: torch.device, args) -> list[dict]:
+    hidden, inter, experts, tokens = (256, 128, 64, 512) if args.cpu else (HIDDEN, INTERMEDIATE, EXPERTS, 4096)
+    names = ("naive", "torch") if args.cpu else (args.eplb_dispatcher, "triton")
+    hot_order = torch.randperm(experts, generator=torch.Generator().manual_seed(2))
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16)
+    weights = torch.rand(tokens, TOP_K, generator=gen).to(device)
+    rows = []
+    for skew in args.skews:
+        calibration = zipf_router(tokens * world * 4, experts, skew, hot_order, seed=1)
+        load = torch.bincount(calibration.flatten(), minlength=experts).unsqueeze(0)
+        logical = zipf_router(tokens, experts, skew, hot_order, seed=10 + rank).to(device)
+        for label, placement, algorithm in eplb_plans(args, experts, world, load):
+            physical = ReplicaSelector(placement, device, algorithm)(0, logical)
+            row = dict(skew=skew, placement=label, slots=placement.num_physical)
+            row.update(time_layer(physical, placement.num_physical, x, weights, (hidden, inter), names, rank, world,
+                                  device, args))
+            rows.append(row)
+    return rows
+
+
+def time_layer(physical, slots, x, weights, shape, names, rank, world, device, args) -> dict:
+    """Median layer time of the slowest rank, and the (token, expert) pairs each rank computes."""
+    hidden, inter = shape
+    ctx = MoEContext(hidden, inter, slots, TOP_K, torch.bfloat16, device, rank, world, dist.group.WORLD,
+                     max_tokens_per_rank=x.shape[0])
+    dispatcher_cls, kernel_cls = lookup("dispatcher", names[0]), lookup("moe_kernel", names[1])
+    dispatcher, kernel = dispatcher_cls(ctx), kernel_cls(ctx)
+    adapter = LayoutAdapter(dispatcher_cls.caps.layouts, kernel_cls.caps.layouts, kernel_cls.caps.alignment)
+    gen = torch.Generator(device).manual_seed(rank)
+    local = ctx.num_local_experts
+    w13 = torch.randn(local, 2 * inter, hidden, generator=gen, device=device, dtype=torch.bfloat16) / hidden**0.5
+    w2 = torch.randn(local, hidden, inter, generator=gen, device=device, dtype=torch.bfloat16) / inter**0.5
+    prepared = kernel.prepare_weights(ExpertWeights(w13, w2))
+
+    def layer():
+        dispatched = dispatcher.dispatch(x, physical, weights)
+        layout, restore = adapter(dispatched.layout)
+        return dispatcher.combine(restore(kernel.apply(layout, prepared)), dispatched.handle)
+
+    seconds = slowest_median(layer, args.iters, args.warmup, device)
+    pairs = torch.bincount(physical.flatten() // local, minlength=world).to(device, torch.float64)
+    dist.all_reduce(pairs)
+    del dispatcher, kernel, prepared, w13, w2
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"us": seconds * 1e6, "max_pairs": int(pairs.max()), "balancedness": (pairs.mean() / pairs.max()).item()}
+
+
+def eplb_table(args, rows: list[dict]) -> list[str]:
+    shape = "hidden 256, 64 experts (CPU check)" if args.cpu else f"hidden {HIDDEN}, {EXPERTS} experts, intermediate {INTERMEDIATE}"
+    dispatcher, kernel = ("naive", "torch") if args.cpu else (args.eplb_dispatcher, "triton")
+    lines = [
+        f"### One MoE layer under a Zipf-skewed router, EPLB on and off, {args.gpus} ranks",
+        "",
+        f"{shape}, top-{TOP_K}, {GROUPS} expert groups, {512 if args.cpu else 4096} tokens per rank, `{dispatcher}` + `{kernel}` in bf16; hot "
+        "experts at random positions. EPLB places from a calibration batch (4x the tokens) and is measured on "
+        "other batches of the same law. Max pairs: (token, expert) pairs on the busiest rank; balancedness: mean "
+        f"over max of the ranks' pairs. Median of {args.iters} layers after {args.warmup}, slowest rank.",
+        "",
+        "| Zipf skew | placement | slots | max pairs | balancedness | layer µs | vs static |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    reference = {}
+    for row in rows:
+        base = reference.setdefault(row["skew"], row["us"])
+        lines.append(f"| {row['skew']} | {row['placement']} | {row['slots']} | {row['max_pairs']} | "
+                     f"{row['balancedness']:.3f} | {row['us']:.0f} | {base / row['us']:.2f}x |")
+    return lines
+
+
 def dispatch_table(args, rows: list[dict]) -> list[str]:
     shape = "hidden 1024, 64 experts (CPU check)" if args.cpu else f"hidden {HIDDEN}, {EXPERTS} experts"
     lines = [
@@ -221,7 +325,11 @@ def dispatch_table(args, rows: list[dict]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gpus", type=int, default=2, help="ranks, one per GPU (default: 2)")
-    parser.add_argument("--parts", nargs="+", choices=("correctness", "dispatch"), default=["correctness", "dispatch"])
+    parser.add_argument("--parts", nargs="+", choices=("correctness", "dispatch", "eplb"),
+                        default=["correctness", "dispatch", "eplb"], help="what to run (default: all three)")
+    parser.add_argument("--skews", type=float, nargs="+", default=[0.8, 1.2], help="Zipf exponents of the EPLB part")
+    parser.add_argument("--redundant", type=int, default=32, help="redundant expert slots in the EPLB part (default: 32)")
+    parser.add_argument("--eplb-dispatcher", default="deepep-normal", help="dispatcher of the EPLB part on GPUs")
     parser.add_argument("--iters", type=int, default=20, help="timed layers per measurement (default: 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed layers first (default: 5)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt (default: 16)")
@@ -235,11 +343,15 @@ def main() -> None:
     if "correctness" in args.parts:
         dispatchers = ["naive"] if args.cpu else ["naive", "deepep-normal", "deepep-ll", "deepep-auto"]
         lines += correctness(args, dispatchers) + [""]
-    if "dispatch" in args.parts:
+    if {"dispatch", "eplb"} & set(args.parts):
         with tempfile.TemporaryDirectory() as tmp:
             out_path = os.path.join(tmp, "rows.json")
             mp.spawn(rank_main, args=(args.gpus, free_port(), args, out_path), nprocs=args.gpus)
-            lines += dispatch_table(args, json.loads(Path(out_path).read_text()))
+            rows = json.loads(Path(out_path).read_text())
+        if rows["dispatch"]:
+            lines += dispatch_table(args, rows["dispatch"]) + [""]
+        if rows["eplb"]:
+            lines += eplb_table(args, rows["eplb"])
     emit("\n".join(lines), args.out)
 
 
