@@ -329,7 +329,8 @@ def main() -> None:
                         default=["correctness", "dispatch", "eplb"], help="what to run (default: all three)")
     parser.add_argument("--skews", type=float, nargs="+", default=[0.8, 1.2], help="Zipf exponents of the EPLB part")
     parser.add_argument("--redundant", type=int, default=32, help="redundant expert slots in the EPLB part (default: 32)")
-    parser.add_argument("--eplb-dispatcher", default="deepep-normal", help="dispatcher of the EPLB part on GPUs")
+    parser.add_argument("--eplb-dispatcher", default="naive",
+                        help="dispatcher of the EPLB part on GPUs (default: naive; deepep-normal holds at most 128 slots per rank)")
     parser.add_argument("--iters", type=int, default=20, help="timed layers per measurement (default: 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed layers first (default: 5)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt (default: 16)")

@@ -61,7 +61,7 @@ def generate_on_rank(parallel: ParallelState, config: EngineConfig, prompts, par
     if not config.parallel.distributed:
         return [local[i] for i in range(len(prompts))]
     gathered = [None] * config.parallel.world_size if rank == 0 else None
-    dist.gather_object(local, gathered, dst=0)
+    dist.gather_object(local, gathered, dst=0, group=parallel.world.host_group)
     if rank != 0:
         return None
     merged = {i: r for part in gathered for i, r in part.items()}

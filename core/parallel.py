@@ -71,24 +71,33 @@ class ParallelConfig:
 
 @attrs.frozen
 class Group:
-    """One process group as this rank sees it (size 1 and group None when there is nothing to talk to)."""
+    """One process group as this rank sees it (size 1 and group None when there is nothing to talk to).
+
+    `group` carries the tensors of the forward pass (NCCL on GPUs); `host` carries the small
+    host-side collectives that schedule steps (gloo, so they never touch or wait on a GPU).
+    """
 
     rank: int = 0
     size: int = 1
     group: object = None
+    host: object = None  # the same members over gloo; None: `group` is gloo already
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
+    @property
+    def host_group(self):
+        return self.host if self.host is not None else self.group
+
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
-        """Every member's short list of integers (one small collective)."""
+        """Every member's short list of integers (one small host-side collective)."""
         if self.size == 1:
             return [list(values)]
         mine = torch.tensor(values, dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(gathered, mine, group=self.group)
+        dist.all_gather(gathered, mine, group=self.host_group)
         return [g.tolist() for g in gathered]
 
     def all_gather_rows(self, tensor: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -139,22 +148,31 @@ def init_parallel(config: ParallelConfig, rank: int, device: torch.device) -> Pa
     """Join the process group and build the sub-groups (every rank creates every group, in order)."""
     if not config.distributed:
         return ParallelState(config)
-    host, port = config.dist_init_addr.rsplit(":", 1)
+    address, port = config.dist_init_addr.rsplit(":", 1)
+    backend = config.dist_backend or default_backend(device)
     dist.init_process_group(
-        backend=config.dist_backend or default_backend(device),
-        init_method=f"tcp://{host}:{port}",
+        backend=backend,
+        init_method=f"tcp://{address}:{port}",
         world_size=config.world_size,
         rank=rank,
         timeout=datetime.timedelta(seconds=config.timeout_s),
     )
+
+    def host_of(members: list[int] | None):
+        """A gloo group of the same members for host-side collectives (every rank makes every group, in order)."""
+        return dist.new_group(members, backend="gloo") if backend != "gloo" else None
+
+    world = Group(rank, config.world_size, dist.group.WORLD, host_of(None))
     attn_size = config.attn_tp_size
     attn = Group()
     for dp in range(config.dp_size):
         members = list(range(dp * attn_size, (dp + 1) * attn_size))
-        group = dist.new_group(members) if attn_size > 1 else None
-        if rank in members:
-            attn = Group(members.index(rank), attn_size, group if attn_size < config.world_size else dist.group.WORLD)
-    world = Group(rank, config.world_size, dist.group.WORLD)
+        if attn_size == config.world_size:
+            attn = world
+        elif attn_size > 1:
+            group, host = dist.new_group(members), host_of(members)
+            if rank in members:
+                attn = Group(members.index(rank), attn_size, group, host)
     return ParallelState(config, rank, attn, world)
 
 

@@ -205,7 +205,7 @@ class Channel:
         if self.world.size == 1:
             return round_
         box = [round_]
-        dist.broadcast_object_list(box, src=0, group=self.world.group)
+        dist.broadcast_object_list(box, src=0, group=self.world.host_group)
         return box[0]
 
     def collect(self, report: GroupReport | None) -> list[GroupReport]:
@@ -219,7 +219,7 @@ class Channel:
         if self.world.size == 1:
             return [item]
         everything = [None] * self.world.size if self.world.rank == 0 else None
-        dist.gather_object(item, everything, dst=0, group=self.world.group)
+        dist.gather_object(item, everything, dst=0, group=self.world.host_group)
         return everything or []
 
 

@@ -108,6 +108,9 @@ def test_buffer_limits_follow_deepep():
     buffers.check_normal(ctx(ep_size=8, num_physical_experts=16), "deepep-normal")
     with pytest.raises(PluginError, match="2, 4, 8 EP ranks of one machine, not 1"):
         buffers.check_normal(ctx(ep_size=1), "deepep-normal")
+    buffers.check_normal(ctx(ep_size=2, num_physical_experts=256), "deepep-normal")
+    with pytest.raises(PluginError, match="at most 128 expert slots per rank.*not 144 \\(288 over 2 ranks\\)"):
+        buffers.check_normal(ctx(ep_size=2, num_physical_experts=288), "deepep-normal")
 
 
 def test_buffer_sizes_come_from_the_hints_and_the_token_limit():

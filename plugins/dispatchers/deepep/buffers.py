@@ -16,6 +16,7 @@ from moeplex.registry import PluginError
 LL_HIDDEN_SIZES = frozenset({2048, 2560, 4096, 5120, 6144, 7168, 8192})  # low-latency kernels, per hidden size
 LL_MAX_TOP_K = 11
 INTRANODE_RANKS = (2, 4, 8)  # normal-mode kernels over NVLink within one machine
+NORMAL_MAX_LOCAL_EXPERTS = 128  # the normal-mode layout kernel counts each rank's experts with one block of 128 threads
 FP8_GROUP = 128
 
 
@@ -27,6 +28,12 @@ def check_normal(ctx: MoEContext, name: str) -> None:
         )
     if (ctx.hidden_size * 2) % 16:
         raise PluginError(f"dispatcher '{name}' moves rows of whole 16-byte words; hidden size {ctx.hidden_size} is not.")
+    if ctx.num_local_experts > NORMAL_MAX_LOCAL_EXPERTS:
+        raise PluginError(
+            f"dispatcher '{name}' serves at most {NORMAL_MAX_LOCAL_EXPERTS} expert slots per rank in DeepEP's normal "
+            f"mode, not {ctx.num_local_experts} ({ctx.num_physical_experts} over {ctx.ep_size} ranks); use more EP "
+            "ranks, fewer redundant experts, or naive."
+        )
 
 
 def check_low_latency(ctx: MoEContext, name: str) -> None:
