@@ -169,7 +169,7 @@ def test_normal_mode_groups_received_rows_per_expert_and_sums_them_back():
     # identity experts scaled per expert: sum_k w_k * (e_k + 1) * row
     output = layout.hidden * (layout.expert_index.clamp_min(0) + 1).float()[:, None]
     scale = torch.where(ids >= 0, weights * (ids + 1), 0).sum(1)
-    torch.testing.assert_close(weighted_sum(output, plan, weights, num_rows), rows * scale[:, None])
+    torch.testing.assert_close(weighted_sum(output, plan, weights, num_rows, torch.float32), rows * scale[:, None])
 
 
 def test_normal_mode_moves_an_fp8_payload_with_its_rows():

@@ -24,6 +24,7 @@ from moeplex.interfaces import (
     placeholder,
 )
 from moeplex.kernels.fp8 import quantize_rows
+from moeplex.kernels.permute import gather_rows, weighted_pair_sum
 from moeplex.moe.adapters import ContiguousPlan, plan_contiguous
 
 from .buffers import OneModeDispatcher, FP8_GROUP, as_bf16, check_normal, make_buffer
@@ -61,18 +62,18 @@ class PendingNormalCombine:
 
 
 def grouped_rows(rows: torch.Tensor, plan: ContiguousPlan) -> torch.Tensor:
-    """Received rows [N, ...] -> contiguous rows [M, ...] (padding rows zero)."""
-    out = rows.new_zeros(plan.expert_index.shape[0], *rows.shape[1:])
-    out[plan.rows] = rows[plan.sources]
-    return out
+    """Received rows [N, W] -> contiguous rows [M, W] (padding rows zero), in one pass."""
+    source = torch.full(plan.expert_index.shape, -1, dtype=torch.int64, device=rows.device)
+    source[plan.rows] = plan.sources
+    return gather_rows(rows, source)
 
 
-def weighted_sum(output: torch.Tensor, plan: ContiguousPlan, weights: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """[N, H] fp32: every received row's sum over its local experts of w_k * expert_k(row)."""
-    pair_weights = weights.reshape(-1)[plan.pairs].float()
-    out = torch.zeros(num_rows, output.shape[-1], dtype=torch.float32, device=output.device)
-    out.index_add_(0, plan.sources, output[plan.rows].float() * pair_weights[:, None])
-    return out
+def weighted_sum(output: torch.Tensor, plan: ContiguousPlan, weights: torch.Tensor, num_rows: int,
+                 dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """[N, H] in `dtype`: every received row's sum over its local experts of w_k * expert_k(row), in fp32."""
+    pair_row = torch.full((num_rows * plan.top_k,), -1, dtype=torch.int64, device=output.device)
+    pair_row[plan.pairs] = plan.rows
+    return weighted_pair_sum(output, pair_row.view(num_rows, plan.top_k), weights.float(), dtype)
 
 
 def contiguous_layout(pending: PendingNormalDispatch, ctx: MoEContext) -> tuple[ContiguousLayout, ContiguousPlan]:
@@ -118,7 +119,7 @@ class NormalMode:
         return Dispatched(layout, handle)
 
     def combine_start(self, output: ExpertOutput, handle: NormalHandle) -> PendingNormalCombine:
-        rows = weighted_sum(output.hidden, handle.plan, handle.weights, handle.num_rows).to(torch.bfloat16)
+        rows = weighted_sum(output.hidden, handle.plan, handle.weights, handle.num_rows)
         combined, _, event = self.buffer.combine(
             rows, handle.deepep, previous_event=self.deep_ep.Buffer.capture(), async_finish=True,
             allocate_on_comm_stream=True,
