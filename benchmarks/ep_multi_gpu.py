@@ -76,7 +76,8 @@ def make_model(folder: Path) -> None:
     )
 
 
-def generate(folder: Path, device: str, dtype: str, kernel: str, dispatcher: str, gpus: int, max_new: int):
+def generate(folder: Path, device: str, dtype: str, kernel: str, dispatcher: str, gpus: int, max_new: int,
+             overlap: str = "none"):
     """Every prompt's greedy steps (token and the top log-probabilities), or the error that stopped the run."""
     parallel = [] if gpus == 1 else [
         "--tp-size", str(gpus), "--ep-size", str(gpus), "--dp-size", str(gpus), "--enable-dp-attention",
@@ -85,7 +86,7 @@ def generate(folder: Path, device: str, dtype: str, kernel: str, dispatcher: str
     command = [
         sys.executable, "-m", "moeplex.cli", "generate", "--model", str(folder),
         "--device", device, "--dtype", dtype, "--moe-kernel", kernel, "--dispatcher", dispatcher, *parallel,
-        "--max-new-tokens", str(max_new), "--ignore-eos", "--logprobs", str(TOP_LOGPROBS), "--json",
+        "--overlap", overlap, "--max-new-tokens", str(max_new), "--ignore-eos", "--logprobs", str(TOP_LOGPROBS), "--json",
         "--input-ids", *PROMPTS,
     ]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **NO_MULTICAST}, timeout=600)
@@ -116,7 +117,11 @@ def correctness(args, dispatchers: list[str]) -> list[str]:
     says little; one GPU in bf16 shows the typical (median) step's difference, and a bf16 run over several
     ranks passes when its median is at most --bf16-factor times that one's."""
     device, kernel = ("cpu", "torch") if args.cpu else ("cuda", "triton")
-    runs = [("fp32", "naive", args.gpus), ("bf16", "local", 1)] + [("bf16", name, args.gpus) for name in dispatchers]
+    runs = [("fp32", "naive", args.gpus, "none"), ("fp32", "naive", args.gpus, "tbo"), ("bf16", "local", 1, "none")]
+    runs += [("bf16", name, args.gpus, "none") for name in dispatchers]
+    # the overlap strategies each dispatcher takes (DeepEP's low-latency buffers hold one transfer: no tbo)
+    runs += [("bf16", name, args.gpus, overlap) for name in dispatchers if name != "naive"
+             for overlap in ("sbo",) + (("tbo",) if name == "deepep-normal" else ())]
     lines = [
         f"### Greedy tokens with {args.gpus} ranks against one {'process' if args.cpu else 'GPU'}",
         "",
@@ -129,20 +134,20 @@ def correctness(args, dispatchers: list[str]) -> list[str]:
         f"{args.bf16_factor}x the one-GPU bf16 run's (what rounding to bf16 costs alone; the max is where a rounding "
         "flipped a router's near-tie and another expert ran).",
         "",
-        "| dtype | dispatcher | ranks | tokens before divergence | identical | median \\|Δ\\| | max \\|Δ\\| | pass |",
-        "|---|---|---:|---:|---|---:|---:|---|",
+        "| dtype | dispatcher | overlap | ranks | tokens before divergence | identical | median \\|Δ\\| | max \\|Δ\\| | pass |",
+        "|---|---|---|---:|---:|---|---:|---:|---|",
     ]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         make_model(folder)
         reference, error = generate(folder, device, "fp32", kernel, "local", 1, args.max_new_tokens)
         if error:
-            return lines + [f"| fp32 | local (reference) | 1 | failed: {error} | | | | NO |"]
+            return lines + [f"| fp32 | local (reference) | none | 1 | failed: {error} | | | | NO |"]
         floor = None
-        for dtype, name, ranks in runs:
-            got, error = generate(folder, device, dtype, kernel, name, ranks, args.max_new_tokens)
+        for dtype, name, ranks, overlap in runs:
+            got, error = generate(folder, device, dtype, kernel, name, ranks, args.max_new_tokens, overlap)
             if error:
-                lines.append(f"| {dtype} | {name} | {ranks} | failed: {error} | | | | NO |")
+                lines.append(f"| {dtype} | {name} | {overlap} | {ranks} | failed: {error} | | | | NO |")
                 continue
             c = compare(reference, got)
             if ranks == 1:
@@ -151,7 +156,7 @@ def correctness(args, dispatchers: list[str]) -> list[str]:
                 verdict = "yes" if c["identical"] and c["worst"] <= FP32_LOGPROB_TOL else "NO"
             else:
                 verdict = "yes" if floor is not None and c["median"] <= args.bf16_factor * floor else "NO"
-            lines.append(f"| {dtype} | {name} | {ranks} | {c['equal']}/{c['total']} | {'yes' if c['identical'] else 'no'} "
+            lines.append(f"| {dtype} | {name} | {overlap} | {ranks} | {c['equal']}/{c['total']} | {'yes' if c['identical'] else 'no'} "
                          f"| {c['median']:.4f} | {c['worst']:.4f} | {verdict} |")
             print(lines[-1], flush=True)
     return lines
