@@ -4,6 +4,12 @@ The received rows are grouped per local expert and padded for DeepGEMM (the cont
 layout). Dispatch learns on the host how many rows arrive (DeepEP's normal mode syncs
 once for that), so this mode is not CUDA-graph safe; its kernels run on DeepEP's own
 stream and SMs, and the halves wait on events, so compute overlaps them.
+
+`dispatch_start` only marks where the rows are ready and counts them per rank and expert
+(asynchronously); `dispatch_finish` sends them and waits on the host for the counts. Work
+queued between the halves (the other micro-batch's attention under `tbo`, the shared experts
+under `sbo`) therefore keeps the GPU busy while the host waits, and the transfer waits only
+for this batch's rows, not for that work.
 """
 
 from __future__ import annotations
@@ -39,6 +45,18 @@ class NormalHandle:
     weights: torch.Tensor  # [N_recv, K] fp32 top-k weights of the received rows
     num_rows: int  # N_recv
     dtype: torch.dtype  # the source hidden's dtype
+
+
+@attrs.frozen
+class LaunchedNormalDispatch:
+    """Between the halves: the rows to send and DeepEP's layout of them (computed on its stream)."""
+
+    x: Any  # bf16 rows, or (fp8 rows, scales)
+    topk_ids: torch.Tensor  # [N, K] int64
+    weights: torch.Tensor  # [N, K] fp32
+    layout: tuple  # num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
+    event: Any  # when the layout is done
+    dtype: torch.dtype
 
 
 @attrs.frozen
@@ -93,26 +111,30 @@ class NormalMode:
     def __init__(self, ctx: MoEContext, deep_ep, buffer):
         self.ctx, self.deep_ep, self.buffer = ctx, deep_ep, buffer
 
-    def dispatch_start(self, hidden, topk_ids, topk_weights) -> PendingNormalDispatch:
-        buffer, previous = self.buffer, self.deep_ep.Buffer.capture()
+    def dispatch_start(self, hidden, topk_ids, topk_weights) -> LaunchedNormalDispatch:
         topk_ids, weights = topk_ids.to(torch.int64).contiguous(), topk_weights.float().contiguous()
-        per_rank, per_rdma_rank, per_expert, in_rank, event = buffer.get_dispatch_layout(
-            topk_ids, self.ctx.num_physical_experts, previous_event=previous, async_finish=True,
-            allocate_on_comm_stream=True,
-        )
         x = as_bf16(hidden)
         if self.ctx.dispatch_fp8:
             x = quantize_rows(x)
-        received, recv_ids, recv_weights, counts, handle, event = buffer.dispatch(
+        # recorded after every input is written: DeepEP's stream waits for this event only
+        ready = self.deep_ep.Buffer.capture()
+        *layout, event = self.buffer.get_dispatch_layout(
+            topk_ids, self.ctx.num_physical_experts, previous_event=ready, async_finish=True,
+            allocate_on_comm_stream=True,
+        )
+        return LaunchedNormalDispatch(x, topk_ids, weights, tuple(layout), event, hidden.dtype)
+
+    def dispatch_finish(self, launched: LaunchedNormalDispatch) -> Dispatched:
+        per_rank, per_rdma_rank, per_expert, in_rank = launched.layout
+        x, topk_ids, weights = launched.x, launched.topk_ids, launched.weights
+        received, recv_ids, recv_weights, counts, handle, event = self.buffer.dispatch(  # waits for the counts
             x, topk_idx=topk_ids, topk_weights=weights, num_tokens_per_rank=per_rank,
             num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            previous_event=event, async_finish=True, allocate_on_comm_stream=True,
+            previous_event=launched.event, async_finish=True, allocate_on_comm_stream=True,
         )
-        return PendingNormalDispatch(
-            received, recv_ids, recv_weights, list(counts), handle, event, hidden.dtype, (x, topk_ids, weights)
+        pending = PendingNormalDispatch(
+            received, recv_ids, recv_weights, list(counts), handle, event, launched.dtype, (x, topk_ids, weights)
         )
-
-    def dispatch_finish(self, pending: PendingNormalDispatch) -> Dispatched:
         pending.event.current_stream_wait()
         layout, plan = contiguous_layout(pending, self.ctx)
         handle = NormalHandle(pending.deepep, plan, pending.weights, pending.topk_ids.shape[0], pending.dtype)
