@@ -413,6 +413,7 @@ def main() -> None:
     parser.add_argument("--bf16-factor", type=float, default=2.0,
                         help="how many times one GPU's bf16 error a bf16 run over several ranks may show (default: 2)")
     parser.add_argument("--profile", type=Path, help="write rank 0's kernel table of every dispatch row to this folder")
+    parser.add_argument("--dispatchers", nargs="+", help="dispatchers of the correctness part (default: all four)")
     parser.add_argument("--cpu", action="store_true", help="check the script on gloo ranks with CPU plugins")
     parser.add_argument("--out", type=Path, help="also write the Markdown to this file")
     args = parser.parse_args()
@@ -421,7 +422,7 @@ def main() -> None:
     machine = "CPU (gloo)" if args.cpu else f"{args.gpus} x {torch.cuda.get_device_name(0)}"
     lines = [f"## Expert parallelism on {machine}", "", f"torch {torch.__version__}, {datetime.date.today()}.", ""]
     if "correctness" in args.parts:
-        dispatchers = ["naive"] if args.cpu else ["naive", "deepep-normal", "deepep-ll", "deepep-auto"]
+        dispatchers = args.dispatchers or (["naive"] if args.cpu else ["naive", "deepep-normal", "deepep-ll", "deepep-auto"])
         lines += correctness(args, dispatchers) + [""]
     if {"dispatch", "eplb"} & set(args.parts):
         with tempfile.TemporaryDirectory() as tmp:
