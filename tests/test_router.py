@@ -17,7 +17,8 @@ import pytest
 from moeplex.cli import main as cli_main
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
-from moeplex.router import RouterSettings, build_router_app
+from moeplex.router import RouterSettings
+from moeplex.router.app import build_router_app
 from moeplex.server import ServerSettings, build_app
 
 from live_server import LiveServer

@@ -6,7 +6,7 @@ import logging
 
 import uvicorn
 
-from ..router import POLICIES, RouterSettings, build_router_app
+from ..router import POLICIES, RouterSettings
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -86,7 +86,8 @@ def settings_from(args) -> RouterSettings:
 def run(args) -> int:
     settings = settings_from(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))  # it logs every request at INFO
+    from ..router.app import build_router_app  # here: every other command runs without the router's HTTP client
+
     app = build_router_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=args.access_log)
     return 0

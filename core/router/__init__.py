@@ -13,7 +13,6 @@
     fake_worker.py    a stand-in for `moeplex serve` with a fixed service time, for tests and benchmarks
 """
 
-from .app import build_router_app
 from .settings import POLICIES, RouterSettings
 
-__all__ = ["build_router_app", "POLICIES", "RouterSettings"]
+__all__ = ["POLICIES", "RouterSettings"]  # the app (and its HTTP client) from .app, where a router runs

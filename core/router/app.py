@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 
-import httpx
+import aiohttp
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -19,7 +19,7 @@ from .policies import make_policy
 from .proxy import Forwarder, error_response
 from .request_text import TEXT_OF, routing_text
 from .settings import RouterSettings
-from .upstream import WorkerClients, forwarded_headers
+from .upstream import forwarded_headers, worker_session
 from .workers import WorkerRegistry, normalize_url
 
 log = logging.getLogger(__name__)
@@ -40,9 +40,9 @@ class Router:
         self.forwarder: Forwarder | None = None
         self.health: HealthChecker | None = None
 
-    def open(self, clients: WorkerClients, probes: httpx.AsyncClient) -> None:
-        """Start forwarding through `clients` (one pool per worker) and health checks through `probes`."""
-        self.forwarder = Forwarder(clients, self.registry, self.policy, self.metrics, self.settings)
+    def open(self, session: aiohttp.ClientSession, probes: aiohttp.ClientSession) -> None:
+        """Start forwarding through `session` and health checks through `probes` (a pool of their own)."""
+        self.forwarder = Forwarder(session, self.registry, self.policy, self.metrics, self.settings)
         self.health = HealthChecker(probes, self.registry, self.metrics, self.settings.health_check_timeout_secs)
 
     def routes(self) -> list[Route]:
@@ -179,14 +179,12 @@ async def wait_for_disconnect(http: Request) -> None:
 def build_router_app(settings: RouterSettings) -> Starlette:
     """The router's app; its HTTP client, health checks and tree eviction start and stop with the app's lifespan."""
     router = Router(settings)
-    limits = httpx.Limits(max_connections=settings.max_connections, max_keepalive_connections=settings.max_connections)
-    timeout = httpx.Timeout(settings.request_timeout_secs, connect=settings.connect_timeout_secs, pool=None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        clients = WorkerClients(limits, timeout)
-        async with httpx.AsyncClient(timeout=settings.health_check_timeout_secs) as probes:
-            router.open(clients, probes)
+        session = worker_session(settings.max_connections, settings.request_timeout_secs, settings.connect_timeout_secs)
+        async with session, aiohttp.ClientSession() as probes:
+            router.open(session, probes)
             tasks = [asyncio.create_task(router.health.run(settings.health_check_interval_secs)),
                      asyncio.create_task(router.evict_every(settings.eviction_interval_secs))]
             try:
@@ -195,7 +193,6 @@ def build_router_app(settings: RouterSettings) -> Starlette:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
-                await clients.close_all()
 
     app = Starlette(routes=router.routes(), lifespan=lifespan)
     app.state.router = router

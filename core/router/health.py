@@ -5,24 +5,26 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import httpx
+import aiohttp
 
 from .metrics import RouterMetrics
+from .upstream import TRANSPORT_ERRORS
 from .workers import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
 
-async def probe(client: httpx.AsyncClient, url: str, timeout: float) -> int | str:
+async def probe(session: aiohttp.ClientSession, url: str, timeout: float) -> int | str:
     """The status of GET url/health, or the name of the failure when there is none."""
     try:
-        return (await client.get(f"{url}/health", timeout=timeout)).status_code
-    except httpx.HTTPError as exc:
+        async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            return response.status
+    except TRANSPORT_ERRORS as exc:
         return type(exc).__name__
 
 
 class HealthChecker:
-    def __init__(self, client: httpx.AsyncClient, registry: WorkerRegistry, metrics: RouterMetrics, timeout: float):
+    def __init__(self, client: aiohttp.ClientSession, registry: WorkerRegistry, metrics: RouterMetrics, timeout: float):
         self.client = client
         self.registry = registry
         self.metrics = metrics

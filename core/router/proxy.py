@@ -11,18 +11,18 @@ import asyncio
 import logging
 import random
 
-import httpx
+import aiohttp
 from starlette.responses import JSONResponse, Response
 
 from .metrics import RouterMetrics
 from .policies import Policy, least_loaded
 from .settings import RouterSettings
-from .upstream import Upstream, WorkerClients, WorkerUnavailable, open_upstream
+from .upstream import TRANSPORT_ERRORS, Upstream, WorkerUnavailable, open_upstream
 from .workers import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
-FORWARD_FAILURES = (httpx.TransportError, WorkerUnavailable)
+FORWARD_FAILURES = (*TRANSPORT_ERRORS, WorkerUnavailable)
 
 
 def error_response(status: int, message: str) -> JSONResponse:
@@ -32,9 +32,9 @@ def error_response(status: int, message: str) -> JSONResponse:
 
 
 class Forwarder:
-    def __init__(self, clients: WorkerClients, registry: WorkerRegistry, policy: Policy, metrics: RouterMetrics,
-                 settings: RouterSettings):
-        self.clients = clients
+    def __init__(self, session: aiohttp.ClientSession, registry: WorkerRegistry, policy: Policy,
+                 metrics: RouterMetrics, settings: RouterSettings):
+        self.session = session
         self.registry = registry
         self.policy = policy
         self.metrics = metrics
@@ -83,7 +83,7 @@ class Forwarder:
     async def _attempt(self, worker: Worker, method: str, path: str, headers: list, body: bytes) -> Upstream:
         self.registry.sent(worker)  # load counts from the moment of the decision
         try:
-            upstream = await open_upstream(self.clients.client_for(worker.url), worker.url + path, method, headers, body)
+            upstream = await open_upstream(self.session, worker.url + path, method, headers, body)
         except BaseException as exc:
             self.registry.finished(worker)
             if isinstance(exc, FORWARD_FAILURES):

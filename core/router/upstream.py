@@ -7,10 +7,11 @@ be retried on another worker; after it, the client already holds part of the ans
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import AsyncIterator, Callable
 
-import httpx
+import aiohttp
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -21,32 +22,20 @@ RETRYABLE_STATUS = frozenset({502, 503, 504})
 # hop-by-hop headers, and those the router's own server writes
 DROPPED_REQUEST_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade"})
 DROPPED_RESPONSE_HEADERS = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding", "date", "server"})
+# a worker that cannot be reached, breaks the connection or goes silent past the read timeout
+TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
-class WorkerClients:
-    """One pooled HTTP client per worker URL, kept for the router's life.
-
-    httpcore checks every idle connection of a pool (a poll and a few socket calls each) whenever it
-    hands out or takes back a connection, so one pool per worker keeps that scan to one worker's share
-    of the connections. A removed worker's client stays (requests in flight on it finish; its idle
-    connections end with the worker's keep-alive timeout) and serves the worker again if it is re-added.
-    """
-
-    def __init__(self, limits: httpx.Limits, timeout: httpx.Timeout):
-        self.limits = limits
-        self.timeout = timeout
-        self._clients: dict[str, httpx.AsyncClient] = {}
-
-    def client_for(self, url: str) -> httpx.AsyncClient:
-        client = self._clients.get(url)
-        if client is None:
-            client = self._clients[url] = httpx.AsyncClient(limits=self.limits, timeout=self.timeout)
-        return client
-
-    async def close_all(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            await client.aclose()
+def worker_session(max_connections: int, read_timeout: float, connect_timeout: float) -> aiohttp.ClientSession:
+    """The pooled client every forward goes through (keep-alive connections per worker; bodies passed
+    through as they are, compressed or not). aiohttp costs ~0.1 ms of CPU per exchange where httpx
+    cost ~0.5 ms (measured on loopback on the CPU machine)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=max_connections),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=read_timeout),
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent",),
+    )
 
 
 class WorkerUnavailable(Exception):
@@ -60,41 +49,43 @@ class WorkerUnavailable(Exception):
 class Upstream:
     """An opened worker response: status, headers, and either the whole body or the first chunk of a stream."""
 
-    def __init__(self, response: httpx.Response, body: bytes, chunks: AsyncIterator[bytes] | None):
+    def __init__(self, response: aiohttp.ClientResponse, body: bytes, chunks: AsyncIterator[bytes] | None):
         self.response = response
         self.body = body  # the whole body, or the first chunk of a stream
         self.chunks = chunks  # the rest of a stream; None when buffered
 
-    def headers(self) -> dict[str, str]:
-        return {k: v for k, v in self.response.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS}
+    def headers(self) -> list[tuple[str, str]]:
+        return [(k, v) for k, v in self.response.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS]
 
     def to_response(self, on_close: Callable[[bool], None]) -> Response:
         """The client's response; `on_close(failed)` runs once the worker is done with it."""
         if self.chunks is None:
             on_close(False)
-            return Response(self.body, status_code=self.response.status_code, headers=self.headers())
+            response = Response(self.body, status_code=self.response.status)
+            response.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers()]
+            return response
         return PassThrough(self, on_close)
 
 
-async def open_upstream(client: httpx.AsyncClient, url: str, method: str, headers: list, body: bytes) -> Upstream:
+async def open_upstream(session: aiohttp.ClientSession, url: str, method: str, headers: list, body: bytes) -> Upstream:
     """Send one request and read up to the client's first byte; raise on a failure before it."""
-    request = client.build_request(method, url, headers=headers, content=body)
-    response = await client.send(request, stream=True)
+    response = await session.request(method, url, headers=headers, data=body, allow_redirects=False)
     try:
-        if response.status_code in RETRYABLE_STATUS:
-            raise WorkerUnavailable(url, response.status_code)
+        if response.status in RETRYABLE_STATUS:
+            raise WorkerUnavailable(url, response.status)
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
-            return Upstream(response, b"".join([chunk async for chunk in response.aiter_raw()]), None)
-        chunks = response.aiter_raw()
+            return Upstream(response, await response.read(), None)
+        chunks = response.content.iter_any()
         first = await anext(chunks, b"")
         return Upstream(response, first, chunks)
     except BaseException:
-        await response.aclose()
+        response.close()
         raise
 
 
-def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in raw if k.decode("latin-1").lower() not in DROPPED_REQUEST_HEADERS]
+def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw]
+    return [(k, v) for k, v in headers if k.lower() not in DROPPED_REQUEST_HEADERS]
 
 
 class PassThrough(StreamingResponse):
@@ -105,7 +96,8 @@ class PassThrough(StreamingResponse):
     """
 
     def __init__(self, upstream: Upstream, on_close: Callable[[bool], None]):
-        super().__init__(self._chunks(upstream), status_code=upstream.response.status_code, headers=upstream.headers())
+        super().__init__(self._chunks(upstream), status_code=upstream.response.status)
+        self.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in upstream.headers()]
         self.upstream = upstream
         self.on_close = on_close
 
@@ -118,13 +110,17 @@ class PassThrough(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         failed = False
+        response = self.upstream.response
         try:
             await super().__call__(scope, receive, send)
-        except httpx.TransportError as exc:
+        except TRANSPORT_ERRORS as exc:
             # the worker failed mid-stream: the response stays unterminated, so the client sees a broken
             # stream rather than a short one that looks complete
             failed = True
-            log.warning("%s failed in the middle of a stream: %s", self.upstream.response.url, exc)
+            log.warning("%s failed in the middle of a stream: %r", response.url, exc)
         finally:
             self.on_close(failed)
-            await self.upstream.response.aclose()
+            if response.content.at_eof() and not failed:
+                response.release()  # the connection goes back to the pool
+            else:
+                response.close()  # a stream cut short: the worker sees the connection close and aborts
