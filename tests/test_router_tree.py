@@ -169,6 +169,19 @@ def test_cache_aware_sticks_above_the_threshold_and_balances_below_it():
     assert other.reason == "cache_miss" and other.worker is not first.worker, "a miss goes to the least loaded"
 
 
+def test_a_new_prefix_goes_to_the_worker_owning_least_text_among_the_least_loaded():
+    policy = CacheAware(cache_threshold=0.5, balance_abs_threshold=32, balance_rel_threshold=1.1)
+    pool = workers(0, 0, 0)
+    owners = [policy.select(f"prefix {i} " * 10, pool).worker for i in range(3)]
+    assert len(set(owners)) == 3, "equal loads: each new prefix to a worker that owns none yet"
+    policy.select("another text of the first worker " * 4, [owners[0]])  # owners[0] now owns the most text
+    owners[0].load, owners[1].load, owners[2].load = 3, 4, 7
+    # owners[1] is one request busier than the least loaded but owns less text; owners[2] is too busy
+    assert policy.select("a fresh prefix " * 10, pool).worker is owners[1]
+    owners[1].load = 5  # two requests busier: load decides
+    assert policy.select("yet another fresh prefix " * 10, pool).worker is owners[0]
+
+
 def test_cache_aware_takes_the_shortest_queue_when_imbalanced_by_both_thresholds():
     policy = CacheAware(cache_threshold=0.5, balance_abs_threshold=4, balance_rel_threshold=1.5)
     pool = workers(0, 0, 0)

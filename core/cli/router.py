@@ -32,7 +32,8 @@ def _add_cache_aware_flags(p) -> None:
     g = p.add_argument_group("cache-aware policy")
     g.add_argument("--cache-threshold", type=float, default=0.5,
                    help="when the longest prefix some worker has seen covers more than this fraction of the request "
-                   "text, that worker gets it; otherwise the least loaded worker (default: 0.5)")
+                   "text, that worker gets it; otherwise the least loaded worker, and among workers within one request of it "
+                   "the one owning the least text (default: 0.5)")
     g.add_argument("--balance-abs-threshold", type=int, default=32,
                    help="load is imbalanced, and the shortest queue wins over prefix affinity, when the most and least "
                    "loaded workers differ by more than this many requests AND by the relative threshold (default: 32)")

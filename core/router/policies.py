@@ -4,8 +4,8 @@ Every policy answers a Choice: the worker and why it was chosen (the reason is c
 /metrics). The cache-aware policy follows SGLang's router: if load is imbalanced (max - min above
 the absolute threshold AND max above the relative threshold times min) the shortest queue wins;
 otherwise the worker whose tree share matches the longest prefix, if the match covers more than the
-cache threshold of the text; otherwise the least loaded worker. The chosen worker then owns the text
-in the tree.
+cache threshold of the text; otherwise the least loaded worker (among those within one request of it,
+the one owning the least text). The chosen worker then owns the text in the tree.
 """
 
 from __future__ import annotations
@@ -123,7 +123,20 @@ class CacheAware(Policy):
             # several workers share the longest match: the least loaded, then the one that saw it last
             url = min(match.workers, key=lambda u: (by_url[u].load, -match.workers[u]))
             return Choice(by_url[url], "cache_hit")
-        return Choice(least_loaded(workers, next(self._turn)), "cache_miss")
+        return Choice(self._owner_for_new_text(workers), "cache_miss")
+
+    def _owner_for_new_text(self, workers: list[Worker]) -> Worker:
+        """The least loaded worker; among those within one request of it, the one owning the least text.
+
+        A new prefix's later requests follow it to its owner, so the text a worker owns is its share of
+        future load: loads that differ by one request say little (they change every few milliseconds),
+        the tree says which worker has taken fewer prefixes so far.
+        """
+        lowest = min(w.load for w in workers)
+        close = [w for w in workers if w.load <= lowest + 1]
+        start = next(self._turn) % len(close)
+        rotated = close[start:] + close[:start]
+        return min(rotated, key=lambda w: (self.tree.size(w.url), w.load))
 
 
 def make_policy(settings: RouterSettings) -> Policy:
