@@ -1,0 +1,49 @@
+"""The multi-rank benchmarks run end to end at toy sizes on CPU ranks (gloo), so a change cannot break them
+unseen between GPU sessions. Their numbers here mean nothing; their correctness checks do."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+pytestmark = pytest.mark.slow
+
+
+def run(script: str, out: Path, *args: str, timeout: int = 600) -> str:
+    """The Markdown the script writes to --out (its stdout also carries progress lines)."""
+    done = subprocess.run([sys.executable, script, *args, "--out", str(out)], cwd=BENCHMARKS, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out.read_text()
+
+
+def table_rows(text: str, first_cell: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines()
+            if line.startswith(f"| {first_cell} ")]
+
+
+def test_ep_multi_gpu_on_cpu_ranks(tmp_path):
+    out = run("ep_multi_gpu.py", tmp_path / "ep.md", "--cpu", "--gpus", "2", "--iters", "1", "--warmup", "1", "--max-new-tokens", "4",
+              "--skews", "1.2")
+    correctness = table_rows(out, "fp32") + table_rows(out, "bf16")
+    assert [row[:4] for row in correctness] == [
+        ["fp32", "naive", "none", "2"], ["fp32", "naive", "tbo", "2"], ["bf16", "local", "none", "1"],
+        ["bf16", "naive", "none", "2"],
+    ]
+    assert all(row[-1] in ("yes", "(bf16 alone)") for row in correctness), out
+    assert table_rows(out, "prefill") and table_rows(out, "decode"), out
+    eplb = table_rows(out, "1.2")
+    assert [row[1] for row in eplb] == ["static", "eplb, no redundant", "eplb, 32 redundant"]
+    assert float(eplb[1][4]) > float(eplb[0][4]), "EPLB balances the ranks' pairs better than the static placement"
+
+
+def test_overlap_on_cpu_ranks(tmp_path):
+    out = run("overlap.py", tmp_path / "overlap.md", "--ranks", "2", "--preset", "tiny", "--decode", "4", "--prefill", "32", "--repeats", "1")
+    rows = table_rows(out, "2")
+    assert [(row[1], row[2]) for row in rows] == [("naive", "decode"), ("naive", "prefill")], out
+    assert all(float(cell) > 0 for row in rows for cell in row[4:7]), out
