@@ -150,17 +150,14 @@ def init_parallel(config: ParallelConfig, rank: int, device: torch.device) -> Pa
         return ParallelState(config)
     address, port = config.dist_init_addr.rsplit(":", 1)
     backend = config.dist_backend or default_backend(device)
+    timeout = datetime.timedelta(seconds=config.timeout_s)
     dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{address}:{port}",
-        world_size=config.world_size,
-        rank=rank,
-        timeout=datetime.timedelta(seconds=config.timeout_s),
+        backend=backend, init_method=f"tcp://{address}:{port}", world_size=config.world_size, rank=rank, timeout=timeout
     )
 
     def host_of(members: list[int] | None):
         """A gloo group of the same members for host-side collectives (every rank makes every group, in order)."""
-        return dist.new_group(members, backend="gloo") if backend != "gloo" else None
+        return dist.new_group(members, backend="gloo", timeout=timeout) if backend != "gloo" else None
 
     world = Group(rank, config.world_size, dist.group.WORLD, host_of(None))
     attn_size = config.attn_tp_size
