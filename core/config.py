@@ -59,6 +59,8 @@ class EngineConfig:
     max_running_requests: int = attrs.field(default=64, validator=_positive)
     max_batched_tokens: int = attrs.field(default=2048, validator=_positive)  # per-step token budget
     chunked_prefill_size: int = attrs.field(default=512, validator=_positive)
+    # prompts and decodes share a step (None: unless decode steps replay CUDA graphs, which a prompt would stop)
+    mixed_chunk: bool | None = None
     page_size: int = attrs.field(default=16, validator=_positive)
     max_total_tokens: int | None = attrs.field(default=None, validator=_positive)  # KV pool size in tokens
     kv_memory_fraction: float = 0.25  # of free memory, when max_total_tokens is not given

@@ -89,9 +89,12 @@ class Engine:
         shapes = self.model.kv_shapes()
         tokens = _kv_tokens(config, KVPool.bytes_per_token(shapes, config.torch_dtype), self.device)
         self.kv = KVPool(-(-tokens // config.page_size), config.page_size, shapes, config.torch_dtype, self.device)
-        self.scheduler = Scheduler(self.kv, config.max_running_requests, config.max_batched_tokens, config.chunked_prefill_size)
         strategy = selection.overlap(min_tokens=config.overlap_min_tokens)
         graphs = decode_graphs(config, self.model, self.kv, strategy, selection, self.parallel.config.world_size)
+        mixed = config.mixed_chunk if config.mixed_chunk is not None else graphs is None
+        self.scheduler = Scheduler(
+            self.kv, config.max_running_requests, config.max_batched_tokens, config.chunked_prefill_size, mixed
+        )
         self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs)
         self.overlap_schedule = _overlap_schedule(config, self.device, self.parallel.config.world_size)
         self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet

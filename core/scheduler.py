@@ -25,13 +25,19 @@ class Scheduler:
     into chunks. When a running request needs a page and none is free, the newest
     running request is preempted: its pages are freed and it waits at the front
     of the queue to recompute its KV later.
+
+    `mixed=False` keeps prompts and decodes in separate steps, as SGLang does by default:
+    a step prefills (prompt chunks and new admissions) whenever there is something to
+    prefill, and decodes otherwise. Where decode steps replay CUDA graphs, a mixed step
+    would run eagerly over every decoding request for the sake of one prompt.
     """
 
-    def __init__(self, kv: KVPool, max_running: int, token_budget: int, chunk_size: int):
+    def __init__(self, kv: KVPool, max_running: int, token_budget: int, chunk_size: int, mixed: bool = True):
         self.kv = kv
         self.max_running = max_running
         self.token_budget = token_budget
         self.chunk_size = chunk_size
+        self.mixed = mixed
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.dropped: list[Request] = []  # aborted by the scheduler; the engine reports them
@@ -48,19 +54,32 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> list[ScheduledWork]:
+        if self.mixed:
+            return self._step(self.running, admit=True)
+        # a prompt chunk never preempts: under memory pressure the decodes run (and preempt the newest
+        # request), so a prompt recomputed after preemption cannot starve them
+        prefill = self._step([r for r in self.running if r.num_uncached > 1], admit=True, preempt=False)
+        if prefill:
+            return prefill
+        decode = self._step([r for r in self.running if r.num_uncached == 1], admit=False)
+        # neither: a prompt that needs pages only preemption frees (or that can never fit)
+        return decode or self._step(self.running, admit=True)
+
+    def _step(self, candidates: list[Request], admit: bool, preempt: bool = True) -> list[ScheduledWork]:
+        """Work for `candidates` (running requests, oldest first), then for admitted waiting requests."""
         work: list[ScheduledWork] = []
         budget = self.token_budget
-        for request in list(self.running):
+        for request in list(candidates):  # a copy: reserving may preempt from self.running
             if budget == 0:
                 break
             if request not in self.running or request.awaiting_final_token:  # preempted, or nothing left to ask
                 continue
             n = self._chunk(request, budget)
-            if not self._reserve(request, n, preempt=True):
+            if not self._reserve(request, n, preempt=preempt):
                 continue
             work.append(ScheduledWork(request, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
             n = self._chunk(request, budget)
             if not self._reserve(request, n, preempt=False):

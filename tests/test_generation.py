@@ -53,12 +53,14 @@ def _mixed_prompts(count: int, seed: int = 0) -> list[list[int]]:
     return [[256] + [rng.randrange(256) for _ in range(rng.randrange(3, 40))] for _ in range(count)]
 
 
-def test_output_is_identical_alone_and_in_a_batch_of_16(tiny_model_dir):
+@pytest.mark.parametrize("mixed_chunk", [True, False], ids=["mixed-steps", "separate-prefill-steps"])
+def test_output_is_identical_alone_and_in_a_batch_of_16(tiny_model_dir, mixed_chunk):
     folder = tiny_model_dir("deepseek_v3")
     prompts = _mixed_prompts(16)
     params = [SamplingParams(max_new_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(16)]
     alone = [make_engine(folder).generate([p], sp)[0].output_ids for p, sp in zip(prompts[:4], params[:4])]
-    engine = make_engine(folder, chunked_prefill_size=16, max_batched_tokens=64)
+    engine = make_engine(folder, chunked_prefill_size=16, max_batched_tokens=64, mixed_chunk=mixed_chunk)
+    assert engine.scheduler.mixed is mixed_chunk
     batched = engine.generate(prompts, params)
     assert [r.output_ids for r in batched[:4]] == alone
     assert [len(r.output_ids) for r in batched] == [sp.max_new_tokens for sp in params]

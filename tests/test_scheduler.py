@@ -22,6 +22,10 @@ def run_to_completion(scheduler: Scheduler, requests: list[Request], max_steps: 
         work = scheduler.schedule()
         scheduler.dropped.clear()
         total = sum(w.num_tokens for w in work)
+        if not scheduler.mixed:
+            # one token to go after a cached prefix: what a decode batch holds (a prompt's last token may be one)
+            decoding = {w.request.num_uncached == 1 and w.request.num_cached > 0 for w in work}
+            assert len(decoding) <= 1, "a step both prefills and decodes"
         assert total <= scheduler.token_budget
         assert len(scheduler.running) <= scheduler.max_running
         owned = [p for r in scheduler.running for p in r.pages]
@@ -54,10 +58,12 @@ def make_pool(pages: int, page_size: int = 4) -> KVPool:
     chunk=st.integers(1, 32),
     pages=st.integers(20, 80),
     max_running=st.integers(1, 8),
+    mixed=st.booleans(),
 )
-def test_budget_pool_and_completion(prompt_lens, new_tokens, budget, chunk, pages, max_running):
+def test_budget_pool_and_completion(prompt_lens, new_tokens, budget, chunk, pages, max_running, mixed):
     kv = make_pool(pages)
-    scheduler = Scheduler(kv, max_running=max_running, token_budget=max(budget, max_running), chunk_size=chunk)
+    scheduler = Scheduler(kv, max_running=max_running, token_budget=max(budget, max_running), chunk_size=chunk,
+                          mixed=mixed)
     requests = [
         Request(str(i), list(range(n)), SamplingParams(max_new_tokens=new_tokens)) for i, n in enumerate(prompt_lens)
     ]
@@ -77,6 +83,38 @@ def test_long_prompts_are_chunked_and_decodes_continue_alongside():
     scheduler.add(long)
     work = scheduler.schedule()
     assert [(w.request.rid, w.num_tokens) for w in work] == [("short", 1), ("long", 16)]
+
+
+def test_unmixed_steps_prefill_first_then_decode():
+    scheduler = Scheduler(make_pool(200), max_running=4, token_budget=32, chunk_size=16, mixed=False)
+    short = Request("short", [1, 2, 3], SamplingParams(max_new_tokens=10))
+    long = Request("long", list(range(20)), SamplingParams(max_new_tokens=2))
+    scheduler.add(short)
+    scheduler.schedule()[0].request.num_cached = 3
+    short.output_ids.append(0)
+    scheduler.add(long)
+
+    def step() -> list[tuple[str, int]]:
+        work = scheduler.schedule()
+        for w in work:
+            w.request.num_cached += w.num_tokens
+            if w.request.num_uncached == 0:
+                w.request.output_ids.append(0)
+        return [(w.request.rid, w.num_tokens) for w in work]
+
+    assert step() == [("long", 16)]  # a prompt to prefill: the decode waits
+    assert step() == [("long", 4)]  # the prompt's last chunk
+    assert step() == [("short", 1), ("long", 1)]  # nothing left to prefill: both decode
+
+
+def test_unmixed_steps_decode_when_no_prompt_can_be_admitted():
+    scheduler = Scheduler(make_pool(200), max_running=1, token_budget=32, chunk_size=16, mixed=False)
+    first = Request("first", [1, 2, 3], SamplingParams(max_new_tokens=10))
+    scheduler.add(first)
+    scheduler.schedule()[0].request.num_cached = 3
+    first.output_ids.append(0)
+    scheduler.add(Request("second", [4, 5], SamplingParams(max_new_tokens=2)))  # no room: max_running is 1
+    assert [(w.request.rid, w.num_tokens) for w in scheduler.schedule()] == [("first", 1)]
 
 
 def test_preemption_frees_the_newest_request_and_requeues_it_first():

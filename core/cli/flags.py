@@ -79,6 +79,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--max-running-requests", type=int, default=64, help="requests decoding at once (default: 64)")
     sched.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget of one step (default: 2048)")
     sched.add_argument("--chunked-prefill-size", type=int, default=512, help="longest prompt piece per step (default: 512)")
+    sched.add_argument(
+        "--mixed-chunk", choices=("auto", "on", "off"), default="auto",
+        help="whether prompt chunks and decodes share a step; auto: they do unless decode steps replay CUDA graphs "
+        "(a step with a prompt runs eagerly, so there prompts get steps of their own, as in SGLang) (default: auto)",
+    )
     sched.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page (default: 16)")
     sched.add_argument(
         "--max-total-tokens", type=int, default=None,
@@ -183,6 +188,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         max_running_requests=args.max_running_requests,
         max_batched_tokens=args.max_batched_tokens,
         chunked_prefill_size=args.chunked_prefill_size,
+        mixed_chunk={"auto": None, "on": True, "off": False}[args.mixed_chunk],
         page_size=args.page_size,
         max_total_tokens=args.max_total_tokens,
         parallel=parallel_config(args),
