@@ -54,15 +54,17 @@ class Upstream:
         self.body = body  # the whole body, or the first chunk of a stream
         self.chunks = chunks  # the rest of a stream; None when buffered
 
-    def headers(self) -> list[tuple[str, str]]:
-        return [(k, v) for k, v in self.response.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS]
+    def raw_headers(self) -> list[tuple[bytes, bytes]]:
+        """The worker's response headers as ASGI sends them, less those the router's server writes."""
+        return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.response.headers.items()
+                if k.lower() not in DROPPED_RESPONSE_HEADERS]
 
     def to_response(self, on_close: Callable[[bool], None]) -> Response:
         """The client's response; `on_close(failed)` runs once the worker is done with it."""
         if self.chunks is None:
             on_close(False)
             response = Response(self.body, status_code=self.response.status)
-            response.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers()]
+            response.raw_headers += self.raw_headers()
             return response
         return PassThrough(self, on_close)
 
@@ -97,7 +99,7 @@ class PassThrough(StreamingResponse):
 
     def __init__(self, upstream: Upstream, on_close: Callable[[bool], None]):
         super().__init__(self._chunks(upstream), status_code=upstream.response.status)
-        self.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in upstream.headers()]
+        self.raw_headers += upstream.raw_headers()
         self.upstream = upstream
         self.on_close = on_close
 
