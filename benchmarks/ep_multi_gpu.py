@@ -119,9 +119,7 @@ def correctness(args, dispatchers: list[str]) -> list[str]:
     device, kernel = ("cpu", "torch") if args.cpu else ("cuda", "triton")
     runs = [("fp32", "naive", args.gpus, "none"), ("fp32", "naive", args.gpus, "tbo"), ("bf16", "local", 1, "none")]
     runs += [("bf16", name, args.gpus, "none") for name in dispatchers]
-    # the overlap strategies each dispatcher takes (DeepEP's low-latency buffers hold one transfer: no tbo)
-    runs += [("bf16", name, args.gpus, overlap) for name in dispatchers if name != "naive"
-             for overlap in ("sbo",) + (("tbo",) if name == "deepep-normal" else ())]
+    runs += [("bf16", name, args.gpus, overlap) for name in dispatchers if name != "naive" for overlap in ("sbo", "tbo")]
     lines = [
         f"### Greedy tokens with {args.gpus} ranks against one {'process' if args.cpu else 'GPU'}",
         "",

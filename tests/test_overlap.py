@@ -90,6 +90,52 @@ def test_tbo_really_runs_two_micro_batches(tiny_model_dir):
     assert [r.output_ids for r in outputs] == [r["output_ids"] for r in reference]
 
 
+def test_tbo_keeps_one_transfer_in_flight_and_overlaps_each_with_the_other_micro_batch(tiny_model_dir):
+    """DeepEP's low-latency buffers hold one transfer at a time: TBO must never launch a second."""
+    from moeplex.engine import Engine
+
+    engine = Engine(EngineConfig(model=tiny_model_dir("deepseek_v3"), show_progress=False, max_total_tokens=1024,
+                                 overlap="tbo"))
+    dispatcher = engine.model.moe_runtime.dispatcher
+    events, in_flight, most = [], set(), [0]
+
+    def tracked(name: str, launches: bool):
+        inner = getattr(dispatcher, name)
+
+        def call(*args, **kwargs):
+            result = inner(*args, **kwargs)
+            if launches:
+                in_flight.add(id(result))
+                most[0] = max(most[0], len(in_flight))
+            else:
+                in_flight.discard(id(args[0]))
+            events.append(name)
+            return result
+
+        setattr(dispatcher, name, call)
+
+    for name, launches in (("dispatch_start", True), ("dispatch_finish", False), ("combine_start", True),
+                           ("combine_finish", False)):
+        tracked(name, launches)
+    kernel_apply = engine.model.moe_runtime.kernel.apply
+
+    def apply(*args, **kwargs):
+        events.append("experts")
+        return kernel_apply(*args, **kwargs)
+
+    engine.model.moe_runtime.kernel.apply = apply
+    for layer in engine.model.model.layers:
+        layer.self_attn.register_forward_hook(lambda *_: events.append("attention"))
+    outputs = engine.generate(PROMPTS, PARAMS)
+    assert most[0] == 1 and not in_flight
+    # a launched transfer is in flight while the other micro-batch computes: its attention or its experts
+    pairs = set(zip(events, events[1:]))
+    assert {("dispatch_start", "attention"), ("dispatch_start", "experts"), ("combine_start", "experts"),
+            ("combine_start", "attention")} <= pairs, sorted(pairs)
+    reference = generate(EngineConfig(model=engine.config.model, show_progress=False, max_total_tokens=1024), PROMPTS, PARAMS)
+    assert [r.output_ids for r in outputs] == [r["output_ids"] for r in reference]
+
+
 def free_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

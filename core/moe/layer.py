@@ -141,7 +141,8 @@ class MoELayer(nn.Module):
         self.prepared = self.runtime.prepare_weights(*self.expert_tensors())
 
     def program(self, hidden: torch.Tensor, state: StepState) -> Generator[str, None, torch.Tensor]:
-        """Yields while dispatch and combine are in flight; returns [T, H].
+        """Yields after launching each transfer ("dispatch", "combine"), after finishing it ("dispatched",
+        "combined") and after the experts ("experts"); returns [T, H].
 
         The ranks of an attention group hold the same tokens; when experts are sharded over
         ranks (EP), each of them routes only its share and the shares are gathered afterwards.
@@ -158,11 +159,14 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None and not shared_first:
             shared = self.shared_experts(hidden)  # while the routed tokens travel
         dispatched = runtime.dispatcher.dispatch_finish(pending)
+        yield "dispatched"
         layout, restore = runtime.adapter(dispatched.layout)
         output = restore(runtime.kernel.apply(layout, self.prepared))
+        yield "experts"
         pending = runtime.dispatcher.combine_start(output, dispatched.handle)
         yield "combine"
         routed = runtime.dispatcher.combine_finish(pending).to(hidden.dtype)
+        yield "combined"
         routed = runtime.moe_tp.all_reduce(routed)  # tensor-parallel experts: sum the slices
         if counts is not None:
             routed = runtime.attn_tp.all_gather_rows(routed, counts)

@@ -33,19 +33,36 @@ def two_batch_cut(meta: BatchMeta, tolerance: float = BALANCE_TOLERANCE) -> int 
     return total // 2
 
 
+LEAD = 2  # segments the first micro-batch runs ahead: its attention, then its dispatch launch
+_DONE = object()
+
+
 class TwoBatchOverlap(OverlapStrategy):
-    caps = OverlapCaps(needs_async_halves=True, min_tokens=2, shared_during_dispatch=True, transfers_in_flight=2)
+    """Micro-batch A runs two segments (yield point to yield point) ahead, then A and B take turns.
+
+    A MoE layer's segments are: attention | gate + dispatch launch | (shared experts +) dispatch
+    finish | experts | combine launch | combine finish. With A two ahead, each transfer one micro-batch
+    launches is in flight while the other computes (B's attention behind A's dispatch, A's experts
+    behind B's dispatch, B's experts behind A's combine, A's next attention behind B's combine), and
+    no transfer starts before the other micro-batch's last one finished: one transfer in flight at a
+    time, which DeepEP's low-latency buffers require.
+    """
+
+    caps = OverlapCaps(needs_async_halves=True, min_tokens=2, shared_during_dispatch=True, transfers_in_flight=1)
 
     def plan(self, meta: BatchMeta) -> Sequence[int] | None:
         cut = two_batch_cut(meta)
         return None if cut is None else [cut]
 
     def run(self, programs: Sequence[Iterator]) -> None:
-        """Round robin between yield points: micro-batch 0 stays one stage ahead in every layer."""
-        active = list(programs)
+        if len(programs) != 2:
+            return super().run(programs)
+        lead, trail = programs
+        for _ in range(LEAD):
+            if next(lead, _DONE) is _DONE:
+                break
+        active = [trail, lead]
         while active:
             for program in list(active):
-                try:
-                    next(program)
-                except StopIteration:
+                if next(program, _DONE) is _DONE:
                     active.remove(program)
