@@ -43,6 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import attrs
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -303,9 +304,26 @@ def eplb_plans(args, experts: int, world: int, load: torch.Tensor):
     yield f"eplb, {args.redundant} redundant", plan("eplb", experts + args.redundant), SPREAD
 
 
+@attrs.frozen
+class EplbSetup:
+    hidden: int
+    intermediate: int
+    experts: int
+    tokens: int  # per rank
+    dispatcher: str
+    kernel: str
+
+    @classmethod
+    def of(cls, args) -> "EplbSetup":
+        if args.cpu:
+            return cls(256, 128, 64, 512, "naive", "torch")
+        return cls(HIDDEN, INTERMEDIATE, EXPERTS, 4096, args.eplb_dispatcher, "triton")
+
+
 def eplb_rows(rank: int, world: int, device: torch.device, args) -> list[dict]:
-    hidden, inter, experts, tokens = (256, 128, 64, 512) if args.cpu else (HIDDEN, INTERMEDIATE, EXPERTS, 4096)
-    names = ("naive", "torch") if args.cpu else (args.eplb_dispatcher, "triton")
+    setup = EplbSetup.of(args)
+    hidden, inter, experts, tokens = setup.hidden, setup.intermediate, setup.experts, setup.tokens
+    names = (setup.dispatcher, setup.kernel)
     hot_order = torch.randperm(experts, generator=torch.Generator().manual_seed(2))
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16)
@@ -353,12 +371,12 @@ def time_layer(physical, slots, x, weights, shape, names, rank, world, device, a
 
 
 def eplb_table(args, rows: list[dict]) -> list[str]:
-    shape = "hidden 256, 64 experts (CPU check)" if args.cpu else f"hidden {HIDDEN}, {EXPERTS} experts, intermediate {INTERMEDIATE}"
-    dispatcher, kernel = ("naive", "torch") if args.cpu else (args.eplb_dispatcher, "triton")
+    setup = EplbSetup.of(args)
+    shape = f"hidden {setup.hidden}, {setup.experts} experts, intermediate {setup.intermediate}" + (" (CPU check)" if args.cpu else "")
     lines = [
         f"### One MoE layer under a Zipf-skewed router, EPLB on and off, {args.gpus} ranks",
         "",
-        f"{shape}, top-{TOP_K}, {GROUPS} expert groups, {512 if args.cpu else 4096} tokens per rank, `{dispatcher}` + `{kernel}` in bf16; hot "
+        f"{shape}, top-{TOP_K}, {GROUPS} expert groups, {setup.tokens} tokens per rank, `{setup.dispatcher}` + `{setup.kernel}` in bf16; hot "
         "experts at random positions. EPLB places from a calibration batch (4x the tokens) and is measured on "
         "other batches of the same law. Max pairs: (token, expert) pairs on the busiest rank; balancedness: mean "
         f"over max of the ranks' pairs. Median of {args.iters} layers after {args.warmup}, slowest rank.",

@@ -99,17 +99,16 @@ def rank_main(rank, parallel_config, args, folder, device):
             max_batched_tokens=max(args.decode) if decode_only else max(args.prefill, max(args.decode)),
         )
         engine = Engine(config, parallel=parallel)
-        caps = engine.model.moe_runtime.dispatcher.caps
+        refused = {name: refusal(config, name, parallel_config.ep_size) for name in STRATEGIES}
+        buffer = engine.model.moe_runtime.ctx.max_tokens_per_rank
         for label, tokens, batch in batches(engine, args.decode, args.prefill):
             row = {"dispatcher": dispatcher, "batch": label, "tokens": tokens}
-            if caps.fixed_max_tokens and tokens > engine.model.moe_runtime.ctx.max_tokens_per_rank:
-                row["skipped"] = f"more tokens than its {engine.model.moe_runtime.ctx.max_tokens_per_rank}-token buffer"
-            for name in STRATEGIES:
-                if "skipped" in row:
-                    continue
-                reason = refusal(config, name, parallel_config.ep_size)
-                row[name] = reason or time_step(engine, batch, lookup("overlap", name)(), args.repeats,
-                                                parallel.world.host_group)
+            if dcaps.fixed_max_tokens and tokens > buffer:
+                row["skipped"] = f"more tokens than its {buffer}-token buffer"
+            else:
+                for name in STRATEGIES:
+                    row[name] = refused[name] or time_step(engine, batch, lookup("overlap", name)(), args.repeats,
+                                                           parallel.world.host_group)
             rows.append(row)
         del engine
         if torch_device.type == "cuda":

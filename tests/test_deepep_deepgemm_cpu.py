@@ -160,7 +160,7 @@ def test_normal_mode_groups_received_rows_per_expert_and_sums_them_back():
     rows = torch.randn(num_rows, hidden, generator=gen)
     counts = torch.bincount(ids[ids >= 0], minlength=experts).tolist()
     context = ctx(hidden_size=hidden, num_physical_experts=experts * 2, ep_size=2, top_k=top_k)
-    pending = PendingNormalDispatch(rows, ids, weights, counts, None, None, torch.float32, ())
+    pending = PendingNormalDispatch(rows, ids, weights, counts, None, torch.float32)
     layout, plan = contiguous_layout(pending, context)
     want, _ = standard_to_contiguous(StandardLayout(rows, ids, weights, experts), 128)
     torch.testing.assert_close(layout.hidden, want.hidden)
@@ -177,7 +177,7 @@ def test_normal_mode_moves_an_fp8_payload_with_its_rows():
     payload = quantize_activations(torch.randn(3, 256))
     counts = [2, 3]
     pending = PendingNormalDispatch(
-        (payload.values, payload.scales), ids, torch.ones(3, 2), counts, None, None, torch.bfloat16, ()
+        (payload.values, payload.scales), ids, torch.ones(3, 2), counts, None, torch.bfloat16
     )
     layout, plan = contiguous_layout(pending, ctx(hidden_size=256, num_physical_experts=4, top_k=2))
     assert layout.hidden.untyped_storage().nbytes() <= 2  # a placeholder: the rows are in the payload

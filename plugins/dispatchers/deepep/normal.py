@@ -61,14 +61,14 @@ class LaunchedNormalDispatch:
 
 @attrs.frozen
 class PendingNormalDispatch:
+    """What DeepEP's dispatch handed this rank (its stream already waited on)."""
+
     received: Any  # rows, or (fp8 rows, scales)
     topk_ids: torch.Tensor  # [N_recv, K] local expert ids, -1 for experts elsewhere
     weights: torch.Tensor
     counts: list[int]  # rows received per local expert
     deepep: Any
-    event: Any
     dtype: torch.dtype
-    sent: tuple  # inputs kept alive until the kernels that read them are done
 
 
 @attrs.frozen
@@ -132,10 +132,8 @@ class NormalMode:
             num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             previous_event=launched.event, async_finish=True, allocate_on_comm_stream=True,
         )
-        pending = PendingNormalDispatch(
-            received, recv_ids, recv_weights, list(counts), handle, event, launched.dtype, (x, topk_ids, weights)
-        )
-        pending.event.current_stream_wait()
+        event.current_stream_wait()  # `launched` keeps the sent rows alive until here
+        pending = PendingNormalDispatch(received, recv_ids, recv_weights, list(counts), handle, launched.dtype)
         layout, plan = contiguous_layout(pending, self.ctx)
         handle = NormalHandle(pending.deepep, plan, pending.weights, pending.topk_ids.shape[0], pending.dtype)
         return Dispatched(layout, handle)
