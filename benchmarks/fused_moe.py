@@ -2,13 +2,13 @@
 
 One Markdown table per shape: for each token count M on one EP rank, the time of each kernel
 (median of triton.testing.do_bench, L2 flushed between runs), triton's time when replayed in a
-CUDA graph (how decode runs), the speed-up over torch, the TFLOP/s of the routed pairs, the GB/s
-at which the weights of the experts hit were streamed, and the fraction of the roofline: the
-larger of compute time at the measured matmul peak and weight-streaming time at the measured
-device-to-device bandwidth, divided by triton's best time. Both peaks are measured in this run.
+CUDA graph (how decode runs), the speed-up over torch, and triton's best time against each
+ceiling measured in this run: TFLOP/s of the routed pairs over the bf16 (or fp8) matmul peak, TB/s
+of the fewest bytes that must move (the hit experts' weights once, the tokens in and out) over the
+device-to-device copy rate, and the roofline, the larger of the two ideal times over the time taken.
 
-    python benchmarks/fused_moe.py --shape deepseek-v3-ep8 --dtype fp8 > benchmarks/results/fused_moe_dsv3_fp8.md
-    python benchmarks/fused_moe.py --shape qwen3-30b-a3b --dtype bf16
+    python benchmarks/fused_moe.py --shape deepseek-v3 --dtype bf16 > benchmarks/results/fused_moe_h200_deepseek-v3_bf16.md
+    python benchmarks/fused_moe.py --shape deepseek-v3-ep8 --dtype fp8
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ class Shape:
 
 
 SHAPES = {
+    "deepseek-v3": Shape(experts=256, ep_size=1, hidden=7168, intermediate=2048, top_k=8),
     "deepseek-v3-ep8": Shape(experts=256, ep_size=8, hidden=7168, intermediate=2048, top_k=8),
     "deepseek-v3-ep16": Shape(experts=256, ep_size=16, hidden=7168, intermediate=2048, top_k=8),
     "qwen3-30b-a3b": Shape(experts=128, ep_size=1, hidden=2048, intermediate=768, top_k=8),
 }
-TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 
 def make_weights(shape: Shape, fp8: bool, seed: int = 0) -> ExpertWeights:
@@ -115,34 +116,45 @@ class Work:
     pairs: int  # routed (token, expert) pairs here
     experts_hit: int
     flops: float  # 2 x (H x 2I + I x H) per pair
-    weight_bytes: float  # the hit experts' weights, read once
+    bytes: float  # the fewest that must move: the hit experts' weights, the tokens in and out, each once
 
     @classmethod
     def of(cls, layout: StandardLayout, shape: Shape, bytes_per_weight: int) -> Work:
         routed = layout.topk_ids[layout.topk_ids >= 0]
         pairs, hit = routed.numel(), torch.unique(routed).numel()
-        return cls(pairs, hit, 6 * pairs * shape.hidden * shape.intermediate,
-                   hit * 3 * shape.hidden * shape.intermediate * bytes_per_weight)
+        weights = hit * 3 * shape.hidden * shape.intermediate * bytes_per_weight
+        tokens = 2 * layout.num_rows * shape.hidden * layout.hidden.element_size()
+        return cls(pairs, hit, 6 * pairs * shape.hidden * shape.intermediate, weights + tokens)
+
+    def compute_ms(self, roof: Roofline) -> float:
+        return self.flops / roof.matmul_tflops / 1e9
+
+    def memory_ms(self, roof: Roofline) -> float:
+        return self.bytes / roof.copy_gbps / 1e6
 
     def ideal_ms(self, roof: Roofline) -> float:
-        """The larger of the compute time at the matmul peak and the weight-streaming time at the copy rate."""
-        return max(self.flops / roof.matmul_tflops / 1e9, self.weight_bytes / roof.copy_gbps / 1e6)
+        """The roofline: the larger of the compute time at the matmul peak and the memory time at the copy rate."""
+        return max(self.compute_ms(roof), self.memory_ms(roof))
+
+
+HEADER = ("| M | pairs here | experts hit | triton µs | triton graph µs | torch µs | speed-up | TFLOP/s | of matmul peak "
+          "| TB/s | of copy peak | of roofline |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def row(shape: Shape, tokens: int, fp8: bool, roof: Roofline, kernels) -> str:
+    """One M: times, and the best of them against each ceiling and against the larger of the two (the roofline)."""
     layout = make_layout(shape, tokens, seed=tokens)
     work = Work.of(layout, shape, 1 if fp8 else 2)
-    pairs, experts_hit, flops, weight_bytes = work.pairs, work.experts_hit, work.flops, work.weight_bytes
     (triton_kernel, triton_weights), (torch_kernel, torch_weights) = kernels
     triton_eager = bench_ms(lambda: triton_kernel.apply(layout, triton_weights))
     triton_graph = graph_ms(lambda: triton_kernel.apply(layout, triton_weights))
     torch_ms = bench_ms(lambda: torch_kernel.apply(layout, torch_weights))
-    ideal_ms = work.ideal_ms(roof)
     best = min(triton_eager, triton_graph)
     return (
-        f"| {tokens} | {pairs} | {experts_hit} | {triton_eager * 1e3:.1f} | {triton_graph * 1e3:.1f} | "
-        f"{torch_ms * 1e3:.1f} | {torch_ms / best:.2f} | {flops / best / 1e9:.1f} | "
-        f"{weight_bytes / best / 1e6:.0f} | {100 * ideal_ms / best:.0f}% |"
+        f"| {tokens} | {work.pairs} | {work.experts_hit} | {triton_eager * 1e3:.1f} | {triton_graph * 1e3:.1f} | "
+        f"{torch_ms * 1e3:.1f} | {torch_ms / best:.2f} | {work.flops / best / 1e9:.1f} | "
+        f"{100 * work.compute_ms(roof) / best:.0f}% | {work.bytes / best / 1e9:.2f} | "
+        f"{100 * work.memory_ms(roof) / best:.0f}% | {100 * work.ideal_ms(roof) / best:.0f}% |"
     )
 
 
@@ -168,9 +180,7 @@ def main() -> None:
           f"H={shape.hidden}, I={shape.intermediate}, top-{shape.top_k} uniform routing.")
     print(f"Measured peaks: {'fp8' if fp8 else 'bf16'} matmul {roof.matmul_tflops:.0f} TFLOP/s, "
           f"device copy {roof.copy_gbps:.0f} GB/s.\n")
-    print("| M | pairs here | experts hit | triton µs | triton graph µs | torch µs | speed-up | TFLOP/s | "
-          "weight GB/s | roofline |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(HEADER)
     for tokens in args.tokens:
         print(row(shape, tokens, fp8, roof, kernels), flush=True)
 

@@ -1,33 +1,44 @@
 """Search tile configurations of the `triton` fused MoE kernel on this GPU and write its JSON table.
 
-    python benchmarks/tune_fused_moe.py --shape deepseek-v3-ep8 --dtype fp8 --shard 0/3
-    python benchmarks/tune_fused_moe.py --shape deepseek-v3-ep8 --dtype fp8 --shard 1/3   (and 2/3)
+    python benchmarks/tune_fused_moe.py --shape deepseek-v3-ep8 --dtype bf16
+    python benchmarks/tune_fused_moe.py --shape deepseek-v3 --tokens 1 64 4096 --log tune.csv
 
-Every candidate runs the whole fused path (align, both GEMMs, finish) on the routing of
-benchmarks/fused_moe.py, replayed as a CUDA graph (triton.testing.do_bench_cudagraph). Candidates are the outer loop, so each
-compiles once and is timed at every token count. A search too long for one run is split with
---shard i/n; each run also re-times the entry already in the table and the default, and keeps the
-fastest, so the shards merge into one table. --budget-s stops a run early with what it has. The
-winners are checked against the torch reference before the table
-(configs/E=..,N=..,K=..,device=..,dtype=...json in the plugin package) is written.
+The two GEMMs are tuned apart: GEMM 1 (gate and up, N=2I, K=H) and GEMM 2 (down, N=H, K=I) have
+transposed shapes and want different tiles, but they tile one alignment, so they share BLOCK_M.
+For each token count M (routing of benchmarks/fused_moe.py) and each BLOCK_M that suits its rows
+per expert, every candidate of each GEMM is timed alone as a CUDA-graph replay
+(triton.testing.do_bench_cudagraph: decode replays graphs, and eager timing at small M measures the
+host). The best pair per BLOCK_M, the table's incumbent and the default then run the whole path
+(align, both GEMMs, finish), and the fastest wins. Candidates compile first in a pool of processes
+that fill Triton's on-disk cache, so the search pays for compiling once, in parallel. --budget-s
+stops the search early with what it has. Winners are checked against the torch reference before
+the table (configs/E=..,N=..,K=..,device=..,dtype=...json in the plugin package) is written;
+--log writes every timing as CSV.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import itertools
+import multiprocessing
+import os
 import time
+from pathlib import Path
 
+import attrs
 import torch
-import triton
 from triton.testing import do_bench_cudagraph
 
-from fused_moe import SHAPES, TOKENS, context, make_layout, make_weights  # benchmarks/fused_moe.py, beside this file
+from fused_moe import SHAPES, TOKENS, Shape, context, make_layout, make_weights  # benchmarks/, beside this file
 
+from moeplex.kernels.fp8 import quantize_rows
+from moeplex.plugins.moe_kernels.triton_moe.align import align_pairs
 from moeplex.plugins.moe_kernels.triton_moe.configs import (
     CONFIG_DIR,
+    MoETiles,
     TileConfig,
-    default_config,
+    default_tiles,
     device_name,
     dtype_name,
     read_table,
@@ -35,42 +46,127 @@ from moeplex.plugins.moe_kernels.triton_moe.configs import (
     write_table,
 )
 from moeplex.plugins.moe_kernels.triton_moe.fused import PreparedWeights, activations, moe_standard
+from moeplex.plugins.moe_kernels.triton_moe.kernel import grouped_gemm
 from moeplex.registry import lookup
 
-
-def search_space(fp8: bool) -> list[TileConfig]:
-    block_ks = (128,) if fp8 else (64, 128)  # fp8: a K tile must sit inside one 128-wide scale group
-    space = itertools.product((16, 32, 64, 128), (32, 64, 128), block_ks, (1, 16), (4, 8), (2, 3, 4))
-    return [TileConfig(bm, bn, bk, group, warps, stages) for bm, bn, bk, group, warps, stages in space]
+GEMMS = ("gate_up", "down")
+SHARED_MEMORY = 220 * 1024  # bytes a Hopper SM gives one program, less a margin
 
 
-def worth_timing(config: TileConfig, rows_per_expert: float) -> bool:
-    """Row tiles much taller than an expert's rows only multiply padding."""
-    return config.block_m <= max(16, 2 * triton.next_power_of_2(max(1, int(rows_per_expert))))
+def block_ms(rows_per_expert: float) -> tuple[int, ...]:
+    """Row tiles worth trying: tall enough to reuse each weight tile, short enough not to pad much."""
+    if rows_per_expert < 8:
+        return (16,)
+    if rows_per_expert < 32:
+        return (16, 32)
+    if rows_per_expert < 96:
+        return (32, 64)
+    return (64, 128)
 
 
-def time_config(config: TileConfig, layout, prepared: PreparedWeights) -> float:
-    def run():
+def gemm_space(gemm: str, block_m: int, fp8: bool) -> list[TileConfig]:
+    gated = gemm == "gate_up"
+    if block_m <= 32:  # streaming weights: many programs, deep pipelines
+        block_ns = (16, 32, 64, 128) if gated else (32, 64, 128, 256)
+        space = itertools.product(block_ns, (64, 128, 256), (1,), (4,), (3, 4, 5))
+    else:  # reusing them: wide tiles on the tensor cores
+        block_ns = (64, 128) if gated else (64, 128, 256)
+        space = itertools.product(block_ns, (64, 128), (8,), (4, 8), (3, 4))
+    configs = []
+    for bn, bk, group, warps, stages in space:
+        if fp8 and 128 % bk:
+            continue  # a K tile must sit inside one 128-wide scale group
+        operand_bytes = (block_m * bk + bk * bn * (2 if gated else 1)) * (1 if fp8 else 2)
+        accumulators = block_m * bn * (2 if gated else 1)
+        if operand_bytes * stages > SHARED_MEMORY or accumulators > 128 * warps * 32:  # spills past 128 regs
+            continue
+        configs.append(TileConfig(block_m, bn, bk, group, warps, stages))
+    return configs
+
+
+@attrs.frozen
+class Case:
+    """One token count's operands for timing each GEMM alone over one alignment."""
+
+    shape: Shape
+    acts: object
+    align: object
+    inter: torch.Tensor
+    inter_scales: torch.Tensor | None
+    pair_rows: torch.Tensor
+    routed: torch.Tensor
+
+    @classmethod
+    def build(cls, shape: Shape, layout, prepared: PreparedWeights, block_m: int) -> Case:
         acts = activations(layout.hidden, None, prepared)
-        return moe_standard(acts, layout.topk_ids, layout.topk_weights, prepared, config)
+        align = align_pairs(layout.topk_ids, shape.local_experts, block_m)
+        pairs = layout.topk_ids.numel()
+        inter = torch.randn(pairs, shape.intermediate, device="cuda").to(acts.out_dtype)
+        inter_scales = None
+        if prepared.fp8:
+            inter, inter_scales = quantize_rows(inter)
+        pair_rows = torch.empty(pairs, shape.hidden, device="cuda", dtype=acts.out_dtype)
+        return cls(shape, acts, align, inter, inter_scales, pair_rows, layout.topk_weights.reshape(-1).contiguous())
 
+    def launch(self, gemm: str, config: TileConfig, prepared: PreparedWeights) -> None:
+        if gemm == "gate_up":
+            grouped_gemm(self.acts.values, prepared.w13, self.inter, self.align, config, a_scale=self.acts.scales,
+                         b_scale=prepared.w13_scale, a_row_div=self.shape.top_k, gated=True)
+        else:
+            grouped_gemm(self.inter, prepared.w2, self.pair_rows, self.align, config, a_scale=self.inter_scales,
+                         b_scale=prepared.w2_scale, routed_weights=self.routed)
+
+
+def graph_ms(fn) -> float:
     try:
-        # replayed as a CUDA graph, as decode runs it: timed eagerly, small M measures the host's launches
-        return do_bench_cudagraph(run, rep=25, return_mode="median")
+        return do_bench_cudagraph(fn, rep=10, return_mode="median")
     except Exception as exc:  # too much shared memory or registers for this GPU: not a candidate
-        print(f"  skip {config}: {type(exc).__name__}", flush=True)
+        print(f"  skip: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
         return float("inf")
 
 
-def check(layout, prepared, config, reference, fp8: bool) -> None:
+def _compile_some(args) -> int:
+    """Pool worker: launch each config once at one token (one expert), which leaves its binary in the disk cache."""
+    shape_name, fp8, jobs = args
+    full = SHAPES[shape_name]
+    shape = attrs.evolve(full, experts=full.ep_size * full.top_k)  # strides are those of any expert count
+    prepared = PreparedWeights.from_expert_weights(make_weights(shape, fp8))
+    cases = {}
+    for gemm, config in jobs:
+        if config.block_m not in cases:
+            cases[config.block_m] = Case.build(shape, make_layout(shape, 1), prepared, config.block_m)
+        try:
+            cases[config.block_m].launch(gemm, config, prepared)
+        except Exception:  # out of resources: the main process skips it too
+            pass
+    torch.cuda.synchronize()
+    return len(jobs)
+
+
+def precompile(shape_name: str, fp8: bool, jobs: list[tuple[str, TileConfig]], workers: int) -> None:
+    started = time.monotonic()
+    chunks = [(shape_name, fp8, jobs[i::workers]) for i in range(workers)]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        done = sum(pool.map(_compile_some, chunks))
+    print(f"compiled {done} candidates in {time.monotonic() - started:.0f}s on {workers} processes", flush=True)
+
+
+def whole_ms(tiles: MoETiles, layout, prepared: PreparedWeights) -> float:
+    def run():
+        acts = activations(layout.hidden, None, prepared)
+        return moe_standard(acts, layout.topk_ids, layout.topk_weights, prepared, tiles)
+    return graph_ms(run)
+
+
+def check(layout, prepared, tiles: MoETiles, reference, fp8: bool) -> None:
     """A winner must still compute the right thing: compare with the torch kernel."""
     acts = activations(layout.hidden, None, prepared)
-    ours = moe_standard(acts, layout.topk_ids, layout.topk_weights, prepared, config).float()
+    ours = moe_standard(acts, layout.topk_ids, layout.topk_weights, prepared, tiles).float()
     want = reference.float()
     error = ((ours - want).norm() / want.norm().clamp_min(1e-30)).item()
     limit = 6e-2 if fp8 else 2e-2  # w8a8 also quantizes activations; the reference does not
     if not error <= limit:
-        raise SystemExit(f"config {config} at M={layout.num_rows} is off by {error:.3g} (limit {limit}); table not written")
+        raise SystemExit(f"{tiles} at M={layout.num_rows} is off by {error:.3g} (limit {limit}); table not written")
 
 
 def main() -> None:
@@ -78,46 +174,59 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="deepseek-v3-ep8", help="expert shapes of one EP rank")
     parser.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16", help="weight format, as in fused_moe.py")
     parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="token counts M to tune")
-    parser.add_argument("--shard", default="0/1", help="i/n: time every n-th candidate of the search space, from i")
-    parser.add_argument("--budget-s", type=float, default=540.0, help="stop searching after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="stop searching after this many seconds")
+    parser.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 2)),
+                        help="processes that compile candidates before the search")
+    parser.add_argument("--table-dir", default=str(CONFIG_DIR),
+                        help="where to write the JSON table (the incumbent is always read from the plugin's tables)")
+    parser.add_argument("--log", help="CSV file of every timing")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("tuning needs the GPU the table is for, and no CUDA device is visible")
     started = time.monotonic()
     shape, fp8 = SHAPES[args.shape], args.dtype == "fp8"
-    shard, shards = map(int, args.shard.split("/"))
     weights = make_weights(shape, fp8)
     prepared = PreparedWeights.from_expert_weights(weights)
     layouts = {m: make_layout(shape, m, seed=m) for m in args.tokens}
     rows_per_expert = {m: int((layout.topk_ids >= 0).sum()) / shape.local_experts for m, layout in layouts.items()}
+    spaces = {(gemm, bm): gemm_space(gemm, bm, fp8) for gemm in GEMMS for bm in (16, 32, 64, 128)}
+    wanted = {bm for m in args.tokens for bm in block_ms(rows_per_expert[m])}
+    precompile(args.shape, fp8, [(gemm, c) for (gemm, bm), space in spaces.items() if bm in wanted for c in space],
+               args.workers)
     dtype = dtype_name(torch.bfloat16, fp8)
-    path = CONFIG_DIR / table_file(device_name(torch.device("cuda"), False), dtype, shape.local_experts,
-                                   shape.intermediate, shape.hidden)
-    table = read_table(path) or {}
-
-    best: dict[int, tuple[float, TileConfig]] = {}
-    for m, layout in layouts.items():  # the incumbent and the default first: every M ends with an answer
-        for config in {default_config(m, shape.local_experts, shape.top_k, dtype, False), table.get(m)} - {None}:
-            best[m] = min(best.get(m, (float("inf"), config)), (time_config(config, layout, prepared), config),
-                          key=lambda pair: pair[0])
-    candidates = search_space(fp8)[shard::shards]
-    for index, config in enumerate(candidates):
-        if time.monotonic() - started > args.budget_s:
-            print(f"budget spent after {index} of {len(candidates)} candidates", flush=True)
-            break
-        for m, layout in layouts.items():
-            if worth_timing(config, rows_per_expert[m]):
-                ms = time_config(config, layout, prepared)
-                if ms < best[m][0]:
-                    best[m] = (ms, config)
-        print(f"[{index + 1}/{len(candidates)}] {time.monotonic() - started:.0f}s", flush=True)
+    name = table_file(device_name(torch.device("cuda"), False), dtype, shape.local_experts, shape.intermediate,
+                      shape.hidden)
+    table = read_table(CONFIG_DIR / name) or {}
+    log = csv.writer(open(args.log, "w", newline="")) if args.log else None
 
     torch_kernel = lookup("moe_kernel", "torch")(context(shape))
     torch_weights = torch_kernel.prepare_weights(weights)
     for m, layout in layouts.items():
-        check(layout, prepared, best[m][1], torch_kernel.apply(layout, torch_weights).hidden, fp8)
-        table[m] = best[m][1]
-        print(f"M={m}: {best[m][0] * 1e3:.1f} µs with {best[m][1]}")
+        finalists = {default_tiles(m, shape.local_experts, shape.top_k, dtype, False), table.get(m)} - {None}
+        for bm in block_ms(rows_per_expert[m]):
+            case = Case.build(shape, layout, prepared, bm)
+            best = {}
+            for gemm in GEMMS:
+                timed = []
+                for config in spaces[gemm, bm]:
+                    if time.monotonic() - started > args.budget_s:
+                        break
+                    ms = graph_ms(lambda: case.launch(gemm, config, prepared))
+                    timed.append((ms, config))
+                    if log:
+                        log.writerow([args.shape, args.dtype, m, gemm, *attrs.astuple(config), f"{ms * 1e3:.2f}"])
+                if timed:
+                    best[gemm] = min(timed, key=lambda pair: pair[0])
+            if len(best) == len(GEMMS):
+                finalists.add(MoETiles(best["gate_up"][1], best["down"][1]))
+                print(f"M={m} BLOCK_M={bm}: gate_up {best['gate_up'][0] * 1e3:.1f} µs, "
+                      f"down {best['down'][0] * 1e3:.1f} µs", flush=True)
+            del case
+        ms, tiles = min(((whole_ms(t, layout, prepared), t) for t in finalists), key=lambda pair: pair[0])
+        check(layout, prepared, tiles, torch_kernel.apply(layout, torch_weights).hidden, fp8)
+        table[m] = tiles
+        print(f"M={m}: {ms * 1e3:.1f} µs with {tiles}  [{time.monotonic() - started:.0f}s]", flush=True)
+    path = Path(args.table_dir) / name
     write_table(path, table)
     print(f"wrote {path}")
 

@@ -5,6 +5,8 @@ its 64-wide default tiles, H=72 and I=88 give two K and N tiles, the last partia
 tests run compiled on the GPU; the `gpu` tests add serving shapes, bf16, poisoned buffers and CUDA graphs.
 """
 
+import json
+
 import attrs
 import pytest
 import torch
@@ -24,8 +26,10 @@ from moeplex.plugins.moe_kernels.torch_ref import TorchMoEKernel
 from moeplex.plugins.moe_kernels.triton_moe.align import align_in_place, align_pairs
 from moeplex.plugins.moe_kernels.triton_moe.configs import (
     INTERPRETER_DEVICE,
+    MoETiles,
     TileConfig,
     TileTables,
+    read_table,
     table_file,
     write_table,
 )
@@ -206,7 +210,7 @@ FP8_H, FP8_I = 256, 192  # gate and up rows share a 128-row scale block; I ends 
 
 def fp8_tables(tmp_path):
     """A tuned table for the interpreter: one K tile per scale group keeps the CPU run short."""
-    table = {1: TileConfig(block_m=16, block_n=64, block_k=128)}
+    table = {1: MoETiles.both(TileConfig(block_m=16, block_n=64, block_k=128))}
     write_table(tmp_path / table_file(INTERPRETER_DEVICE, "fp8_w8a8", 8, FP8_I, FP8_H), table)
     return TileTables(INTERPRETER_DEVICE, tmp_path)
 
@@ -254,12 +258,25 @@ def test_caps_follow_how_triton_runs_the_kernels():
 
 
 def test_tile_table_picks_the_nearest_token_count_and_defaults_without_one(tmp_path):
-    small, large = TileConfig(16, 32, 64), TileConfig(64, 128, 64, group_m=8, num_warps=8, num_stages=4)
+    small = MoETiles(TileConfig(16, 32, 64), TileConfig(16, 128, 128, num_stages=5))
+    large = MoETiles.both(TileConfig(64, 128, 64, group_m=8, num_warps=8, num_stages=4))
     write_table(tmp_path / table_file("dev", "bf16", 8, I, H), {1: small, 256: large})
     tables = TileTables("dev", tmp_path)
     pick = lambda m, e=8: tables.pick(m, dtype="bf16", num_experts=e, intermediate=I, hidden=H, top_k=8)  # noqa: E731
     assert (pick(1), pick(100), pick(200), pick(4096)) == (small, small, large, large)
+    assert pick(1).gate_up != pick(1).down  # each GEMM keeps its own tile
     assert pick(1, e=9).block_m in (16, 32, 64)  # no table for 9 experts: a default
+
+
+def test_tile_table_entries_of_one_tile_serve_both_gemms(tmp_path):
+    one = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_warps": 4, "num_stages": 3}
+    (tmp_path / "table.json").write_text(json.dumps({"16": one}))
+    assert read_table(tmp_path / "table.json") == {16: MoETiles.both(TileConfig(32, 64, 64, 8, 4, 3))}
+
+
+def test_the_two_gemms_must_share_block_m():
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        MoETiles(TileConfig(16, 64, 64), TileConfig(32, 64, 64))
 
 
 # --- GPU: bf16 and fp8 at serving shapes, every buffer poisoned, CUDA-graph replay ------------------

@@ -2,8 +2,10 @@
 
 A table lives in configs/ as `E=<experts>,N=<intermediate>,K=<hidden>,device=<name>,dtype=<dtype>.json`
 (N is the intermediate size: w13 has 2N rows, w2 has N columns) and maps a token count M to
-{"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages"}.
-benchmarks/tune_fused_moe.py writes them.
+{"gate_up": TILE, "down": TILE}, one tile per GEMM, where TILE is {"BLOCK_SIZE_M", "BLOCK_SIZE_N",
+"BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages"}; an entry that is one TILE serves both GEMMs.
+The two GEMMs have transposed shapes (N=2I, K=H against N=H, K=I), so their best tiles differ; they
+share BLOCK_SIZE_M because they share one alignment. benchmarks/tune_fused_moe.py writes the tables.
 """
 
 from __future__ import annotations
@@ -52,6 +54,35 @@ class TileConfig:
         }
 
 
+@attrs.frozen
+class MoETiles:
+    """The tiles of GEMM 1 (gate and up, SiLU fused) and GEMM 2 (down), over one alignment."""
+
+    gate_up: TileConfig
+    down: TileConfig
+
+    def __attrs_post_init__(self):
+        if self.gate_up.block_m != self.down.block_m:
+            raise ValueError(f"both GEMMs tile one alignment: BLOCK_M {self.gate_up.block_m} != {self.down.block_m}")
+
+    @classmethod
+    def both(cls, config: TileConfig) -> MoETiles:
+        return cls(config, config)
+
+    @property
+    def block_m(self) -> int:
+        return self.gate_up.block_m
+
+    @classmethod
+    def from_json(cls, entry: dict) -> MoETiles:
+        if "gate_up" not in entry:
+            return cls.both(TileConfig.from_json(entry))
+        return cls(TileConfig.from_json(entry["gate_up"]), TileConfig.from_json(entry["down"]))
+
+    def to_json(self) -> dict:
+        return {"gate_up": self.gate_up.to_json(), "down": self.down.to_json()}
+
+
 def dtype_name(dtype: torch.dtype, fp8: bool) -> str:
     return FP8_DTYPE if fp8 else _DTYPE_NAMES[dtype]
 
@@ -66,23 +97,27 @@ def table_file(device: str, dtype: str, num_experts: int, intermediate: int, hid
     return f"E={num_experts},N={intermediate},K={hidden},device={device},dtype={dtype}.json"
 
 
-def read_table(path: Path) -> dict[int, TileConfig] | None:
+def read_table(path: Path) -> dict[int, MoETiles] | None:
     if not path.is_file():
         return None
-    return {int(m): TileConfig.from_json(entry) for m, entry in json.loads(path.read_text()).items()}
+    return {int(m): MoETiles.from_json(entry) for m, entry in json.loads(path.read_text()).items()}
 
 
-def write_table(path: Path, table: dict[int, TileConfig]) -> None:
+def write_table(path: Path, table: dict[int, MoETiles]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({str(m): table[m].to_json() for m in sorted(table)}, indent=2) + "\n")
 
 
-def nearest(table: dict[int, TileConfig], num_tokens: int) -> TileConfig:
+def nearest(table: dict[int, MoETiles], num_tokens: int) -> MoETiles:
     return table[min(table, key=lambda m: abs(m - num_tokens))]
 
 
-def default_config(num_tokens: int, num_experts: int, top_k: int, dtype: str, interpreted: bool) -> TileConfig:
+def default_tiles(num_tokens: int, num_experts: int, top_k: int, dtype: str, interpreted: bool) -> MoETiles:
     """What to run when no tuned table matches."""
+    return MoETiles.both(_default_tile(num_tokens, num_experts, top_k, dtype, interpreted))
+
+
+def _default_tile(num_tokens: int, num_experts: int, top_k: int, dtype: str, interpreted: bool) -> TileConfig:
     if interpreted:
         # The interpreter pays per program and per operation, not per element: few mid-sized tiles run fastest.
         return TileConfig(block_m=16, block_n=64, block_k=64)
@@ -110,17 +145,17 @@ class TileTables:
     def __init__(self, device: str, directory: Path = CONFIG_DIR):
         self.device = device
         self.directory = directory
-        self._tables: dict[str, dict[int, TileConfig] | None] = {}
+        self._tables: dict[str, dict[int, MoETiles] | None] = {}
 
-    def lookup(self, dtype: str, num_experts: int, intermediate: int, hidden: int) -> dict[int, TileConfig] | None:
+    def lookup(self, dtype: str, num_experts: int, intermediate: int, hidden: int) -> dict[int, MoETiles] | None:
         name = table_file(self.device, dtype, num_experts, intermediate, hidden)
         if name not in self._tables:
             self._tables[name] = read_table(self.directory / name)
         return self._tables[name]
 
-    def pick(self, num_tokens: int, *, dtype: str, num_experts: int, intermediate: int, hidden: int, top_k: int) -> TileConfig:
+    def pick(self, num_tokens: int, *, dtype: str, num_experts: int, intermediate: int, hidden: int, top_k: int) -> MoETiles:
         table = self.lookup(dtype, num_experts, intermediate, hidden)
         if table:
             return nearest(table, num_tokens)
         interpreted = self.device == INTERPRETER_DEVICE
-        return default_config(num_tokens, num_experts, top_k, dtype, interpreted)
+        return default_tiles(num_tokens, num_experts, top_k, dtype, interpreted)

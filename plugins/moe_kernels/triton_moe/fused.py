@@ -10,7 +10,7 @@ from moeplex.kernels.fp8 import quantize_rows
 from moeplex.quant import BLOCK as GROUP, dequantize_activations
 
 from .align import Alignment, align_in_place, align_pairs, can_align_in_place
-from .configs import TileConfig
+from .configs import MoETiles
 from .finish import sum_topk
 from .kernel import grouped_gemm
 
@@ -81,7 +81,7 @@ def run_experts(
     weights: PreparedWeights,
     align: Alignment,
     out: torch.Tensor,
-    config: TileConfig,
+    tiles: MoETiles,
     *,
     a_row_div: int = 1,
     routed_weights: torch.Tensor | None = None,
@@ -89,44 +89,44 @@ def run_experts(
 ) -> torch.Tensor:
     """out[row] = SiLU-gated expert of each aligned row (times its routed weight when given)."""
     inter = torch.empty(align.num_valid, weights.intermediate_size, dtype=acts.out_dtype, device=out.device)
-    grouped_gemm(acts.values, weights.w13, inter, align, config, a_scale=acts.scales, b_scale=weights.w13_scale,
+    grouped_gemm(acts.values, weights.w13, inter, align, tiles.gate_up, a_scale=acts.scales, b_scale=weights.w13_scale,
                  a_row_div=a_row_div, gated=True, in_place=in_place)
     inter_scales = None
     if weights.fp8:
         inter, inter_scales = quantize_rows(inter)
-    grouped_gemm(inter, weights.w2, out, align, config, a_scale=inter_scales, b_scale=weights.w2_scale,
+    grouped_gemm(inter, weights.w2, out, align, tiles.down, a_scale=inter_scales, b_scale=weights.w2_scale,
                  routed_weights=routed_weights, in_place=in_place)
     return out
 
 
 def moe_standard(acts: Activations, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 weights: PreparedWeights, config: TileConfig) -> torch.Tensor:
+                 weights: PreparedWeights, tiles: MoETiles) -> torch.Tensor:
     """[N, H]: every token's routed experts, weighted by their top-k weights and summed."""
     num_tokens, top_k = topk_ids.shape
     out = torch.empty(num_tokens, weights.hidden_size, dtype=acts.out_dtype, device=topk_ids.device)
     if num_tokens == 0:
         return out
-    align = align_pairs(topk_ids, weights.num_experts, config.block_m)
+    align = align_pairs(topk_ids, weights.num_experts, tiles.block_m)
     pair_rows = torch.empty(num_tokens * top_k, weights.hidden_size, dtype=acts.out_dtype, device=out.device)
-    run_experts(acts, weights, align, pair_rows, config, a_row_div=top_k,
+    run_experts(acts, weights, align, pair_rows, tiles, a_row_div=top_k,
                 routed_weights=topk_weights.reshape(-1).contiguous())
     return sum_topk(pair_rows, topk_ids.contiguous(), out)
 
 
 def moe_grouped_rows(acts: Activations, expert_index: torch.Tensor, group_rows: int,
-                     weights: PreparedWeights, config: TileConfig) -> torch.Tensor:
+                     weights: PreparedWeights, tiles: MoETiles) -> torch.Tensor:
     """[M, H] for rows already grouped per expert in groups of `group_rows` (-1 rows come out as zeros)."""
     num_rows = expert_index.numel()
     expert_index = expert_index.contiguous()
-    if can_align_in_place(num_rows, group_rows, config.block_m):
+    if can_align_in_place(num_rows, group_rows, tiles.block_m):
         out = torch.empty(num_rows, weights.hidden_size, dtype=acts.out_dtype, device=expert_index.device)
-        return run_experts(acts, weights, align_in_place(expert_index, config.block_m), out, config, in_place=True)
+        return run_experts(acts, weights, align_in_place(expert_index, tiles.block_m), out, tiles, in_place=True)
     # Tiles would straddle groups: sort the rows like top-1 pairs; rows nobody writes stay zero.
     out = torch.zeros(num_rows, weights.hidden_size, dtype=acts.out_dtype, device=expert_index.device)
     if num_rows == 0:
         return out
-    align = align_pairs(expert_index[:, None], weights.num_experts, config.block_m)
-    return run_experts(acts, weights, align, out, config)
+    align = align_pairs(expert_index[:, None], weights.num_experts, tiles.block_m)
+    return run_experts(acts, weights, align, out, tiles)
 
 
 def masked_expert_index(counts: torch.Tensor, max_rows: int) -> torch.Tensor:

@@ -46,7 +46,7 @@ def _scaled_dot(a, b, a_scale, b_scale, FP8_BLOCK: tl.constexpr, DOT_PRECISION: 
 def _accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, a_rows, row_mask, expert, cols, N, K,
                 stride_am, stride_ak, stride_be, stride_bn, stride_bk,
                 stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-                GATED: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                GATED: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The K loop: A tile x B tile (x the up-projection B tile too when GATED), in fp32."""
     ks = tl.arange(0, BLOCK_K)
@@ -59,9 +59,13 @@ def _accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, a_rows, row_mask, expert
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k_mask = ks < K - kb * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        if EVEN_K:  # no K mask: the loads stay full-width vectors
+            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_mask = ks < K - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
         a_scale = 1.0
         b_scale = 1.0
         up_scale = 1.0
@@ -72,7 +76,10 @@ def _accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, a_rows, row_mask, expert
             up_scale = tl.load(up_scale_ptrs + group * stride_bsk)
         acc += _scaled_dot(a, b, a_scale, b_scale, FP8_BLOCK, DOT_PRECISION)
         if GATED:
-            b_up = tl.load(b_ptrs + up_offset, mask=k_mask[:, None], other=0.0)
+            if EVEN_K:
+                b_up = tl.load(b_ptrs + up_offset)
+            else:
+                b_up = tl.load(b_ptrs + up_offset, mask=k_mask[:, None], other=0.0)
             acc_up += _scaled_dot(a, b_up, a_scale, up_scale, FP8_BLOCK, DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -81,7 +88,8 @@ def _accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, a_rows, row_mask, expert
     return acc
 
 
-@triton.jit
+# Row and slot counts change with every batch; specializing on them would compile a variant per size class.
+@triton.jit(do_not_specialize=["num_valid", "num_slots"])
 def grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
@@ -94,6 +102,7 @@ def grouped_gemm_kernel(
     IN_PLACE: tl.constexpr,  # write each tile at its slots, padding as zeros, instead of at its rows
     FP8_BLOCK: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
+    EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -119,7 +128,7 @@ def grouped_gemm_kernel(
     acc = _accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, rows // A_ROW_DIV, row_mask, expert, cols % N, N, K,
                       stride_am, stride_ak, stride_be, stride_bn, stride_bk,
                       stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-                      GATED, FP8_BLOCK, SCALE_BLOCK, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                      GATED, FP8_BLOCK, SCALE_BLOCK, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(routed_weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
@@ -166,6 +175,7 @@ def grouped_gemm(
         IN_PLACE=in_place,
         FP8_BLOCK=fp8,
         SCALE_BLOCK=SCALE_BLOCK,
+        EVEN_K=a.shape[1] % config.block_k == 0,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,

@@ -19,7 +19,7 @@ from moeplex.interfaces import (
     StandardLayout,
 )
 
-from .configs import TileConfig, TileTables, device_name, dtype_name
+from .configs import MoETiles, TileTables, device_name, dtype_name
 from .fused import PreparedWeights, activations, masked_expert_index, moe_grouped_rows, moe_standard
 from .kernel import grouped_gemm_kernel
 
@@ -52,22 +52,22 @@ class TritonMoEKernel(MoEKernel):
     def apply(self, layout, weights: PreparedWeights) -> ExpertOutput:
         acts = activations(layout.hidden, layout.fp8, weights)
         if isinstance(layout, StandardLayout):
-            config = self.config(layout.num_rows, acts.out_dtype, weights)
-            hidden = moe_standard(acts, layout.topk_ids, layout.topk_weights, weights, config)
+            tiles = self.tiles(layout.num_rows, acts.out_dtype, weights)
+            hidden = moe_standard(acts, layout.topk_ids, layout.topk_weights, weights, tiles)
             return ExpertOutput(hidden, weights_applied=True, summed=True)
         # Grouped rows carry no token count the host can see; key the tile table by rows per top-k.
-        config = self.config(-(-layout.num_rows // self.ctx.top_k), acts.out_dtype, weights)
+        tiles = self.tiles(-(-layout.num_rows // self.ctx.top_k), acts.out_dtype, weights)
         if isinstance(layout, ContiguousLayout):
-            hidden = moe_grouped_rows(acts, layout.expert_index, layout.alignment, weights, config)
+            hidden = moe_grouped_rows(acts, layout.expert_index, layout.alignment, weights, tiles)
             return ExpertOutput(hidden, weights_applied=False, summed=False)
         if isinstance(layout, MaskedLayout):
             num_experts, max_rows = layout.hidden.shape[:2]
             expert_index = masked_expert_index(layout.counts, max_rows)
-            hidden = moe_grouped_rows(acts, expert_index, max_rows, weights, config)
+            hidden = moe_grouped_rows(acts, expert_index, max_rows, weights, tiles)
             return ExpertOutput(hidden.view(num_experts, max_rows, -1), weights_applied=False, summed=False)
         raise TypeError(f"unknown layout {type(layout).__name__}")
 
-    def config(self, num_tokens: int, dtype: torch.dtype, weights: PreparedWeights) -> TileConfig:
+    def tiles(self, num_tokens: int, dtype: torch.dtype, weights: PreparedWeights) -> MoETiles:
         return self.tables.pick(
             num_tokens,
             dtype=dtype_name(dtype, weights.fp8),
