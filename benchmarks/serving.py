@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -63,13 +64,28 @@ async def one_request(http: httpx.AsyncClient, prompt: list[int], new_tokens: in
     return trace
 
 
-async def run_level(url: str, work, concurrency: int, time_limit: float, grace: float, headers: dict):
-    """(traces, seconds, engine steps) of one concurrency level."""
+def sample_stacks(pids: dict[str, int], seconds: float, folder: str) -> list[subprocess.Popen]:
+    """py-spy (if installed) samples each process for `seconds`: FOLDER/NAME.txt, one collapsed stack a line."""
+    os.makedirs(folder, exist_ok=True)
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    spy = shutil.which("py-spy") or (beside if os.path.exists(beside) else None)
+    if spy is None:
+        raise SystemExit("--py-spy needs py-spy (pip install py-spy) on PATH or beside this Python")
+    return [subprocess.Popen([spy, "record", "--nonblocking", "--format", "raw", "--rate", "200",
+                              "--duration", str(int(seconds)), "--pid", str(pid), "--output", f"{folder}/{name}.txt"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pid in pids.items()]
+
+
+async def run_level(url: str, work, concurrency: int, time_limit: float, grace: float, headers: dict,
+                    profile: tuple[dict, float, str] | None = None):
+    """(traces, seconds, engine steps) of one concurrency level; `profile`: (pids, seconds, folder) to sample."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     traces: list[Trace] = []
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=None) as http:
         pending = list(work)
         steps_before = (await http.get("/get_server_info")).json()["steps"]
+        samplers = sample_stacks(*profile) if profile else []
         start = time.perf_counter()
 
         async def worker() -> None:
@@ -83,6 +99,8 @@ async def run_level(url: str, work, concurrency: int, time_limit: float, grace: 
             task.cancel()
         elapsed = time.perf_counter() - start
         steps = (await http.get("/get_server_info")).json()["steps"] - steps_before
+    for sampler in samplers:
+        sampler.wait()
     return traces, elapsed, steps
 
 
@@ -148,6 +166,13 @@ def launch_server(args) -> tuple[subprocess.Popen, str]:
     raise SystemExit("moeplex serve did not come up within 120 s")
 
 
+def server_pids(url: str, server: subprocess.Popen | None) -> dict[str, int]:
+    """The front end (when launched here) and every rank, as /get_server_info lists them."""
+    ranks = httpx.get(f"{url}/get_server_info", timeout=10).json()["parallel"]["ranks"]
+    front = {"frontend": server.pid} if server is not None else {}
+    return {**front, **{f"rank{i}": rank["pid"] for i, rank in enumerate(ranks)}}
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="model folder (for the offline reference, and to launch the server)")
@@ -160,6 +185,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per level during which requests start")
     parser.add_argument("--grace", type=float, default=60.0, help="seconds after the limit before in-flight ones are cancelled")
     parser.add_argument("--skip-offline", action="store_true", help="no offline reference (no ratio column)")
+    parser.add_argument("--py-spy", metavar="DIR",
+                        help="during the last level, sample the server's processes with py-spy into DIR (collapsed stacks)")
+    parser.add_argument("--py-spy-seconds", type=float, default=5.0, help="how long --py-spy samples")
     for name, default in (("max_running_requests", 64), ("max_batched_tokens", 4096), ("chunked_prefill_size", 1024)):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help="engine flag (server and offline)")
     parser.add_argument("--max-total-tokens", type=int, default=None, help="engine flag (server and offline)")
@@ -177,7 +205,11 @@ def main() -> None:
     rows = []
     try:
         for concurrency in args.concurrency:
-            traces, elapsed, steps = asyncio.run(run_level(url, work, concurrency, args.time_limit, args.grace, headers))
+            profile = None
+            if args.py_spy and concurrency == args.concurrency[-1]:
+                profile = (server_pids(url, server), args.py_spy_seconds, args.py_spy)
+            traces, elapsed, steps = asyncio.run(run_level(url, work, concurrency, args.time_limit, args.grace, headers,
+                                                           profile))
             rows.append((concurrency, summarize(traces, elapsed, steps)))
     finally:
         if server is not None:
