@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import attrs
+import numpy as np
 import torch
 
 from .forward_batch import ForwardBatch, ForwardMode
@@ -22,7 +23,11 @@ class ScheduledSeq:
 
 
 def build_forward_batch(seqs: Sequence[ScheduledSeq], kv: KVPool, device: torch.device | str) -> ForwardBatch:
-    """All index tensors are computed at once over a padded page table (no per-request tensor ops)."""
+    """All index arrays are computed at once over a padded page table (no per-request tensor ops).
+
+    They are built in numpy: torch's CPU ops on arrays this small fork its intra-op thread pool,
+    which costs milliseconds a step when other processes (an HTTP front end, clients) hold cores.
+    """
     if not seqs:
         return ForwardBatch.idle(device)
     extend_lens = tuple(len(s.new_tokens) for s in seqs)
@@ -30,20 +35,22 @@ def build_forward_batch(seqs: Sequence[ScheduledSeq], kv: KVPool, device: torch.
     decode = all(n == 1 for n in extend_lens) and all(p > 0 for p in prefix_lens)
     batch_size = len(seqs)
 
-    max_pages = max(len(s.pages) for s in seqs)
-    table = torch.tensor([list(s.pages) + [0] * (max_pages - len(s.pages)) for s in seqs], dtype=torch.int64)
-    slots = (table[:, :, None] * kv.page_size + torch.arange(kv.page_size)).view(batch_size, -1)
-    seq_lens = torch.tensor(prefix_lens, dtype=torch.int64) + torch.tensor(extend_lens, dtype=torch.int64)
-    kv_indices = slots[torch.arange(slots.shape[1])[None, :] < seq_lens[:, None]]
+    table = np.zeros((batch_size, max(len(s.pages) for s in seqs)), dtype=np.int64)
+    for row, s in enumerate(seqs):
+        table[row, : len(s.pages)] = s.pages
+    slots = (table[:, :, None] * kv.page_size + np.arange(kv.page_size)).reshape(batch_size, -1)
+    extend, prefix = np.array(extend_lens, dtype=np.int64), np.array(prefix_lens, dtype=np.int64)
+    seq_lens = prefix + extend
+    kv_indices = slots[np.arange(slots.shape[1])[None, :] < seq_lens[:, None]]
 
-    extend = torch.tensor(extend_lens, dtype=torch.int64)
-    owner = torch.repeat_interleave(torch.arange(batch_size), extend)  # request of each new token
-    first = torch.cumsum(extend, 0) - extend
-    positions = torch.tensor(prefix_lens, dtype=torch.int64)[owner] + torch.arange(owner.numel()) - first[owner]
-    kv_indptr = torch.zeros(batch_size + 1, dtype=torch.int64)
-    kv_indptr[1:] = seq_lens.cumsum(0)
-    input_ids = torch.tensor([t for s in seqs for t in s.new_tokens], dtype=torch.int64)
-    on_device = to_device(device, input_ids, positions, slots[owner, positions], seq_lens, kv_indices, kv_indptr, table)
+    owner = np.repeat(np.arange(batch_size), extend)  # request of each new token
+    first = np.cumsum(extend) - extend
+    positions = prefix[owner] + np.arange(owner.size) - first[owner]
+    kv_indptr = np.zeros(batch_size + 1, dtype=np.int64)
+    kv_indptr[1:] = np.cumsum(seq_lens)
+    input_ids = np.fromiter((t for s in seqs for t in s.new_tokens), dtype=np.int64, count=owner.size)
+    arrays = (input_ids, positions, slots[owner, positions], seq_lens, kv_indices, kv_indptr, table)
+    on_device = to_device(device, *(torch.from_numpy(a) for a in arrays))
     input_ids, positions, out_cache_loc, seq_lens, kv_indices, kv_indptr, table = on_device
     return ForwardBatch(
         mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
