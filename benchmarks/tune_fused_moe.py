@@ -33,7 +33,6 @@ from triton.testing import do_bench_cudagraph
 from fused_moe import SHAPES, TOKENS, Shape, context, make_layout, make_weights  # benchmarks/, beside this file
 
 from moeplex.kernels.fp8 import quantize_rows
-from moeplex.plugins.moe_kernels.triton_moe.align import align_pairs
 from moeplex.plugins.moe_kernels.triton_moe.configs import (
     CONFIG_DIR,
     MoETiles,
@@ -45,7 +44,7 @@ from moeplex.plugins.moe_kernels.triton_moe.configs import (
     table_file,
     write_table,
 )
-from moeplex.plugins.moe_kernels.triton_moe.fused import PreparedWeights, activations, moe_standard
+from moeplex.plugins.moe_kernels.triton_moe.fused import PreparedWeights, activations, align_standard, moe_standard
 from moeplex.plugins.moe_kernels.triton_moe.kernel import grouped_gemm
 from moeplex.registry import lookup
 
@@ -68,19 +67,19 @@ def gemm_space(gemm: str, block_m: int, fp8: bool) -> list[TileConfig]:
     gated = gemm == "gate_up"
     if block_m <= 32:  # streaming weights: many programs, deep pipelines
         block_ns = (16, 32, 64, 128) if gated else (32, 64, 128, 256)
-        space = itertools.product(block_ns, (64, 128, 256), (1,), (4,), (3, 4, 5))
+        space = itertools.product(block_ns, (64, 128, 256), (1,), (4,), (3, 4, 5), (False, True))
     else:  # reusing them: wide tiles on the tensor cores
         block_ns = (64, 128) if gated else (64, 128, 256)
-        space = itertools.product(block_ns, (64, 128), (8,), (4, 8), (3, 4))
+        space = itertools.product(block_ns, (64, 128), (8,), (4, 8), (3, 4), (False, True))
     configs = []
-    for bn, bk, group, warps, stages in space:
+    for bn, bk, group, warps, stages, tma in space:
         if fp8 and 128 % bk:
             continue  # a K tile must sit inside one 128-wide scale group
         operand_bytes = (block_m * bk + bk * bn * (2 if gated else 1)) * (1 if fp8 else 2)
         accumulators = block_m * bn * (2 if gated else 1)
         if operand_bytes * stages > SHARED_MEMORY or accumulators > 128 * warps * 32:  # spills past 128 regs
             continue
-        configs.append(TileConfig(block_m, bn, bk, group, warps, stages))
+        configs.append(TileConfig(block_m, bn, bk, group, warps, stages, tma))
     return configs
 
 
@@ -99,7 +98,7 @@ class Case:
     @classmethod
     def build(cls, shape: Shape, layout, prepared: PreparedWeights, block_m: int) -> Case:
         acts = activations(layout.hidden, None, prepared)
-        align = align_pairs(layout.topk_ids, shape.local_experts, block_m)
+        align = align_standard(layout.topk_ids, shape.local_experts, block_m)
         pairs = layout.topk_ids.numel()
         inter = torch.randn(pairs, shape.intermediate, device="cuda").to(acts.out_dtype)
         inter_scales = None

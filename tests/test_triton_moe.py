@@ -23,17 +23,19 @@ from moeplex.interfaces import (
 )
 from moeplex.moe.adapters import standard_to_contiguous, standard_to_masked
 from moeplex.plugins.moe_kernels.torch_ref import TorchMoEKernel
-from moeplex.plugins.moe_kernels.triton_moe.align import align_in_place, align_pairs
+from moeplex.plugins.moe_kernels.triton_moe.align import align_direct, align_in_place, align_pairs
 from moeplex.plugins.moe_kernels.triton_moe.configs import (
     INTERPRETER_DEVICE,
     MoETiles,
     TileConfig,
     TileTables,
+    dtype_name,
     read_table,
     table_file,
     write_table,
 )
 from moeplex.kernels.fp8 import quantize_rows
+from moeplex.plugins.moe_kernels.triton_moe.fused import align_standard
 from moeplex.plugins.moe_kernels.triton_moe.kernel import grouped_gemm_kernel
 from moeplex.plugins.moe_kernels.triton_moe.plugin import INTERPRETED, TritonMoEKernel
 from moeplex.quant import dequantize_activations, dequantize_blocks, quantize_activations, quantize_blocks
@@ -160,6 +162,47 @@ def test_standard_matches_torch(dtype, tokens, top_k, experts):
     assert relative_error(ours, ref) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("tokens,top_k,experts", [(1, 8, 64), (4, 8, 8), (3, 1, 8), (16, 2, 4)])
+def test_few_tokens_skip_the_sort_and_match_torch(tokens, top_k, experts):
+    """Decode sizes read topk_ids directly: every expert once (duplicates across tokens, -1 pairs, empty experts)."""
+    triton_kernel, torch_kernel = kernels(torch.float32, experts=experts, top_k=top_k)
+    ids, topk_weights = random_routing(tokens, top_k, experts, seed=tokens + top_k, empty_experts=(0,))
+    assert align_standard(ids, experts, 16).direct
+    hidden = torch.randn(tokens, H, device=DEVICE)
+    hidden[ids.lt(0).all(1)] = float("nan")  # tokens routed nowhere here must not be read
+    ours, ref = run_both(StandardLayout(hidden, ids, topk_weights, experts), make_weights(experts, H, I, torch.float32),
+                         triton_kernel, torch_kernel)
+    assert relative_error(ours, ref) <= TOLERANCE[torch.float32]
+
+
+def test_direct_alignment_refuses_more_tokens_than_a_tile():
+    ids = torch.zeros(17, 1, dtype=torch.int32, device=DEVICE)
+    assert not align_standard(ids, 8, 16).direct
+    with pytest.raises(ValueError, match="direct"):
+        align_direct(ids, 16)
+
+
+def tma_tables(tmp_path, dtype, experts, block_m=16):
+    """Both GEMMs' weight tiles through tensor descriptors (K and N tails included at H=72, I=88)."""
+    tile = TileConfig(block_m=block_m, block_n=32, block_k=64, tma=True)
+    write_table(tmp_path / table_file(INTERPRETER_DEVICE, dtype_name(dtype, False), experts, I, H), {1: MoETiles.both(tile)})
+    return TileTables(INTERPRETER_DEVICE, tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens", [2, 37])  # direct and sorted alignments
+def test_weight_tiles_through_tensor_descriptors_match_torch(tmp_path, dtype, tokens):
+    triton_kernel, torch_kernel = kernels(dtype, experts=8, top_k=4, tables=tma_tables(tmp_path, dtype, 8))
+    ids, topk_weights = random_routing(tokens, 4, 8, seed=5, empty_experts=(2,))
+    standard = StandardLayout(torch.randn(tokens, H).to(DEVICE, dtype), ids, topk_weights, 8)
+    weights = make_weights(8, H, I, dtype)
+    ours, ref = run_both(standard, weights, triton_kernel, torch_kernel)
+    assert relative_error(ours, ref) <= TOLERANCE[dtype]
+    contiguous, _ = standard_to_contiguous(standard, 16)  # in place, the tiles' rows as they come
+    ours, ref = run_both(contiguous, weights, triton_kernel, torch_kernel)
+    assert relative_error(ours, ref) <= TOLERANCE[dtype]
+
+
 def test_zero_tokens_and_unrouted_tokens_give_zeros():
     triton_kernel, torch_kernel = kernels(torch.float32)
     weights = make_weights(8, H, I, torch.float32)
@@ -272,6 +315,9 @@ def test_tile_table_entries_of_one_tile_serve_both_gemms(tmp_path):
     one = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_warps": 4, "num_stages": 3}
     (tmp_path / "table.json").write_text(json.dumps({"16": one}))
     assert read_table(tmp_path / "table.json") == {16: MoETiles.both(TileConfig(32, 64, 64, 8, 4, 3))}
+    tma = MoETiles(TileConfig(64, 128, 64, tma=True), TileConfig(64, 256, 64))
+    write_table(tmp_path / "tma.json", {4096: tma})
+    assert read_table(tmp_path / "tma.json") == {4096: tma}
 
 
 def test_the_two_gemms_must_share_block_m():

@@ -30,10 +30,38 @@ class Alignment:
     num_padded: torch.Tensor  # [1] int32: slots in use; tiles from here on exit at once
     num_valid: int  # rows that exist; also the padding sentinel
     block_m: int
+    direct: bool = False  # sorted_ids is topk_ids itself [tokens, top_k]: see align_direct
+    top_k: int = 1
 
     @property
     def num_slots(self) -> int:
         return self.sorted_ids.numel()
+
+    @property
+    def num_tiles(self) -> int:
+        """Row tiles of the GEMM grid: one per pair for a direct alignment."""
+        return self.num_valid if self.direct else self.num_slots // self.block_m
+
+
+DIRECT_MAX_PAIRS = 32  # beyond this, programs that find their expert owned by an earlier pair outnumber the work
+
+
+def can_align_direct(num_tokens: int, top_k: int, block_m: int) -> bool:
+    return num_tokens <= block_m and num_tokens * top_k <= DIRECT_MAX_PAIRS
+
+
+def align_direct(topk_ids: torch.Tensor, block_m: int) -> Alignment:
+    """No sort for a few tokens: the GEMM reads topk_ids [N, K] itself (N <= block_m), a program per pair.
+
+    Each expert is computed by the program of its first pair, over a lane per token; decode thus
+    skips the three alignment launches.
+    """
+    topk_ids = topk_ids.contiguous()
+    num_tokens, top_k = topk_ids.shape
+    if not can_align_direct(num_tokens, top_k, block_m):
+        raise ValueError(f"a direct alignment takes at most {block_m} tokens and {DIRECT_MAX_PAIRS} pairs")
+    ids = topk_ids.view(-1)
+    return Alignment(ids, ids, ids, ids.numel(), block_m, direct=True, top_k=top_k)
 
 
 def max_slots(num_rows: int, num_experts: int, block_m: int) -> int:

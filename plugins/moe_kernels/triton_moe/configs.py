@@ -3,7 +3,7 @@
 A table lives in configs/ as `E=<experts>,N=<intermediate>,K=<hidden>,device=<name>,dtype=<dtype>.json`
 (N is the intermediate size: w13 has 2N rows, w2 has N columns) and maps a token count M to
 {"gate_up": TILE, "down": TILE}, one tile per GEMM, where TILE is {"BLOCK_SIZE_M", "BLOCK_SIZE_N",
-"BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages"}; an entry that is one TILE serves both GEMMs.
+"BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages"} and optionally "USE_TMA"; an entry that is one TILE serves both GEMMs.
 The two GEMMs have transposed shapes (N=2I, K=H against N=H, K=I), so their best tiles differ; they
 share BLOCK_SIZE_M because they share one alignment. benchmarks/tune_fused_moe.py writes the tables.
 """
@@ -31,6 +31,7 @@ class TileConfig:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False  # weight tiles through a tensor descriptor (Hopper's copy engine) instead of pointers
 
     @classmethod
     def from_json(cls, entry: dict) -> TileConfig:
@@ -41,10 +42,11 @@ class TileConfig:
             group_m=entry["GROUP_SIZE_M"],
             num_warps=entry["num_warps"],
             num_stages=entry["num_stages"],
+            tma=entry.get("USE_TMA", False),
         )
 
     def to_json(self) -> dict:
-        return {
+        entry = {
             "BLOCK_SIZE_M": self.block_m,
             "BLOCK_SIZE_N": self.block_n,
             "BLOCK_SIZE_K": self.block_k,
@@ -52,6 +54,7 @@ class TileConfig:
             "num_warps": self.num_warps,
             "num_stages": self.num_stages,
         }
+        return {**entry, "USE_TMA": True} if self.tma else entry
 
 
 @attrs.frozen

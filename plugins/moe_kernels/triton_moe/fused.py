@@ -9,7 +9,7 @@ from moeplex.interfaces import FP8_BLOCK, ExpertWeights, Fp8Payload
 from moeplex.kernels.fp8 import quantize_rows
 from moeplex.quant import BLOCK as GROUP, dequantize_activations
 
-from .align import Alignment, align_in_place, align_pairs, can_align_in_place
+from .align import Alignment, align_direct, align_in_place, align_pairs, can_align_direct, can_align_in_place
 from .configs import MoETiles
 from .finish import sum_topk
 from .kernel import grouped_gemm
@@ -106,11 +106,19 @@ def moe_standard(acts: Activations, topk_ids: torch.Tensor, topk_weights: torch.
     out = torch.empty(num_tokens, weights.hidden_size, dtype=acts.out_dtype, device=topk_ids.device)
     if num_tokens == 0:
         return out
-    align = align_pairs(topk_ids, weights.num_experts, tiles.block_m)
+    align = align_standard(topk_ids, weights.num_experts, tiles.block_m)
     pair_rows = torch.empty(num_tokens * top_k, weights.hidden_size, dtype=acts.out_dtype, device=out.device)
     run_experts(acts, weights, align, pair_rows, tiles, a_row_div=top_k,
                 routed_weights=topk_weights.reshape(-1).contiguous())
     return sum_topk(pair_rows, topk_ids.contiguous(), out)
+
+
+def align_standard(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """The (token, k) pairs of topk_ids [N, K] grouped per expert: read directly for a few tokens, else sorted."""
+    num_tokens, top_k = topk_ids.shape
+    if can_align_direct(num_tokens, top_k, block_m):
+        return align_direct(topk_ids, block_m)
+    return align_pairs(topk_ids, num_experts, block_m)
 
 
 def moe_grouped_rows(acts: Activations, expert_index: torch.Tensor, group_rows: int,

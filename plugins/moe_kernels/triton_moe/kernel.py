@@ -3,8 +3,11 @@
 C[row] = A[row] @ B[e].T for every row routed to expert e. Rows reach the kernel through an
 Alignment (align.py): `sorted_ids` lists them grouped per expert, each group padded to BLOCK_M
 with a sentinel, so every BLOCK_M-row tile has one expert and streams that expert's weights once.
+A direct Alignment (few tokens) skips the sort: program m takes pair m's expert unless an earlier
+pair has it, and its rows are every token routed to that expert, one lane per token.
 B is [E, N, K] row-major like nn.Linear; in the fp8 block format it comes with one fp32 scale per
-128x128 block, and A with one scale per row per 128 columns (DeepSeek-V3's w8a8).
+128x128 block, and A with one scale per row per 128 columns (DeepSeek-V3's w8a8). B tiles load
+through a tensor descriptor (the Hopper copy engine) when the tile asks for it, else through pointers.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moeplex.quant import BLOCK as SCALE_BLOCK
 
@@ -20,10 +24,9 @@ from .configs import TileConfig
 
 
 @triton.jit
-def _tile_coords(num_slots, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def _tile_coords(num_pid_m, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """Grouped ordering: GROUP_M row tiles sweep the columns together, so their A rows stay in L2."""
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(num_slots, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pids_per_group = GROUP_M * num_pid_n
     first_m = (pid // pids_per_group) * GROUP_M
@@ -43,29 +46,43 @@ def _scaled_dot(a, b, a_scale, b_scale, FP8_BLOCK: tl.constexpr, DOT_PRECISION: 
 
 
 @triton.jit
-def _accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, a_rows, row_mask, expert, cols, N, K,
+def _b_tile(b_ptrs, b_desc, b_row, kb, k_mask, B_TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] of B: rows b_row.. of the [E * rows, K] weights through the descriptor, or at b_ptrs."""
+    if B_TMA:  # rows past the tensor and columns past K come back as zeros
+        return b_desc.load([b_row, kb * BLOCK_K]).T
+    elif EVEN_K:
+        return tl.load(b_ptrs)
+    else:
+        return tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+
+
+@triton.jit
+def _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, a_rows, row_mask, expert, pid_n, N, K,
                 stride_am, stride_ak, stride_be, stride_bn, stride_bk,
                 stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                 GATED: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The K loop: A tile x B tile (x the up-projection B tile too when GATED), in fp32."""
     ks = tl.arange(0, BLOCK_K)
+    # Columns past N wrap onto real weight rows so pointer loads of B need no mask; they are never stored.
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)) % N
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk
     up_offset = N * stride_bn  # the up rows follow the N gate rows
+    b_row = (expert * (2 * N if GATED else N) + pid_n * BLOCK_N).to(tl.int32)
     a_scale_ptrs = a_scale_ptr + a_rows * stride_asm
     b_scale_ptrs = b_scale_ptr + expert * stride_bse + (cols // SCALE_BLOCK) * stride_bsn
     up_scale_ptrs = b_scale_ptr + expert * stride_bse + ((cols + N) // SCALE_BLOCK) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = ks < K - kb * BLOCK_K
         if EVEN_K:  # no K mask: the loads stay full-width vectors
             a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-            b = tl.load(b_ptrs)
         else:
-            k_mask = ks < K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        b = _b_tile(b_ptrs, b_desc, b_row, kb, k_mask, B_TMA, EVEN_K, BLOCK_K)
         a_scale = 1.0
         b_scale = 1.0
         up_scale = 1.0
@@ -76,10 +93,7 @@ def _accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, a_rows, row_mask, expert
             up_scale = tl.load(up_scale_ptrs + group * stride_bsk)
         acc += _scaled_dot(a, b, a_scale, b_scale, FP8_BLOCK, DOT_PRECISION)
         if GATED:
-            if EVEN_K:
-                b_up = tl.load(b_ptrs + up_offset)
-            else:
-                b_up = tl.load(b_ptrs + up_offset, mask=k_mask[:, None], other=0.0)
+            b_up = _b_tile(b_ptrs + up_offset, b_desc, b_row + N, kb, k_mask, B_TMA, EVEN_K, BLOCK_K)
             acc_up += _scaled_dot(a, b_up, a_scale, up_scale, FP8_BLOCK, DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -88,30 +102,60 @@ def _accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, a_rows, row_mask, expert
     return acc
 
 
+@triton.jit
+def _direct_rows(topk_ids_ptr, pair, num_valid, TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """Pair `pair`'s expert and the pair of every token routed to it (one lane per token); expert -1
+    when another program owns the expert (an earlier pair has it) or the pair is not routed here."""
+    tokens = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, TOP_K_POW2)
+    flat = tokens[:, None] * TOP_K + ks[None, :]
+    ids = tl.load(topk_ids_ptr + flat, mask=(ks[None, :] < TOP_K) & (flat < num_valid), other=-1)
+    expert = tl.load(topk_ids_ptr + pair)
+    match = ids == expert
+    owned_earlier = tl.sum((match & (flat < pair)).to(tl.int32)) > 0
+    rows = (tokens * TOP_K + tl.sum(tl.where(match, ks[None, :], 0), axis=1)).to(tl.int64)
+    row_mask = tl.sum(match.to(tl.int32), axis=1) > 0
+    expert = tl.where(owned_earlier, -1, expert)
+    return expert, rows, row_mask
+
+
 # Row and slot counts change with every batch; specializing on them would compile a variant per size class.
-@triton.jit(do_not_specialize=["num_valid", "num_slots"])
+@triton.jit(do_not_specialize=["num_valid", "num_slots", "num_pid_m"])
 def grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr,
+    a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-    num_valid, num_slots, N, K,
+    num_valid, num_slots, num_pid_m, N, K,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     A_ROW_DIV: tl.constexpr,  # rows index (token, k) pairs while A holds one row per token: top_k
     GATED: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     IN_PLACE: tl.constexpr,  # write each tile at its slots, padding as zeros, instead of at its rows
+    DIRECT: tl.constexpr,  # sorted_ids holds topk_ids [tokens, TOP_K]; a program per pair, a lane per token
+    TOP_K: tl.constexpr,
+    TOP_K_POW2: tl.constexpr,
     FP8_BLOCK: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     EVEN_K: tl.constexpr,
+    B_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_coords(num_slots, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return  # the grid covers the worst-case padding; tiles past the real one do nothing
-    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    rows = tl.load(sorted_ids_ptr + slots).to(tl.int64)
-    row_mask = rows < num_valid
+    pid_m, pid_n = _tile_coords(num_pid_m, N, BLOCK_N, GROUP_M)
+    if DIRECT:
+        expert, rows, row_mask = _direct_rows(sorted_ids_ptr, pid_m, num_valid, TOP_K, TOP_K_POW2, BLOCK_M)
+        if expert < 0:
+            return
+        slots = rows  # never stored at: a direct alignment is not in place
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return  # the grid covers the worst-case padding; tiles past the real one do nothing
+        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        rows = tl.load(sorted_ids_ptr + slots).to(tl.int64)
+        row_mask = rows < num_valid
+        expert = tl.load(block_expert_ptr + pid_m)
+    expert = expert.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     if IN_PLACE:
         c_ptrs = c_ptr + slots[:, None] * stride_cm + cols[None, :] * stride_cn
@@ -119,16 +163,14 @@ def grouped_gemm_kernel(
     else:
         c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
         c_mask = row_mask[:, None] & (cols[None, :] < N)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
         if IN_PLACE:
             tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
         return
-    # Columns past N wrap onto real weight rows so B loads need no mask; they are never stored.
-    acc = _accumulate(a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, rows // A_ROW_DIV, row_mask, expert, cols % N, N, K,
+    acc = _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, rows // A_ROW_DIV, row_mask, expert, pid_n, N, K,
                       stride_am, stride_ak, stride_be, stride_bn, stride_bk,
                       stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-                      GATED, FP8_BLOCK, SCALE_BLOCK, EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                      GATED, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(routed_weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
@@ -150,22 +192,26 @@ def grouped_gemm(
 ) -> None:
     """out[rows] = A[rows // a_row_div] @ B[expert].T (SiLU-gated when `gated`, times the routed weight if given).
 
-    a [rows, K]; b [E, N or 2N, K]; out [rows or slots, N]. fp8 when `b_scale` is given.
+    a [rows, K]; b [E, N or 2N, K], contiguous; out [rows or slots, N]. fp8 when `b_scale` is given.
     """
     fp8 = b_scale is not None
     n = b.shape[1] // 2 if gated else b.shape[1]
     if fp8 and (a_scale is None or SCALE_BLOCK % config.block_k):
         raise ValueError(f"fp8 block GEMMs need activation scales and BLOCK_K dividing {SCALE_BLOCK}")
-    grid = (triton.cdiv(align.num_slots, config.block_m) * triton.cdiv(n, config.block_n),)
+    if in_place and align.direct:
+        raise ValueError("a direct alignment has no slots to write in place")
+    num_pid_m = align.num_tiles
+    grid = (num_pid_m * triton.cdiv(n, config.block_n),)
     if grid[0] == 0:
         return
     a_scale = a_scale if fp8 else a  # never read: FP8_BLOCK is off
     b_scale = b_scale if fp8 else b
     routed = routed_weights if routed_weights is not None else a
+    b_desc = TensorDescriptor.from_tensor(b.view(-1, b.shape[2]), [config.block_n, config.block_k]) if config.tma else b
     grouped_gemm_kernel[grid](
-        a, b, out, a_scale, b_scale, routed,
+        a, b, b_desc, out, a_scale, b_scale, routed,
         align.sorted_ids, align.block_expert, align.num_padded,
-        align.num_valid, align.num_slots, n, a.shape[1],
+        align.num_valid, align.num_slots, num_pid_m, n, a.shape[1],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
         a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         b_scale.stride(0) if fp8 else 0, b_scale.stride(1) if fp8 else 0, b_scale.stride(2) if fp8 else 0,
@@ -173,9 +219,13 @@ def grouped_gemm(
         GATED=gated,
         MUL_ROUTED_WEIGHT=routed_weights is not None,
         IN_PLACE=in_place,
+        DIRECT=align.direct,
+        TOP_K=align.top_k,
+        TOP_K_POW2=triton.next_power_of_2(align.top_k),
         FP8_BLOCK=fp8,
         SCALE_BLOCK=SCALE_BLOCK,
         EVEN_K=a.shape[1] % config.block_k == 0,
+        B_TMA=config.tma,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
