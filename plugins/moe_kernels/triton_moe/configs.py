@@ -116,30 +116,28 @@ def nearest(table: dict[int, MoETiles], num_tokens: int) -> MoETiles:
 
 
 def default_tiles(num_tokens: int, num_experts: int, top_k: int, dtype: str, interpreted: bool) -> MoETiles:
-    """What to run when no tuned table matches."""
-    return MoETiles.both(_default_tile(num_tokens, num_experts, top_k, dtype, interpreted))
-
-
-def _default_tile(num_tokens: int, num_experts: int, top_k: int, dtype: str, interpreted: bool) -> TileConfig:
+    """What to run when no tuned table matches (pointer loads: tensor descriptors need Hopper)."""
     if interpreted:
         # The interpreter pays per program and per operation, not per element: few mid-sized tiles run fastest.
-        return TileConfig(block_m=16, block_n=64, block_k=64)
+        return MoETiles.both(TileConfig(block_m=16, block_n=64, block_k=64))
     if dtype == "fp32":
         # 4-byte operands: small K tiles and two stages stay inside shared memory (fp32 serves tests, not speed).
-        return TileConfig(block_m=32, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=2)
+        return MoETiles.both(TileConfig(block_m=32, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=2))
     rows_per_expert = num_tokens * top_k / max(num_experts, 1)
     if dtype == FP8_DTYPE:
         # A K tile must sit inside one 128-wide scale group.
         if rows_per_expert <= 16:
-            return TileConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
-        return TileConfig(block_m=64, block_n=64, block_k=128, group_m=16, num_warps=4, num_stages=3)
-    if rows_per_expert <= 16:
-        # Decode: streaming the weights is the cost; small row tiles waste the least padding.
-        return TileConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+            return MoETiles.both(TileConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4))
+        return MoETiles.both(TileConfig(block_m=64, block_n=64, block_k=128, group_m=16, num_warps=4, num_stages=3))
+    # bf16 / fp16, after the H200 tables: at most ~150 KB of shared memory, so Ampere runs them too.
+    if rows_per_expert <= 16:  # decode: streaming the weights is the cost; small row tiles pad least
+        return MoETiles.both(TileConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3))
     if rows_per_expert <= 64:
-        return TileConfig(block_m=32, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4)
-    # GEMM 1 keeps a gate and an up accumulator per tile, so BLOCK_N stays at 64.
-    return TileConfig(block_m=64, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=3)
+        return MoETiles(TileConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=3),
+                        TileConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=3))
+    # GEMM 1's tile holds a gate and an up accumulator, so half of GEMM 2's width makes the same 128x256.
+    return MoETiles(TileConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3),
+                    TileConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3))
 
 
 class TileTables:
