@@ -338,21 +338,23 @@ def poison_cuda_allocator():
     del blocks
 
 
-def gpu_case(tokens, fp8=False):
-    ctx = MoEContext(GPU_H, GPU_I, GPU_E, GPU_TOP_K, torch.bfloat16, torch.device("cuda"))
-    master = make_weights(GPU_E, GPU_H, GPU_I, torch.float32)
+def gpu_case(tokens, fp8=False, shape=(GPU_E, GPU_H, GPU_I)):
+    experts, hidden, inter = shape
+    ctx = MoEContext(hidden, inter, experts, GPU_TOP_K, torch.bfloat16, torch.device("cuda"))
+    master = make_weights(experts, hidden, inter, torch.float32)
     if fp8:
         (q13, s13), (q2, s2) = quantize_blocks(master.w13), quantize_blocks(master.w2)
         weights = ExpertWeights(q13, q2, FP8_BLOCK, s13, s2)
     else:
         weights = ExpertWeights(master.w13.bfloat16(), master.w2.bfloat16())
-    ids, topk_weights = random_routing(tokens, GPU_TOP_K, GPU_E, seed=tokens)
-    layout = StandardLayout(torch.randn(tokens, GPU_H, device="cuda").bfloat16(), ids, topk_weights, GPU_E)
+    ids, topk_weights = random_routing(tokens, GPU_TOP_K, experts, seed=tokens)
+    layout = StandardLayout(torch.randn(tokens, hidden, device="cuda").bfloat16(), ids, topk_weights, experts)
     return TritonMoEKernel(ctx), layout, weights
 
 
 def fp32_reference(layout, weights):
-    ctx = MoEContext(GPU_H, GPU_I, GPU_E, GPU_TOP_K, torch.float32, torch.device("cuda"))
+    experts, inter, hidden = weights.w13.shape[0], weights.w2.shape[2], weights.w2.shape[1]
+    ctx = MoEContext(hidden, inter, experts, GPU_TOP_K, torch.float32, torch.device("cuda"))
     fp32 = ExpertWeights(weights.w13.float(), weights.w2.float())
     reference = TorchMoEKernel(ctx)
     return reference.apply(attrs.evolve(layout, hidden=layout.hidden.float()), reference.prepare_weights(fp32)).hidden
@@ -369,6 +371,15 @@ def apply_poisoned(kernel, layout, weights):
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300, 2048])
 def test_gpu_bf16_matches_fp32(tokens):
     kernel, layout, weights = gpu_case(tokens)
+    assert relative_error(apply_poisoned(kernel, layout, weights), fp32_reference(layout, weights)) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 3, 512, 4096])
+def test_gpu_tuned_deepseek_v3_ep8_tiles_match_fp32(tokens):
+    """DeepSeek-V3's experts as one EP8 rank holds them, with the tuned table's tiles (direct decode, TMA) on the H200."""
+    kernel, layout, weights = gpu_case(tokens, shape=(32, 7168, 2048))
     assert relative_error(apply_poisoned(kernel, layout, weights), fp32_reference(layout, weights)) <= 1e-2
 
 
