@@ -42,6 +42,11 @@ def add_parser(sub) -> None:
         "--expert-load-dir", default=tempfile.gettempdir(),
         help="folder where POST /dump_expert_distribution_record writes its files (default: the system temp folder)",
     )
+    http.add_argument(
+        "--skip-warmup", action="store_true",
+        help="on a GPU, serve at once instead of first running one prefill step of each size class up to "
+        "--max-batched-tokens (which compiles their kernels before a client waits on them)",
+    )
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="server log level (default: info)")
     add_engine_flags(p)
     p.set_defaults(run=run)
@@ -57,6 +62,7 @@ def run(args) -> int:
         shutdown_timeout=args.shutdown_timeout,
         gil_switch_interval=args.gil_switch_interval,
         expert_load_dir=args.expert_load_dir,
+        warmup=not args.skip_warmup,
     )
     config = engine_config(args, show_progress=False)
     try:

@@ -35,6 +35,7 @@ from .app import LeaderLink, build_app
 from .engine_loop import EngineStopped
 from .leader import EngineFacts, Leader
 from .settings import ServerSettings
+from .warmup import warm_up
 
 log = logging.getLogger("moeplex.server")
 
@@ -43,7 +44,7 @@ def serve(config: EngineConfig, settings: ServerSettings, log_level: str) -> Non
     """Start the ranks, serve HTTP until a signal or a failed rank; RankFailed / EngineStopped say what went wrong."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     here, there = multiprocessing.get_context("spawn").Pipe()
-    ranks = RankProcesses(config, there, log_level)
+    ranks = RankProcesses(config, there, log_level, settings.warmup)
     try:
         facts = here.recv()
     except EOFError:  # rank 0 is gone before it could lead
@@ -65,19 +66,19 @@ def serve(config: EngineConfig, settings: ServerSettings, log_level: str) -> Non
 class RankProcesses:
     """Every local rank in a process of its own, waited for on a thread; join() raises RankFailed if one failed."""
 
-    def __init__(self, config: EngineConfig, connection: Connection, log_level: str):
+    def __init__(self, config: EngineConfig, connection: Connection, log_level: str, warmup: bool = False):
         self.failure: RankFailed | None = None
-        args = (config, connection, log_level)
+        args = (config, connection, log_level, warmup)
         self.thread = threading.Thread(target=self._run, args=args, name="moeplex-ranks", daemon=True)
         self.thread.start()
 
-    def _run(self, config: EngineConfig, connection: Connection, log_level: str) -> None:
+    def _run(self, config: EngineConfig, connection: Connection, log_level: str, warmup: bool) -> None:
         try:
             if config.parallel.distributed:
-                launch(serve_on_rank, config.parallel, config, connection, log_level)
+                launch(serve_on_rank, config.parallel, config, connection, log_level, warmup)
             else:  # launch() would run one rank in this process: spawn it, as the front end must stay apart
                 rank = multiprocessing.get_context("spawn").Process(
-                    target=serve_on_rank, args=(0, config, connection, log_level), name="moeplex-rank-0"
+                    target=serve_on_rank, args=(0, config, connection, log_level, warmup), name="moeplex-rank-0"
                 )
                 rank.start()
                 rank.join()
@@ -92,7 +93,7 @@ class RankProcesses:
             raise self.failure
 
 
-def serve_on_rank(rank: int, config: EngineConfig, connection: Connection, log_level: str) -> None:
+def serve_on_rank(rank: int, config: EngineConfig, connection: Connection, log_level: str, warmup: bool = False) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     for sig in (signal.SIGINT, signal.SIGTERM):  # stopping is the front end's to decide
         signal.signal(sig, signal.SIG_IGN)
@@ -101,6 +102,8 @@ def serve_on_rank(rank: int, config: EngineConfig, connection: Connection, log_l
     log.info(describe(memory_report(engine)))
     if rank == 0:
         group = EngineGroup(engine)
+        if warmup and engine.device.type == "cuda":  # the followers step along in their loop
+            warm_up(group)
         connection.send(EngineFacts.of(group))
         Leader(group, connection).run()
     else:
