@@ -167,10 +167,10 @@ def launch_server(args) -> tuple[subprocess.Popen, str]:
 
 
 def server_pids(url: str, server: subprocess.Popen | None) -> dict[str, int]:
-    """The front end (when launched here) and every rank, as /get_server_info lists them."""
+    """This load generator, the front end (when launched here) and every rank, as /get_server_info lists them."""
     ranks = httpx.get(f"{url}/get_server_info", timeout=10).json()["parallel"]["ranks"]
     front = {"frontend": server.pid} if server is not None else {}
-    return {**front, **{f"rank{i}": rank["pid"] for i, rank in enumerate(ranks)}}
+    return {"client": os.getpid(), **front, **{f"rank{i}": rank["pid"] for i, rank in enumerate(ranks)}}
 
 
 def parse_args() -> argparse.Namespace:
