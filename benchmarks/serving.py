@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 
+import aiohttp
 import attrs
 import httpx
 
@@ -46,13 +47,14 @@ class Trace:
     done: bool = False
 
 
-async def one_request(http: httpx.AsyncClient, prompt: list[int], new_tokens: int) -> Trace:
+async def one_request(http: aiohttp.ClientSession, url: str, prompt: list[int], new_tokens: int) -> Trace:
     body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
     trace = Trace(time.perf_counter())
-    async with http.stream("POST", "/v1/completions", json=body) as response:
+    async with http.post(f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
+        async for raw in response.content:  # one line at a time
+            line = raw.decode().rstrip("\r\n")
             if line == "data: [DONE]":
                 trace.done = True
             elif line.startswith("data: "):
@@ -79,29 +81,38 @@ def sample_stacks(pids: dict[str, int], seconds: float, folder: str) -> list[sub
 
 async def run_level(url: str, work, concurrency: int, time_limit: float, grace: float, headers: dict,
                     profile: tuple[dict, float, str] | None = None):
-    """(traces, seconds, engine steps) of one concurrency level; `profile`: (pids, seconds, folder) to sample."""
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    """(traces, seconds, engine steps) of one concurrency level; `profile`: (pids, seconds, folder) to sample.
+
+    The client is aiohttp: it shares the machine with the server, and httpx's connection pool cost it
+    several times more CPU per request at concurrency 64 (py-spy), which showed up as TTFT.
+    """
     traces: list[Trace] = []
-    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=None) as http:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, headers=headers, timeout=aiohttp.ClientTimeout()) as http:
         pending = list(work)
-        steps_before = (await http.get("/get_server_info")).json()["steps"]
+        steps_before = await server_steps(http, url)
         samplers = sample_stacks(*profile) if profile else []
         start = time.perf_counter()
 
         async def worker() -> None:
             while pending and time.perf_counter() - start < time_limit:
                 prompt, new_tokens = pending.pop(0)
-                traces.append(await one_request(http, prompt, new_tokens))
+                traces.append(await one_request(http, url, prompt, new_tokens))
 
         tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
         _, unfinished = await asyncio.wait(tasks, timeout=time_limit + grace)
         for task in unfinished:
             task.cancel()
         elapsed = time.perf_counter() - start
-        steps = (await http.get("/get_server_info")).json()["steps"] - steps_before
+        steps = await server_steps(http, url) - steps_before
     for sampler in samplers:
         sampler.wait()
     return traces, elapsed, steps
+
+
+async def server_steps(http: aiohttp.ClientSession, url: str) -> int:
+    async with http.get(f"{url}/get_server_info") as response:
+        return (await response.json())["steps"]
 
 
 def percentile(values: list[float], q: float) -> float:
