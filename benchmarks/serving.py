@@ -142,11 +142,13 @@ def offline_throughput(args, work) -> dict:
     """Output tokens/s of the engine itself on the same requests, all submitted at once, and its steps."""
     from moeplex.config import EngineConfig
     from moeplex.engine import Engine
+    from moeplex.engine_group import EngineGroup
     from moeplex.sampling import SamplingParams
+    from moeplex.server.warmup import warm_up
 
     settings = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
     engine = Engine(EngineConfig(model=args.model, show_progress=False, **settings))
-    engine.generate([work[0][0]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    warm_up(EngineGroup(engine))  # as the server does before it serves: kernels of every step size compiled first
     for prompt, n in work:
         engine.add_request(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
     start, steps = time.perf_counter(), 0
