@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moeplex.quant import BLOCK as SCALE_BLOCK
 
@@ -207,7 +206,7 @@ def grouped_gemm(
     a_scale = a_scale if fp8 else a  # never read: FP8_BLOCK is off
     b_scale = b_scale if fp8 else b
     routed = routed_weights if routed_weights is not None else a
-    b_desc = TensorDescriptor.from_tensor(b.view(-1, b.shape[2]), [config.block_n, config.block_k]) if config.tma else b
+    b_desc = weight_descriptor(b, config) if config.tma else b
     grouped_gemm_kernel[grid](
         a, b, b_desc, out, a_scale, b_scale, routed,
         align.sorted_ids, align.block_expert, align.num_padded,
@@ -234,3 +233,10 @@ def grouped_gemm(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+
+
+def weight_descriptor(b: torch.Tensor, config: TileConfig):
+    """B as [E * rows, K] for the copy engine, in tiles of [BLOCK_N, BLOCK_K] (Triton 3.3 and later)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(b.view(-1, b.shape[2]), [config.block_n, config.block_k])
