@@ -44,7 +44,14 @@ from moeplex.plugins.moe_kernels.triton_moe.configs import (
     table_file,
     write_table,
 )
-from moeplex.plugins.moe_kernels.triton_moe.fused import PreparedWeights, activations, align_standard, moe_standard
+from moeplex.plugins.moe_kernels.triton_moe.align import Alignment
+from moeplex.plugins.moe_kernels.triton_moe.fused import (
+    Activations,
+    PreparedWeights,
+    activations,
+    align_standard,
+    moe_standard,
+)
 from moeplex.plugins.moe_kernels.triton_moe.kernel import grouped_gemm
 from moeplex.registry import lookup
 
@@ -88,8 +95,8 @@ class Case:
     """One token count's operands for timing each GEMM alone over one alignment."""
 
     shape: Shape
-    acts: object
-    align: object
+    acts: Activations
+    align: Alignment
     inter: torch.Tensor
     inter_scales: torch.Tensor | None
     pair_rows: torch.Tensor
@@ -116,7 +123,7 @@ class Case:
                          b_scale=prepared.w2_scale, routed_weights=self.routed)
 
 
-def graph_ms(fn) -> float:
+def replay_ms(fn) -> float:
     try:
         return do_bench_cudagraph(fn, rep=10, return_mode="median")
     except Exception as exc:  # too much shared memory or registers for this GPU: not a candidate
@@ -125,7 +132,7 @@ def graph_ms(fn) -> float:
 
 
 def _compile_some(args) -> int:
-    """Pool worker: launch each config once at one token (one expert), which leaves its binary in the disk cache."""
+    """Pool worker: launch each config once at one token (top_k experts), which leaves its binary in the disk cache."""
     shape_name, fp8, jobs = args
     full = SHAPES[shape_name]
     shape = attrs.evolve(full, experts=full.ep_size * full.top_k)  # strides are those of any expert count
@@ -154,7 +161,7 @@ def whole_ms(tiles: MoETiles, layout, prepared: PreparedWeights) -> float:
     def run():
         acts = activations(layout.hidden, None, prepared)
         return moe_standard(acts, layout.topk_ids, layout.topk_weights, prepared, tiles)
-    return graph_ms(run)
+    return replay_ms(run)
 
 
 def check(layout, prepared, tiles: MoETiles, reference, fp8: bool) -> None:
@@ -196,7 +203,8 @@ def main() -> None:
     name = table_file(device_name(torch.device("cuda"), False), dtype, shape.local_experts, shape.intermediate,
                       shape.hidden)
     table = read_table(CONFIG_DIR / name) or {}
-    log = csv.writer(open(args.log, "w", newline="")) if args.log else None
+    log_file = open(args.log, "w", newline="") if args.log else None
+    log = csv.writer(log_file) if log_file else None
 
     torch_kernel = lookup("moe_kernel", "torch")(context(shape))
     torch_weights = torch_kernel.prepare_weights(weights)
@@ -210,7 +218,7 @@ def main() -> None:
                 for config in spaces[gemm, bm]:
                     if time.monotonic() - started > args.budget_s:
                         break
-                    ms = graph_ms(lambda: case.launch(gemm, config, prepared))
+                    ms = replay_ms(lambda: case.launch(gemm, config, prepared))
                     timed.append((ms, config))
                     if log:
                         log.writerow([args.shape, args.dtype, m, gemm, *attrs.astuple(config), f"{ms * 1e3:.2f}"])
@@ -225,6 +233,8 @@ def main() -> None:
         check(layout, prepared, tiles, torch_kernel.apply(layout, torch_weights).hidden, fp8)
         table[m] = tiles
         print(f"M={m}: {ms * 1e3:.1f} µs with {tiles}  [{time.monotonic() - started:.0f}s]", flush=True)
+    if log_file:
+        log_file.close()
     path = Path(args.table_dir) / name
     write_table(path, table)
     print(f"wrote {path}")

@@ -60,7 +60,7 @@ def align_direct(topk_ids: torch.Tensor, block_m: int) -> Alignment:
     num_tokens, top_k = topk_ids.shape
     if not can_align_direct(num_tokens, top_k, block_m):
         raise ValueError(f"a direct alignment takes at most {block_m} tokens and {DIRECT_MAX_PAIRS} pairs")
-    ids = topk_ids.view(-1)
+    ids = topk_ids.view(-1)  # also stands in for block_expert and num_padded, which a direct GEMM never reads
     return Alignment(ids, ids, ids, ids.numel(), block_m, direct=True, top_k=top_k)
 
 
