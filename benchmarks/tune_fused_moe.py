@@ -44,7 +44,7 @@ from moeplex.plugins.moe_kernels.triton_moe.configs import (
     table_file,
     write_table,
 )
-from moeplex.plugins.moe_kernels.triton_moe.align import Alignment
+from moeplex.plugins.moe_kernels.triton_moe.align import Alignment, can_align_direct
 from moeplex.plugins.moe_kernels.triton_moe.fused import (
     Activations,
     PreparedWeights,
@@ -52,10 +52,11 @@ from moeplex.plugins.moe_kernels.triton_moe.fused import (
     align_standard,
     moe_standard,
 )
-from moeplex.plugins.moe_kernels.triton_moe.kernel import grouped_gemm
+from moeplex.plugins.moe_kernels.triton_moe.kernel import folded_down, grouped_gemm
 from moeplex.registry import lookup
 
 GEMMS = ("gate_up", "down")
+FOLDED = "folded"  # GEMM 2 with the top-k sum folded in, over a direct alignment (few tokens)
 SHARED_MEMORY = 220 * 1024  # bytes a Hopper SM gives one program, less a margin
 
 
@@ -75,18 +76,18 @@ def gemm_space(gemm: str, block_m: int, fp8: bool) -> list[TileConfig]:
     if block_m <= 32:  # streaming weights: many programs, deep pipelines
         block_ns = (16, 32, 64, 128) if gated else (32, 64, 128, 256)
         space = itertools.product(block_ns, (64, 128, 256), (1,), (4,), (3, 4, 5), (False, True))
-    else:  # reusing them: wide tiles on the tensor cores
+    else:  # reusing them: wide tiles on the tensor cores; an expert's last tile may run shorter
         block_ns = (64, 128) if gated else (64, 128, 256)
-        space = itertools.product(block_ns, (64, 128), (8,), (4, 8), (3, 4), (False, True))
+        space = itertools.product(block_ns, (64, 128), (8,), (4, 8), (3, 4), (False, True), (0, block_m // 4))
     configs = []
-    for bn, bk, group, warps, stages, tma in space:
+    for bn, bk, group, warps, stages, tma, *tail in space:
         if fp8 and 128 % bk:
             continue  # a K tile must sit inside one 128-wide scale group
         operand_bytes = (block_m * bk + bk * bn * (2 if gated else 1)) * (1 if fp8 else 2)
         accumulators = block_m * bn * (2 if gated else 1)
         if operand_bytes * stages > SHARED_MEMORY or accumulators > 128 * warps * 32:  # spills past 128 regs
             continue
-        configs.append(TileConfig(block_m, bn, bk, group, warps, stages, tma))
+        configs.append(TileConfig(block_m, bn, bk, group, warps, stages, tma, *tail))
     return configs
 
 
@@ -100,6 +101,7 @@ class Case:
     inter: torch.Tensor
     inter_scales: torch.Tensor | None
     pair_rows: torch.Tensor
+    out: torch.Tensor  # [tokens, H]: what a folded GEMM 2 writes
     routed: torch.Tensor
 
     @classmethod
@@ -112,12 +114,17 @@ class Case:
         if prepared.fp8:
             inter, inter_scales = quantize_rows(inter)
         pair_rows = torch.empty(pairs, shape.hidden, device="cuda", dtype=acts.out_dtype)
-        return cls(shape, acts, align, inter, inter_scales, pair_rows, layout.topk_weights.reshape(-1).contiguous())
+        out = torch.empty(layout.num_rows, shape.hidden, device="cuda", dtype=acts.out_dtype)
+        return cls(shape, acts, align, inter, inter_scales, pair_rows, out,
+                   layout.topk_weights.reshape(-1).contiguous())
 
     def launch(self, gemm: str, config: TileConfig, prepared: PreparedWeights) -> None:
         if gemm == "gate_up":
             grouped_gemm(self.acts.values, prepared.w13, self.inter, self.align, config, a_scale=self.acts.scales,
                          b_scale=prepared.w13_scale, a_row_div=self.shape.top_k, gated=True)
+        elif gemm == FOLDED:
+            folded_down(self.inter, prepared.w2, self.out, self.align, config, routed_weights=self.routed,
+                        a_scale=self.inter_scales, b_scale=prepared.w2_scale)
         else:
             grouped_gemm(self.inter, prepared.w2, self.pair_rows, self.align, config, a_scale=self.inter_scales,
                          b_scale=prepared.w2_scale, routed_weights=self.routed)
@@ -131,25 +138,50 @@ def replay_ms(fn) -> float:
         return float("inf")
 
 
+@attrs.frozen
+class Job:
+    """One kernel variant to compile: a GEMM's tile over a direct alignment or a sorted one."""
+
+    gemm: str
+    config: TileConfig
+    direct: bool
+
+    @property
+    def tokens(self) -> int:
+        return 1 if self.direct else 64  # one token aligns directly; 64 at top-8 sort
+
+
 def _compile_some(args) -> int:
-    """Pool worker: launch each config once at one token (top_k experts), which leaves its binary in the disk cache."""
+    """Pool worker: launch each job once on a few experts, which leaves its binary in Triton's disk cache."""
     shape_name, fp8, jobs = args
     full = SHAPES[shape_name]
     shape = attrs.evolve(full, experts=full.ep_size * full.top_k)  # strides are those of any expert count
     prepared = PreparedWeights.from_expert_weights(make_weights(shape, fp8))
     cases = {}
-    for gemm, config in jobs:
-        if config.block_m not in cases:
-            cases[config.block_m] = Case.build(shape, make_layout(shape, 1), prepared, config.block_m)
+    for job in jobs:
+        key = job.config.block_m, job.direct
+        if key not in cases:
+            cases[key] = Case.build(shape, make_layout(shape, job.tokens), prepared, job.config.block_m)
         try:
-            cases[config.block_m].launch(gemm, config, prepared)
+            cases[key].launch(job.gemm, job.config, prepared)
         except Exception:  # out of resources: the main process skips it too
             pass
     torch.cuda.synchronize()
     return len(jobs)
 
 
-def precompile(shape_name: str, fp8: bool, jobs: list[tuple[str, TileConfig]], workers: int) -> None:
+def compile_jobs(spaces, tokens, rows_per_expert, top_k: int) -> list[Job]:
+    """Every variant the search will time: each BLOCK_M a token count tries, direct or sorted as that count aligns."""
+    variants = set()
+    for m in tokens:
+        for bm in block_ms(rows_per_expert[m]):
+            direct = can_align_direct(m, top_k, bm)
+            variants |= {(gemm, bm, direct) for gemm in GEMMS + ((FOLDED,) if direct else ())}
+    return [Job(gemm, config, direct) for gemm, bm, direct in sorted(variants)
+            for config in spaces["down" if gemm == FOLDED else gemm, bm]]
+
+
+def precompile(shape_name: str, fp8: bool, jobs: list[Job], workers: int) -> None:
     started = time.monotonic()
     chunks = [(shape_name, fp8, jobs[i::workers]) for i in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
@@ -196,9 +228,7 @@ def main() -> None:
     layouts = {m: make_layout(shape, m, seed=m) for m in args.tokens}
     rows_per_expert = {m: int((layout.topk_ids >= 0).sum()) / shape.local_experts for m, layout in layouts.items()}
     spaces = {(gemm, bm): gemm_space(gemm, bm, fp8) for gemm in GEMMS for bm in (16, 32, 64, 128)}
-    wanted = {bm for m in args.tokens for bm in block_ms(rows_per_expert[m])}
-    precompile(args.shape, fp8, [(gemm, c) for (gemm, bm), space in spaces.items() if bm in wanted for c in space],
-               args.workers)
+    precompile(args.shape, fp8, compile_jobs(spaces, args.tokens, rows_per_expert, shape.top_k), args.workers)
     dtype = dtype_name(torch.bfloat16, fp8)
     name = table_file(device_name(torch.device("cuda"), False), dtype, shape.local_experts, shape.intermediate,
                       shape.hidden)
@@ -213,9 +243,9 @@ def main() -> None:
         for bm in block_ms(rows_per_expert[m]):
             case = Case.build(shape, layout, prepared, bm)
             best = {}
-            for gemm in GEMMS:
+            for gemm in GEMMS + ((FOLDED,) if case.align.direct else ()):
                 timed = []
-                for config in spaces[gemm, bm]:
+                for config in spaces["down" if gemm == FOLDED else gemm, bm]:
                     if time.monotonic() - started > args.budget_s:
                         break
                     ms = replay_ms(lambda: case.launch(gemm, config, prepared))
@@ -226,8 +256,10 @@ def main() -> None:
                     best[gemm] = min(timed, key=lambda pair: pair[0])
             if len(best) == len(GEMMS):
                 finalists.add(MoETiles(best["gate_up"][1], best["down"][1]))
-                print(f"M={m} BLOCK_M={bm}: gate_up {best['gate_up'][0] * 1e3:.1f} µs, "
-                      f"down {best['down'][0] * 1e3:.1f} µs", flush=True)
+                if FOLDED in best:
+                    finalists.add(MoETiles(best["gate_up"][1], best[FOLDED][1], fold_topk=True))
+                print(f"M={m} BLOCK_M={bm}: " + ", ".join(f"{gemm} {ms * 1e3:.1f} µs" for gemm, (ms, _) in best.items()),
+                      flush=True)
             del case
         ms, tiles = min(((whole_ms(t, layout, prepared), t) for t in finalists), key=lambda pair: pair[0])
         check(layout, prepared, tiles, torch_kernel.apply(layout, torch_weights).hidden, fp8)

@@ -182,11 +182,53 @@ def test_direct_alignment_refuses_more_tokens_than_a_tile():
         align_direct(ids, 16)
 
 
+def one_entry_tables(tmp_path, tiles, dtype, experts, hidden=H, inter=I, fp8=False):
+    """Tables for the interpreter whose one entry serves every token count."""
+    write_table(tmp_path / table_file(INTERPRETER_DEVICE, dtype_name(dtype, fp8), experts, inter, hidden), {1: tiles})
+    return TileTables(INTERPRETER_DEVICE, tmp_path)
+
+
 def tma_tables(tmp_path, dtype, experts, block_m=16):
     """Both GEMMs' weight tiles through tensor descriptors (K and N tails included at H=72, I=88)."""
-    tile = TileConfig(block_m=block_m, block_n=32, block_k=64, tma=True)
-    write_table(tmp_path / table_file(INTERPRETER_DEVICE, dtype_name(dtype, False), experts, I, H), {1: MoETiles.both(tile)})
-    return TileTables(INTERPRETER_DEVICE, tmp_path)
+    return one_entry_tables(tmp_path, MoETiles.both(TileConfig(block_m, block_n=32, block_k=64, tma=True)), dtype, experts)
+
+
+@pytest.mark.parametrize("tokens,top_k,experts", [(1, 8, 64), (4, 8, 8), (3, 1, 8), (16, 2, 4)])
+def test_folding_the_topk_sum_into_gemm_2_matches_torch(tmp_path, tokens, top_k, experts):
+    """GEMM 2 of a direct alignment adds each token's pairs itself: duplicates, -1 pairs and unrouted tokens too."""
+    tiles = MoETiles(TileConfig(16, 64, 64), TileConfig(16, 32, 64), fold_topk=True)
+    tables = one_entry_tables(tmp_path, tiles, torch.float32, experts)
+    triton_kernel, torch_kernel = kernels(torch.float32, experts=experts, top_k=top_k, tables=tables)
+    ids, topk_weights = random_routing(tokens, top_k, experts, seed=tokens + top_k, empty_experts=(0,))
+    hidden = torch.randn(tokens, H, device=DEVICE)
+    hidden[ids.lt(0).all(1)] = float("nan")  # tokens routed nowhere here must not be read
+    ours, ref = run_both(StandardLayout(hidden, ids, topk_weights, experts), make_weights(experts, H, I, torch.float32),
+                         triton_kernel, torch_kernel)
+    assert relative_error(ours, ref) <= TOLERANCE[torch.float32]
+    if tokens > 1:  # token 1 is routed nowhere here: its row is written, as zeros
+        assert torch.equal(ours[1], torch.zeros_like(ours[1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("layout_name", ["standard", "contiguous", "masked"])
+def test_short_tail_tiles_match_torch(tmp_path, dtype, layout_name):
+    """32-row tiles whose rows fit in 16 run 16 tall; in place, the slots past them still come out as zeros."""
+    tiles = MoETiles.both(TileConfig(32, 64, 64, tail_m=16))
+    triton_kernel, torch_kernel = kernels(dtype, experts=8, top_k=4, tables=one_entry_tables(tmp_path, tiles, dtype, 8))
+    ids, topk_weights = random_routing(45, 4, 8, seed=11, empty_experts=(5,))
+    standard = StandardLayout(torch.randn(45, H).to(DEVICE, dtype), ids, topk_weights, 8)
+    layout = {
+        "standard": lambda: standard,
+        "contiguous": lambda: standard_to_contiguous(standard, 32)[0],
+        "masked": lambda: standard_to_masked(standard, 32)[0],
+    }[layout_name]()
+    rows = torch.bincount(ids[ids >= 0].long(), minlength=8) % 32
+    assert ((rows > 0) & (rows <= 16)).any() and (rows > 16).any()  # both heights run
+    ours, ref = run_both(layout, make_weights(8, H, I, dtype), triton_kernel, torch_kernel)
+    assert relative_error(ours, ref) <= TOLERANCE[dtype]
+    if layout_name == "contiguous":
+        padding = ours[layout.expert_index < 0]
+        assert torch.equal(padding, torch.zeros_like(padding))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -252,22 +294,23 @@ FP8_H, FP8_I = 256, 192  # gate and up rows share a 128-row scale block; I ends 
 
 
 def fp8_tables(tmp_path):
-    """A tuned table for the interpreter: one K tile per scale group keeps the CPU run short."""
-    table = {1: MoETiles.both(TileConfig(block_m=16, block_n=64, block_k=128))}
-    write_table(tmp_path / table_file(INTERPRETER_DEVICE, "fp8_w8a8", 8, FP8_I, FP8_H), table)
-    return TileTables(INTERPRETER_DEVICE, tmp_path)
+    """A tuned table for the interpreter: one K tile per scale group keeps the CPU run short; few tokens fold the sum."""
+    tiles = MoETiles.both(TileConfig(block_m=16, block_n=64, block_k=128))
+    return one_entry_tables(tmp_path, attrs.evolve(tiles, fold_topk=True), torch.float32, 8, FP8_H, FP8_I, fp8=True)
 
 
-@pytest.mark.parametrize("layout_name", ["standard", "contiguous", "masked"])
+@pytest.mark.parametrize("layout_name", ["standard", "folded", "contiguous", "masked"])
 def test_fp8_block_matches_a_w8a8_emulation_and_torch(tmp_path, layout_name):
     triton_kernel, torch_kernel = kernels(torch.float32, FP8_H, FP8_I, top_k=4, tables=fp8_tables(tmp_path))
     w13, w2 = make_weights(8, FP8_H, FP8_I, torch.float32).w13, make_weights(8, FP8_H, FP8_I, torch.float32, seed=1).w2
     (q13, s13), (q2, s2) = quantize_blocks(w13), quantize_blocks(w2)
     weights = ExpertWeights(q13, q2, FP8_BLOCK, s13, s2)
-    ids, topk_weights = random_routing(20, 4, 8, seed=2, empty_experts=(6,))
-    standard = StandardLayout(torch.randn(20, FP8_H, device=DEVICE), ids, topk_weights, 8)
+    tokens = 3 if layout_name == "folded" else 20  # 3 tokens align directly
+    ids, topk_weights = random_routing(tokens, 4, 8, seed=2, empty_experts=(6,))
+    standard = StandardLayout(torch.randn(tokens, FP8_H, device=DEVICE), ids, topk_weights, 8)
     layout = {
         "standard": lambda: standard,
+        "folded": lambda: standard,
         "contiguous": lambda: standard_to_contiguous(standard, 16)[0],
         "masked": lambda: standard_to_masked(standard, 16)[0],
     }[layout_name]()
@@ -315,9 +358,15 @@ def test_tile_table_entries_of_one_tile_serve_both_gemms(tmp_path):
     one = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_warps": 4, "num_stages": 3}
     (tmp_path / "table.json").write_text(json.dumps({"16": one}))
     assert read_table(tmp_path / "table.json") == {16: MoETiles.both(TileConfig(32, 64, 64, 8, 4, 3))}
-    tma = MoETiles(TileConfig(64, 128, 64, tma=True), TileConfig(64, 256, 64))
-    write_table(tmp_path / "tma.json", {4096: tma})
-    assert read_table(tmp_path / "tma.json") == {4096: tma}
+    tuned = MoETiles(TileConfig(64, 128, 64, tma=True, tail_m=16), TileConfig(64, 256, 64), fold_topk=True)
+    write_table(tmp_path / "tuned.json", {4096: tuned})
+    assert read_table(tmp_path / "tuned.json") == {4096: tuned}
+
+
+@pytest.mark.parametrize("tail_m", [8, 24, 64, 128])
+def test_a_tail_height_must_be_a_power_of_two_below_block_m(tail_m):
+    with pytest.raises(ValueError, match="TAIL_SIZE_M"):
+        TileConfig(64, 64, 64, tail_m=tail_m)
 
 
 def test_the_two_gemms_must_share_block_m():

@@ -2,8 +2,10 @@
 
 A table lives in configs/ as `E=<experts>,N=<intermediate>,K=<hidden>,device=<name>,dtype=<dtype>.json`
 (N is the intermediate size: w13 has 2N rows, w2 has N columns) and maps a token count M to
-{"gate_up": TILE, "down": TILE}, one tile per GEMM, where TILE is {"BLOCK_SIZE_M", "BLOCK_SIZE_N",
-"BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages"} and optionally "USE_TMA"; an entry that is one TILE serves both GEMMs.
+{"gate_up": TILE, "down": TILE}, one tile per GEMM, and optionally "FOLD_TOPK" (GEMM 2 of a few tokens
+sums each token's experts itself), where TILE is {"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K",
+"GROUP_SIZE_M", "num_warps", "num_stages"} and optionally "USE_TMA" and "TAIL_SIZE_M" (the height an
+expert's last, mostly empty tile runs at); an entry that is one TILE serves both GEMMs.
 The two GEMMs have transposed shapes (N=2I, K=H against N=H, K=I), so their best tiles differ; they
 share BLOCK_SIZE_M because they share one alignment. benchmarks/tune_fused_moe.py writes the tables.
 """
@@ -32,6 +34,11 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     tma: bool = False  # weight tiles through a tensor descriptor (Hopper's copy engine) instead of pointers
+    tail_m: int = 0  # 0, or a shorter height for the tiles whose rows all fit in it (an expert's last tile)
+
+    def __attrs_post_init__(self):
+        if self.tail_m and not (16 <= self.tail_m < self.block_m and self.tail_m & (self.tail_m - 1) == 0):
+            raise ValueError(f"TAIL_SIZE_M must be 0 or a power of two from 16 below BLOCK_SIZE_M, not {self.tail_m}")
 
     @classmethod
     def from_json(cls, entry: dict) -> TileConfig:
@@ -43,6 +50,7 @@ class TileConfig:
             num_warps=entry["num_warps"],
             num_stages=entry["num_stages"],
             tma=entry.get("USE_TMA", False),
+            tail_m=entry.get("TAIL_SIZE_M", 0),
         )
 
     def to_json(self) -> dict:
@@ -54,7 +62,11 @@ class TileConfig:
             "num_warps": self.num_warps,
             "num_stages": self.num_stages,
         }
-        return {**entry, "USE_TMA": True} if self.tma else entry
+        if self.tma:
+            entry["USE_TMA"] = True
+        if self.tail_m:
+            entry["TAIL_SIZE_M"] = self.tail_m
+        return entry
 
 
 @attrs.frozen
@@ -63,6 +75,7 @@ class MoETiles:
 
     gate_up: TileConfig
     down: TileConfig
+    fold_topk: bool = False  # over a direct alignment, GEMM 2 sums each token's pairs itself (no pair rows)
 
     def __attrs_post_init__(self):
         if self.gate_up.block_m != self.down.block_m:
@@ -80,10 +93,12 @@ class MoETiles:
     def from_json(cls, entry: dict) -> MoETiles:
         if "gate_up" not in entry:
             return cls.both(TileConfig.from_json(entry))
-        return cls(TileConfig.from_json(entry["gate_up"]), TileConfig.from_json(entry["down"]))
+        return cls(TileConfig.from_json(entry["gate_up"]), TileConfig.from_json(entry["down"]),
+                   fold_topk=entry.get("FOLD_TOPK", False))
 
     def to_json(self) -> dict:
-        return {"gate_up": self.gate_up.to_json(), "down": self.down.to_json()}
+        entry = {"gate_up": self.gate_up.to_json(), "down": self.down.to_json()}
+        return {**entry, "FOLD_TOPK": True} if self.fold_topk else entry
 
 
 def dtype_name(dtype: torch.dtype, fp8: bool) -> str:

@@ -12,6 +12,7 @@ through a tensor descriptor (the Hopper copy engine) when the tile asks for it, 
 
 from __future__ import annotations
 
+import attrs
 import torch
 import triton
 import triton.language as tl
@@ -119,6 +120,55 @@ def _direct_rows(topk_ids_ptr, pair, num_valid, TOP_K: tl.constexpr, TOP_K_POW2:
     return expert, rows, row_mask
 
 
+@triton.jit
+def _rows_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr,
+               rows, row_mask, slots, num_slots, expert, pid_n, N, K,
+               stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+               stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+               A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, IN_PLACE: tl.constexpr,
+               FP8_BLOCK: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, B_TMA: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One tile of BLOCK_M rows of one expert (-1: none), stored at its rows, or at its slots when IN_PLACE."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    if IN_PLACE:
+        c_ptrs = c_ptr + slots[:, None] * stride_cm + cols[None, :] * stride_cn
+        c_mask = (slots[:, None] < num_slots) & (cols[None, :] < N)
+    else:
+        c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+        c_mask = row_mask[:, None] & (cols[None, :] < N)
+    if expert < 0:
+        if IN_PLACE:
+            tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
+    else:
+        acc = _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, rows // A_ROW_DIV, row_mask, expert, pid_n,
+                          N, K, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
+                          stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+                          GATED, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        if MUL_ROUTED_WEIGHT:
+            acc = acc * tl.load(routed_weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, sorted_ids_ptr,
+                 first, num_valid, num_slots, expert, pid_n, N, K,
+                 stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                 stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+                 A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+                 IN_PLACE: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
+                 B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The BLOCK_M slots from `first` of a sorted alignment, as one tile."""
+    slots = first + tl.arange(0, BLOCK_M).to(tl.int64)
+    rows = tl.load(sorted_ids_ptr + slots).to(tl.int64)
+    _rows_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr,
+               rows, rows < num_valid, slots, num_slots, expert, pid_n, N, K,
+               stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+               stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+               A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, IN_PLACE, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
+               DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
 # Row and slot counts change with every batch; specializing on them would compile a variant per size class.
 @triton.jit(do_not_specialize=["num_valid", "num_slots", "num_pid_m"])
 def grouped_gemm_kernel(
@@ -140,39 +190,83 @@ def grouped_gemm_kernel(
     B_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TAIL_M: tl.constexpr,  # 0, or a shorter tile height for tiles whose rows all sit in their first TAIL_M slots
 ):
     pid_m, pid_n = _tile_coords(num_pid_m, N, BLOCK_N, GROUP_M)
     if DIRECT:
         expert, rows, row_mask = _direct_rows(sorted_ids_ptr, pid_m, num_valid, TOP_K, TOP_K_POW2, BLOCK_M)
-        if expert < 0:
-            return
-        slots = rows  # never stored at: a direct alignment is not in place
-    else:
-        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-            return  # the grid covers the worst-case padding; tiles past the real one do nothing
-        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-        rows = tl.load(sorted_ids_ptr + slots).to(tl.int64)
-        row_mask = rows < num_valid
-        expert = tl.load(block_expert_ptr + pid_m)
-    expert = expert.to(tl.int64)
+        _rows_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr,
+                   rows, row_mask, rows, num_slots, expert.to(tl.int64), pid_n, N, K,
+                   stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                   stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+                   A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, False, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
+                   DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif pid_m * BLOCK_M < tl.load(num_padded_ptr):  # the grid covers the worst-case padding
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        first = pid_m * BLOCK_M
+        if TAIL_M > 0:
+            # An expert's last tile is mostly padding: run it TAIL_M rows tall when its rows fit, which pads far less.
+            lanes = tl.arange(0, BLOCK_M)
+            used = tl.load(sorted_ids_ptr + first + lanes) < num_valid
+            if tl.max((used & (lanes >= TAIL_M)).to(tl.int32)) == 0:
+                _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, sorted_ids_ptr,
+                             first, num_valid, num_slots, expert, pid_n, N, K,
+                             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                             stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+                             A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, IN_PLACE, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
+                             DOT_PRECISION, TAIL_M, BLOCK_N, BLOCK_K)
+                if IN_PLACE:  # the slots past the short tile are padding: zeros
+                    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+                    rest = first + lanes.to(tl.int64)
+                    tl.store(c_ptr + rest[:, None] * stride_cm + cols[None, :] * stride_cn,
+                             tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty),
+                             mask=(lanes[:, None] >= TAIL_M) & (rest[:, None] < num_slots) & (cols[None, :] < N))
+            else:
+                _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, sorted_ids_ptr,
+                             first, num_valid, num_slots, expert, pid_n, N, K,
+                             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                             stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+                             A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, IN_PLACE, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
+                             DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        else:
+            _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, sorted_ids_ptr,
+                         first, num_valid, num_slots, expert, pid_n, N, K,
+                         stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                         stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+                         A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, IN_PLACE, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
+                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit(do_not_specialize=["num_valid", "num_tokens"])
+def folded_down_kernel(
+    a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, topk_ids_ptr,
+    num_valid, num_tokens, N, K,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    EVEN_K: tl.constexpr, B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """GEMM 2 of a direct alignment with the top-k sum folded in: a program per column tile, a lane per token.
+
+    It runs every expert the tokens hit, one after another, and adds each token's weighted rows in
+    registers, so out[token] is written once and no pair rows or sum launch are needed.
+    """
+    pid_n = tl.program_id(0)
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for pair in range(0, num_valid):
+        expert, rows, row_mask = _direct_rows(topk_ids_ptr, pair, num_valid, TOP_K, TOP_K_POW2, BLOCK_M)
+        if expert >= 0:
+            acc = _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, rows, row_mask, expert.to(tl.int64),
+                              pid_n, N, K, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
+                              stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+                              False, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+            weight = tl.load(routed_weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+            total += acc * weight[:, None]
+    tokens = tl.arange(0, BLOCK_M).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    if IN_PLACE:
-        c_ptrs = c_ptr + slots[:, None] * stride_cm + cols[None, :] * stride_cn
-        c_mask = (slots[:, None] < num_slots) & (cols[None, :] < N)
-    else:
-        c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
-        c_mask = row_mask[:, None] & (cols[None, :] < N)
-    if expert < 0:
-        if IN_PLACE:
-            tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
-        return
-    acc = _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, rows // A_ROW_DIV, row_mask, expert, pid_n, N, K,
-                      stride_am, stride_ak, stride_be, stride_bn, stride_bk,
-                      stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-                      GATED, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    if MUL_ROUTED_WEIGHT:
-        acc = acc * tl.load(routed_weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    tl.store(c_ptr + tokens[:, None] * stride_cm + cols[None, :] * stride_cn, total.to(c_ptr.dtype.element_ty),
+             mask=(tokens[:, None] < num_tokens) & (cols[None, :] < N))
 
 
 def grouped_gemm(
@@ -193,27 +287,20 @@ def grouped_gemm(
 
     a [rows, K]; b [E, N or 2N, K], contiguous; out [rows or slots, N]. fp8 when `b_scale` is given.
     """
-    fp8 = b_scale is not None
     n = b.shape[1] // 2 if gated else b.shape[1]
-    if fp8 and (a_scale is None or SCALE_BLOCK % config.block_k):
-        raise ValueError(f"fp8 block GEMMs need activation scales and BLOCK_K dividing {SCALE_BLOCK}")
     if in_place and align.direct:
         raise ValueError("a direct alignment has no slots to write in place")
     num_pid_m = align.num_tiles
     grid = (num_pid_m * triton.cdiv(n, config.block_n),)
     if grid[0] == 0:
         return
-    a_scale = a_scale if fp8 else a  # never read: FP8_BLOCK is off
-    b_scale = b_scale if fp8 else b
-    routed = routed_weights if routed_weights is not None else a
-    b_desc = weight_descriptor(b, config) if config.tma else b
+    operands = _Operands.of(a, b, config, a_scale, b_scale, routed_weights)
     grouped_gemm_kernel[grid](
-        a, b, b_desc, out, a_scale, b_scale, routed,
+        a, b, operands.b_desc, out, operands.a_scale, operands.b_scale, operands.routed,
         align.sorted_ids, align.block_expert, align.num_padded,
         align.num_valid, align.num_slots, num_pid_m, n, a.shape[1],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-        a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
-        b_scale.stride(0) if fp8 else 0, b_scale.stride(1) if fp8 else 0, b_scale.stride(2) if fp8 else 0,
+        *operands.scale_strides,
         A_ROW_DIV=a_row_div,
         GATED=gated,
         MUL_ROUTED_WEIGHT=routed_weights is not None,
@@ -221,18 +308,76 @@ def grouped_gemm(
         DIRECT=align.direct,
         TOP_K=align.top_k,
         TOP_K_POW2=triton.next_power_of_2(align.top_k),
-        FP8_BLOCK=fp8,
-        SCALE_BLOCK=SCALE_BLOCK,
-        EVEN_K=a.shape[1] % config.block_k == 0,
-        B_TMA=config.tma,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        TAIL_M=0 if align.direct else config.tail_m,
+        **operands.constants(a, config),
     )
+
+
+def folded_down(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, align: Alignment, config: TileConfig, *,
+                routed_weights: torch.Tensor, a_scale: torch.Tensor | None = None,
+                b_scale: torch.Tensor | None = None) -> None:
+    """out[token] = the sum over its pairs of routed weight x A[pair] @ B[expert].T, for a direct alignment.
+
+    a [pairs, K]; b [E, N, K], contiguous; out [tokens, N], every row written (zeros for tokens routed elsewhere).
+    """
+    if not align.direct:
+        raise ValueError("GEMM 2 folds the top-k sum only over a direct alignment (a lane per token)")
+    n = b.shape[1]
+    operands = _Operands.of(a, b, config, a_scale, b_scale, routed_weights)
+    folded_down_kernel[(triton.cdiv(n, config.block_n),)](
+        a, b, operands.b_desc, out, operands.a_scale, operands.b_scale, operands.routed, align.sorted_ids,
+        align.num_valid, align.num_valid // align.top_k, n, a.shape[1],
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+        *operands.scale_strides,
+        TOP_K=align.top_k,
+        TOP_K_POW2=triton.next_power_of_2(align.top_k),
+        **operands.constants(a, config),
+    )
+
+
+@attrs.frozen
+class _Operands:
+    """What both kernels take besides A, B and C: scales (A and B stand in when not fp8), routed weights, B's descriptor."""
+
+    a_scale: torch.Tensor
+    b_scale: torch.Tensor
+    routed: torch.Tensor
+    b_desc: object
+    fp8: bool
+
+    @classmethod
+    def of(cls, a, b, config: TileConfig, a_scale, b_scale, routed_weights) -> _Operands:
+        fp8 = b_scale is not None
+        if fp8 and (a_scale is None or SCALE_BLOCK % config.block_k):
+            raise ValueError(f"fp8 block GEMMs need activation scales and BLOCK_K dividing {SCALE_BLOCK}")
+        return cls(
+            a_scale if fp8 else a,  # never read: FP8_BLOCK is off
+            b_scale if fp8 else b,
+            routed_weights if routed_weights is not None else a,
+            weight_descriptor(b, config) if config.tma else b,
+            fp8,
+        )
+
+    @property
+    def scale_strides(self) -> tuple[int, ...]:
+        if not self.fp8:
+            return (0,) * 5
+        return (*self.a_scale.stride(), *self.b_scale.stride())
+
+    def constants(self, a: torch.Tensor, config: TileConfig) -> dict:
+        return dict(
+            FP8_BLOCK=self.fp8,
+            SCALE_BLOCK=SCALE_BLOCK,
+            EVEN_K=a.shape[1] % config.block_k == 0,
+            B_TMA=config.tma,
+            DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
 
 
 def weight_descriptor(b: torch.Tensor, config: TileConfig):
