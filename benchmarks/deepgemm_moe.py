@@ -18,7 +18,7 @@ import argparse
 import datetime
 
 import torch
-from fused_moe import SHAPES, Shape, Work, bench_ms, graph_ms, make_layout, make_weights, measure_roofline
+from fused_moe import SHAPES, ColdTimer, Shape, Work, make_layout, make_weights, measure_roofline
 
 from moeplex.interfaces import FP8_BLOCK, ExpertWeights, MoEContext
 from moeplex.moe.adapters import LayoutAdapter
@@ -34,15 +34,15 @@ def context(shape: Shape) -> MoEContext:
                       torch.device("cuda"))
 
 
-def row(shape: Shape, tokens: int, roof, kernels: dict, decode: bool) -> str:
+def row(shape: Shape, tokens: int, roof, kernels: dict, decode: bool, bench_ms: ColdTimer) -> str:
     layout = make_layout(shape, tokens, seed=tokens)
     work = Work.of(layout, shape, 1)  # fp8 weights
     (dg, dg_w), (tr, tr_w), (ref, ref_w) = kernels["deepgemm"], kernels["triton"], kernels["torch"]
     target = "masked" if decode else "contiguous"
     converted, _ = LayoutAdapter("standard", frozenset({target}), dg.caps.alignment)(layout)
     dg_ms = bench_ms(lambda: dg.apply(converted, dg_w))
-    dg_graph = graph_ms(lambda: dg.apply(converted, dg_w)) if decode else float("nan")
-    tr_ms = min(bench_ms(lambda: tr.apply(layout, tr_w)), graph_ms(lambda: tr.apply(layout, tr_w)) if decode else 1e9)
+    dg_graph = bench_ms.graph(lambda: dg.apply(converted, dg_w)) if decode else float("nan")
+    tr_ms = min(bench_ms(lambda: tr.apply(layout, tr_w)), bench_ms.graph(lambda: tr.apply(layout, tr_w)) if decode else 1e9)
     ref_ms = bench_ms(lambda: ref.apply(layout, ref_w)) if tokens <= 4096 else float("nan")
     best = min(dg_ms, dg_graph) if decode else dg_ms
     ideal_ms = work.ideal_ms(roof)
@@ -74,7 +74,8 @@ def main() -> None:
         kernels[name] = (kernel, kernel.prepare_weights(fp8_weights))
     reference = lookup("moe_kernel", "torch")(context(shape))
     kernels["torch"] = (reference, reference.prepare_weights(bf16))
-    roof = measure_roofline(fp8=True)
+    timer = ColdTimer()
+    roof = measure_roofline(True, timer)
     print(f"## DeepSeek-V3 MoE experts: `deepgemm` vs `triton` (fp8) vs `torch` (bf16), {args.shape}\n")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.date.today()}. "
           f"{shape.local_experts} experts on this GPU, H={shape.hidden}, I={shape.intermediate}, "
@@ -84,9 +85,9 @@ def main() -> None:
           "deepgemm speed-up over triton | TFLOP/s | GB/s moved | roofline |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for tokens in args.decode:
-        print(row(shape, tokens, roof, kernels, decode=True), flush=True)
+        print(row(shape, tokens, roof, kernels, True, timer), flush=True)
     for tokens in args.prefill:
-        print(row(shape, tokens, roof, kernels, decode=False), flush=True)
+        print(row(shape, tokens, roof, kernels, False, timer), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Time the `triton` fused MoE kernel against the `torch` reference kernel, and against the hardware roofline.
 
 One Markdown table per shape: for each token count M on one EP rank, the time of each kernel
-(median of triton.testing.do_bench, L2 flushed between runs), triton's time when replayed in a
+(median over CUDA events, L2 emptied before each run: see ColdTimer), triton's time when replayed in a
 CUDA graph (how decode runs), the speed-up over torch, and triton's best time against each
 ceiling measured in this run: TFLOP/s of the routed pairs over the bf16 (or fp8) matmul peak, TB/s
 of the fewest bytes that must move (the hit experts' weights once, the tokens in and out) over the
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 
 import attrs
 import torch
 import triton
-from triton.testing import do_bench
 
 from moeplex.interfaces import BF16, FP8_BLOCK, ExpertWeights, MoEContext, StandardLayout
 from moeplex.quant import quantize_blocks
@@ -74,17 +74,39 @@ def context(shape: Shape) -> MoEContext:
                       torch.device("cuda"))
 
 
-def bench_ms(fn) -> float:
-    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+class ColdTimer:
+    """Median milliseconds of `fn` over CUDA events, each run after reading a buffer ten times L2's size.
 
+    Every run starts with nothing of its own in L2, and with nothing dirty there either.
+    triton.testing.do_bench empties L2 by writing a buffer instead, and its ~50 MB of dirty lines
+    must go back to memory while the timed kernel streams its weights in: about 12 µs of the copy
+    rate, which is a sixth of a decode step on one EP8 rank. A kernel after attention finds L2
+    holding little it has written, which is what reading the buffer leaves.
+    """
 
-def graph_ms(fn) -> float:
-    """Median time of `fn` replayed from a CUDA graph: launch overhead out, as decode serves it."""
-    fn()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench_ms(graph.replay)
+    def __init__(self, runs: int = 50, warmup: int = 5):
+        self.runs, self.warmup = runs, warmup
+        self.flush = torch.ones(512 << 20, dtype=torch.uint8, device="cuda")
+
+    def __call__(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.runs)]
+        for start, end in events:
+            self.flush.sum()  # reads it all; writes one number
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events)
+
+    def graph(self, fn) -> float:
+        """Median time of `fn` replayed from a CUDA graph: launch overhead out, as decode serves it."""
+        fn()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return self(graph.replay)
 
 
 @attrs.frozen
@@ -93,7 +115,7 @@ class Roofline:
     copy_gbps: float
 
 
-def measure_roofline(fp8: bool) -> Roofline:
+def measure_roofline(fp8: bool, bench_ms: ColdTimer) -> Roofline:
     """Peak dense-matmul TFLOP/s (bf16, or fp8 through torch._scaled_mm) and device-to-device copy GB/s."""
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -141,13 +163,13 @@ HEADER = ("| M | pairs here | experts hit | triton µs | triton graph µs | torc
           "| TB/s | of copy peak | of roofline |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
-def row(shape: Shape, tokens: int, fp8: bool, roof: Roofline, kernels) -> str:
+def row(shape: Shape, tokens: int, fp8: bool, roof: Roofline, kernels, bench_ms: ColdTimer) -> str:
     """One M: times, and the best of them against each ceiling and against the larger of the two (the roofline)."""
     layout = make_layout(shape, tokens, seed=tokens)
     work = Work.of(layout, shape, 1 if fp8 else 2)
     (triton_kernel, triton_weights), (torch_kernel, torch_weights) = kernels
     triton_eager = bench_ms(lambda: triton_kernel.apply(layout, triton_weights))
-    triton_graph = graph_ms(lambda: triton_kernel.apply(layout, triton_weights))
+    triton_graph = bench_ms.graph(lambda: triton_kernel.apply(layout, triton_weights))
     torch_ms = bench_ms(lambda: torch_kernel.apply(layout, torch_weights))
     best = min(triton_eager, triton_graph)
     return (
@@ -173,7 +195,8 @@ def main() -> None:
     for name in ("triton", "torch"):
         kernel = lookup("moe_kernel", name)(context(shape))
         kernels.append((kernel, kernel.prepare_weights(weights)))
-    roof = measure_roofline(fp8)
+    timer = ColdTimer()
+    roof = measure_roofline(fp8, timer)
     print(f"## fused MoE: `triton` vs `torch`, {args.shape}, {args.dtype}\n")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"{datetime.date.today()}. Rank 0 of {shape.ep_size}: {shape.local_experts} experts, "
@@ -182,7 +205,7 @@ def main() -> None:
           f"device copy {roof.copy_gbps:.0f} GB/s.\n")
     print(HEADER)
     for tokens in args.tokens:
-        print(row(shape, tokens, fp8, roof, kernels), flush=True)
+        print(row(shape, tokens, fp8, roof, kernels, timer), flush=True)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,11 @@
     python benchmarks/tune_fused_moe.py --shape deepseek-v3 --tokens 1 64 4096 --log tune.csv
 
 The two GEMMs are tuned apart: GEMM 1 (gate and up, N=2I, K=H) and GEMM 2 (down, N=H, K=I) have
-transposed shapes and want different tiles, but they tile one alignment, so they share BLOCK_M.
-For each token count M (routing of benchmarks/fused_moe.py) and each BLOCK_M that suits its rows
-per expert, every candidate of each GEMM is timed alone as a CUDA-graph replay
+transposed shapes and want different tiles, but they tile one alignment, so they share BLOCK_M and
+TAIL_M. For each token count M (routing of benchmarks/fused_moe.py) and each (BLOCK_M, TAIL_M) that
+suits its rows per expert, every candidate of each GEMM is timed alone as a CUDA-graph replay
 (triton.testing.do_bench_cudagraph: decode replays graphs, and eager timing at small M measures the
-host). The best pair per BLOCK_M, the table's incumbent and the default then run the whole path
+host). The best pair per (BLOCK_M, TAIL_M), the table's incumbent and the default then run the whole path
 (align, both GEMMs, finish), and the fastest wins. Candidates compile first in a pool of processes
 that fill Triton's on-disk cache, so the search pays for compiling once, in parallel. --budget-s
 stops the search early with what it has. Winners are checked against the torch reference before
@@ -52,42 +52,45 @@ from moeplex.plugins.moe_kernels.triton_moe.fused import (
     align_standard,
     moe_standard,
 )
-from moeplex.plugins.moe_kernels.triton_moe.kernel import folded_down, grouped_gemm
+from moeplex.plugins.moe_kernels.triton_moe.kernel import grouped_gemm
 from moeplex.registry import lookup
 
 GEMMS = ("gate_up", "down")
-FOLDED = "folded"  # GEMM 2 with the top-k sum folded in, over a direct alignment (few tokens)
 SHARED_MEMORY = 220 * 1024  # bytes a Hopper SM gives one program, less a margin
 
 
-def block_ms(rows_per_expert: float) -> tuple[int, ...]:
-    """Row tiles worth trying: tall enough to reuse each weight tile, short enough not to pad much."""
+def row_tiles(rows_per_expert: float) -> tuple[tuple[int, int], ...]:
+    """(BLOCK_M, TAIL_M) worth trying: tall enough to reuse each weight tile, short enough not to pad much;
+    with a tail, one tile takes the experts whose rows just pass BLOCK_M."""
     if rows_per_expert < 8:
-        return (16,)
+        return ((16, 0),)
     if rows_per_expert < 32:
-        return (16, 32)
+        return ((16, 0), (32, 0))
     if rows_per_expert < 96:
-        return (32, 64)
-    return (64, 128)
+        return ((32, 0), (64, 0), (64, 32))
+    if rows_per_expert < 160:
+        return ((64, 0), (128, 0), (128, 32), (128, 64))
+    return ((128, 0), (128, 32), (128, 64), (128, 128))
 
 
-def gemm_space(gemm: str, block_m: int, fp8: bool) -> list[TileConfig]:
+def gemm_space(gemm: str, block_m: int, tail_m: int, fp8: bool) -> list[TileConfig]:
     gated = gemm == "gate_up"
     if block_m <= 32:  # streaming weights: many programs, deep pipelines
         block_ns = (16, 32, 64, 128) if gated else (32, 64, 128, 256)
         space = itertools.product(block_ns, (64, 128, 256), (1,), (4,), (3, 4, 5), (False, True))
-    else:  # reusing them: wide tiles on the tensor cores; an expert's last tile may run shorter
+    else:  # reusing them: wide tiles on the tensor cores
         block_ns = (64, 128) if gated else (64, 128, 256)
-        space = itertools.product(block_ns, (64, 128), (8,), (4, 8), (3, 4), (False, True), (0, block_m // 4))
+        space = itertools.product(block_ns, (64, 128), (8,), (4, 8), (3, 4), (False, True))
     configs = []
-    for bn, bk, group, warps, stages, tma, *tail in space:
+    rows = block_m + tail_m  # both parts of a tile are in flight at once
+    for bn, bk, group, warps, stages, tma in space:
         if fp8 and 128 % bk:
             continue  # a K tile must sit inside one 128-wide scale group
-        operand_bytes = (block_m * bk + bk * bn * (2 if gated else 1)) * (1 if fp8 else 2)
-        accumulators = block_m * bn * (2 if gated else 1)
-        if operand_bytes * stages > SHARED_MEMORY or accumulators > 128 * warps * 32:  # spills past 128 regs
+        operand_bytes = (rows * bk + bk * bn * (2 if gated else 1)) * (1 if fp8 else 2)
+        accumulators = rows * bn * (2 if gated else 1)
+        if operand_bytes * stages > SHARED_MEMORY or accumulators > 160 * warps * 32:  # spills past 160 regs
             continue
-        configs.append(TileConfig(block_m, bn, bk, group, warps, stages, tma, *tail))
+        configs.append(TileConfig(block_m, bn, bk, group, warps, stages, tma, tail_m))
     return configs
 
 
@@ -101,30 +104,24 @@ class Case:
     inter: torch.Tensor
     inter_scales: torch.Tensor | None
     pair_rows: torch.Tensor
-    out: torch.Tensor  # [tokens, H]: what a folded GEMM 2 writes
     routed: torch.Tensor
 
     @classmethod
-    def build(cls, shape: Shape, layout, prepared: PreparedWeights, block_m: int) -> Case:
+    def build(cls, shape: Shape, layout, prepared: PreparedWeights, block_m: int, tail_m: int) -> Case:
         acts = activations(layout.hidden, None, prepared)
-        align = align_standard(layout.topk_ids, shape.local_experts, block_m)
+        align = align_standard(layout.topk_ids, shape.local_experts, block_m, tail_m)
         pairs = layout.topk_ids.numel()
         inter = torch.randn(pairs, shape.intermediate, device="cuda").to(acts.out_dtype)
         inter_scales = None
         if prepared.fp8:
             inter, inter_scales = quantize_rows(inter)
         pair_rows = torch.empty(pairs, shape.hidden, device="cuda", dtype=acts.out_dtype)
-        out = torch.empty(layout.num_rows, shape.hidden, device="cuda", dtype=acts.out_dtype)
-        return cls(shape, acts, align, inter, inter_scales, pair_rows, out,
-                   layout.topk_weights.reshape(-1).contiguous())
+        return cls(shape, acts, align, inter, inter_scales, pair_rows, layout.topk_weights.reshape(-1).contiguous())
 
     def launch(self, gemm: str, config: TileConfig, prepared: PreparedWeights) -> None:
         if gemm == "gate_up":
             grouped_gemm(self.acts.values, prepared.w13, self.inter, self.align, config, a_scale=self.acts.scales,
                          b_scale=prepared.w13_scale, a_row_div=self.shape.top_k, gated=True)
-        elif gemm == FOLDED:
-            folded_down(self.inter, prepared.w2, self.out, self.align, config, routed_weights=self.routed,
-                        a_scale=self.inter_scales, b_scale=prepared.w2_scale)
         else:
             grouped_gemm(self.inter, prepared.w2, self.pair_rows, self.align, config, a_scale=self.inter_scales,
                          b_scale=prepared.w2_scale, routed_weights=self.routed)
@@ -159,9 +156,9 @@ def _compile_some(args) -> int:
     prepared = PreparedWeights.from_expert_weights(make_weights(shape, fp8))
     cases = {}
     for job in jobs:
-        key = job.config.block_m, job.direct
+        key = job.config.block_m, job.config.tail_m, job.direct
         if key not in cases:
-            cases[key] = Case.build(shape, make_layout(shape, job.tokens), prepared, job.config.block_m)
+            cases[key] = Case.build(shape, make_layout(shape, job.tokens), prepared, *key[:2])
         try:
             cases[key].launch(job.gemm, job.config, prepared)
         except Exception:  # out of resources: the main process skips it too
@@ -172,13 +169,9 @@ def _compile_some(args) -> int:
 
 def compile_jobs(spaces, tokens, rows_per_expert, top_k: int) -> list[Job]:
     """Every variant the search will time: each BLOCK_M a token count tries, direct or sorted as that count aligns."""
-    variants = set()
-    for m in tokens:
-        for bm in block_ms(rows_per_expert[m]):
-            direct = can_align_direct(m, top_k, bm)
-            variants |= {(gemm, bm, direct) for gemm in GEMMS + ((FOLDED,) if direct else ())}
-    return [Job(gemm, config, direct) for gemm, bm, direct in sorted(variants)
-            for config in spaces["down" if gemm == FOLDED else gemm, bm]]
+    variants = {(gemm, tiles, can_align_direct(m, top_k, tiles[0]))
+                for m in tokens for tiles in row_tiles(rows_per_expert[m]) for gemm in GEMMS}
+    return [Job(gemm, config, direct) for gemm, tiles, direct in sorted(variants) for config in spaces[gemm, tiles]]
 
 
 def precompile(shape_name: str, fp8: bool, jobs: list[Job], workers: int) -> None:
@@ -227,7 +220,8 @@ def main() -> None:
     prepared = PreparedWeights.from_expert_weights(weights)
     layouts = {m: make_layout(shape, m, seed=m) for m in args.tokens}
     rows_per_expert = {m: int((layout.topk_ids >= 0).sum()) / shape.local_experts for m, layout in layouts.items()}
-    spaces = {(gemm, bm): gemm_space(gemm, bm, fp8) for gemm in GEMMS for bm in (16, 32, 64, 128)}
+    spaces = {(gemm, tiles): gemm_space(gemm, *tiles, fp8) for gemm in GEMMS
+              for tiles in {t for m in args.tokens for t in row_tiles(rows_per_expert[m])}}
     precompile(args.shape, fp8, compile_jobs(spaces, args.tokens, rows_per_expert, shape.top_k), args.workers)
     dtype = dtype_name(torch.bfloat16, fp8)
     name = table_file(device_name(torch.device("cuda"), False), dtype, shape.local_experts, shape.intermediate,
@@ -240,12 +234,12 @@ def main() -> None:
     torch_weights = torch_kernel.prepare_weights(weights)
     for m, layout in layouts.items():
         finalists = {default_tiles(m, shape.local_experts, shape.top_k, dtype, False), table.get(m)} - {None}
-        for bm in block_ms(rows_per_expert[m]):
-            case = Case.build(shape, layout, prepared, bm)
+        for tiles in row_tiles(rows_per_expert[m]):
+            case = Case.build(shape, layout, prepared, *tiles)
             best = {}
-            for gemm in GEMMS + ((FOLDED,) if case.align.direct else ()):
+            for gemm in GEMMS:
                 timed = []
-                for config in spaces["down" if gemm == FOLDED else gemm, bm]:
+                for config in spaces[gemm, tiles]:
                     if time.monotonic() - started > args.budget_s:
                         break
                     ms = replay_ms(lambda: case.launch(gemm, config, prepared))
@@ -256,10 +250,8 @@ def main() -> None:
                     best[gemm] = min(timed, key=lambda pair: pair[0])
             if len(best) == len(GEMMS):
                 finalists.add(MoETiles(best["gate_up"][1], best["down"][1]))
-                if FOLDED in best:
-                    finalists.add(MoETiles(best["gate_up"][1], best[FOLDED][1], fold_topk=True))
-                print(f"M={m} BLOCK_M={bm}: " + ", ".join(f"{gemm} {ms * 1e3:.1f} µs" for gemm, (ms, _) in best.items()),
-                      flush=True)
+                print(f"M={m} BLOCK_M, TAIL_M={tiles}: gate_up {best['gate_up'][0] * 1e3:.1f} µs, "
+                      f"down {best['down'][0] * 1e3:.1f} µs", flush=True)
             del case
         ms, tiles = min(((whole_ms(t, layout, prepared), t) for t in finalists), key=lambda pair: pair[0])
         check(layout, prepared, tiles, torch_kernel.apply(layout, torch_weights).hidden, fp8)

@@ -36,7 +36,7 @@ from moeplex.plugins.moe_kernels.triton_moe.configs import (
 )
 from moeplex.kernels.fp8 import quantize_rows
 from moeplex.plugins.moe_kernels.triton_moe.fused import align_standard
-from moeplex.plugins.moe_kernels.triton_moe.kernel import grouped_gemm_kernel
+from moeplex.plugins.moe_kernels.triton_moe.kernel import grouped_gemm, grouped_gemm_kernel
 from moeplex.plugins.moe_kernels.triton_moe.plugin import INTERPRETED, TritonMoEKernel
 from moeplex.quant import dequantize_activations, dequantize_blocks, quantize_activations, quantize_blocks
 
@@ -193,56 +193,36 @@ def tma_tables(tmp_path, dtype, experts, block_m=16):
     return one_entry_tables(tmp_path, MoETiles.both(TileConfig(block_m, block_n=32, block_k=64, tma=True)), dtype, experts)
 
 
-@pytest.mark.parametrize("tokens,top_k,experts", [(1, 8, 64), (4, 8, 8), (3, 1, 8), (16, 2, 4)])
-def test_folding_the_topk_sum_into_gemm_2_matches_torch(tmp_path, tokens, top_k, experts):
-    """GEMM 2 of a direct alignment adds each token's pairs itself: duplicates, -1 pairs and unrouted tokens too."""
-    tiles = MoETiles(TileConfig(16, 64, 64), TileConfig(16, 32, 64), fold_topk=True)
-    tables = one_entry_tables(tmp_path, tiles, torch.float32, experts)
-    triton_kernel, torch_kernel = kernels(torch.float32, experts=experts, top_k=top_k, tables=tables)
-    ids, topk_weights = random_routing(tokens, top_k, experts, seed=tokens + top_k, empty_experts=(0,))
-    hidden = torch.randn(tokens, H, device=DEVICE)
-    hidden[ids.lt(0).all(1)] = float("nan")  # tokens routed nowhere here must not be read
-    ours, ref = run_both(StandardLayout(hidden, ids, topk_weights, experts), make_weights(experts, H, I, torch.float32),
-                         triton_kernel, torch_kernel)
-    assert relative_error(ours, ref) <= TOLERANCE[torch.float32]
-    if tokens > 1:  # token 1 is routed nowhere here: its row is written, as zeros
-        assert torch.equal(ours[1], torch.zeros_like(ours[1]))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("layout_name", ["standard", "contiguous", "masked"])
-def test_short_tail_tiles_match_torch(tmp_path, dtype, layout_name):
-    """32-row tiles whose rows fit in 16 run 16 tall; in place, the slots past them still come out as zeros."""
-    tiles = MoETiles.both(TileConfig(32, 64, 64, tail_m=16))
+def test_tiles_with_a_tail_run_at_the_height_their_rows_need_and_match_torch(tmp_path, dtype, layout_name):
+    """16 + 16-slot tiles: experts of at most 16 rows, of 17-32 (both parts at once) and of more (two tiles)."""
+    tiles = MoETiles.both(TileConfig(16, 64, 64, tail_m=16))
     triton_kernel, torch_kernel = kernels(dtype, experts=8, top_k=4, tables=one_entry_tables(tmp_path, tiles, dtype, 8))
     ids, topk_weights = random_routing(45, 4, 8, seed=11, empty_experts=(5,))
+    ids[2:22, 0] = 7  # expert 7 gets more than one tile
     standard = StandardLayout(torch.randn(45, H).to(DEVICE, dtype), ids, topk_weights, 8)
     layout = {
         "standard": lambda: standard,
         "contiguous": lambda: standard_to_contiguous(standard, 32)[0],
         "masked": lambda: standard_to_masked(standard, 32)[0],
     }[layout_name]()
-    rows = torch.bincount(ids[ids >= 0].long(), minlength=8) % 32
-    assert ((rows > 0) & (rows <= 16)).any() and (rows > 16).any()  # both heights run
+    rows = torch.bincount(ids[ids >= 0].long(), minlength=8)
+    last_tile = (rows - 1) % 32 + 1
+    assert ((last_tile > 0) & (last_tile <= 16)).any() and (last_tile > 16).any() and (rows > 32).any()
     ours, ref = run_both(layout, make_weights(8, H, I, dtype), triton_kernel, torch_kernel)
     assert relative_error(ours, ref) <= TOLERANCE[dtype]
-    if layout_name == "contiguous":
+    if layout_name == "contiguous":  # sorted, not in place: padding rows are nobody's and stay zero
         padding = ours[layout.expert_index < 0]
         assert torch.equal(padding, torch.zeros_like(padding))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens", [2, 37])  # direct and sorted alignments
-def test_weight_tiles_through_tensor_descriptors_match_torch(tmp_path, dtype, tokens):
-    triton_kernel, torch_kernel = kernels(dtype, experts=8, top_k=4, tables=tma_tables(tmp_path, dtype, 8))
-    ids, topk_weights = random_routing(tokens, 4, 8, seed=5, empty_experts=(2,))
-    standard = StandardLayout(torch.randn(tokens, H).to(DEVICE, dtype), ids, topk_weights, 8)
-    weights = make_weights(8, H, I, dtype)
-    ours, ref = run_both(standard, weights, triton_kernel, torch_kernel)
-    assert relative_error(ours, ref) <= TOLERANCE[dtype]
-    contiguous, _ = standard_to_contiguous(standard, 16)  # in place, the tiles' rows as they come
-    ours, ref = run_both(contiguous, weights, triton_kernel, torch_kernel)
-    assert relative_error(ours, ref) <= TOLERANCE[dtype]
+def test_a_tile_with_a_tail_takes_an_alignment_of_its_slots():
+    ids, _ = random_routing(45, 4, 8, seed=1)
+    with pytest.raises(ValueError, match="slots"):
+        grouped_gemm(torch.zeros(45, H, device=DEVICE), torch.zeros(8, 2 * I, H, device=DEVICE),
+                     torch.empty(180, I, device=DEVICE), align_pairs(ids, 8, 16), TileConfig(16, 64, 64, tail_m=16),
+                     a_row_div=4, gated=True)
 
 
 def test_zero_tokens_and_unrouted_tokens_give_zeros():
@@ -294,23 +274,23 @@ FP8_H, FP8_I = 256, 192  # gate and up rows share a 128-row scale block; I ends 
 
 
 def fp8_tables(tmp_path):
-    """A tuned table for the interpreter: one K tile per scale group keeps the CPU run short; few tokens fold the sum."""
-    tiles = MoETiles.both(TileConfig(block_m=16, block_n=64, block_k=128))
-    return one_entry_tables(tmp_path, attrs.evolve(tiles, fold_topk=True), torch.float32, 8, FP8_H, FP8_I, fp8=True)
+    """A tuned table for the interpreter: one K tile per scale group keeps the CPU run short; 20 tokens fill tails."""
+    tiles = MoETiles.both(TileConfig(block_m=16, block_n=64, block_k=128, tail_m=16))
+    return one_entry_tables(tmp_path, tiles, torch.float32, 8, FP8_H, FP8_I, fp8=True)
 
 
-@pytest.mark.parametrize("layout_name", ["standard", "folded", "contiguous", "masked"])
+@pytest.mark.parametrize("layout_name", ["standard", "direct", "contiguous", "masked"])
 def test_fp8_block_matches_a_w8a8_emulation_and_torch(tmp_path, layout_name):
     triton_kernel, torch_kernel = kernels(torch.float32, FP8_H, FP8_I, top_k=4, tables=fp8_tables(tmp_path))
     w13, w2 = make_weights(8, FP8_H, FP8_I, torch.float32).w13, make_weights(8, FP8_H, FP8_I, torch.float32, seed=1).w2
     (q13, s13), (q2, s2) = quantize_blocks(w13), quantize_blocks(w2)
     weights = ExpertWeights(q13, q2, FP8_BLOCK, s13, s2)
-    tokens = 3 if layout_name == "folded" else 20  # 3 tokens align directly
+    tokens = 3 if layout_name == "direct" else 36  # 3 tokens align directly; 36 fill some tiles past BLOCK_M
     ids, topk_weights = random_routing(tokens, 4, 8, seed=2, empty_experts=(6,))
     standard = StandardLayout(torch.randn(tokens, FP8_H, device=DEVICE), ids, topk_weights, 8)
     layout = {
         "standard": lambda: standard,
-        "folded": lambda: standard,
+        "direct": lambda: standard,
         "contiguous": lambda: standard_to_contiguous(standard, 16)[0],
         "masked": lambda: standard_to_masked(standard, 16)[0],
     }[layout_name]()
@@ -358,20 +338,22 @@ def test_tile_table_entries_of_one_tile_serve_both_gemms(tmp_path):
     one = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_warps": 4, "num_stages": 3}
     (tmp_path / "table.json").write_text(json.dumps({"16": one}))
     assert read_table(tmp_path / "table.json") == {16: MoETiles.both(TileConfig(32, 64, 64, 8, 4, 3))}
-    tuned = MoETiles(TileConfig(64, 128, 64, tma=True, tail_m=16), TileConfig(64, 256, 64), fold_topk=True)
+    tuned = MoETiles(TileConfig(64, 128, 64, tma=True, tail_m=16), TileConfig(64, 256, 64, tail_m=16))
     write_table(tmp_path / "tuned.json", {4096: tuned})
     assert read_table(tmp_path / "tuned.json") == {4096: tuned}
 
 
-@pytest.mark.parametrize("tail_m", [8, 24, 64, 128])
-def test_a_tail_height_must_be_a_power_of_two_below_block_m(tail_m):
+@pytest.mark.parametrize("tail_m", [8, 24, 128])
+def test_a_tail_must_be_a_power_of_two_up_to_block_m(tail_m):
     with pytest.raises(ValueError, match="TAIL_SIZE_M"):
         TileConfig(64, 64, 64, tail_m=tail_m)
 
 
-def test_the_two_gemms_must_share_block_m():
+def test_the_two_gemms_must_share_block_m_and_tail_m():
     with pytest.raises(ValueError, match="BLOCK_M"):
         MoETiles(TileConfig(16, 64, 64), TileConfig(32, 64, 64))
+    with pytest.raises(ValueError, match="TAIL_M"):
+        MoETiles(TileConfig(32, 64, 64, tail_m=16), TileConfig(32, 64, 64))
 
 
 # --- GPU: bf16 and fp8 at serving shapes, every buffer poisoned, CUDA-graph replay ------------------

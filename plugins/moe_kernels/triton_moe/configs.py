@@ -2,12 +2,12 @@
 
 A table lives in configs/ as `E=<experts>,N=<intermediate>,K=<hidden>,device=<name>,dtype=<dtype>.json`
 (N is the intermediate size: w13 has 2N rows, w2 has N columns) and maps a token count M to
-{"gate_up": TILE, "down": TILE}, one tile per GEMM, and optionally "FOLD_TOPK" (GEMM 2 of a few tokens
-sums each token's experts itself), where TILE is {"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K",
-"GROUP_SIZE_M", "num_warps", "num_stages"} and optionally "USE_TMA" and "TAIL_SIZE_M" (the height an
-expert's last, mostly empty tile runs at); an entry that is one TILE serves both GEMMs.
+{"gate_up": TILE, "down": TILE}, one tile per GEMM, where TILE is {"BLOCK_SIZE_M", "BLOCK_SIZE_N",
+"BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages"} and optionally "USE_TMA" and "TAIL_SIZE_M"
+(rows a tile holds past BLOCK_SIZE_M, run with it on the same weight tiles: kernel.py); an entry that
+is one TILE serves both GEMMs.
 The two GEMMs have transposed shapes (N=2I, K=H against N=H, K=I), so their best tiles differ; they
-share BLOCK_SIZE_M because they share one alignment. benchmarks/tune_fused_moe.py writes the tables.
+share BLOCK_SIZE_M and TAIL_SIZE_M because they share one alignment. benchmarks/tune_fused_moe.py writes the tables.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 3
     tma: bool = False  # weight tiles through a tensor descriptor (Hopper's copy engine) instead of pointers
-    tail_m: int = 0  # 0, or a shorter height for the tiles whose rows all fit in it (an expert's last tile)
+    tail_m: int = 0  # sorted tiles hold block_m + tail_m rows and run only as tall as their rows need
 
     def __attrs_post_init__(self):
-        if self.tail_m and not (16 <= self.tail_m < self.block_m and self.tail_m & (self.tail_m - 1) == 0):
-            raise ValueError(f"TAIL_SIZE_M must be 0 or a power of two from 16 below BLOCK_SIZE_M, not {self.tail_m}")
+        if self.tail_m and not (16 <= self.tail_m <= self.block_m and self.tail_m & (self.tail_m - 1) == 0):
+            raise ValueError(f"TAIL_SIZE_M must be 0 or a power of two from 16 to BLOCK_SIZE_M, not {self.tail_m}")
 
     @classmethod
     def from_json(cls, entry: dict) -> TileConfig:
@@ -75,11 +75,11 @@ class MoETiles:
 
     gate_up: TileConfig
     down: TileConfig
-    fold_topk: bool = False  # over a direct alignment, GEMM 2 sums each token's pairs itself (no pair rows)
 
     def __attrs_post_init__(self):
-        if self.gate_up.block_m != self.down.block_m:
-            raise ValueError(f"both GEMMs tile one alignment: BLOCK_M {self.gate_up.block_m} != {self.down.block_m}")
+        ours, theirs = (self.gate_up.block_m, self.gate_up.tail_m), (self.down.block_m, self.down.tail_m)
+        if ours != theirs:
+            raise ValueError(f"both GEMMs tile one alignment: BLOCK_M and TAIL_M {ours} != {theirs}")
 
     @classmethod
     def both(cls, config: TileConfig) -> MoETiles:
@@ -89,16 +89,18 @@ class MoETiles:
     def block_m(self) -> int:
         return self.gate_up.block_m
 
+    @property
+    def tail_m(self) -> int:
+        return self.gate_up.tail_m
+
     @classmethod
     def from_json(cls, entry: dict) -> MoETiles:
         if "gate_up" not in entry:
             return cls.both(TileConfig.from_json(entry))
-        return cls(TileConfig.from_json(entry["gate_up"]), TileConfig.from_json(entry["down"]),
-                   fold_topk=entry.get("FOLD_TOPK", False))
+        return cls(TileConfig.from_json(entry["gate_up"]), TileConfig.from_json(entry["down"]))
 
     def to_json(self) -> dict:
-        entry = {"gate_up": self.gate_up.to_json(), "down": self.down.to_json()}
-        return {**entry, "FOLD_TOPK": True} if self.fold_topk else entry
+        return {"gate_up": self.gate_up.to_json(), "down": self.down.to_json()}
 
 
 def dtype_name(dtype: torch.dtype, fp8: bool) -> str:

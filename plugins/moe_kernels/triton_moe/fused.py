@@ -12,7 +12,7 @@ from moeplex.quant import BLOCK as GROUP, dequantize_activations
 from .align import Alignment, align_direct, align_in_place, align_pairs, can_align_direct, can_align_in_place
 from .configs import MoETiles
 from .finish import sum_topk
-from .kernel import folded_down, grouped_gemm
+from .kernel import grouped_gemm
 
 
 @attrs.frozen
@@ -76,17 +76,6 @@ def activations(hidden: torch.Tensor, payload: Fp8Payload | None, weights: Prepa
     return Activations(payload.values.reshape(-1, width), scales, hidden.dtype)
 
 
-def gate_up(acts: Activations, weights: PreparedWeights, align: Alignment, tile, *, a_row_div: int = 1,
-            in_place: bool = False) -> Activations:
-    """GEMM 1: SiLU(gate) * up of each aligned row, as GEMM 2's A operand (quantized again for fp8 weights)."""
-    inter = torch.empty(align.num_valid, weights.intermediate_size, dtype=acts.out_dtype, device=acts.values.device)
-    grouped_gemm(acts.values, weights.w13, inter, align, tile, a_scale=acts.scales, b_scale=weights.w13_scale,
-                 a_row_div=a_row_div, gated=True, in_place=in_place)
-    if weights.fp8:
-        return Activations(*quantize_rows(inter), acts.out_dtype)
-    return Activations(inter, None, acts.out_dtype)
-
-
 def run_experts(
     acts: Activations,
     weights: PreparedWeights,
@@ -99,8 +88,13 @@ def run_experts(
     in_place: bool = False,
 ) -> torch.Tensor:
     """out[row] = SiLU-gated expert of each aligned row (times its routed weight when given)."""
-    inter = gate_up(acts, weights, align, tiles.gate_up, a_row_div=a_row_div, in_place=in_place)
-    grouped_gemm(inter.values, weights.w2, out, align, tiles.down, a_scale=inter.scales, b_scale=weights.w2_scale,
+    inter = torch.empty(align.num_valid, weights.intermediate_size, dtype=acts.out_dtype, device=out.device)
+    grouped_gemm(acts.values, weights.w13, inter, align, tiles.gate_up, a_scale=acts.scales, b_scale=weights.w13_scale,
+                 a_row_div=a_row_div, gated=True, in_place=in_place)
+    inter_scales = None
+    if weights.fp8:
+        inter, inter_scales = quantize_rows(inter)
+    grouped_gemm(inter, weights.w2, out, align, tiles.down, a_scale=inter_scales, b_scale=weights.w2_scale,
                  routed_weights=routed_weights, in_place=in_place)
     return out
 
@@ -112,24 +106,20 @@ def moe_standard(acts: Activations, topk_ids: torch.Tensor, topk_weights: torch.
     out = torch.empty(num_tokens, weights.hidden_size, dtype=acts.out_dtype, device=topk_ids.device)
     if num_tokens == 0:
         return out
-    align = align_standard(topk_ids, weights.num_experts, tiles.block_m)
-    routed_weights = topk_weights.reshape(-1).contiguous()
-    if align.direct and tiles.fold_topk:
-        inter = gate_up(acts, weights, align, tiles.gate_up, a_row_div=top_k)
-        folded_down(inter.values, weights.w2, out, align, tiles.down, routed_weights=routed_weights,
-                    a_scale=inter.scales, b_scale=weights.w2_scale)
-        return out
+    align = align_standard(topk_ids, weights.num_experts, tiles.block_m, tiles.tail_m)
     pair_rows = torch.empty(num_tokens * top_k, weights.hidden_size, dtype=acts.out_dtype, device=out.device)
-    run_experts(acts, weights, align, pair_rows, tiles, a_row_div=top_k, routed_weights=routed_weights)
+    run_experts(acts, weights, align, pair_rows, tiles, a_row_div=top_k,
+                routed_weights=topk_weights.reshape(-1).contiguous())
     return sum_topk(pair_rows, topk_ids.contiguous(), out)
 
 
-def align_standard(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
-    """The (token, k) pairs of topk_ids [N, K] grouped per expert: read directly for a few tokens, else sorted."""
+def align_standard(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m: int = 0) -> Alignment:
+    """The (token, k) pairs of topk_ids [N, K] grouped per expert: read directly for a few tokens, else sorted
+    into tiles of block_m + tail_m slots."""
     num_tokens, top_k = topk_ids.shape
     if can_align_direct(num_tokens, top_k, block_m):
         return align_direct(topk_ids, block_m)
-    return align_pairs(topk_ids, num_experts, block_m)
+    return align_pairs(topk_ids, num_experts, block_m + tail_m)
 
 
 def moe_grouped_rows(acts: Activations, expert_index: torch.Tensor, group_rows: int,
@@ -137,14 +127,15 @@ def moe_grouped_rows(acts: Activations, expert_index: torch.Tensor, group_rows: 
     """[M, H] for rows already grouped per expert in groups of `group_rows` (-1 rows come out as zeros)."""
     num_rows = expert_index.numel()
     expert_index = expert_index.contiguous()
-    if can_align_in_place(num_rows, group_rows, tiles.block_m):
+    if not tiles.tail_m and can_align_in_place(num_rows, group_rows, tiles.block_m):
         out = torch.empty(num_rows, weights.hidden_size, dtype=acts.out_dtype, device=expert_index.device)
         return run_experts(acts, weights, align_in_place(expert_index, tiles.block_m), out, tiles, in_place=True)
-    # Tiles would straddle groups: sort the rows like top-1 pairs; rows nobody writes stay zero.
+    # Tiles would straddle groups, or have a tail (which needs their rows first): sort the rows like top-1 pairs;
+    # rows nobody writes stay zero.
     out = torch.zeros(num_rows, weights.hidden_size, dtype=acts.out_dtype, device=expert_index.device)
     if num_rows == 0:
         return out
-    align = align_pairs(expert_index[:, None], weights.num_experts, tiles.block_m)
+    align = align_pairs(expert_index[:, None], weights.num_experts, tiles.block_m + tiles.tail_m)
     return run_experts(acts, weights, align, out, tiles)
 
 

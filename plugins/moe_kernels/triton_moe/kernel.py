@@ -1,8 +1,13 @@
 """The grouped GEMM both expert projections run on.
 
 C[row] = A[row] @ B[e].T for every row routed to expert e. Rows reach the kernel through an
-Alignment (align.py): `sorted_ids` lists them grouped per expert, each group padded to BLOCK_M
-with a sentinel, so every BLOCK_M-row tile has one expert and streams that expert's weights once.
+Alignment (align.py): `sorted_ids` lists them grouped per expert, each group padded to whole tiles
+with a sentinel, so every tile has one expert and streams that expert's weights once.
+A tile is BLOCK_M + TAIL_M slots with the rows first. A program runs it at the height its rows
+need: TAIL_M rows, BLOCK_M rows, or both parts at once, each weight tile loaded once into both
+dots. An expert whose rows just pass BLOCK_M (DeepSeek-V3 prefill puts ~130 rows on each) thus
+costs one program and one pass over its weights instead of a second, nearly empty tile that
+streams them all again.
 A direct Alignment (few tokens) skips the sort: program m takes pair m's expert unless an earlier
 pair has it, and its rows are every token routed to that expert, one lane per token.
 B is [E, N, K] row-major like nn.Linear; in the fp8 block format it comes with one fp32 scale per
@@ -12,7 +17,6 @@ through a tensor descriptor (the Hopper copy engine) when the tile asks for it, 
 
 from __future__ import annotations
 
-import attrs
 import torch
 import triton
 import triton.language as tl
@@ -46,6 +50,14 @@ def _scaled_dot(a, b, a_scale, b_scale, FP8_BLOCK: tl.constexpr, DOT_PRECISION: 
 
 
 @triton.jit
+def _a_tile(a_ptrs, row_mask, k_mask, EVEN_K: tl.constexpr):
+    if EVEN_K:  # no K mask: the loads stay full-width vectors
+        return tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        return tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+
+
+@triton.jit
 def _b_tile(b_ptrs, b_desc, b_row, kb, k_mask, B_TMA: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """[BLOCK_K, BLOCK_N] of B: rows b_row.. of the [E * rows, K] weights through the descriptor, or at b_ptrs."""
     if B_TMA:  # rows past the tensor and columns past K come back as zeros
@@ -57,13 +69,16 @@ def _b_tile(b_ptrs, b_desc, b_row, kb, k_mask, B_TMA: tl.constexpr, EVEN_K: tl.c
 
 
 @triton.jit
-def _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, a_rows, row_mask, expert, pid_n, N, K,
+def _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, a_rows, row_mask, x_rows, x_mask, expert, pid_n, N, K,
                 stride_am, stride_ak, stride_be, stride_bn, stride_bk,
                 stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                 GATED: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
                 B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The K loop: A tile x B tile (x the up-projection B tile too when GATED), in fp32."""
+                BLOCK_M: tl.constexpr, X_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K loop in fp32: A rows x B tile (x the up-projection B tile too when GATED, then SiLU(gate) * up).
+
+    With X_M > 0, X_M more rows (x_rows) share every B tile loaded; both results come back.
+    """
     ks = tl.arange(0, BLOCK_K)
     # Columns past N wrap onto real weight rows so pointer loads of B need no mask; they are never stored.
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)) % N
@@ -76,16 +91,19 @@ def _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, a_rows, row_mask
     up_scale_ptrs = b_scale_ptr + expert * stride_bse + ((cols + N) // SCALE_BLOCK) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if X_M > 0:
+        x_ptrs = a_ptr + x_rows[:, None] * stride_am + ks[None, :] * stride_ak
+        x_scale_ptrs = a_scale_ptr + x_rows * stride_asm
+        acc_x = tl.zeros((X_M, BLOCK_N), dtype=tl.float32)
+        acc_x_up = tl.zeros((X_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = ks < K - kb * BLOCK_K
-        if EVEN_K:  # no K mask: the loads stay full-width vectors
-            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        a = _a_tile(a_ptrs, row_mask, k_mask, EVEN_K)
         b = _b_tile(b_ptrs, b_desc, b_row, kb, k_mask, B_TMA, EVEN_K, BLOCK_K)
         a_scale = 1.0
         b_scale = 1.0
         up_scale = 1.0
+        x_scale = 1.0
         if FP8_BLOCK:
             group = kb * BLOCK_K // SCALE_BLOCK
             a_scale = tl.load(a_scale_ptrs + group * stride_ask, mask=row_mask, other=0.0)
@@ -95,11 +113,94 @@ def _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, a_rows, row_mask
         if GATED:
             b_up = _b_tile(b_ptrs + up_offset, b_desc, b_row + N, kb, k_mask, B_TMA, EVEN_K, BLOCK_K)
             acc_up += _scaled_dot(a, b_up, a_scale, up_scale, FP8_BLOCK, DOT_PRECISION)
+        if X_M > 0:
+            x = _a_tile(x_ptrs, x_mask, k_mask, EVEN_K)
+            if FP8_BLOCK:
+                x_scale = tl.load(x_scale_ptrs + group * stride_ask, mask=x_mask, other=0.0)
+            acc_x += _scaled_dot(x, b, x_scale, b_scale, FP8_BLOCK, DOT_PRECISION)
+            if GATED:
+                acc_x_up += _scaled_dot(x, b_up, x_scale, up_scale, FP8_BLOCK, DOT_PRECISION)
+            x_ptrs += BLOCK_K * stride_ak
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up  # SiLU(gate) * up
-    return acc
+        if X_M > 0:
+            acc_x = acc_x * tl.sigmoid(acc_x) * acc_x_up
+    if X_M == 0:
+        acc_x = acc  # nothing more was asked for
+    return acc, acc_x
+
+
+@triton.jit
+def _store_rows(c_ptr, routed_weight_ptr, acc, rows, row_mask, slots, num_slots, cols, N, stride_cm, stride_cn,
+                MUL_ROUTED_WEIGHT: tl.constexpr, IN_PLACE: tl.constexpr):
+    """Rows of C at their rows, or at their slots when IN_PLACE (padding slots get their zero rows too)."""
+    if MUL_ROUTED_WEIGHT:
+        acc = acc * tl.load(routed_weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    if IN_PLACE:
+        c_ptrs = c_ptr + slots[:, None] * stride_cm + cols[None, :] * stride_cn
+        c_mask = (slots[:, None] < num_slots) & (cols[None, :] < N)
+    else:
+        c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+        c_mask = row_mask[:, None] & (cols[None, :] < N)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _rows_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr,
+               rows, row_mask, slots, x_rows, x_mask, x_slots, num_slots, expert, pid_n, N, K,
+               stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+               stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+               A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, IN_PLACE: tl.constexpr,
+               FP8_BLOCK: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, B_TMA: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, X_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """One tile of one expert (-1: none): BLOCK_M rows, and X_M more rows sharing its weight tiles when X_M > 0."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    if expert < 0:
+        if IN_PLACE:  # never with X_M: in-place alignments have no tails
+            tl.store(c_ptr + slots[:, None] * stride_cm + cols[None, :] * stride_cn,
+                     tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty),
+                     mask=(slots[:, None] < num_slots) & (cols[None, :] < N))
+    else:
+        acc, acc_x = _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, rows // A_ROW_DIV, row_mask,
+                                 x_rows // A_ROW_DIV, x_mask, expert, pid_n, N, K,
+                                 stride_am, stride_ak, stride_be, stride_bn, stride_bk,
+                                 stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+                                 GATED, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA, DOT_PRECISION,
+                                 BLOCK_M, X_M, BLOCK_N, BLOCK_K)
+        _store_rows(c_ptr, routed_weight_ptr, acc, rows, row_mask, slots, num_slots, cols, N, stride_cm, stride_cn,
+                    MUL_ROUTED_WEIGHT, IN_PLACE)
+        if X_M > 0:
+            _store_rows(c_ptr, routed_weight_ptr, acc_x, x_rows, x_mask, x_slots, num_slots, cols, N,
+                        stride_cm, stride_cn, MUL_ROUTED_WEIGHT, IN_PLACE)
+
+
+@triton.jit
+def _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, sorted_ids_ptr,
+                 first, num_valid, num_slots, expert, pid_n, N, K,
+                 stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                 stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+                 A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+                 IN_PLACE: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
+                 B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 HEIGHT: tl.constexpr, X_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The HEIGHT slots from `first` of a sorted alignment as one tile, and the X_M after them with it."""
+    slots = first + tl.arange(0, HEIGHT).to(tl.int64)
+    rows = tl.load(sorted_ids_ptr + slots).to(tl.int64)
+    if X_M > 0:
+        x_slots = first + HEIGHT + tl.arange(0, X_M).to(tl.int64)
+        x_rows = tl.load(sorted_ids_ptr + x_slots).to(tl.int64)
+    else:
+        x_slots = slots
+        x_rows = rows
+    _rows_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr,
+               rows, rows < num_valid, slots, x_rows, x_rows < num_valid, x_slots, num_slots, expert, pid_n, N, K,
+               stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+               stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+               A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, IN_PLACE, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
+               DOT_PRECISION, HEIGHT, X_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -118,55 +219,6 @@ def _direct_rows(topk_ids_ptr, pair, num_valid, TOP_K: tl.constexpr, TOP_K_POW2:
     row_mask = tl.sum(match.to(tl.int32), axis=1) > 0
     expert = tl.where(owned_earlier, -1, expert)
     return expert, rows, row_mask
-
-
-@triton.jit
-def _rows_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr,
-               rows, row_mask, slots, num_slots, expert, pid_n, N, K,
-               stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-               stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-               A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, IN_PLACE: tl.constexpr,
-               FP8_BLOCK: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, B_TMA: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One tile of BLOCK_M rows of one expert (-1: none), stored at its rows, or at its slots when IN_PLACE."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    if IN_PLACE:
-        c_ptrs = c_ptr + slots[:, None] * stride_cm + cols[None, :] * stride_cn
-        c_mask = (slots[:, None] < num_slots) & (cols[None, :] < N)
-    else:
-        c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
-        c_mask = row_mask[:, None] & (cols[None, :] < N)
-    if expert < 0:
-        if IN_PLACE:
-            tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
-    else:
-        acc = _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, rows // A_ROW_DIV, row_mask, expert, pid_n,
-                          N, K, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
-                          stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-                          GATED, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-        if MUL_ROUTED_WEIGHT:
-            acc = acc * tl.load(routed_weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
-
-
-@triton.jit
-def _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, sorted_ids_ptr,
-                 first, num_valid, num_slots, expert, pid_n, N, K,
-                 stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-                 stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-                 A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-                 IN_PLACE: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
-                 B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The BLOCK_M slots from `first` of a sorted alignment, as one tile."""
-    slots = first + tl.arange(0, BLOCK_M).to(tl.int64)
-    rows = tl.load(sorted_ids_ptr + slots).to(tl.int64)
-    _rows_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr,
-               rows, rows < num_valid, slots, num_slots, expert, pid_n, N, K,
-               stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-               stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-               A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, IN_PLACE, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
-               DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 # Row and slot counts change with every batch; specializing on them would compile a variant per size class.
@@ -190,83 +242,50 @@ def grouped_gemm_kernel(
     B_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TAIL_M: tl.constexpr,  # 0, or a shorter tile height for tiles whose rows all sit in their first TAIL_M slots
+    TAIL_M: tl.constexpr,  # sorted tiles are BLOCK_M + TAIL_M slots (see the module's docstring)
 ):
     pid_m, pid_n = _tile_coords(num_pid_m, N, BLOCK_N, GROUP_M)
     if DIRECT:
         expert, rows, row_mask = _direct_rows(sorted_ids_ptr, pid_m, num_valid, TOP_K, TOP_K_POW2, BLOCK_M)
         _rows_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr,
-                   rows, row_mask, rows, num_slots, expert.to(tl.int64), pid_n, N, K,
+                   rows, row_mask, rows, rows, row_mask, rows, num_slots, expert.to(tl.int64), pid_n, N, K,
                    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                    A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, False, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
-                   DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    elif pid_m * BLOCK_M < tl.load(num_padded_ptr):  # the grid covers the worst-case padding
+                   DOT_PRECISION, BLOCK_M, 0, BLOCK_N, BLOCK_K)
+    elif pid_m * (BLOCK_M + TAIL_M) < tl.load(num_padded_ptr):  # the grid covers the worst-case padding
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        first = pid_m * BLOCK_M
+        first = pid_m * (BLOCK_M + TAIL_M)
         if TAIL_M > 0:
-            # An expert's last tile is mostly padding: run it TAIL_M rows tall when its rows fit, which pads far less.
-            lanes = tl.arange(0, BLOCK_M)
-            used = tl.load(sorted_ids_ptr + first + lanes) < num_valid
-            if tl.max((used & (lanes >= TAIL_M)).to(tl.int32)) == 0:
+            # A sorted tile's rows come first (align_pairs pads after them): two slots say how tall it must run.
+            if tl.load(sorted_ids_ptr + first + BLOCK_M) < num_valid:
                 _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, sorted_ids_ptr,
                              first, num_valid, num_slots, expert, pid_n, N, K,
                              stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                              stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                              A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, IN_PLACE, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
-                             DOT_PRECISION, TAIL_M, BLOCK_N, BLOCK_K)
-                if IN_PLACE:  # the slots past the short tile are padding: zeros
-                    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                    rest = first + lanes.to(tl.int64)
-                    tl.store(c_ptr + rest[:, None] * stride_cm + cols[None, :] * stride_cn,
-                             tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty),
-                             mask=(lanes[:, None] >= TAIL_M) & (rest[:, None] < num_slots) & (cols[None, :] < N))
+                             DOT_PRECISION, BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K)
+            elif tl.load(sorted_ids_ptr + first + TAIL_M) < num_valid:
+                _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, sorted_ids_ptr,
+                             first, num_valid, num_slots, expert, pid_n, N, K,
+                             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                             stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+                             A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, IN_PLACE, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
+                             DOT_PRECISION, BLOCK_M, 0, BLOCK_N, BLOCK_K)
             else:
                 _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, sorted_ids_ptr,
                              first, num_valid, num_slots, expert, pid_n, N, K,
                              stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                              stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                              A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, IN_PLACE, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
-                             DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                             DOT_PRECISION, TAIL_M, 0, BLOCK_N, BLOCK_K)
         else:
             _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, sorted_ids_ptr,
                          first, num_valid, num_slots, expert, pid_n, N, K,
                          stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                          stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                          A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, IN_PLACE, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
-                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-@triton.jit(do_not_specialize=["num_valid", "num_tokens"])
-def folded_down_kernel(
-    a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, topk_ids_ptr,
-    num_valid, num_tokens, N, K,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-    TOP_K: tl.constexpr, TOP_K_POW2: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-    EVEN_K: tl.constexpr, B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """GEMM 2 of a direct alignment with the top-k sum folded in: a program per column tile, a lane per token.
-
-    It runs every expert the tokens hit, one after another, and adds each token's weighted rows in
-    registers, so out[token] is written once and no pair rows or sum launch are needed.
-    """
-    pid_n = tl.program_id(0)
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for pair in range(0, num_valid):
-        expert, rows, row_mask = _direct_rows(topk_ids_ptr, pair, num_valid, TOP_K, TOP_K_POW2, BLOCK_M)
-        if expert >= 0:
-            acc = _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, rows, row_mask, expert.to(tl.int64),
-                              pid_n, N, K, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
-                              stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-                              False, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-            weight = tl.load(routed_weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-            total += acc * weight[:, None]
-    tokens = tl.arange(0, BLOCK_M).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    tl.store(c_ptr + tokens[:, None] * stride_cm + cols[None, :] * stride_cn, total.to(c_ptr.dtype.element_ty),
-             mask=(tokens[:, None] < num_tokens) & (cols[None, :] < N))
+                         DOT_PRECISION, BLOCK_M, 0, BLOCK_N, BLOCK_K)
 
 
 def grouped_gemm(
@@ -287,20 +306,32 @@ def grouped_gemm(
 
     a [rows, K]; b [E, N or 2N, K], contiguous; out [rows or slots, N]. fp8 when `b_scale` is given.
     """
+    fp8 = b_scale is not None
     n = b.shape[1] // 2 if gated else b.shape[1]
+    if fp8 and (a_scale is None or SCALE_BLOCK % config.block_k):
+        raise ValueError(f"fp8 block GEMMs need activation scales and BLOCK_K dividing {SCALE_BLOCK}")
     if in_place and align.direct:
         raise ValueError("a direct alignment has no slots to write in place")
+    tail_m = 0 if align.direct else config.tail_m
+    if align.block_m != config.block_m + tail_m:
+        raise ValueError(f"the alignment has tiles of {align.block_m} slots; this tile takes {config.block_m + tail_m}")
+    if in_place and tail_m:
+        raise ValueError("tiles with a tail need sorted rows (rows first in each tile), not rows in place")
     num_pid_m = align.num_tiles
     grid = (num_pid_m * triton.cdiv(n, config.block_n),)
     if grid[0] == 0:
         return
-    operands = _Operands.of(a, b, config, a_scale, b_scale, routed_weights)
+    a_scale = a_scale if fp8 else a  # never read: FP8_BLOCK is off
+    b_scale = b_scale if fp8 else b
+    routed = routed_weights if routed_weights is not None else a
+    b_desc = weight_descriptor(b, config) if config.tma else b
     grouped_gemm_kernel[grid](
-        a, b, operands.b_desc, out, operands.a_scale, operands.b_scale, operands.routed,
+        a, b, b_desc, out, a_scale, b_scale, routed,
         align.sorted_ids, align.block_expert, align.num_padded,
         align.num_valid, align.num_slots, num_pid_m, n, a.shape[1],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-        *operands.scale_strides,
+        a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
+        b_scale.stride(0) if fp8 else 0, b_scale.stride(1) if fp8 else 0, b_scale.stride(2) if fp8 else 0,
         A_ROW_DIV=a_row_div,
         GATED=gated,
         MUL_ROUTED_WEIGHT=routed_weights is not None,
@@ -308,76 +339,19 @@ def grouped_gemm(
         DIRECT=align.direct,
         TOP_K=align.top_k,
         TOP_K_POW2=triton.next_power_of_2(align.top_k),
+        FP8_BLOCK=fp8,
+        SCALE_BLOCK=SCALE_BLOCK,
+        EVEN_K=a.shape[1] % config.block_k == 0,
+        B_TMA=config.tma,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
-        TAIL_M=0 if align.direct else config.tail_m,
-        **operands.constants(a, config),
+        TAIL_M=tail_m,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
-
-
-def folded_down(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, align: Alignment, config: TileConfig, *,
-                routed_weights: torch.Tensor, a_scale: torch.Tensor | None = None,
-                b_scale: torch.Tensor | None = None) -> None:
-    """out[token] = the sum over its pairs of routed weight x A[pair] @ B[expert].T, for a direct alignment.
-
-    a [pairs, K]; b [E, N, K], contiguous; out [tokens, N], every row written (zeros for tokens routed elsewhere).
-    """
-    if not align.direct:
-        raise ValueError("GEMM 2 folds the top-k sum only over a direct alignment (a lane per token)")
-    n = b.shape[1]
-    operands = _Operands.of(a, b, config, a_scale, b_scale, routed_weights)
-    folded_down_kernel[(triton.cdiv(n, config.block_n),)](
-        a, b, operands.b_desc, out, operands.a_scale, operands.b_scale, operands.routed, align.sorted_ids,
-        align.num_valid, align.num_valid // align.top_k, n, a.shape[1],
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-        *operands.scale_strides,
-        TOP_K=align.top_k,
-        TOP_K_POW2=triton.next_power_of_2(align.top_k),
-        **operands.constants(a, config),
-    )
-
-
-@attrs.frozen
-class _Operands:
-    """What both kernels take besides A, B and C: scales (A and B stand in when not fp8), routed weights, B's descriptor."""
-
-    a_scale: torch.Tensor
-    b_scale: torch.Tensor
-    routed: torch.Tensor
-    b_desc: object
-    fp8: bool
-
-    @classmethod
-    def of(cls, a, b, config: TileConfig, a_scale, b_scale, routed_weights) -> _Operands:
-        fp8 = b_scale is not None
-        if fp8 and (a_scale is None or SCALE_BLOCK % config.block_k):
-            raise ValueError(f"fp8 block GEMMs need activation scales and BLOCK_K dividing {SCALE_BLOCK}")
-        return cls(
-            a_scale if fp8 else a,  # never read: FP8_BLOCK is off
-            b_scale if fp8 else b,
-            routed_weights if routed_weights is not None else a,
-            weight_descriptor(b, config) if config.tma else b,
-            fp8,
-        )
-
-    @property
-    def scale_strides(self) -> tuple[int, ...]:
-        if not self.fp8:
-            return (0,) * 5
-        return (*self.a_scale.stride(), *self.b_scale.stride())
-
-    def constants(self, a: torch.Tensor, config: TileConfig) -> dict:
-        return dict(
-            FP8_BLOCK=self.fp8,
-            SCALE_BLOCK=SCALE_BLOCK,
-            EVEN_K=a.shape[1] % config.block_k == 0,
-            B_TMA=config.tma,
-            DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
 
 
 def weight_descriptor(b: torch.Tensor, config: TileConfig):
