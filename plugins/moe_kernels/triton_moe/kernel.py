@@ -258,6 +258,8 @@ def grouped_gemm_kernel(
         first = pid_m * (BLOCK_M + TAIL_M)
         if TAIL_M > 0:
             # A sorted tile's rows come first (align_pairs pads after them): two slots say how tall it must run.
+            # A tile height is a compile-time shape, so each height is a call of its own. (One call per height
+            # chosen through flags that are Python bools without a tail failed to compile for tiles with none.)
             if tl.load(sorted_ids_ptr + first + BLOCK_M) < num_valid:
                 _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, sorted_ids_ptr,
                              first, num_valid, num_slots, expert, pid_n, N, K,
