@@ -168,7 +168,7 @@ def _compile_some(args) -> int:
 
 
 def compile_jobs(spaces, tokens, rows_per_expert, top_k: int) -> list[Job]:
-    """Every variant the search will time: each BLOCK_M a token count tries, direct or sorted as that count aligns."""
+    """Every variant the search will time: each (BLOCK_M, TAIL_M) a token count tries, direct or sorted as it aligns."""
     variants = {(gemm, tiles, can_align_direct(m, top_k, tiles[0]))
                 for m in tokens for tiles in row_tiles(rows_per_expert[m]) for gemm in GEMMS}
     return [Job(gemm, config, direct) for gemm, tiles, direct in sorted(variants) for config in spaces[gemm, tiles]]

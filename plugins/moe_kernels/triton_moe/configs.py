@@ -146,7 +146,7 @@ def default_tiles(num_tokens: int, num_experts: int, top_k: int, dtype: str, int
         if rows_per_expert <= 16:
             return MoETiles.both(TileConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4))
         return MoETiles.both(TileConfig(block_m=64, block_n=64, block_k=128, group_m=16, num_warps=4, num_stages=3))
-    # bf16 / fp16, after the H200 tables: at most ~150 KB of shared memory, so Ampere runs them too.
+    # bf16 / fp16, after the H200 tables: at most ~160 KB of shared memory, so an A100 runs them too.
     if rows_per_expert <= 16:  # decode: streaming the weights is the cost; small row tiles pad least
         return MoETiles.both(TileConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3))
     if rows_per_expert <= 48:
