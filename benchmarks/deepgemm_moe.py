@@ -34,16 +34,16 @@ def context(shape: Shape) -> MoEContext:
                       torch.device("cuda"))
 
 
-def row(shape: Shape, tokens: int, roof, kernels: dict, decode: bool, bench_ms: ColdTimer) -> str:
+def row(shape: Shape, tokens: int, roof, kernels: dict, decode: bool, timer: ColdTimer) -> str:
     layout = make_layout(shape, tokens, seed=tokens)
     work = Work.of(layout, shape, 1)  # fp8 weights
     (dg, dg_w), (tr, tr_w), (ref, ref_w) = kernels["deepgemm"], kernels["triton"], kernels["torch"]
     target = "masked" if decode else "contiguous"
     converted, _ = LayoutAdapter("standard", frozenset({target}), dg.caps.alignment)(layout)
-    dg_ms = bench_ms(lambda: dg.apply(converted, dg_w))
-    dg_graph = bench_ms.graph(lambda: dg.apply(converted, dg_w)) if decode else float("nan")
-    tr_ms = min(bench_ms(lambda: tr.apply(layout, tr_w)), bench_ms.graph(lambda: tr.apply(layout, tr_w)) if decode else 1e9)
-    ref_ms = bench_ms(lambda: ref.apply(layout, ref_w)) if tokens <= 4096 else float("nan")
+    dg_ms = timer(lambda: dg.apply(converted, dg_w))
+    dg_graph = timer.graph(lambda: dg.apply(converted, dg_w)) if decode else float("nan")
+    tr_ms = min(timer(lambda: tr.apply(layout, tr_w)), timer.graph(lambda: tr.apply(layout, tr_w)) if decode else 1e9)
+    ref_ms = timer(lambda: ref.apply(layout, ref_w)) if tokens <= 4096 else float("nan")
     best = min(dg_ms, dg_graph) if decode else dg_ms
     ideal_ms = work.ideal_ms(roof)
     graph = f"{dg_graph * 1e3:.0f}" if decode else "-"

@@ -115,19 +115,19 @@ class Roofline:
     copy_gbps: float
 
 
-def measure_roofline(fp8: bool, bench_ms: ColdTimer) -> Roofline:
+def measure_roofline(fp8: bool, timer: ColdTimer) -> Roofline:
     """Peak dense-matmul TFLOP/s (bf16, or fp8 through torch._scaled_mm) and device-to-device copy GB/s."""
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     if fp8:
         a8, b8, one = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t(), torch.ones((), device="cuda")
-        ms = bench_ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+        ms = timer(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
     else:
-        ms = bench_ms(lambda: a @ b)
+        ms = timer(lambda: a @ b)
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    copy_ms = bench_ms(lambda: dst.copy_(src))
+    copy_ms = timer(lambda: dst.copy_(src))
     return Roofline(matmul_tflops=2 * n**3 / ms / 1e9, copy_gbps=2 * src.numel() / copy_ms / 1e6)
 
 
@@ -163,14 +163,14 @@ HEADER = ("| M | pairs here | experts hit | triton µs | triton graph µs | torc
           "| TB/s | of copy peak | of roofline |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
-def row(shape: Shape, tokens: int, fp8: bool, roof: Roofline, kernels, bench_ms: ColdTimer) -> str:
+def row(shape: Shape, tokens: int, fp8: bool, roof: Roofline, kernels, timer: ColdTimer) -> str:
     """One M: times, and the best of them against each ceiling and against the larger of the two (the roofline)."""
     layout = make_layout(shape, tokens, seed=tokens)
     work = Work.of(layout, shape, 1 if fp8 else 2)
     (triton_kernel, triton_weights), (torch_kernel, torch_weights) = kernels
-    triton_eager = bench_ms(lambda: triton_kernel.apply(layout, triton_weights))
-    triton_graph = bench_ms.graph(lambda: triton_kernel.apply(layout, triton_weights))
-    torch_ms = bench_ms(lambda: torch_kernel.apply(layout, torch_weights))
+    triton_eager = timer(lambda: triton_kernel.apply(layout, triton_weights))
+    triton_graph = timer.graph(lambda: triton_kernel.apply(layout, triton_weights))
+    torch_ms = timer(lambda: torch_kernel.apply(layout, torch_weights))
     best = min(triton_eager, triton_graph)
     return (
         f"| {tokens} | {work.pairs} | {work.experts_hit} | {triton_eager * 1e3:.1f} | {triton_graph * 1e3:.1f} | "
