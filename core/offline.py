@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .config import EngineConfig
+from .context_limit import context_length, context_problem
 from .engine import Engine
 from .launcher import launch
 from .memory import describe, memory_report
@@ -49,10 +50,20 @@ def _generate_on_rank(rank: int, config: EngineConfig, prompts, params) -> list[
     return generate_on_rank(parallel, config, prompts, params)
 
 
+def check_context(engine: Engine, prompts, params) -> None:
+    """Refuse, before any step, a prompt that cannot fit with its tokens to generate (as serve answers 400)."""
+    context = context_length(engine.model.hf_config, engine.kv.capacity_tokens)
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        problem = context_problem(len(prompt), sp.max_new_tokens, context, "--max-new-tokens")
+        if problem:
+            raise ValueError(f"prompt {i}: {problem}" if len(prompts) > 1 else problem)
+
+
 def generate_on_rank(parallel: ParallelState, config: EngineConfig, prompts, params) -> list[dict] | None:
     """This rank's part of an offline run: its DP group's prompts; rank 0 returns every result."""
     engine = Engine(config, parallel=parallel)
     log.info(describe(memory_report(engine)))
+    check_context(engine, prompts, params)
     rank = parallel.rank
     owners = assign_to_dp_groups(prompts, config.parallel.dp_size)
     mine = [i for i, owner in enumerate(owners) if owner == parallel.dp_rank]

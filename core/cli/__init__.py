@@ -32,16 +32,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the user-error family: a wrong flag, an impossible selection, a bad model folder or file (JSON, config,
+# checkpoint: all ValueErrors), a file system refusal, a rank that failed. These print one sentence; anything
+# else is a bug in moeplex and keeps its traceback.
+USER_ERRORS = (PluginError, ValueError, OSError, RankFailed)
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # the shell's code for a command stopped by Ctrl-C (128 + SIGINT)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="moeplex: %(message)s", stream=sys.stderr)
     try:
         return args.run(args) or 0
-    except (PluginError, ValueError, FileNotFoundError, RankFailed) as exc:
-        # a wrong flag or an impossible selection: one sentence, no traceback
-        print(f"moeplex {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as exc:
+        print(f"moeplex {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"moeplex {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        text = f"{exc.filename}: {exc.strerror}"  # not "[Errno 21] Is a directory: 'x'"
+    return text
 
 
 if __name__ == "__main__":

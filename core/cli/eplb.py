@@ -3,12 +3,9 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
-import torch
-
-from ..moe.load_report import ShapeFlags, build_report, draw
+from ..moe.load_report import ShapeFlags, build_report, draw, read_load
 from ..moe.rebalance import PlacementShape, placement_record, write_json
 from ..registry import lookup
 
@@ -42,8 +39,7 @@ def add_report_parser(actions) -> None:
 
 
 def run_plan(args) -> int:
-    with open(args.load) as f:
-        load = torch.tensor(json.load(f)["logical_count"], dtype=torch.float64)
+    _, load = read_load(args.load)
     layers, experts = load.shape[-2:]
     shape = PlacementShape(layers, experts, args.num_physical_experts, args.num_groups, args.num_nodes, args.num_gpus)
     placement = shape.plan(lookup("balancer", args.balancer)(), load)

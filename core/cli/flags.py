@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from ..attention import ATTENTION_BACKENDS, AUTO
 from ..config import DTYPES, QUANTIZE_EXPERTS, EngineConfig
+from ..models.base import check_model_folder
 from ..models.make_model import default_model
 from ..moe.recorder import PER_STEP, STAT
 from ..moe.replicas import DISPATCH_ALGORITHMS, SPREAD
@@ -169,7 +172,19 @@ def parallel_config(args: argparse.Namespace) -> ParallelConfig:
     )
 
 
+def check_device(device: str) -> None:
+    """A CUDA device on a machine without one is refused here, before any plugin is blamed for it."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device}: torch sees no GPU on this machine (torch.cuda.is_available() is false, "
+            f"torch {torch.__version__}); use --device cpu"
+        )
+
+
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    check_device(args.device)
+    if args.model:
+        check_model_folder(args.model)
     settings = dict(
         model=args.model or default_model(),
         dtype=args.dtype,

@@ -12,11 +12,12 @@ ARCHITECTURES = {
 }
 
 
-def architecture(config: dict):
-    """The module implementing the architecture of a config.json dict."""
+def architecture(config: dict, path: str = "config.json"):
+    """The module implementing the architecture of a config.json dict (read from `path`)."""
     model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         raise ValueError(
-            f"model_type {model_type!r} is not supported; supported architectures: {', '.join(ARCHITECTURES)}"
+            f"{path} gives model_type {model_type!r}, which is not supported; supported architectures: "
+            f"{', '.join(ARCHITECTURES)}"
         )
     return importlib.import_module(f"{__name__}.{ARCHITECTURES[model_type]}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import json
 import os
 from typing import Any, Generator
 
@@ -13,6 +12,7 @@ from torch import nn
 
 from ..executor import StepState, run_layers
 from ..forward_batch import ForwardBatch
+from ..json_file import read_json_object
 from ..kernels.norm import rms_norm
 from ..kv_cache import KVPool
 from ..moe.layer import MoELayer
@@ -33,12 +33,73 @@ class MoESpec:
     num_groups: int = 1  # expert groups (DeepSeek-V3 n_group), for hierarchical balancing
 
 
-def read_config(folder: str) -> dict[str, Any]:
+class ConfigError(ValueError):
+    """config.json cannot describe a model: a required field is missing, null, or of the wrong type."""
+
+
+class ModelConfig(dict):
+    """config.json's fields. A required field (`config[key]`) that is missing or null, and any field whose
+    type differs from the one the architecture's presets give it, is refused in a sentence naming the
+    file and the field, so every model reads its config with plain indexing and no checks of its own."""
+
+    def __init__(self, fields: dict, path: str, types: dict[str, Any] | None = None):
+        super().__init__(fields)
+        self.path = path
+        self.types = types or {}  # key -> a value of the expected type (from the architecture's tiny preset)
+
+    def __getitem__(self, key):
+        if key not in self:
+            raise ConfigError(f"{self.path} lacks {key!r}, which a {self.get('model_type')} model needs")
+        value = super().__getitem__(key)
+        if value is None and self.types.get(key) is not None:
+            raise ConfigError(f"{self.path} gives {key!r} as null; it must be {_kind_name(self.types[key])}")
+        return self._checked(key, value)
+
+    def get(self, key, default=None):
+        value = super().get(key, default)
+        return value if value is None or key not in self else self._checked(key, value)
+
+    def _checked(self, key: str, value):
+        example = self.types.get(key)
+        if example is not None and not key.endswith("_token_id") and not _same_kind(value, example):
+            raise ConfigError(f"{self.path} gives {key!r} as {value!r}; it must be {_kind_name(example)}")
+        return value
+
+    def __reduce__(self):  # pickled to other processes as the fields it holds
+        return ModelConfig, (dict(self), self.path, self.types)
+
+
+def _same_kind(value, example) -> bool:
+    if isinstance(example, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(example, bool)
+    if isinstance(example, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(example))
+
+
+def _kind_name(example) -> str:
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object"}
+    return names.get(type(example), type(example).__name__)
+
+
+def check_model_folder(folder: str) -> None:
+    if not os.path.exists(folder):
+        raise FileNotFoundError(f"the model folder {folder} does not exist")
+    if not os.path.isdir(folder):
+        raise NotADirectoryError(f"the model path {folder} is a file, not a Hugging Face model folder")
+
+
+def read_config(folder: str) -> ModelConfig:
+    """config.json as a ModelConfig; refused in one sentence when it is missing, not JSON, or not an object."""
+    from . import architecture  # deferred: the package's modules import this one
+
+    check_model_folder(folder)
     path = os.path.join(folder, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{folder} has no config.json")
-    with open(path) as f:
-        return json.load(f)
+    fields = read_json_object(path, "config.json")
+    module = architecture(fields, path)
+    return ModelConfig(fields, path, module.PRESETS["tiny"])
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:

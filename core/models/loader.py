@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from ..json_file import read_json_object
 from ..quant import BLOCK, dequantize_blocks, num_blocks
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
@@ -70,8 +71,9 @@ class CheckpointReader:
         self.folder = folder
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = read_json_object(index, "safetensors index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no weight_map object (tensor name -> file)")
             self.files = {name: os.path.join(folder, file) for name, file in weight_map.items()}
         else:
             self.files = {}
@@ -80,7 +82,7 @@ class CheckpointReader:
                 raise CheckpointError(f"{folder} holds no .safetensors file")
             for shard in shards:
                 path = os.path.join(folder, shard)
-                with safe_open(path, framework="pt") as f:
+                with open_safetensors(path) as f:
                     for name in f.keys():
                         self.files[name] = path
         self._handles: dict[str, object] = {}
@@ -93,7 +95,7 @@ class CheckpointReader:
         if path not in self._handles:
             if not os.path.exists(path):
                 raise CheckpointError(f"tensor {name} is listed in {path}, which does not exist")
-            self._handles[path] = safe_open(path, framework="pt")
+            self._handles[path] = open_safetensors(path)
         return self._handles[path]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -113,6 +115,36 @@ class CheckpointReader:
             return self._open(name).get_slice(name)[index]
         except Exception as exc:
             raise CheckpointError(f"tensor {name} in {self.files[name]} cannot be read: {exc}") from exc
+
+
+def open_safetensors(path: str):
+    """safe_open, with a file it cannot open (truncated, not safetensors) refused in a sentence naming it."""
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as exc:  # safetensors raises its own SafetensorError (an Exception) for every bad file
+        raise CheckpointError(_diagnose_safetensors(path, exc)) from None
+
+
+def _diagnose_safetensors(path: str, exc: Exception) -> str:
+    """Why `path` does not open: its header, or the first tensor whose bytes lie past the end of the file."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if size < 8 or header_len > size - 8:
+                raise ValueError
+            header = json.loads(f.read(header_len))
+            ends = {name: info["data_offsets"][1] for name, info in header.items() if name != "__metadata__"}
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return f"{path} is not a readable safetensors file (truncated or corrupt header: {exc})"
+    data_len = size - 8 - header_len
+    for name, end in sorted(ends.items(), key=lambda item: item[1]):
+        if end > data_len:
+            return (
+                f"{path} is truncated: tensor {name} needs bytes up to {end} of the data, but the file holds only "
+                f"{data_len}"
+            )
+    return f"{path} is not a readable safetensors file ({exc})"
 
 
 def _listing(names: Iterable[str], limit: int = 5) -> str:
@@ -149,10 +181,7 @@ def is_fp8_checkpoint(hf_config: dict) -> bool:
 
 def _read_config(folder: str) -> dict:
     path = os.path.join(folder, "config.json")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
+    return read_json_object(path, "config.json") if os.path.exists(path) else {}
 
 
 def load_checkpoint(model, folder: str, show_progress: bool = True) -> None:

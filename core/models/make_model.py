@@ -28,6 +28,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 ARCHES = ("deepseek_v3", "qwen3_moe", "mixtral")
+WEIGHTED_PRESETS = ("tiny", "small")  # the others are released shapes: gigabytes of random weights, config only
 
 
 def byte_level_tokenizer() -> Tokenizer:
@@ -116,8 +117,16 @@ def write_checkpoint(
     module = architecture({"model_type": arch})
     if preset not in module.PRESETS:
         raise ValueError(f"unknown preset {preset!r}; {arch} presets: {', '.join(module.PRESETS)}")
-    os.makedirs(folder, exist_ok=True)
+    if not config_only and preset not in WEIGHTED_PRESETS:
+        raise ValueError(
+            f"the {preset} preset has the released {arch} shapes, far too large to fill with random weights; "
+            "add --config-only and run the folder with --load-format dummy"
+        )
     config = {**module.PRESETS[preset], **(overrides or {})}
+    check_overrides(config, overrides or {}, module.PRESETS["tiny"])
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise NotADirectoryError(f"{folder} is a file; make-model writes a folder there")
+    os.makedirs(folder, exist_ok=True)
     if fp8:
         config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     # the random weights come from a plain model: config.json says fp8 only once the weights are written
@@ -134,6 +143,15 @@ def write_checkpoint(
     _save_shards(folder, tensors, max_shard_bytes)
     _write_json(folder, "config.json", config)
     return folder
+
+
+def check_overrides(config: dict, overrides: dict, types: dict) -> None:
+    """Each overridden field of the type config.json needs (refused before anything is written)."""
+    from .base import ModelConfig
+
+    checked = ModelConfig(config, "--set", types)
+    for key in overrides:
+        checked.get(key)
 
 
 def _plain(config: dict) -> dict:

@@ -7,12 +7,11 @@ and the balancedness per layer, drawn into one PNG (`moeplex eplb report`, scrip
 
 from __future__ import annotations
 
-import json
-
 import attrs
 import torch
 
 from ..interfaces import Placement
+from ..json_file import read_json_object
 from .rebalance import PlacementShape
 
 INSTALL_HINT = "the load report needs matplotlib: install it with `pip install matplotlib` (or `pip install -e .[test]`)"
@@ -41,14 +40,7 @@ class LoadReport:
 
 
 def read_json(path: str, what: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not a JSON {what} file ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, what)
 
 
 def read_load(path: str) -> tuple[dict, torch.Tensor]:

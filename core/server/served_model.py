@@ -10,6 +10,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
+from ..context_limit import context_length, context_problem
 from .chat_template import ChatTemplate
 from .errors import bad_request
 from .leader import EngineFacts
@@ -22,9 +23,8 @@ class ServedModel:
         self.path = facts.config.model
         self.vocab_size = facts.vocab_size
         self.architectures = hf_config.get("architectures", [hf_config.get("model_type")])
-        max_positions = hf_config.get("max_position_embeddings") or facts.capacity_tokens
         # one sequence can never outgrow the KV pool, however long the model's positions reach
-        self.context_length = min(facts.capacity_tokens, max_positions)
+        self.context_length = context_length(hf_config, facts.capacity_tokens)
         self.tokenizer = tokenizer
         self.chat_template = ChatTemplate.from_folder(self.path)
         self.bos_token_id = hf_config.get("bos_token_id")
@@ -51,14 +51,9 @@ class ServedModel:
             self.check_prompt(ids, param)
 
     def check_length(self, num_prompt_tokens: int, max_new_tokens: int, param: str) -> None:
-        if num_prompt_tokens + max_new_tokens > self.context_length:
-            raise bad_request(
-                f"this model's context is {self.context_length} tokens, but {num_prompt_tokens + max_new_tokens} were "
-                f"requested ({num_prompt_tokens} in the prompt, {max_new_tokens} to generate); shorten the prompt or "
-                f"lower {param}",
-                param,
-                "context_length_exceeded",
-            )
+        problem = context_problem(num_prompt_tokens, max_new_tokens, self.context_length, param)
+        if problem:
+            raise bad_request(problem, param, "context_length_exceeded")
 
     def room_after(self, num_prompt_tokens: int) -> int:
         """The most tokens a prompt of this length can still be followed by (when max_tokens is not given)."""
