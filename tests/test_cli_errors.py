@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 
 import pytest
 
@@ -132,3 +133,28 @@ def test_eplb_plan_refuses_a_file_without_load_counts(tmp_path, capsys):
     line = refusal(capsys, "eplb", "plan", "--load", str(load), "--num-physical-experts", "4", "--num-gpus", "2",
                    "--out", str(tmp_path / "plan.json"))
     assert "has no logical_count" in line
+
+
+def test_serve_on_a_taken_port_refuses_before_loading_the_model(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.setattr("moeplex.cli.serve.serve", lambda *a, **k: pytest.fail("the model was loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = refusal(capsys, "serve", "--model", tiny_model_dir("qwen3_moe"), "--port", str(port))
+    assert f"127.0.0.1:{port}" in line and "already in use" in line
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--tp-size", "3"], ["intermediate size", "3 ranks"]),
+        (["--tp-size", "3", "--ep-size", "3", "--dispatcher", "naive"], ["8 physical slots", "3 EP ranks"]),
+        (["--tp-size", "2", "--ep-size", "2"], ["--ep-size is 2"]),
+    ],
+    ids=["intermediate-over-tp", "experts-over-ep", "one-rank-dispatcher"],
+)
+def test_an_impossible_layout_is_refused_before_any_rank_starts(tiny_model_dir, monkeypatch, capsys, flags, words):
+    monkeypatch.setattr("moeplex.offline.launch", lambda *a, **k: pytest.fail("rank processes were started"))
+    line = refusal(capsys, "generate", "--model", tiny_model_dir("qwen3_moe"), "--input-ids", "1,2", *flags)
+    assert all(w in line for w in words), line

@@ -10,6 +10,7 @@ from ..attention import ATTENTION_BACKENDS, AUTO
 from ..config import DTYPES, QUANTIZE_EXPERTS, EngineConfig
 from ..models.base import check_model_folder
 from ..models.make_model import default_model
+from ..models.setup import check_layout
 from ..moe.recorder import PER_STEP, STAT
 from ..moe.replicas import DISPATCH_ALGORITHMS, SPREAD
 from ..parallel import ParallelConfig
@@ -222,4 +223,6 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     if args.moe_kernel:
         settings["moe_kernel"] = args.moe_kernel  # else the config's default for the device
     settings.update(overrides)  # a command's own choices win over the shared flags
-    return EngineConfig(**settings)
+    config = EngineConfig(**settings)
+    check_layout(config)  # before any rank process starts
+    return config

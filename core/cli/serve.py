@@ -6,6 +6,8 @@ This process is the HTTP front end; it spawns every rank of the engine, rank 0 l
 
 from __future__ import annotations
 
+import errno
+import socket
 import sys
 import tempfile
 
@@ -64,6 +66,7 @@ def run(args) -> int:
         expert_load_dir=args.expert_load_dir,
         warmup=not args.skip_warmup,
     )
+    check_port_free(args.host, args.port)  # before the model loads, not after
     config = engine_config(args, show_progress=False)
     try:
         serve(config, settings, args.log_level)
@@ -71,3 +74,15 @@ def run(args) -> int:
         print(f"moeplex serve: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind the address as uvicorn will (SO_REUSEADDR) and let go: a taken port is refused in one sentence."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            why = "it is already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise OSError(f"cannot serve on {host}:{port}: {why}; choose another --port") from None

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 
+import attrs
 import torch
 
 from ..attention import make_attention_backend
 from ..interfaces import MoEContext, Placement
 from ..moe.rebalance import PlacementShape, read_expert_location
 from ..moe.runtime import MoERuntime
-from ..parallel import ParallelConfig, ParallelState
+from ..parallel import Group, ParallelConfig, ParallelState
 from . import architecture
 from .base import MoECausalLM, MoESpec, read_config
 from .expert_format import expert_weight_format
@@ -138,3 +139,17 @@ def load_model(folder: str, config, selection, parallel: ParallelState | None = 
         load_checkpoint(model, folder, show_progress=config.show_progress)
     model.finish_loading()
     return model
+
+
+def check_layout(config) -> None:
+    """Build rank 0's model on the meta device (no memory, no process group) in the launching process, so a
+    parallel layout the model cannot take (heads, intermediate sizes or expert slots that do not divide over
+    the ranks, a dispatcher for the wrong EP size) is refused before any rank process starts."""
+    from ..selection import resolve  # deferred: selection reads the plugin registry
+
+    layout = config.parallel
+    if not layout.distributed:
+        return  # one rank runs in this process: its own errors arrive here already
+    rank0 = ParallelState(layout, 0, Group(0, layout.attn_tp_size), Group(0, layout.world_size))
+    selection = resolve(config, ep_size=rank0.ep.size)
+    build_model(config.model, attrs.evolve(config, device="meta"), selection, rank0)
