@@ -15,7 +15,7 @@ def read_json_object(path: str, what: str = "JSON") -> dict:
         with open(path) as f:
             data = json.load(f)
     except json.JSONDecodeError as exc:
-        raise FileFormatError(f"{path} is not a valid {what} file: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        raise FileFormatError(f"{path} is not a JSON {what} file: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except UnicodeDecodeError:
         raise FileFormatError(f"{path} is not a {what} file: it is not UTF-8 text") from None
     if not isinstance(data, dict):

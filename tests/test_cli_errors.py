@@ -65,7 +65,7 @@ def test_a_model_folder_that_does_not_exist_says_so(tmp_path, capsys):
         (lambda c: json.dumps({**c, "num_hidden_layers": "two"}), ["'num_hidden_layers'", "must be an integer"]),
         (lambda c: json.dumps({**c, "hidden_size": None}), ["'hidden_size' as null"]),
         (lambda c: json.dumps([c]), ["must hold a JSON object", "list"]),
-        (lambda c: json.dumps(c)[:-20], ["not a valid config.json file", "line 1"]),
+        (lambda c: json.dumps(c)[:-20], ["not a JSON config.json file", "line 1"]),
     ],
     ids=["missing-key", "wrong-type", "null", "not-an-object", "broken-json"],
 )

@@ -94,3 +94,32 @@ def test_missing_matplotlib_says_how_to_install_it(tmp_path, capsys, monkeypatch
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib raises ImportError
     assert main(["eplb", "report", "--load", str(load), "--out", str(out), "--num-gpus", "4"]) == 2
     assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def recorded_dump(path) -> None:
+    """A dump of an engine with 16 slots (no redundancy) over 4 GPUs, placement recorded."""
+    write_load(path)
+    data = json.loads(path.read_text())
+    data["shape"] = {"num_layers": 3, "num_logical": 16, "num_physical": 16, "num_groups": 1, "num_nodes": 1, "num_gpus": 4}
+    data["placement"] = {"phy2log": [list(range(16))] * 3}
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("gpus, slots", [(4, 20), (5, 20), (8, 16)], ids=["redundant", "redundant-more-gpus", "more-gpus"])
+def test_report_compares_a_dump_with_a_plan_of_another_layout(tmp_path, capsys, gpus, slots):
+    # the load is per logical expert, so it reads through any physical layout: extra slots, another GPU count
+    dump, placement, out = tmp_path / "dump.json", tmp_path / "placement.json", tmp_path / "report.png"
+    recorded_dump(dump)
+    plan = ["eplb", "plan", "--load", str(dump), "--num-physical-experts", str(slots), "--num-gpus", str(gpus)]
+    assert main([*plan, "--out", str(placement)]) == 0
+    assert main(["eplb", "report", "--load", str(dump), "--placement", str(placement), "--out", str(out)]) == 0
+    assert_png(out)
+    planned = json.loads(placement.read_text())["balancedness"]  # of the plan over its own GPUs
+    flags = ["--num-gpus", str(gpus), "--num-physical-experts", str(slots)]
+    assert main(["eplb", "report", "--load", str(dump), *flags, "--out", str(out)]) == 0  # the balancer's own plan
+    text = capsys.readouterr()
+    assert "error" not in text.err
+    for line in text.out.splitlines()[-2:]:
+        before, after = [float(x) for x in line.split("balancedness ")[-1].replace(" after", "").split(" before, ")]
+        assert after == pytest.approx(sum(planned) / len(planned), abs=1e-3)
+        assert before == pytest.approx(0.612, abs=1e-3)  # the recorded engine's: 16 slots over 4 GPUs

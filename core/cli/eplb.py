@@ -43,7 +43,7 @@ def run_plan(args) -> int:
     layers, experts = load.shape[-2:]
     shape = PlacementShape(layers, experts, args.num_physical_experts, args.num_groups, args.num_nodes, args.num_gpus)
     placement = shape.plan(lookup("balancer", args.balancer)(), load)
-    record = placement_record(placement, load, args.num_gpus)
+    record = {**placement_record(placement, load, args.num_gpus), "num_gpus": args.num_gpus}  # read by `eplb report`
     write_json(args.out, record)
     mean = sum(record["balancedness"]) / len(record["balancedness"])
     print(f"wrote {args.out}: {layers} layers, {args.num_physical_experts} slots, mean balancedness {mean:.3f}")

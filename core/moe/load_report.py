@@ -29,14 +29,26 @@ class ShapeFlags:
 
 @attrs.frozen
 class LoadReport:
+    """One load per logical expert seen through two placements, each of its own physical layout: "after" may
+    add redundant slots or spread over another number of GPUs than the engine that recorded the load."""
+
     load: torch.Tensor  # [L, E] float64, summed over steps
     before: Placement
     after: Placement
-    num_gpus: int
+    gpus_before: int
+    gpus_after: int
+
+    def gpu_loads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[L, GPUs] of each placement (the GPU counts may differ)."""
+        return self.before.gpu_loads(self.load, self.gpus_before), self.after.gpu_loads(self.load, self.gpus_after)
+
+    def balancedness_per_layer(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.before.balancedness(self.load, self.gpus_before), self.after.balancedness(self.load, self.gpus_after)
 
     def balancedness(self) -> tuple[float, float]:
         """Mean balancedness over the layers, before and after."""
-        return tuple(float(p.balancedness(self.load, self.num_gpus).mean()) for p in (self.before, self.after))
+        before, after = self.balancedness_per_layer()
+        return float(before.mean()), float(after.mean())
 
 
 def read_json(path: str, what: str) -> dict:
@@ -60,23 +72,37 @@ def read_load(path: str) -> tuple[dict, torch.Tensor]:
     return data, load.sum(0) if load.dim() == 3 else load
 
 
-def placement_shape(data: dict, flags: ShapeFlags, load: torch.Tensor) -> PlacementShape:
-    """The load file's recorded shape, with every flag given overriding it."""
-    known = data.get("shape", {})
-    pick = lambda flag, key, default=None: flag if flag is not None else known.get(key, default)  # noqa: E731
-    gpus = pick(flags.num_gpus, "num_gpus")
+def recorded_shape(data: dict, load: torch.Tensor) -> PlacementShape | None:
+    """The shape the engine that recorded the load ran with (a dump's `shape`), None for a bare load file."""
+    known = data.get("shape")
+    if not isinstance(known, dict) or "num_gpus" not in known:
+        return None
+    return _shape(load, known["num_gpus"], known.get("num_physical"), known.get("num_groups"), known.get("num_nodes"))
+
+
+def _shape(load: torch.Tensor, gpus: int, physical: int | None, groups: int | None, nodes: int | None) -> PlacementShape:
+    num_layers, num_logical = load.shape
+    return PlacementShape(num_layers, num_logical, physical or num_logical, groups or 1, nodes or 1, gpus)
+
+
+def after_shape(recorded: PlacementShape | None, flags: ShapeFlags, load: torch.Tensor, placement: dict | None) -> PlacementShape:
+    """The layout "after" is planned for: each flag given, else the placement file's own width and GPU count,
+    else the recorded shape."""
+    given = placement or {}
+    width = len(given["phy2log"][0]) if given.get("phy2log") and isinstance(given["phy2log"][0], list) else None
+    pick = lambda *values: next((v for v in values if v is not None), None)  # noqa: E731
+    gpus = pick(flags.num_gpus, given.get("num_gpus"), recorded and recorded.num_gpus)
     if gpus is None:
         raise ValueError(
             "the load file records no placement shape: give --num-gpus "
             "(and --num-physical-experts, --num-nodes, --num-groups)"
         )
-    return PlacementShape(
-        num_layers=load.shape[0],
-        num_logical=load.shape[1],
-        num_physical=pick(flags.num_physical, "num_physical", load.shape[1]),
-        num_groups=pick(flags.num_groups, "num_groups", 1),
-        num_nodes=pick(flags.num_nodes, "num_nodes", 1),
-        num_gpus=gpus,
+    return _shape(
+        load,
+        gpus,
+        pick(flags.num_physical, width, recorded and recorded.num_physical),
+        pick(flags.num_groups, recorded and recorded.num_groups),
+        pick(flags.num_nodes, recorded and recorded.num_nodes),
     )
 
 
@@ -90,25 +116,34 @@ def before_placement(data: dict, shape: PlacementShape) -> Placement:
     return shape.accept(static, "the contiguous placement")
 
 
-def after_placement(placement_path: str | None, shape: PlacementShape, balancer, load: torch.Tensor) -> Placement:
-    """The placement in `placement_path` (phy2log), else `balancer`'s placement of `load`."""
-    if placement_path is None:
-        return shape.plan(balancer, load)
+def read_placement(placement_path: str, num_logical: int) -> dict:
     data = read_json(placement_path, "placement")
     if "phy2log" not in data:
         raise ValueError(f"{placement_path} has no phy2log: a placement file holds phy2log [layers][slots]")
-    phy2log = torch.tensor(data["phy2log"], dtype=torch.int64)
-    if phy2log.dim() != 2 or ((phy2log < 0) | (phy2log >= shape.num_logical)).any():
-        ids = f"0..{shape.num_logical - 1}"
+    try:
+        phy2log = torch.tensor(data["phy2log"], dtype=torch.int64)
+    except (TypeError, ValueError):
+        phy2log = None
+    if phy2log is None or phy2log.dim() != 2 or ((phy2log < 0) | (phy2log >= num_logical)).any():
+        ids = f"0..{num_logical - 1}"
         raise ValueError(f"{placement_path}: phy2log must be [layers][slots] of logical expert ids in {ids}")
-    return shape.accept(Placement.from_phy2log(phy2log, shape.num_logical), placement_path)
+    return data
 
 
 def build_report(load_path: str, placement_path: str | None, flags: ShapeFlags, balancer) -> LoadReport:
+    """"Before": the placement and shape recorded with the load (else the contiguous layout of "after"'s shape);
+    "after": the placement file, else the balancer's plan, in its own shape."""
     data, load = read_load(load_path)
-    shape = placement_shape(data, flags, load)
-    before = before_placement(data, shape)
-    return LoadReport(load, before, after_placement(placement_path, shape, balancer, load), shape.num_gpus)
+    recorded = recorded_shape(data, load)
+    given = read_placement(placement_path, load.shape[1]) if placement_path else None
+    shape = after_shape(recorded, flags, load, given)
+    if given is None:
+        after = shape.plan(balancer, load)
+    else:
+        after = shape.accept(Placement.from_phy2log(torch.tensor(given["phy2log"]), shape.num_logical), placement_path)
+    before_shape = recorded if recorded is not None else shape
+    before = before_placement(data, before_shape)
+    return LoadReport(load, before, after, before_shape.num_gpus, shape.num_gpus)
 
 
 def pyplot():
@@ -126,20 +161,21 @@ def pyplot():
 def draw(report: LoadReport, out: str) -> None:
     """Write the four panels of `report` into the PNG `out`."""
     plt = pyplot()
-    load, gpus = report.load, report.num_gpus
+    load = report.load
     fig, axes = plt.subplots(2, 2, figsize=(13, 8), constrained_layout=True)
     heat = axes[0, 0].imshow(load.numpy(), aspect="auto", cmap="viridis", interpolation="nearest")
     axes[0, 0].set(title="tokens per logical expert", xlabel="logical expert", ylabel="MoE layer")
     fig.colorbar(heat, ax=axes[0, 0])
-    gpu_before, gpu_after = report.before.gpu_loads(load, gpus), report.after.gpu_loads(load, gpus)
+    gpu_before, gpu_after = report.gpu_loads()
     top = float(max(gpu_before.max(), gpu_after.max()))
     for ax, gpu, name in ((axes[0, 1], gpu_before, "before"), (axes[1, 0], gpu_after, "after")):
         image = ax.imshow(gpu.numpy(), aspect="auto", cmap="magma", vmin=0, vmax=top, interpolation="nearest")
         ax.set(title=f"tokens per GPU, {name} balancing", xlabel="GPU (EP rank)", ylabel="MoE layer")
         fig.colorbar(image, ax=ax)
     layers = range(load.shape[0])
-    axes[1, 1].plot(layers, report.before.balancedness(load, gpus).numpy(), "o-", label="before")
-    axes[1, 1].plot(layers, report.after.balancedness(load, gpus).numpy(), "s-", label="after")
+    before, after = report.balancedness_per_layer()
+    axes[1, 1].plot(layers, before.numpy(), "o-", label=f"before ({report.gpus_before} GPUs)")
+    axes[1, 1].plot(layers, after.numpy(), "s-", label=f"after ({report.gpus_after} GPUs)")
     axes[1, 1].set(title="balancedness (mean / max GPU load)", xlabel="MoE layer", ylim=(0, 1.05))
     axes[1, 1].legend()
     fig.savefig(out, dpi=100)
