@@ -1,6 +1,6 @@
 """Draw an expert-load dump: a thin wrapper around `moeplex eplb report` (moeplex/moe/load_report.py).
 
-    python scripts/plot_expert_load.py DUMP.json --out report.png [--placement PLACEMENT.json] [--balancer eplb]
+    .venv/bin/python scripts/plot_expert_load.py DUMP.json --out report.png [--placement PLACEMENT.json] [--balancer eplb]
 
 is the same as `moeplex eplb report --load DUMP.json --out report.png ...`; every other flag passes through.
 """

@@ -158,3 +158,13 @@ def test_an_impossible_layout_is_refused_before_any_rank_starts(tiny_model_dir, 
     monkeypatch.setattr("moeplex.offline.launch", lambda *a, **k: pytest.fail("rank processes were started"))
     line = refusal(capsys, "generate", "--model", tiny_model_dir("qwen3_moe"), "--input-ids", "1,2", *flags)
     assert all(w in line for w in words), line
+
+
+def test_generate_on_the_embedded_default_says_once_that_its_text_is_meaningless(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["generate", "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("random weights") == 1 and "meaningless" in err and "random" not in out
+    assert main(["generate", "--model", os.path.join(tmp_path, "moeplex", "models", "deepseek_v3-tiny-seed0"),
+                 "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
+    assert "random weights" not in capsys.readouterr().err  # a model the user chose gets no such note

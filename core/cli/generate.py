@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from ..offline import generate
 from ..sampling import SamplingParams
 from ..tokenizer import load_tokenizer
 from .flags import add_engine_flags, engine_config
+
+
+RANDOM_DEFAULT_NOTE = (
+    "moeplex generate: note: without --model this runs the embedded default, a tiny DeepSeek-V3 with random "
+    "weights, so its text is meaningless; pass --model DIR for a real checkpoint"
+)
 
 
 def add_parser(sub) -> None:
@@ -50,6 +57,8 @@ def run(args) -> int:
         logprobs=args.logprobs,
     )
     config = engine_config(args, show_progress=not args.json)
+    if not args.model:
+        print(RANDOM_DEFAULT_NOTE, file=sys.stderr)
     tokenizer = load_tokenizer(config.model)
     if args.prompt and tokenizer is None:
         raise ValueError(f"{config.model} has no tokenizer.json; pass --input-ids instead of --prompt")
