@@ -18,7 +18,6 @@ from typing import Iterable, Sequence
 
 import attrs
 import torch
-from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .cuda_graph import decode_graphs
@@ -32,6 +31,7 @@ from .models.setup import load_model
 from .moe.rebalance import ExpertBalancing, RebalanceReport
 from .parallel import ParallelState
 from .request import FinishReason, Request
+from .progress import progress as progress_bar
 from .sampler import Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -276,7 +276,9 @@ class Engine:
         params = params if isinstance(params, Sequence) else [params] * len(prompts)
         requests = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
         show = self.config.show_progress if progress is None else progress
-        with tqdm(total=len(requests), desc="generating", unit="req", disable=not show, leave=False) as bar:
+        total = sum(sp.max_new_tokens for sp in params[: len(requests)])
+        with progress_bar(desc="generating", unit="tok", total=total, enabled=show) as bar:
             while self.any_rank_has_work():
-                bar.update(len(self.step()))
+                self.step()
+                bar.update(sum(len(r.output_ids) for r in requests) - bar.n)
         return requests

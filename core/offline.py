@@ -67,7 +67,8 @@ def generate_on_rank(parallel: ParallelState, config: EngineConfig, prompts, par
     rank = parallel.rank
     owners = assign_to_dp_groups(prompts, config.parallel.dp_size)
     mine = [i for i, owner in enumerate(owners) if owner == parallel.dp_rank]
-    requests = engine.generate([prompts[i] for i in mine], [params[i] for i in mine], progress=False)
+    # one bar, on the first rank (its group's share of the tokens)
+    requests = engine.generate([prompts[i] for i in mine], [params[i] for i in mine], progress=config.show_progress and rank == 0)
     local = {i: result_of(r, engine.tokenizer is not None) for i, r in zip(mine, requests)} if parallel.is_output_rank else {}
     if not config.parallel.distributed:
         return [local[i] for i in range(len(prompts))]

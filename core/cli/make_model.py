@@ -49,7 +49,7 @@ def _overrides(pairs: list[str]) -> dict:
 def run(args) -> int:
     folder = write_checkpoint(
         args.out, args.arch, args.preset, args.seed, overrides=_overrides(args.set), config_only=args.config_only,
-        fp8=args.fp8,
+        fp8=args.fp8, show_progress=True,
     )
     what = "config (no weights)" if args.config_only else "random fp8 checkpoint" if args.fp8 else "random checkpoint"
     print(f"wrote a {args.arch} ({args.preset}) {what} to {folder}")

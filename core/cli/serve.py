@@ -67,7 +67,7 @@ def run(args) -> int:
         warmup=not args.skip_warmup,
     )
     check_port_free(args.host, args.port)  # before the model loads, not after
-    config = engine_config(args, show_progress=False)
+    config = engine_config(args)  # rank 0 draws the loading bar when stderr is a terminal
     try:
         serve(config, settings, args.log_level)
     except EngineStopped as exc:

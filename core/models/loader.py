@@ -20,9 +20,9 @@ from typing import Callable, Iterable
 import attrs
 import torch
 from safetensors import safe_open
-from tqdm.auto import tqdm
 
 from ..json_file import read_json_object
+from ..progress import progress
 from ..quant import BLOCK, dequantize_blocks, num_blocks
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
@@ -207,7 +207,7 @@ def load_checkpoint(model, folder: str, show_progress: bool = True) -> None:
     if extra:
         raise CheckpointError(f"checkpoint {folder} has tensor(s) this model does not use: {_listing(extra)}")
     wanted = [(name, t) for name, t in sorted(targets.items()) if t.copy is not None]
-    for name, target in tqdm(wanted, desc="loading weights", unit="tensor", disable=not show_progress, leave=False):
+    for name, target in progress(wanted, desc="loading weights", unit="tensor", enabled=show_progress):
         shape = reader.shape(name)
         if shape != target.shape:
             raise CheckpointError(f"tensor {name} has shape {list(shape)}; the model expects {list(target.shape)}")

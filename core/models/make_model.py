@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from ..config import EngineConfig
+from ..progress import progress
 from ..quant import quantize_blocks
 from . import architecture
 from .loader import FP8_QUANTIZATION_CONFIG, SCALE_SUFFIX
@@ -102,6 +103,7 @@ def write_checkpoint(
     overrides: dict | None = None,
     config_only: bool = False,
     fp8: bool = False,
+    show_progress: bool = False,
 ) -> str:
     """Write config, generation config, tokenizer and random safetensors weights of `arch`/`preset` to `folder`.
 
@@ -137,7 +139,8 @@ def write_checkpoint(
         return folder
     engine_config = EngineConfig(model=folder, show_progress=False)
     model = build_model(folder, engine_config, resolve(engine_config))
-    tensors = {name: named_random_tensor(name, t.shape, seed).contiguous() for name, t in model.weight_targets().items()}
+    targets = progress(model.weight_targets().items(), desc="making random weights", unit="tensor", enabled=show_progress)
+    tensors = {name: named_random_tensor(name, t.shape, seed).contiguous() for name, t in targets}
     if fp8:
         tensors = quantize_tensors(tensors, model.fp8_weight_names())
     _save_shards(folder, tensors, max_shard_bytes)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 
 import attrs
 import torch
@@ -12,6 +14,7 @@ from ..interfaces import MoEContext, Placement
 from ..moe.rebalance import PlacementShape, read_expert_location
 from ..moe.runtime import MoERuntime
 from ..parallel import Group, ParallelConfig, ParallelState
+from ..progress import progress
 from . import architecture
 from .base import MoECausalLM, MoESpec, read_config
 from .expert_format import expert_weight_format
@@ -111,7 +114,10 @@ def build_model(folder: str, config, selection, parallel: ParallelState | None =
     return model.eval()
 
 
-def init_dummy_weights(model: MoECausalLM, seed: int) -> None:
+log = logging.getLogger(__name__)
+
+
+def init_dummy_weights(model: MoECausalLM, seed: int, show_progress: bool = False) -> None:
     """Random weights made on the model's device from config.json alone (--load-format dummy).
 
     The same values `moeplex make-model --seed SEED` writes: every checkpoint tensor is drawn
@@ -120,7 +126,8 @@ def init_dummy_weights(model: MoECausalLM, seed: int) -> None:
     """
     device = next(model.parameters()).device
     with torch.no_grad():
-        for name, target in model.weight_targets().items():
+        targets = model.weight_targets().items()
+        for name, target in progress(targets, desc="making dummy weights", unit="tensor", enabled=show_progress):
             if target.copy is None:
                 continue  # another rank's expert
             tensor = named_random_tensor(name, target.shape, seed, device)
@@ -133,11 +140,18 @@ def init_dummy_weights(model: MoECausalLM, seed: int) -> None:
 def load_model(folder: str, config, selection, parallel: ParallelState | None = None, hooks=None) -> MoECausalLM:
     """`build_model`, then this rank's weights (read from safetensors, or random ones) and prepared experts."""
     model = build_model(folder, config, selection, parallel, hooks)
+    first = parallel is None or parallel.rank == 0  # one bar and one log line, not one per rank
+    show = config.show_progress and first
+    started = time.monotonic()
+    if first:
+        log.info("loading %s weights of %s", "dummy" if config.load_format == "dummy" else "the", folder)
     if config.load_format == "dummy":
-        init_dummy_weights(model, config.seed)  # the same on every rank: replicated weights agree
+        init_dummy_weights(model, config.seed, show)  # the same on every rank: replicated weights agree
     else:
-        load_checkpoint(model, folder, show_progress=config.show_progress)
+        load_checkpoint(model, folder, show_progress=show)
     model.finish_loading()
+    if first:
+        log.info("weights ready in %.1f s", time.monotonic() - started)
     return model
 
 
