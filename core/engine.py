@@ -11,7 +11,6 @@ owner's). A request whose next token is its last (max_new_tokens) is not schedul
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import time
 from typing import Iterable, Sequence
@@ -31,6 +30,7 @@ from .models.setup import load_model
 from .moe.rebalance import ExpertBalancing, RebalanceReport
 from .parallel import ParallelState
 from .request import FinishReason, Request
+from .json_file import read_json_object
 from .progress import progress as progress_bar
 from .sampler import Sampler
 from .sampling import SamplingParams
@@ -46,8 +46,7 @@ def _eos_ids(folder: str, hf_config: dict) -> set[int]:
     path = os.path.join(folder, "generation_config.json")
     value = hf_config.get("eos_token_id")
     if os.path.exists(path):
-        with open(path) as f:
-            value = json.load(f).get("eos_token_id", value)
+        value = read_json_object(path, "generation_config.json").get("eos_token_id", value)
     if value is None:
         return set()
     return set(value) if isinstance(value, list) else {value}

@@ -9,7 +9,12 @@ from tokenizers import Tokenizer
 
 def load_tokenizer(folder: str) -> Tokenizer | None:
     path = os.path.join(folder, "tokenizer.json")
-    return Tokenizer.from_file(path) if os.path.exists(path) else None
+    if not os.path.exists(path):
+        return None
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as exc:  # the tokenizers library raises a bare Exception for any file it cannot parse
+        raise ValueError(f"{path} is not a tokenizer file the tokenizers library can read: {exc}") from None
 
 
 class Detokenizer:

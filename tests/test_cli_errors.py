@@ -168,3 +168,12 @@ def test_generate_on_the_embedded_default_says_once_that_its_text_is_meaningless
     assert main(["generate", "--model", os.path.join(tmp_path, "moeplex", "models", "deepseek_v3-tiny-seed0"),
                  "--prompt", "Hi", "--max-new-tokens", "2"]) == 0
     assert "random weights" not in capsys.readouterr().err  # a model the user chose gets no such note
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "generation_config.json"])
+def test_a_broken_json_file_of_the_model_is_named(copy_of, capsys, name):
+    folder = copy_of()
+    with open(os.path.join(folder, name), "w") as f:
+        f.write('{"broken": ')
+    line = refusal(capsys, "generate", "--model", folder, "--input-ids", "1,2", "--max-new-tokens", "1")
+    assert os.path.join(folder, name) in line

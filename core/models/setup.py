@@ -15,6 +15,7 @@ from ..moe.rebalance import PlacementShape, read_expert_location
 from ..moe.runtime import MoERuntime
 from ..parallel import Group, ParallelConfig, ParallelState
 from ..progress import progress
+from ..registry import PluginError
 from . import architecture
 from .base import MoECausalLM, MoESpec, read_config
 from .expert_format import expert_weight_format
@@ -165,5 +166,10 @@ def check_layout(config) -> None:
     if not layout.distributed:
         return  # one rank runs in this process: its own errors arrive here already
     rank0 = ParallelState(layout, 0, Group(0, layout.attn_tp_size), Group(0, layout.world_size))
-    selection = resolve(config, ep_size=rank0.ep.size)
-    build_model(config.model, attrs.evolve(config, device="meta"), selection, rank0)
+    selection = resolve(config, ep_size=rank0.ep.size)  # on the real device: GPU needs are checked there
+    try:
+        build_model(config.model, attrs.evolve(config, device="meta"), selection, rank0)
+    except (ValueError, OSError, PluginError):
+        raise  # the layout, the folder or a selection is wrong: say so now
+    except Exception as exc:  # a plugin that cannot be built on the meta device: the ranks build it for real
+        log.debug("start-up layout check skipped: %s", exc)
