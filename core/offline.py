@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import logging
+import os
+import signal
+import time
+from typing import Sequence
 
 import attrs
 import torch
@@ -20,6 +22,7 @@ from .sampling import SamplingParams
 
 
 log = logging.getLogger(__name__)
+STOP_DELAY_S = 1.0
 
 
 def assign_to_dp_groups(prompts: Sequence[Sequence[int]], dp_size: int) -> list[int]:
@@ -45,6 +48,8 @@ def result_of(request, with_text: bool) -> dict:
 
 
 def _generate_on_rank(rank: int, config: EngineConfig, prompts, params) -> list[dict] | None:
+    if config.parallel.distributed:  # a spawned rank: Ctrl-C is the launching process's to report, in one line
+        signal.signal(signal.SIGINT, _stop_quietly)
     config = attrs.evolve(config, device=rank_device(config.device, rank, config.parallel))
     parallel = init_parallel(config.parallel, rank, torch.device(config.device))
     return generate_on_rank(parallel, config, prompts, params)
@@ -57,6 +62,13 @@ def check_context(engine: Engine, prompts, params) -> None:
         problem = context_problem(len(prompt), sp.max_new_tokens, context, "--max-new-tokens")
         if problem:
             raise ValueError(f"prompt {i}: {problem}" if len(prompts) > 1 else problem)
+
+
+def _stop_quietly(signum, frame) -> None:
+    """A rank's Ctrl-C: no traceback of its own; it leaves a moment after the launching process, which got the
+    same signal, so that the launcher reports the interruption rather than a rank's death."""
+    time.sleep(STOP_DELAY_S)
+    os._exit(128 + signum)
 
 
 def generate_on_rank(parallel: ParallelState, config: EngineConfig, prompts, params) -> list[dict] | None:
