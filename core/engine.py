@@ -24,14 +24,14 @@ from .forward_batch import ForwardBatch
 from .in_flight import InFlight
 from .interfaces import BatchMeta
 from .hooks import make_plugin_manager
+from .json_file import read_json_object
 from .kv_cache import KVPool
 from .model_runner import ModelRunner
 from .models.setup import load_model
 from .moe.rebalance import ExpertBalancing, RebalanceReport
 from .parallel import ParallelState
-from .request import FinishReason, Request
-from .json_file import read_json_object
 from .progress import progress as progress_bar
+from .request import FinishReason, Request
 from .sampler import Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -279,5 +279,6 @@ class Engine:
         with progress_bar(desc="generating", unit="tok", total=total, enabled=show) as bar:
             while self.any_rank_has_work():
                 self.step()
-                bar.update(sum(len(r.output_ids) for r in requests) - bar.n)
+                if show:
+                    bar.update(sum(len(r.output_ids) for r in requests) - bar.n)
         return requests

@@ -22,6 +22,8 @@ from .expert_format import expert_weight_format
 from .loader import load_checkpoint
 from .make_model import named_random_tensor
 
+log = logging.getLogger(__name__)
+
 
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype):
@@ -113,9 +115,6 @@ def build_model(folder: str, config, selection, parallel: ParallelState | None =
     model.set_attention_backend(make_attention_backend(config.attention_backend, device, config.torch_dtype))
     model.use_fused_kernels(device.type == "cuda")  # norms, rope and routing in Triton where it compiles
     return model.eval()
-
-
-log = logging.getLogger(__name__)
 
 
 def init_dummy_weights(model: MoECausalLM, seed: int, show_progress: bool = False) -> None:
