@@ -177,3 +177,23 @@ def test_a_broken_json_file_of_the_model_is_named(copy_of, capsys, name):
         f.write('{"broken": ')
     line = refusal(capsys, "generate", "--model", folder, "--input-ids", "1,2", "--max-new-tokens", "1")
     assert os.path.join(folder, name) in line
+
+
+def test_serve_refuses_an_impossible_layout_before_any_rank_starts(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.setattr("moeplex.cli.serve.serve", lambda *a, **k: pytest.fail("rank processes were started"))
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    line = refusal(capsys, "serve", "--model", tiny_model_dir("qwen3_moe"), "--port", str(port), "--tp-size", "3")
+    assert "intermediate size" in line
+
+
+def test_a_checked_config_travels_to_other_processes_as_it_is(tiny_model_dir):
+    import pickle
+
+    from moeplex.models.base import read_config
+
+    config = read_config(tiny_model_dir("qwen3_moe"))
+    copy = pickle.loads(pickle.dumps(config))
+    assert copy == config and copy.path == config.path and copy["hidden_size"] == config["hidden_size"]
+    assert json.loads(json.dumps(copy)) == dict(config)
