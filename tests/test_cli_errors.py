@@ -197,3 +197,20 @@ def test_a_checked_config_travels_to_other_processes_as_it_is(tiny_model_dir):
     copy = pickle.loads(pickle.dumps(config))
     assert copy == config and copy.path == config.path and copy["hidden_size"] == config["hidden_size"]
     assert json.loads(json.dumps(copy)) == dict(config)
+
+
+@pytest.mark.parametrize("breakage", ["truncated-checkpoint", "config-missing-key"])
+def test_serve_refuses_a_bad_model_folder_before_any_rank_starts(copy_of, monkeypatch, capsys, breakage):
+    # a rank that fails at start-up used to leave serve waiting; the launching process now reads what it can first
+    monkeypatch.setattr("moeplex.cli.serve.serve", lambda *a, **k: pytest.fail("rank processes were started"))
+    folder = copy_of()
+    if breakage == "truncated-checkpoint":
+        path = os.path.join(folder, "model.safetensors")
+        os.truncate(path, os.path.getsize(path) - 4096)
+    else:
+        write_config(folder, lambda c: json.dumps({k: v for k, v in c.items() if k != "num_hidden_layers"}))
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    line = refusal(capsys, "serve", "--model", folder, "--port", str(port))
+    assert ("truncated: tensor" in line) if breakage == "truncated-checkpoint" else ("lacks 'num_hidden_layers'" in line)

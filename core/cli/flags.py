@@ -10,7 +10,7 @@ from ..attention import ATTENTION_BACKENDS, AUTO
 from ..config import DTYPES, QUANTIZE_EXPERTS, EngineConfig
 from ..models.base import check_model_folder
 from ..models.make_model import default_model
-from ..models.setup import check_layout
+from ..models.setup import check_before_start
 from ..moe.recorder import PER_STEP, STAT
 from ..moe.replicas import DISPATCH_ALGORITHMS, SPREAD
 from ..parallel import ParallelConfig
@@ -224,5 +224,5 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         settings["moe_kernel"] = args.moe_kernel  # else the config's default for the device
     settings.update(overrides)  # a command's own choices win over the shared flags
     config = EngineConfig(**settings)
-    check_layout(config)  # before any rank process starts
+    check_before_start(config)  # before any rank process starts
     return config

@@ -19,7 +19,7 @@ from ..registry import PluginError
 from . import architecture
 from .base import MoECausalLM, MoESpec, read_config
 from .expert_format import expert_weight_format
-from .loader import load_checkpoint
+from .loader import CheckpointReader, load_checkpoint
 from .make_model import named_random_tensor
 
 log = logging.getLogger(__name__)
@@ -155,15 +155,16 @@ def load_model(folder: str, config, selection, parallel: ParallelState | None = 
     return model
 
 
-def check_layout(config) -> None:
-    """Build rank 0's model on the meta device (no memory, no process group) in the launching process, so a
-    parallel layout the model cannot take (heads, intermediate sizes or expert slots that do not divide over
-    the ranks, a dispatcher for the wrong EP size) is refused before any rank process starts."""
+def check_before_start(config) -> None:
+    """What the launching process can refuse before any rank starts: the checkpoint's files (their headers,
+    not their data) and rank 0's model built on the meta device (no memory, no process group), which reads
+    config.json and refuses a parallel layout the model cannot take (heads, intermediate sizes or expert
+    slots that do not divide over the ranks, a dispatcher for the wrong EP size)."""
     from ..selection import resolve  # deferred: selection reads the plugin registry
 
+    if config.load_format != "dummy":
+        CheckpointReader(config.model)  # a truncated or corrupt file is named now, not on a rank
     layout = config.parallel
-    if not layout.distributed:
-        return  # one rank runs in this process: its own errors arrive here already
     rank0 = ParallelState(layout, 0, Group(0, layout.attn_tp_size), Group(0, layout.world_size))
     selection = resolve(config, ep_size=rank0.ep.size)  # on the real device: GPU needs are checked there
     try:
@@ -171,4 +172,4 @@ def check_layout(config) -> None:
     except (ValueError, OSError, PluginError):
         raise  # the layout, the folder or a selection is wrong: say so now
     except Exception as exc:  # a plugin that cannot be built on the meta device: the ranks build it for real
-        log.debug("start-up layout check skipped: %s", exc)
+        log.debug("start-up check skipped the meta-device model: %s", exc)
