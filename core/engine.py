@@ -32,7 +32,7 @@ from .models.setup import load_model
 from .moe.rebalance import ExpertBalancing, RebalanceReport
 from .parallel import ParallelState
 from .request import FinishReason, Request
-from .sampler import Sampler
+from .sampler import FAILED, Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .selection import resolve
@@ -40,6 +40,7 @@ from .tokenizer import Detokenizer, load_tokenizer
 from .transfer import to_device
 
 MAX_DEFAULT_KV_TOKENS = 1 << 17
+SAMPLING_FAILED = "sampling failed: the model's logits for this request are not finite"
 
 
 def _eos_ids(folder: str, hf_config: dict) -> set[int]:
@@ -196,11 +197,16 @@ class Engine:
         if step is None:
             return []
         tokens = step.token_list()
+        finished = []
+        for row, request in enumerate(step.requests):
+            if tokens[row] == FAILED and not request.finished:
+                request.finish(FinishReason.ABORT, error=SAMPLING_FAILED)
+                self._retire(request)
+                finished.append(request)
         live = [row for row, request in enumerate(step.requests) if not request.finished]
         if any(step.requests[row].params.logprobs > 0 for row in live):
             requests = [step.requests[row] for row in live]
             self.sampler.record_logprobs(step.logits[live], requests, [tokens[row] for row in live])
-        finished = []
         for row in live:
             request = step.requests[row]
             request.pending_rows.pop(0)

@@ -1,21 +1,39 @@
-"""Sampling parameters of one request."""
+"""Sampling parameters of one request.
+
+Values are checked in Python floats (float64) but the sampler computes in float32, where a valid but
+tiny temperature or top_p underflows (1e-40 -> 0, 1/1e-40 -> inf). So a temperature below
+GREEDY_TEMPERATURE is greedy (as vLLM and SGLang treat it) and the sampler always keeps a row's most
+likely token whatever its top_p; no value that passes here can make a row unsampleable.
+"""
 
 from __future__ import annotations
 
+import math
+
 import attrs
+
+GREEDY_TEMPERATURE = 1e-5  # below this a temperature is greedy: 1/t stays far from float32's limits
+
+
+def _finite(attribute, value) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{attribute.name} must be a finite number, got {value}")
 
 
 def _non_negative(instance, attribute, value):
+    _finite(attribute, value)
     if value < 0:
         raise ValueError(f"{attribute.name} must be >= 0, got {value}")
 
 
 def _probability(instance, attribute, value):
+    _finite(attribute, value)
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{attribute.name} must be in [0, 1], got {value}")
 
 
 def _positive_top_p(instance, attribute, value):
+    _finite(attribute, value)
     if not 0.0 < value <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {value}")
 
@@ -36,7 +54,7 @@ def _tuple(value):
 @attrs.frozen
 class SamplingParams:
     max_new_tokens: int = attrs.field(default=128, validator=_non_negative)
-    temperature: float = attrs.field(default=1.0, validator=_non_negative)  # 0 means greedy
+    temperature: float = attrs.field(default=1.0, validator=_non_negative)  # below GREEDY_TEMPERATURE: greedy
     top_p: float = attrs.field(default=1.0, validator=_positive_top_p)
     top_k: int = attrs.field(default=-1, validator=_top_k)
     min_p: float = attrs.field(default=0.0, validator=_probability)
@@ -48,4 +66,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
