@@ -244,11 +244,12 @@ class Engine:
             request.first_token_time = time.monotonic()
         params = request.params
         detok = self._detok.get(request.rid)
+        grown_from = len(request.text)
         if detok is not None:
             request.text += detok.push(token)
         if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
             request.finish(FinishReason.STOP, stop_reason=token)
-        elif detok is not None and params.stop and self._hit_stop_string(request):
+        elif detok is not None and params.stop and self._hit_stop_string(request, grown_from):
             pass
         elif len(request.output_ids) >= params.max_new_tokens:
             request.finish(FinishReason.LENGTH)
@@ -256,14 +257,21 @@ class Engine:
             self._retire(request)
         return request.finished
 
-    def _hit_stop_string(self, request: Request) -> bool:
+    @staticmethod
+    def _hit_stop_string(request: Request, grown_from: int) -> bool:
+        """Whether the text gained from `grown_from` on completes a stop string; the text is cut at the
+        earliest. Only the new text and the few characters before it are searched: O(new text) a step."""
+        hits = []
         for stop in request.params.stop:
-            at = request.text.find(stop)
+            at = request.text.find(stop, max(0, grown_from - len(stop) + 1))
             if at >= 0:
-                request.text = request.text[:at]
-                request.finish(FinishReason.STOP, stop_reason=stop)
-                return True
-        return False
+                hits.append((at, stop))
+        if not hits:
+            return False
+        at, stop = min(hits, key=lambda hit: hit[0])
+        request.text = request.text[:at]
+        request.finish(FinishReason.STOP, stop_reason=stop)
+        return True
 
     def _retire(self, request: Request) -> None:
         request.pending_rows.clear()  # a token still in flight comes too late

@@ -13,6 +13,9 @@ import math
 import attrs
 
 GREEDY_TEMPERATURE = 1e-5  # below this a temperature is greedy: 1/t stays far from float32's limits
+# stop strings are matched against every step's new text: bounded so that costs O(new text + these), not more
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 512
 
 
 def _finite(attribute, value) -> None:
@@ -38,6 +41,14 @@ def _positive_top_p(instance, attribute, value):
         raise ValueError(f"top_p must be in (0, 1], got {value}")
 
 
+def _stops(instance, attribute, value):
+    if len(value) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop holds {len(value)} strings; at most {MAX_STOP_STRINGS} are accepted")
+    longest = max(value, key=len, default="")
+    if len(longest) > MAX_STOP_CHARS:
+        raise ValueError(f"stop strings are at most {MAX_STOP_CHARS} characters; one has {len(longest)}")
+
+
 def _top_k(instance, attribute, value):
     if value == 0 or value < -1:
         raise ValueError(f"top_k must be -1 (off) or >= 1, got {value}")
@@ -59,7 +70,7 @@ class SamplingParams:
     top_k: int = attrs.field(default=-1, validator=_top_k)
     min_p: float = attrs.field(default=0.0, validator=_probability)
     seed: int | None = None
-    stop: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_tuple, validator=_stops)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
     ignore_eos: bool = False
     logprobs: int = attrs.field(default=0, validator=_non_negative)  # top-K log-probabilities per step

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Awaitable, Callable
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
@@ -44,8 +45,9 @@ async def read_json(http: HttpRequest, limit: int):
 
 def generation_route(endpoint: Endpoint, loop: EngineLoop, max_request_bytes: int) -> Callable[[HttpRequest], Awaitable[Response]]:
     async def handle(http: HttpRequest) -> Response:
-        values = parse(await read_json(http, max_request_bytes), endpoint.fields)
-        plan = endpoint.plan(values)
+        body = await read_json(http, max_request_bytes)
+        # validation, chat templates and tokenization are CPU work: in a thread, so /health and streams keep going
+        plan = await run_in_threadpool(lambda: endpoint.plan(parse(body, endpoint.fields)))
         group = RequestGroup(loop)
         for prompt_ids, params in plan.requests:
             group.add(prompt_ids, params)
