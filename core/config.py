@@ -5,13 +5,15 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .attention import ATTENTION_BACKENDS, AUTO
-from .moe.recorder import PER_STEP, STAT
-from .moe.replicas import DISPATCH_ALGORITHMS, SPREAD
 from .parallel import ParallelConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANTIZE_EXPERTS = ("none", "fp8")  # --quantize-experts
+AUTO = "auto"
+ATTENTION_BACKENDS = (AUTO, "torch", "triton")  # --attention-backend
+OFF, STAT, PER_STEP = "off", "stat", "per-step"  # expert-load recording modes
+STATIC, SPREAD = "static", "spread"  # --ep-dispatch-algorithm: which replica a routed token uses
+DISPATCH_ALGORITHMS = (STATIC, SPREAD)
 
 
 def _positive(instance, attribute, value):

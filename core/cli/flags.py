@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..attention import ATTENTION_BACKENDS, AUTO
-from ..config import DTYPES, QUANTIZE_EXPERTS, EngineConfig
+from ..config import (
+    ATTENTION_BACKENDS, AUTO, DISPATCH_ALGORITHMS, DTYPES, PER_STEP, QUANTIZE_EXPERTS, SPREAD, STAT, EngineConfig,
+)
 from ..models.make_model import default_model
-from ..moe.recorder import PER_STEP, STAT
-from ..moe.replicas import DISPATCH_ALGORITHMS, SPREAD
 from ..parallel import ParallelConfig
 
 
