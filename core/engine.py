@@ -31,7 +31,7 @@ from .model_runner import ModelRunner
 from .models.setup import load_model
 from .moe.rebalance import ExpertBalancing, RebalanceReport
 from .parallel import ParallelState
-from .request import FinishReason, Request
+from .request import FinishReason, Request, check_prompt
 from .sampler import FAILED, Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -112,11 +112,7 @@ class Engine:
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None) -> Request:
         prompt_ids = list(prompt_ids)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        check_prompt(prompt_ids, self.vocab_size, self.kv.capacity_tokens)
         request = Request(rid if rid is not None else str(next(self._ids)), prompt_ids, params)
         self.scheduler.add(request)
         self._requests[request.rid] = request
