@@ -31,8 +31,7 @@ from moeplex.interfaces import (
     MoEContext,
     MoEKernel,
 )
-from moeplex.kernels.fp8 import quantize_rows, silu_mul_quantize
-from moeplex.quant import BLOCK, quantize_blocks
+from moeplex.interfaces.kernels import BLOCK, quantize_blocks, quantize_rows, silu_mul_quantize
 
 MASKED = "masked"
 ALIGNMENT = 128  # DeepGEMM's get_mk_alignment_for_contiguous_layout() on Hopper

@@ -18,7 +18,7 @@ from moeplex.interfaces import (
     MoEKernel,
     StandardLayout,
 )
-from moeplex.quant import dequantize_activations, dequantize_blocks
+from moeplex.interfaces.kernels import dequantize_activations, dequantize_blocks
 
 
 class TorchMoEKernel(MoEKernel):

@@ -9,8 +9,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from moeplex.interfaces import Dispatched, Dispatcher, ExpertOutput, MoEContext
-from moeplex.registry import PluginError
+from moeplex.interfaces import Dispatched, Dispatcher, ExpertOutput, MoEContext, PluginError
 
 # What DeepEP v1.2.1's kernels are built for.
 LL_HIDDEN_SIZES = frozenset({2048, 2560, 4096, 5120, 6144, 7168, 8192})  # low-latency kernels, per hidden size

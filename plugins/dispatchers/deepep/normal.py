@@ -29,9 +29,7 @@ from moeplex.interfaces import (
     MoEContext,
     placeholder,
 )
-from moeplex.kernels.fp8 import quantize_rows
-from moeplex.kernels.permute import gather_rows, weighted_pair_sum
-from moeplex.moe.adapters import ContiguousPlan, plan_contiguous
+from moeplex.interfaces.kernels import ContiguousPlan, gather_rows, plan_contiguous, quantize_rows, weighted_pair_sum
 
 from .buffers import OneModeDispatcher, FP8_GROUP, as_bf16, check_normal, make_buffer
 
