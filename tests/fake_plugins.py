@@ -26,6 +26,10 @@ class ManyRanksDispatcher(LocalDispatcher):
     caps = DispatcherCaps(layout=STANDARD, multi_rank=True, single_rank=False)
 
 
+class Fp8SendingDispatcher(LocalDispatcher):
+    caps = DispatcherCaps(layout=STANDARD, multi_rank=False, fp8_payload=True)
+
+
 class Fp32OnlyStandardKernel(TorchMoEKernel):
     caps = KernelCaps(layouts=frozenset({STANDARD}), dtypes=frozenset({torch.float32}))
 
@@ -39,6 +43,7 @@ ENTRY_POINTS = {
         "fake-masked": "fake_plugins:MaskedOnlyDispatcher",
         "fake-gpu": "fake_plugins:GpuDispatcher",
         "fake-many-ranks": "fake_plugins:ManyRanksDispatcher",
+        "fake-fp8": "fake_plugins:Fp8SendingDispatcher",
     },
     "moeplex.moe_kernels": {
         "fake-fp32-standard": "fake_plugins:Fp32OnlyStandardKernel",

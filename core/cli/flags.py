@@ -10,6 +10,7 @@ from ..models.make_model import default_model
 from ..moe.recorder import PER_STEP, STAT
 from ..moe.replicas import DISPATCH_ALGORITHMS, SPREAD
 from ..parallel import ParallelConfig
+from ..selection import resolve
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -207,4 +208,6 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     if args.moe_kernel:
         settings["moe_kernel"] = args.moe_kernel  # else the config's default for the device
     settings.update(overrides)  # a command's own choices win over the shared flags
-    return EngineConfig(**settings)
+    config = EngineConfig(**settings)
+    resolve(config, announce=True)  # refuse an impossible selection before any rank starts, and name the choice
+    return config

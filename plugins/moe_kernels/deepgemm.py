@@ -86,6 +86,7 @@ class DeepGemmMoEKernel(MoEKernel):
         needs_gpu=True,
         graph_safe=True,  # no host sync: the masked path reads its counts on the device
         fp8_compute=True,
+        fp8_payload=True,  # reads rows from layout.fp8 when the dispatcher sent them as fp8
         requires=("deep_gemm",),
         min_compute_capability=(9, 0),
     )

@@ -26,6 +26,7 @@ class TorchMoEKernel(MoEKernel):
         layouts=frozenset(ALL_LAYOUTS),
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         weight_formats=frozenset({BF16, FP8_BLOCK}),
+        fp8_payload=True,  # reads rows from layout.fp8 when the dispatcher sent them as fp8
     )
 
     def prepare_weights(self, weights: ExpertWeights):

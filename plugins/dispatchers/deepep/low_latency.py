@@ -122,7 +122,6 @@ class DeepEPLowLatencyDispatcher(OneModeDispatcher):
         graph_safe=True,
         fixed_max_tokens=True,
         fp8_payload=True,
-        combine_applies_weights=True,
         async_halves=True,
         max_in_flight=1,  # each low-latency transfer clears the other buffer's receive flags
         requires=("deep_ep",),

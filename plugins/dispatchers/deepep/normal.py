@@ -159,7 +159,6 @@ class DeepEPNormalDispatcher(OneModeDispatcher):
         graph_safe=False,
         needs_host_sync=True,
         fp8_payload=True,
-        combine_applies_weights=True,
         async_halves=True,
         requires=("deep_ep",),
         min_compute_capability=(9, 0),
