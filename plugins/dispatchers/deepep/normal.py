@@ -31,7 +31,7 @@ from moeplex.interfaces import (
 )
 from moeplex.interfaces.kernels import ContiguousPlan, gather_rows, plan_contiguous, quantize_rows, weighted_pair_sum
 
-from .buffers import OneModeDispatcher, FP8_GROUP, as_bf16, check_normal, make_buffer
+from .buffers import FP8_GROUP, BufferPool, OneModeDispatcher, as_bf16, check_normal
 
 ALIGNMENT = 128  # rows per expert group: DeepGEMM's contiguous-layout alignment on Hopper
 
@@ -164,8 +164,9 @@ class DeepEPNormalDispatcher(OneModeDispatcher):
         min_compute_capability=(9, 0),
     )
 
-    def __init__(self, ctx: MoEContext):
+    def __init__(self, ctx: MoEContext, buffers: BufferPool | None = None):
         super().__init__(ctx)
         check_normal(ctx, self.name)
-        deep_ep, buffer, _ = make_buffer(ctx, self.name, normal=True, low_latency=False)
+        self.buffers = buffers if buffers is not None else BufferPool()
+        deep_ep, buffer, _ = self.buffers.make(ctx, self.name, normal=True, low_latency=False)
         self.mode = NormalMode(ctx, deep_ep, buffer)
