@@ -75,6 +75,10 @@ def test_the_check_sees_private_and_escaping_imports(tmp_path):
     assert [entry.split(" imports ")[1] for entry in bad] == ["moeplex.quant", "moeplex.registry", "moeplex.kernels.fp8"]
 
 
-@pytest.mark.parametrize("module", PUBLIC_MODULES)
-def test_public_modules_are_named_in_the_docs(module):
-    assert f"`{module}`" in (ROOT / "docs" / "plugins.md").read_text(), f"docs/plugins.md does not name {module}"
+@pytest.mark.parametrize("doc", ["docs/plugins.md", "README.md"])
+def test_the_docs_name_the_public_modules_and_no_other(doc):
+    text = (ROOT / doc).read_text()
+    for module in PUBLIC_MODULES:
+        assert f"`{module}`" in text, f"{doc} does not name {module} among what a plugin may import"
+    for private in ("moeplex.quant", "moeplex.kernels", "moeplex.moe", "moeplex.registry", "moeplex.forward_batch"):
+        assert f"`{private}`" not in text, f"{doc} offers {private} to plugins, which may import only {PUBLIC_MODULES}"
