@@ -9,6 +9,7 @@ from ..config import (
 )
 from ..models.make_model import default_model
 from ..parallel import ParallelConfig
+from ..selection import resolve
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -206,4 +207,6 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     if args.moe_kernel:
         settings["moe_kernel"] = args.moe_kernel  # else the config's default for the device
     settings.update(overrides)  # a command's own choices win over the shared flags
-    return EngineConfig(**settings)
+    config = EngineConfig(**settings)
+    resolve(config, announce=True)  # refuse an impossible selection before any rank starts, and name the choice
+    return config
