@@ -25,7 +25,24 @@ def add_parser(sub) -> None:
     _add_cache_aware_flags(p)
     _add_health_flags(p)
     _add_forwarding_flags(p)
+    _add_access_flags(p)
     p.set_defaults(run=run)
+
+
+def _add_access_flags(p) -> None:
+    g = p.add_argument_group("access")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' from clients on every path except /health and /metrics "
+                   "(401 otherwise; default: no key)")
+    g.add_argument("--admin-api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /add_worker, /remove_worker and /list_workers; without "
+                   "it those answer only on a router bound to a loopback --host (403 otherwise; default: no key)")
+    g.add_argument("--worker-api-key", default=None,
+                   help="the key the router sends workers as 'Authorization: Bearer KEY' (their `serve --api-key`); a "
+                   "client's own Authorization header is never passed on (default: none sent)")
+    g.add_argument("--worker-url-allow", nargs="+", metavar="PATTERN", default=[],
+                   help="shell-style patterns a worker URL must match, e.g. 'http://10.0.0.*:300?' "
+                   "(--worker-urls and /add_worker; others are refused with 400; default: any URL)")
 
 
 def _add_cache_aware_flags(p) -> None:
@@ -40,10 +57,9 @@ def _add_cache_aware_flags(p) -> None:
     g.add_argument("--balance-rel-threshold", type=float, default=1.1,
                    help="... and the most loaded worker has more than this times the least loaded one's requests "
                    "(default: 1.1)")
-    g.add_argument("--eviction-interval-secs", type=float, default=60.0,
-                   help="seconds between evictions of the least recently used text from the tree (default: 60)")
     g.add_argument("--max-tree-size", type=int, default=1 << 22,
-                   help="characters of the tree each worker keeps after an eviction (default: 4194304)")
+                   help="characters of the tree each worker owns at most: an insert past it evicts that worker's least "
+                   "recently used text down to 7/8 of it (default: 4194304)")
 
 
 def _add_health_flags(p) -> None:
@@ -56,6 +72,10 @@ def _add_health_flags(p) -> None:
                    help="failures in a row (forwards or health checks) that take a worker out of routing (default: 3)")
     g.add_argument("--health-success-threshold", type=int, default=2,
                    help="passed health checks in a row that put a worker back into routing (default: 2)")
+    g.add_argument("--worker-startup-timeout-secs", type=float, default=600.0,
+                   help="a worker not yet seen healthy is 'starting' (loading its model): checked after 0.25 s, 0.5 s, "
+                   "1 s, ... up to the check interval, never taken out, and in routing from its first passed check; "
+                   "after this many seconds without one it is out like a failed worker (default: 600)")
 
 
 def _add_forwarding_flags(p) -> None:

@@ -1,0 +1,90 @@
+"""Who may do what: the clients' and the operators' bearer keys, and which worker URLs may join.
+
+The router is a public front door. Clients send `--api-key`; management endpoints (adding, removing
+and listing workers) need a separate `--admin-api-key`, and without one they answer only on a router
+bound to a loopback address. /health and /metrics stay open for probes and scrapers. A client's
+Authorization header is never passed on to a worker (proxy.py sends `--worker-api-key` instead).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hmac
+import ipaddress
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers carry no key
+MANAGEMENT_PATHS = frozenset({"/add_worker", "/remove_worker", "/list_workers"})
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def error_body(status: int, message: str) -> JSONResponse:
+    """An error of the router's own, in the OpenAI error shape the workers use."""
+    kind = {401: "authentication_error", 403: "permission_error", 503: "service_unavailable"}.get(
+        status, "invalid_request_error" if status < 500 else "internal_server_error")
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
+                        status_code=status, headers=headers)
+
+
+def bearer_matches(scope: Scope, key: bytes) -> bool:
+    scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
+
+
+class RouterAccess:
+    """ASGI middleware: the client key on forwarded routes, the admin key (or loopback) on management ones."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None, host: str):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.admin_api_key = admin_api_key.encode() if admin_api_key else None
+        self.loopback = is_loopback(host)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = self.refusal(scope) if scope["type"] == "http" else None
+        if refusal is not None:
+            await refusal(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    def refusal(self, scope: Scope) -> JSONResponse | None:
+        path = scope["path"]
+        if path in OPEN_PATHS:
+            return None
+        if path in MANAGEMENT_PATHS:
+            if self.admin_api_key is None:
+                if self.loopback:
+                    return None
+                return error_body(403, "management endpoints are off on a router bound to a non-loopback address "
+                                       "without --admin-api-key: start it with --admin-api-key KEY")
+            if not bearer_matches(scope, self.admin_api_key):
+                return error_body(401, "management endpoints need the router's admin key as 'Authorization: Bearer KEY'")
+            return None
+        if self.api_key is not None and not bearer_matches(scope, self.api_key):
+            return error_body(401, "missing or invalid API key: send the router's key as 'Authorization: Bearer KEY'")
+        return None
+
+
+class WorkerUrlRule:
+    """`--worker-url-allow`: shell-style patterns (fnmatch) a worker URL must match; none given allows any."""
+
+    def __init__(self, patterns: tuple[str, ...]):
+        self.patterns = tuple(patterns)
+
+    def refusal(self, url: str) -> str | None:
+        """None when `url` may be a worker, else the sentence saying which rule refused it."""
+        if not self.patterns or any(fnmatch.fnmatchcase(url.rstrip("/"), p.rstrip("/")) for p in self.patterns):
+            return None
+        return f"{url} matches none of --worker-url-allow {' '.join(self.patterns)}"
