@@ -279,3 +279,16 @@ def test_real_workers_keep_each_prefix_on_one_worker(real_workers):
             assert all(status == 200 for status, _ in asyncio.run(send_all(router.url, bodies, concurrency=4)))
             gained = sorted(completions_served(url) - b for url, b in zip(real_workers, before))
             assert gained == [0, 8], f"group {group} was split over the workers: {gained}"
+
+
+def test_the_tree_keeps_no_text_of_a_request_a_worker_refused():
+    from router_helpers import fake_worker
+
+    worker, server = fake_worker()
+    with server, live_router([server.url]) as router:
+        refused = httpx.post(f"{router.url}/v1/completions", json={"prompt": "r" * 100, "fake_status": 400})
+        failed = httpx.post(f"{router.url}/v1/completions", json={"prompt": "f" * 100, "fake_status": 500})
+        assert (refused.status_code, failed.status_code) == (400, 500)
+        assert metric(httpx.get(f"{router.url}/metrics").text, "moeplex_router_tree_size_chars") == 0
+        assert httpx.post(f"{router.url}/v1/completions", json={"prompt": "a" * 100}).status_code == 200
+        assert metric(httpx.get(f"{router.url}/metrics").text, "moeplex_router_tree_size_chars") == 100
