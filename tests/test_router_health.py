@@ -13,52 +13,59 @@ def states(router) -> dict[str, str]:
     return {w["url"]: w["state"] for w in httpx.get(f"{router.url}/list_workers").json()["workers"]}
 
 
+def in_routing(router) -> dict[str, bool]:
+    return {w["url"]: w["healthy"] for w in httpx.get(f"{router.url}/list_workers").json()["workers"]}
+
+
 def test_a_clients_health_request_probes_nothing_and_takes_no_worker_out():
     worker, server = fake_worker()
     # one failure would take the worker out, and the router's own next check is far away
     with server, live_router([server.url], health_failure_threshold=1, health_check_interval_secs=60) as router:
-        assert states(router) == {server.url: "healthy"}
+        assert in_routing(router) == {server.url: True}
         worker.sick = True
         for _ in range(5):
             assert httpx.get(f"{router.url}/health").status_code == 200
-        assert states(router) == {server.url: "healthy"}
+        assert in_routing(router) == {server.url: True}
         assert httpx.post(f"{router.url}/v1/completions", json={"prompt": "x"}).status_code == 200
 
 
 def test_a_loading_worker_is_starting_until_it_answers_then_serves_at_once():
     worker, server = fake_worker()  # bound, not listening: connections are refused as while a model loads
-    fast = dict(health_check_interval_secs=0.2, health_failure_threshold=2, health_success_threshold=2)
+    fast = dict(health_check_interval_secs=0.2, health_failure_threshold=2, health_success_threshold=3)
     with live_router([server.url], **fast) as router:
         time.sleep(1.0)  # past the failure threshold several times over
-        assert states(router) == {server.url: "starting"}
         assert httpx.get(f"{router.url}/health").status_code == 503
         refused = httpx.post(f"{router.url}/v1/completions", json={"prompt": "x"})
-        assert refused.status_code == 503 and "1 starting" in refused.json()["error"]["message"]
+        assert refused.status_code == 503 and "no healthy worker" in refused.json()["error"]["message"]
         with server:
             wait_for(lambda: httpx.get(f"{router.url}/health").status_code == 200, what="the router's /health to say 200")
             # in routing from the first passed check: no second check, no window of 503s
             assert httpx.post(f"{router.url}/v1/completions", json={"prompt": "x"}).status_code == 200
+        assert states(router) == {server.url: "healthy"}
 
 
 def test_a_worker_that_never_comes_up_is_out_after_the_grace_period():
     worker, server = fake_worker()
     with live_router([server.url], health_check_interval_secs=0.1, worker_startup_timeout_secs=0.5) as router:
+        assert states(router) == {server.url: "starting"}
+        refused = httpx.post(f"{router.url}/v1/completions", json={"prompt": "x"})
+        assert refused.status_code == 503 and "1 starting" in refused.json()["error"]["message"]
         wait_for(lambda: states(router) == {server.url: "out"}, timeout=5, what="the grace period to end")
 
 
 def test_a_hung_worker_is_taken_out_without_delaying_anyone_elses_checks():
     hung, hung_server = fake_worker()
     late, late_server = fake_worker()
-    checks = dict(health_check_interval_secs=0.1, health_check_timeout_secs=1.0, health_failure_threshold=2)
+    checks = dict(health_check_interval_secs=0.1, health_check_timeout_secs=0.5, health_failure_threshold=2)
     with hung_server, live_router([hung_server.url, late_server.url], **checks) as router:
-        assert states(router) == {hung_server.url: "healthy", late_server.url: "starting"}
+        wait_for(lambda: in_routing(router) == {hung_server.url: True, late_server.url: False}, what="the first checks")
         hung.hung = True  # accepts connections, answers nothing (a stopped process)
         try:
             with late_server:
                 up = time.monotonic()
-                wait_for(lambda: states(router)[late_server.url] == "healthy", what="the late worker to be in")
+                wait_for(lambda: in_routing(router)[late_server.url], what="the late worker to be in")
                 assert time.monotonic() - up < 0.9, "a hung probe held up another worker's check"
-                wait_for(lambda: states(router)[hung_server.url] == "out", what="the hung worker to be out")
+                wait_for(lambda: not in_routing(router)[hung_server.url], what="the hung worker to be out")
                 answers = [httpx.post(f"{router.url}/v1/completions", json={"prompt": f"p{i}"}) for i in range(4)]
                 assert {a.json()["worker"] for a in answers} == {late.name}
         finally:
