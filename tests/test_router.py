@@ -292,3 +292,21 @@ def test_the_tree_keeps_no_text_of_a_request_a_worker_refused():
         assert metric(httpx.get(f"{router.url}/metrics").text, "moeplex_router_tree_size_chars") == 0
         assert httpx.post(f"{router.url}/v1/completions", json={"prompt": "a" * 100}).status_code == 200
         assert metric(httpx.get(f"{router.url}/metrics").text, "moeplex_router_tree_size_chars") == 100
+
+
+def test_a_worker_going_silent_mid_stream_ends_the_stream_with_an_error_event():
+    from router_helpers import fake_worker
+
+    worker, server = fake_worker(delay=0.04)
+    with server, live_router([server.url], request_timeout_secs=0.5) as router:
+        events = []
+        try:
+            with httpx.stream("POST", f"{router.url}/v1/completions", json={"prompt": "hi", "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        worker.hung = True  # a stopped process: the connection stays open, nothing more comes
+        finally:
+            worker.hung = False
+    assert json.loads(events[0])["index"] == 0 and len(events) == 3, events
+    assert "incomplete" in json.loads(events[1])["error"]["message"] and events[2] == "[DONE]"
