@@ -297,7 +297,7 @@ def test_the_tree_keeps_no_text_of_a_request_a_worker_refused():
 def test_a_worker_going_silent_mid_stream_ends_the_stream_with_an_error_event():
     from router_helpers import fake_worker
 
-    worker, server = fake_worker(delay=0.04)
+    worker, server = fake_worker(delay=0.4)  # chunks 100 ms apart
     with server, live_router([server.url], request_timeout_secs=0.5) as router:
         events = []
         try:
