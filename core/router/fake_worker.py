@@ -87,6 +87,7 @@ class FakeWorker:
         for i in range(self.stream_chunks):
             yield f"data: {json.dumps({'worker': self.name, 'index': i})}\n\n".encode()
             await asyncio.sleep(self.delay / self.stream_chunks)
+            await self._hang_while_hung()
         yield b"data: [DONE]\n\n"
 
     async def health(self, http: Request) -> Response:
