@@ -140,7 +140,10 @@ async def capped_body(http: Request, limit: int) -> bytes | Response:
     try:
         return await read_body(http, limit)
     except BodyTooLarge as exc:
-        return error_response(413, exc.args[0])
+        # the rest of the body is never read: close the connection, so a client still sending it stops
+        response = error_response(413, exc.args[0])
+        response.headers["Connection"] = "close"
+        return response
     except ClientDisconnect:
         return Response(status_code=CLIENT_CLOSED)
 
