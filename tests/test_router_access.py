@@ -105,3 +105,14 @@ def test_every_new_flag_has_help_text(capsys):
     text = capsys.readouterr().out
     for flag in ("--api-key", "--admin-api-key", "--worker-api-key", "--worker-url-allow", "--worker-startup-timeout-secs"):
         assert flag in text
+
+
+def test_an_allow_list_pattern_matches_part_by_part():
+    from moeplex.router.access import WorkerUrlRule
+
+    rule = WorkerUrlRule(("http://10.0.0.*:*", "https://*.internal.example:300?"))
+    allowed = ["http://10.0.0.7:30001", "http://10.0.0.7", "https://w1.internal.example:3001"]
+    refused = ["http://10.0.0.evil.example:80", "http://10.0.0.com:80", "https://w1.internal.example.evil.com:3001",
+               "https://a.b.internal.example:3001", "http://10.0.0.7:30001/x", "https://w1.internal.example:4001",
+               "http://w1.internal.example:3001"]
+    assert [u for u in allowed if rule.refusal(u)] == [] and [u for u in refused if not rule.refusal(u)] == []

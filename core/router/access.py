@@ -55,6 +55,7 @@ class RouterAccess:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         refusal = self.refusal(scope) if scope["type"] == "http" else None
         if refusal is not None:
+            refusal.headers["Connection"] = "close"  # a body the request may still be sending is never read
             await refusal(scope, receive, send)
         else:
             await self.app(scope, receive, send)
@@ -78,13 +79,43 @@ class RouterAccess:
 
 
 class WorkerUrlRule:
-    """`--worker-url-allow`: shell-style patterns (fnmatch) a worker URL must match; none given allows any."""
+    """`--worker-url-allow`: patterns a worker URL must match; none given allows any.
+
+    A pattern is a URL whose parts are shell-style patterns (fnmatch), matched part by part: the
+    scheme, the port, and the host label by label, so `http://10.0.0.*:*` allows http://10.0.0.7:30001
+    but not http://10.0.0.evil.example:80. A host pattern of digits and wildcards only allows IP
+    addresses (http://10.0.0.com:80 is no 10.0.0.* host).
+    """
 
     def __init__(self, patterns: tuple[str, ...]):
         self.patterns = tuple(patterns)
+        self._parts = [url_parts(p) for p in self.patterns]
 
     def refusal(self, url: str) -> str | None:
         """None when `url` may be a worker, else the sentence saying which rule refused it."""
-        if not self.patterns or any(fnmatch.fnmatchcase(url.rstrip("/"), p.rstrip("/")) for p in self.patterns):
+        if not self.patterns or any(parts_match(url_parts(url), p) for p in self._parts):
             return None
         return f"{url} matches none of --worker-url-allow {' '.join(self.patterns)}"
+
+
+def url_parts(url: str) -> tuple[str, list[str], str]:
+    """(scheme, host labels, port) of scheme://host[:port], the port spelled out when omitted."""
+    scheme, _, rest = url.rstrip("/").partition("://")
+    host, colon, port = rest.rpartition(":") if not rest.endswith("]") else (rest, "", "")
+    if not colon or "]" in port:
+        host, port = rest, {"http": "80", "https": "443"}.get(scheme.lower(), "")
+    return scheme.lower(), host.lower().split("."), port
+
+
+def parts_match(url: tuple[str, list[str], str], pattern: tuple[str, list[str], str]) -> bool:
+    (scheme, labels, port), (scheme_p, labels_p, port_p) = url, pattern
+    if "/" in port or any("/" in label for label in labels):  # a path: no worker URL (and no way around a rule)
+        return False
+    if labels_p[0].startswith("["):  # an IPv6 literal: brackets are no character class here
+        return scheme == scheme_p and labels == labels_p and fnmatch.fnmatchcase(port, port_p)
+    if not (fnmatch.fnmatchcase(scheme, scheme_p) and fnmatch.fnmatchcase(port, port_p)):
+        return False
+    if len(labels) != len(labels_p) or not all(fnmatch.fnmatchcase(a, b) for a, b in zip(labels, labels_p)):
+        return False
+    numeric = all(label.strip("*?").isdigit() or not label.strip("*?") for label in labels_p)
+    return not numeric or all(label.isdigit() for label in labels)
