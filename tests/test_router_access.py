@@ -103,7 +103,8 @@ def test_every_new_flag_has_help_text(capsys):
     with pytest.raises(SystemExit):
         cli_main(["router", "--help"])
     text = capsys.readouterr().out
-    for flag in ("--api-key", "--admin-api-key", "--worker-api-key", "--worker-url-allow", "--worker-startup-timeout-secs"):
+    for flag in ("--api-key", "--admin-api-key", "--worker-api-key", "--worker-url-allow", "--worker-startup-timeout-secs",
+                 "--body-timeout-secs"):
         assert flag in text
 
 
@@ -116,3 +117,10 @@ def test_an_allow_list_pattern_matches_part_by_part():
                "https://a.b.internal.example:3001", "http://10.0.0.7:30001/x", "https://w1.internal.example:4001",
                "http://w1.internal.example:3001"]
     assert [u for u in allowed if rule.refusal(u)] == [] and [u for u in refused if not rule.refusal(u)] == []
+
+
+@pytest.mark.parametrize("path", ["/add_worker", "/v1/completions"])
+def test_a_body_that_stops_arriving_is_refused_after_the_body_timeout(path):
+    with live_router([], body_timeout_secs=0.3) as router:
+        answer, took = raw_post(router.url, path, "Content-Length: 100\r\n", b'{"url": ')  # and then nothing
+    assert answer.startswith(b"HTTP/1.1 408") and took < 2, answer[:200]

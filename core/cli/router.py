@@ -94,7 +94,11 @@ def _add_forwarding_flags(p) -> None:
     g.add_argument("--max-connections", type=int, default=512,
                    help="pooled connections to each worker at most (default: 512)")
     g.add_argument("--max-request-bytes", type=int, default=32 << 20,
-                   help="larger request bodies are refused with 413 by the router itself (default: 32 MiB)")
+                   help="larger request bodies are refused with 413 by the router itself, by their Content-Length "
+                   "or as they stream past it, before they are buffered (default: 32 MiB)")
+    g.add_argument("--body-timeout-secs", type=float, default=30.0,
+                   help="a request body not all received within this many seconds is refused with 408 and its "
+                   "connection closed (default: 30)")
     g.add_argument("--seed", type=int, default=None,
                    help="seed of the random policy and of the retry jitter (default: fresh randomness)")
 

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .access import RouterAccess, WorkerUrlRule
-from .bodies import MANAGEMENT_BODY_BYTES, BodyTooLarge, read_body
+from .bodies import MANAGEMENT_BODY_BYTES, BodyRefused, read_body
 from .health import HealthChecker, probe
 from .metrics import RouterMetrics
 from .policies import make_policy
@@ -136,12 +136,12 @@ class Router:
 
 
 async def capped_body(http: Request, limit: int) -> bytes | Response:
-    """The body under `limit` bytes, or the response that refuses it (413, or nobody left to answer)."""
+    """The body under `limit` bytes, or the response that refuses it (413, 408, or nobody left to answer)."""
     try:
-        return await read_body(http, limit)
-    except BodyTooLarge as exc:
+        return await read_body(http, limit, http.app.state.router.settings.body_timeout_secs)
+    except BodyRefused as exc:
         # the rest of the body is never read: close the connection, so a client still sending it stops
-        response = error_response(413, exc.args[0])
+        response = error_response(exc.status, exc.args[0])
         response.headers["Connection"] = "close"
         return response
     except ClientDisconnect:

@@ -42,6 +42,7 @@ class RouterSettings:
     connect_timeout_secs: float = attrs.field(default=5.0, validator=gt(0))
     max_connections: int = attrs.field(default=512, validator=ge(1))
     max_request_bytes: int = attrs.field(default=32 << 20, validator=gt(0))
+    body_timeout_secs: float = attrs.field(default=30.0, validator=gt(0))  # a body not all there by then: 408
     seed: int | None = None  # of the random policy and the retry jitter; None draws from the OS
     # access: keys are never shown in a repr or a log
     api_key: str | None = attrs.field(default=None, repr=False)  # clients' bearer key; None: open
