@@ -88,7 +88,8 @@ class HealthChecker:
             if self.registry.get(worker.url) is worker:  # not removed meanwhile
                 self.record(worker, result)
         finally:
-            self._due[worker.url] = time.monotonic() + self._next_wait(worker)
+            if self.registry.get(worker.url) is worker:
+                self._due[worker.url] = time.monotonic() + self._next_wait(worker)
             self._in_flight.pop(worker.url, None)
             self._wake.set()
 
