@@ -78,3 +78,12 @@ def test_a_worker_whose_health_says_503_is_taken_out():
         sick.sick = True
         wait_for(lambda: states(router) == {sick_server.url: "out"}, what="the sick worker to be out")
         assert httpx.get(f"{router.url}/health").status_code == 503
+
+
+def test_the_open_health_endpoint_counts_workers_and_names_none():
+    worker, server = fake_worker()
+    late, late_server = fake_worker()
+    with server, live_router([server.url, late_server.url]) as router:
+        answer = httpx.get(f"{router.url}/health")
+    assert answer.status_code == 200
+    assert answer.json()["workers"] == {"healthy": 1, "starting": 1, "out": 0} and "127.0.0.1" not in answer.text

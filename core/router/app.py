@@ -23,7 +23,7 @@ from .proxy import Forwarder, error_response
 from .request_text import TEXT_OF, routing_text
 from .settings import RouterSettings
 from .upstream import forwarded_headers, worker_session
-from .workers import HEALTHY, STARTING, WorkerRegistry, normalize_url
+from .workers import HEALTHY, OUT, STARTING, WorkerRegistry, normalize_url
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +85,11 @@ class Router:
     async def aggregated_health(self, http: Request) -> JSONResponse:
         """200 while at least one worker is in routing, as the router's own health checks last found;
         a client's GET probes nothing (so it can neither take a worker out nor slow the router down)."""
-        workers = self.registry.all()
-        up = sum(1 for w in workers if w.healthy)
+        states = [w.state for w in self.registry.all()]
+        up = states.count(HEALTHY)
+        # counts only: /health is open, and worker addresses are for /list_workers (management) to show
         body = {"status": "ok" if up else "unavailable", "healthy_workers": up,
-                "workers": {w.url: w.state for w in workers}}
+                "workers": {state: states.count(state) for state in (HEALTHY, STARTING, OUT)}}
         return JSONResponse(body, status_code=200 if up else 503)
 
     async def add_worker(self, http: Request) -> Response:
