@@ -41,8 +41,9 @@ def _add_access_flags(p) -> None:
                    help="the key the router sends workers as 'Authorization: Bearer KEY' (their `serve --api-key`); a "
                    "client's own Authorization header is never passed on (default: none sent)")
     g.add_argument("--worker-url-allow", nargs="+", metavar="PATTERN", default=[],
-                   help="shell-style patterns a worker URL must match, e.g. 'http://10.0.0.*:300?' "
-                   "(--worker-urls and /add_worker; others are refused with 400; default: any URL)")
+                   help="patterns a worker URL must match, shell-style and part by part (scheme, host label by label, "
+                   "port), e.g. 'http://10.0.0.*:*' or 'https://*.internal.example:30001'; applies to --worker-urls and "
+                   "/add_worker, which refuses others with 400 (default: any URL)")
 
 
 def _add_cache_aware_flags(p) -> None:

@@ -23,7 +23,7 @@ RETRYABLE_STATUS = frozenset({502, 503, 504})
 # hop-by-hop headers, and those the router's own server writes
 # (and the client's key: it is the router's, and a worker never sees it; see forwarded_headers)
 DROPPED_REQUEST_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
-                                     "authorization"})
+                                     "authorization", "proxy-authorization"})
 DROPPED_RESPONSE_HEADERS = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding", "date", "server"})
 # a worker that cannot be reached, breaks the connection or goes silent past the read timeout
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
