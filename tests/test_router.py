@@ -17,19 +17,14 @@ import pytest
 from moeplex.cli import main as cli_main
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
-from moeplex.router import RouterSettings
-from moeplex.router.app import build_router_app
 from moeplex.server import ServerSettings, build_app
 
 from live_server import LiveServer
+from router_helpers import fake_worker, live_router, wait_for
 
 ENGINE = dict(dtype="fp32", show_progress=False, max_total_tokens=4096, page_size=16, max_running_requests=64)
 
 
-
-
-def live_router(workers: list[str], **settings) -> LiveServer:
-    return LiveServer(build_router_app(RouterSettings(worker_urls=workers, seed=0, **settings)))
 
 
 class FakeWorkers:
@@ -83,13 +78,6 @@ def grouped_bodies(groups: int, per_group: int, seed: int = 0) -> list[tuple[int
 
 def metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-
-def wait_for(condition, timeout: float = 10.0, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 # --- fake workers --------------------------------------------------------------------------------
@@ -282,8 +270,6 @@ def test_real_workers_keep_each_prefix_on_one_worker(real_workers):
 
 
 def test_the_tree_keeps_no_text_of_a_request_a_worker_refused():
-    from router_helpers import fake_worker
-
     worker, server = fake_worker()
     with server, live_router([server.url]) as router:
         refused = httpx.post(f"{router.url}/v1/completions", json={"prompt": "r" * 100, "fake_status": 400})
@@ -295,8 +281,6 @@ def test_the_tree_keeps_no_text_of_a_request_a_worker_refused():
 
 
 def test_a_worker_going_silent_mid_stream_ends_the_stream_with_an_error_event():
-    from router_helpers import fake_worker
-
     worker, server = fake_worker(delay=0.4)  # chunks 100 ms apart
     with server, live_router([server.url], request_timeout_secs=0.5) as router:
         events = []
