@@ -29,7 +29,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def error_body(status: int, message: str) -> JSONResponse:
+def error_response(status: int, message: str) -> JSONResponse:
     """An error of the router's own, in the OpenAI error shape the workers use."""
     kind = {401: "authentication_error", 403: "permission_error", 503: "service_unavailable"}.get(
         status, "invalid_request_error" if status < 500 else "internal_server_error")
@@ -68,13 +68,13 @@ class RouterAccess:
             if self.admin_api_key is None:
                 if self.loopback:
                     return None
-                return error_body(403, "management endpoints are off on a router bound to a non-loopback address "
+                return error_response(403, "management endpoints are off on a router bound to a non-loopback address "
                                        "without --admin-api-key: start it with --admin-api-key KEY")
             if not bearer_matches(scope, self.admin_api_key):
-                return error_body(401, "management endpoints need the router's admin key as 'Authorization: Bearer KEY'")
+                return error_response(401, "management endpoints need the router's admin key as 'Authorization: Bearer KEY'")
             return None
         if self.api_key is not None and not bearer_matches(scope, self.api_key):
-            return error_body(401, "missing or invalid API key: send the router's key as 'Authorization: Bearer KEY'")
+            return error_response(401, "missing or invalid API key: send the router's key as 'Authorization: Bearer KEY'")
         return None
 
 

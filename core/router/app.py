@@ -14,12 +14,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .access import RouterAccess, WorkerUrlRule
+from .access import RouterAccess, WorkerUrlRule, error_response
 from .bodies import MANAGEMENT_BODY_BYTES, BodyRefused, read_body
 from .health import HealthChecker, probe
 from .metrics import RouterMetrics
 from .policies import make_policy
-from .proxy import Forwarder, error_response
+from .proxy import Forwarder
 from .request_text import TEXT_OF, routing_text
 from .settings import RouterSettings
 from .upstream import forwarded_headers, worker_session
@@ -64,7 +64,7 @@ class Router:
     # --- forwarded -------------------------------------------------------------------------------
 
     async def generate(self, http: Request) -> Response:
-        body = await capped_body(http, self.settings.max_request_bytes)
+        body = await self._body(http, self.settings.max_request_bytes)
         if isinstance(body, Response):
             return body
         text = routing_text(http.url.path, body)
@@ -93,7 +93,7 @@ class Router:
         return JSONResponse(body, status_code=200 if up else 503)
 
     async def add_worker(self, http: Request) -> Response:
-        url = await worker_url_of(http)
+        url = await self._worker_url(http)
         if not isinstance(url, str):
             return url
         try:
@@ -114,7 +114,7 @@ class Router:
         return JSONResponse(worker.describe())
 
     async def remove_worker(self, http: Request) -> Response:
-        url = await worker_url_of(http)
+        url = await self._worker_url(http)
         if not isinstance(url, str):
             return url
         try:
@@ -135,35 +135,35 @@ class Router:
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
 
+    # --- bodies ----------------------------------------------------------------------------------
 
-async def capped_body(http: Request, limit: int) -> bytes | Response:
-    """The body under `limit` bytes, or the response that refuses it (413, 408, or nobody left to answer)."""
-    try:
-        return await read_body(http, limit, http.app.state.router.settings.body_timeout_secs)
-    except BodyRefused as exc:
-        # the rest of the body is never read: close the connection, so a client still sending it stops
-        response = error_response(exc.status, exc.args[0])
-        response.headers["Connection"] = "close"
-        return response
-    except ClientDisconnect:
-        return Response(status_code=CLIENT_CLOSED)
+    async def _body(self, http: Request, limit: int) -> bytes | Response:
+        """The body under `limit` bytes, or the response that refuses it (413, 408, or nobody left to answer)."""
+        try:
+            return await read_body(http, limit, self.settings.body_timeout_secs)
+        except BodyRefused as exc:
+            # the rest of the body is never read: close the connection, so a client still sending it stops
+            response = error_response(exc.status, exc.args[0])
+            response.headers["Connection"] = "close"
+            return response
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED)
 
-
-async def worker_url_of(http: Request) -> str | Response:
-    """The worker a management call names (?url= or a JSON body {"url": ...}), or the response refusing it."""
-    if "url" in http.query_params:
-        return http.query_params["url"]
-    body = await capped_body(http, MANAGEMENT_BODY_BYTES)
-    if isinstance(body, Response):
-        return body
-    try:
-        values = json.loads(body or b"null")
-    except (ValueError, RecursionError):
-        values = None
-    url = values.get("url") if isinstance(values, dict) else None
-    if isinstance(url, str):
-        return url
-    return error_response(400, f"name the worker: POST {http.url.path}?url=http://HOST:PORT or a JSON body {{\"url\": ...}}")
+    async def _worker_url(self, http: Request) -> str | Response:
+        """The worker a management call names (?url= or a JSON body {"url": ...}), or the response refusing it."""
+        if "url" in http.query_params:
+            return http.query_params["url"]
+        body = await self._body(http, MANAGEMENT_BODY_BYTES)
+        if isinstance(body, Response):
+            return body
+        try:
+            values = json.loads(body or b"null")
+        except (ValueError, RecursionError):
+            values = None
+        url = values.get("url") if isinstance(values, dict) else None
+        if isinstance(url, str):
+            return url
+        return error_response(400, f"name the worker: POST {http.url.path}?url=http://HOST:PORT or a JSON body {{\"url\": ...}}")
 
 
 async def until_disconnected(http: Request, work) -> Response | None:

@@ -14,7 +14,7 @@ import random
 import aiohttp
 from starlette.responses import Response
 
-from .access import error_body
+from .access import error_response
 from .metrics import RouterMetrics
 from .policies import Choice, Policy, least_loaded
 from .settings import RouterSettings
@@ -24,9 +24,6 @@ from .workers import Worker, WorkerRegistry
 log = logging.getLogger(__name__)
 
 FORWARD_FAILURES = (*TRANSPORT_ERRORS, WorkerUnavailable)
-
-
-error_response = error_body  # an error of the router's own, in the OpenAI error shape the workers use
 
 
 class Forwarder:
