@@ -75,7 +75,7 @@ def _add_health_flags(p) -> None:
                    help="passed health checks in a row that put a worker back into routing (default: 2)")
     g.add_argument("--worker-startup-timeout-secs", type=float, default=600.0,
                    help="a worker not yet seen healthy is 'starting' (loading its model): checked after 0.25 s, 0.5 s, "
-                   "1 s, ... up to the check interval, never taken out, and in routing from its first passed check; "
+                   "1 s, then every 2 s, never taken out, and in routing from its first passed check; "
                    "after this many seconds without one it is out like a failed worker (default: 600)")
 
 

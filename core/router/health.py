@@ -21,7 +21,10 @@ from .workers import STARTING, Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
-FIRST_STARTUP_RETRY_SECS = 0.25  # a starting worker's checks: 0.25 s, 0.5 s, 1 s, ... up to the interval
+# a starting worker's checks: 0.25 s, 0.5 s, 1 s, then every 2 s (or the interval, if shorter): a refused
+# connection costs nothing, and a worker that finishes loading is in routing within 2 s
+FIRST_STARTUP_RETRY_SECS = 0.25
+MAX_STARTUP_RETRY_SECS = 2.0
 
 
 async def probe(session: aiohttp.ClientSession, url: str, timeout: float) -> int | str:
@@ -80,7 +83,7 @@ class HealthChecker:
             return self.interval
         n = self._checks_while_starting.get(worker.url, 0)
         self._checks_while_starting[worker.url] = n + 1
-        return min(FIRST_STARTUP_RETRY_SECS * 2 ** n, self.interval)
+        return min(FIRST_STARTUP_RETRY_SECS * 2 ** min(n, 8), MAX_STARTUP_RETRY_SECS, self.interval)
 
     async def _check(self, worker: Worker) -> None:
         try:
