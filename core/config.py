@@ -5,18 +5,25 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .attention import ATTENTION_BACKENDS, AUTO
-from .moe.recorder import PER_STEP, STAT
-from .moe.replicas import DISPATCH_ALGORITHMS, SPREAD
 from .parallel import ParallelConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANTIZE_EXPERTS = ("none", "fp8")  # --quantize-experts
+AUTO = "auto"
+ATTENTION_BACKENDS = (AUTO, "torch", "triton")  # --attention-backend
+OFF, STAT, PER_STEP = "off", "stat", "per-step"  # expert-load recording modes
+STATIC, SPREAD = "static", "spread"  # --ep-dispatch-algorithm: which replica a routed token uses
+DISPATCH_ALGORITHMS = (STATIC, SPREAD)
 
 
 def _positive(instance, attribute, value):
     if value is not None and value <= 0:
         raise ValueError(f"{attribute.name} must be positive, got {value}")
+
+
+def _fraction(instance, attribute, value):
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{attribute.name} must be in (0, 1], got {value}")
 
 
 def _not_negative(instance, attribute, value):
@@ -63,7 +70,7 @@ class EngineConfig:
     mixed_chunk: bool | None = None
     page_size: int = attrs.field(default=16, validator=_positive)
     max_total_tokens: int | None = attrs.field(default=None, validator=_positive)  # KV pool size in tokens
-    kv_memory_fraction: float = 0.25  # of free memory, when max_total_tokens is not given
+    kv_memory_fraction: float = attrs.field(default=0.25, validator=_fraction)  # of free memory, without max_total_tokens
     show_progress: bool = True
     load_format: str = attrs.field(default="auto", validator=_one_of(("auto", "dummy")))
     quantize_experts: str = attrs.field(default="none", validator=_one_of(QUANTIZE_EXPERTS))  # fp8: block-quantize at load

@@ -31,8 +31,8 @@ from .models.setup import load_model
 from .moe.rebalance import ExpertBalancing, RebalanceReport
 from .parallel import ParallelState
 from .progress import progress as progress_bar
-from .request import FinishReason, Request
-from .sampler import Sampler
+from .request import FinishReason, Request, check_prompt
+from .sampler import FAILED, Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .selection import resolve
@@ -40,6 +40,7 @@ from .tokenizer import Detokenizer, load_tokenizer
 from .transfer import to_device
 
 MAX_DEFAULT_KV_TOKENS = 1 << 17
+SAMPLING_FAILED = "sampling failed: the model's logits for this request are not finite"
 
 
 def _eos_ids(folder: str, hf_config: dict) -> set[int]:
@@ -110,11 +111,7 @@ class Engine:
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None) -> Request:
         prompt_ids = list(prompt_ids)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        check_prompt(prompt_ids, self.vocab_size, self.kv.capacity_tokens)
         request = Request(rid if rid is not None else str(next(self._ids)), prompt_ids, params)
         self.scheduler.add(request)
         self._requests[request.rid] = request
@@ -195,11 +192,16 @@ class Engine:
         if step is None:
             return []
         tokens = step.token_list()
+        finished = []
+        for row, request in enumerate(step.requests):
+            if tokens[row] == FAILED and not request.finished:
+                request.finish(FinishReason.ABORT, error=SAMPLING_FAILED)
+                self._retire(request)
+                finished.append(request)
         live = [row for row, request in enumerate(step.requests) if not request.finished]
         if any(step.requests[row].params.logprobs > 0 for row in live):
             requests = [step.requests[row] for row in live]
             self.sampler.record_logprobs(step.logits[live], requests, [tokens[row] for row in live])
-        finished = []
         for row in live:
             request = step.requests[row]
             request.pending_rows.pop(0)
@@ -237,11 +239,12 @@ class Engine:
             request.first_token_time = time.monotonic()
         params = request.params
         detok = self._detok.get(request.rid)
+        grown_from = len(request.text)
         if detok is not None:
             request.text += detok.push(token)
         if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
             request.finish(FinishReason.STOP, stop_reason=token)
-        elif detok is not None and params.stop and self._hit_stop_string(request):
+        elif detok is not None and params.stop and self._hit_stop_string(request, grown_from):
             pass
         elif len(request.output_ids) >= params.max_new_tokens:
             request.finish(FinishReason.LENGTH)
@@ -249,14 +252,21 @@ class Engine:
             self._retire(request)
         return request.finished
 
-    def _hit_stop_string(self, request: Request) -> bool:
+    @staticmethod
+    def _hit_stop_string(request: Request, grown_from: int) -> bool:
+        """Whether the text gained from `grown_from` on completes a stop string; the text is cut at the
+        earliest. Only the new text and the few characters before it are searched: O(new text) a step."""
+        hits = []
         for stop in request.params.stop:
-            at = request.text.find(stop)
+            at = request.text.find(stop, max(0, grown_from - len(stop) + 1))
             if at >= 0:
-                request.text = request.text[:at]
-                request.finish(FinishReason.STOP, stop_reason=stop)
-                return True
-        return False
+                hits.append((at, stop))
+        if not hits:
+            return False
+        at, stop = min(hits, key=lambda hit: hit[0])
+        request.text = request.text[:at]
+        request.finish(FinishReason.STOP, stop_reason=stop)
+        return True
 
     def _retire(self, request: Request) -> None:
         request.pending_rows.clear()  # a token still in flight comes too late

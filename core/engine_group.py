@@ -1,10 +1,11 @@
 """One engine over every rank, driven from rank 0 one round at a time (what `moeplex serve` runs).
 
 Rank 0 queues commands between rounds: a new request goes to the least-loaded DP group (fewest tokens
-of unfinished requests, ties to the lowest group) and is answered with a mirror Request that every round
-brings up to date, whichever rank holds the real one; aborts and engine calls follow in arrival order.
-step() runs a round on every rank (see rank_worker.py). With one rank the same code runs without a
-collective, so a single-process server is the same path.
+of unfinished requests, ties to the lowest group); aborts and engine calls follow in arrival order.
+step() runs a round on every rank (see rank_worker.py) and returns each DP group's report, whose
+RequestUpdates the leader passes on: the request itself lives on its ranks only, and the front end keeps
+the one copy its clients are served from. With one rank the same code runs without a collective, so a
+single-process server is the same path.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from .engine import Engine
-from .rank_worker import Abort, Admit, Call, Channel, GroupReport, GroupStats, RankWorker, Round, rank_info
-from .request import Request
+from .messages import Abort, Admit, Call, GroupReport, GroupStats, Round
+from .rank_worker import Channel, RankWorker, rank_info
+from .request import check_prompt
 from .sampling import SamplingParams
 
 
@@ -29,7 +31,7 @@ class EngineGroup:
         self.stats = [self._initial_stats(dp) for dp in range(self.dp_size)]
         self.admitted = [0] * self.dp_size  # requests each DP group was given, since start-up
         self.has_work = False  # whether any rank still had requests after the last round
-        self._mirrors: dict[str, tuple[Request, int]] = {}  # rid -> (mirror, DP group) while unfinished
+        self._unfinished: dict[str, tuple[int, int]] = {}  # rid -> (DP group, tokens so far), for the load
         self._queued: list = []
         self._call_done: list[Callable[[Any], None]] = []  # one per queued Call
 
@@ -57,22 +59,20 @@ class EngineGroup:
     def needs_round(self) -> bool:
         return self.has_work or bool(self._queued)
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str) -> Request:
-        """The request's mirror; it reaches its DP group in the next round. ValueError if some rank would refuse it."""
-        prompt_ids = list(prompt_ids)
-        self._check(prompt_ids)
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str) -> None:
+        """Queue the request for its DP group's next round; ValueError if some group could not hold it."""
+        prompt_ids = tuple(prompt_ids)
+        check_prompt(prompt_ids, self.engine.vocab_size, self.capacity_tokens)
         dp_rank = self._least_loaded()
-        mirror = Request(rid, prompt_ids, params)
-        self._mirrors[rid] = (mirror, dp_rank)
-        self._queued.append(Admit(rid, tuple(prompt_ids), params, dp_rank))
+        self._unfinished[rid] = (dp_rank, len(prompt_ids))
+        self._queued.append(Admit(rid, prompt_ids, params, dp_rank))
         self.admitted[dp_rank] += 1
-        return mirror
 
     def abort(self, rid: str) -> None:
-        """Drop the request (its pages are freed in the next round); its mirror is not updated any more."""
-        entry = self._mirrors.pop(rid, None)
+        """Drop the request (its pages are freed in the next round); nothing more is reported of it."""
+        entry = self._unfinished.pop(rid, None)
         if entry is not None:
-            self._queued.append(Abort(rid, entry[1]))
+            self._queued.append(Abort(rid, entry[0]))
 
     def call(self, method: str, args: tuple, done: Callable[[Any], None]) -> None:
         """engine.<method>(*args) on every rank in the next round; done(rank 0's result or exception)."""
@@ -113,30 +113,20 @@ class EngineGroup:
         for report in reports:
             self.stats[report.dp_rank] = report.stats
             for update in report.updates:
-                entry = self._mirrors.get(update.rid)
+                entry = self._unfinished.get(update.rid)
                 if entry is None:  # aborted meanwhile
                     continue
-                update.apply(entry[0])
-                if entry[0].finished:
-                    del self._mirrors[update.rid]
+                if update.finish_reason is not None:
+                    del self._unfinished[update.rid]
+                else:
+                    self._unfinished[update.rid] = (entry[0], entry[1] + len(update.new_ids))
         self.has_work = any(report.has_work for report in reports)
 
     def _least_loaded(self) -> int:
         load = [0] * self.dp_size
-        for mirror, dp_rank in self._mirrors.values():
-            load[dp_rank] += mirror.num_tokens
+        for dp_rank, tokens in self._unfinished.values():
+            load[dp_rank] += tokens
         return min(range(self.dp_size), key=lambda dp: (load[dp], dp))
-
-    def _check(self, prompt_ids: list[int]) -> None:
-        """The engine's own admission checks, against the smallest KV cache of any group."""
-        vocab = self.engine.vocab_size
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        if len(prompt_ids) > self.capacity_tokens:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds at most {self.capacity_tokens}")
 
     def _initial_stats(self, dp_rank: int) -> GroupStats:
         info = self.ranks[self.group_ranks(dp_rank)[0]]

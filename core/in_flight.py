@@ -21,16 +21,19 @@ from .request import Request
 class InFlight:
     requests: Sequence[Request]  # whose next token the step samples, in row order
     logits: torch.Tensor  # [rows, vocab] fp32, for the logprobs some requests ask for
-    tokens: torch.Tensor  # [rows] on the device
-    host: torch.Tensor  # [rows] on the host, complete once `ready` is
+    tokens: torch.Tensor  # [rows] on the device, each a valid token id (what a next step may take as input)
+    host: torch.Tensor  # [rows] on the host, complete once `ready` is; FAILED in a row that could not be sampled
     ready: torch.cuda.Event | None
 
     @classmethod
-    def start(cls, requests: Sequence[Request], logits: torch.Tensor, tokens: torch.Tensor) -> InFlight:
+    def start(cls, requests: Sequence[Request], logits: torch.Tensor, drawn: torch.Tensor) -> InFlight:
+        """`drawn` as the sampler returns it; a FAILED row's request ends when the host reads it, and a step
+        launched before that reads token 0 in its place (never an id the embedding would fault on)."""
+        tokens = drawn.clamp_min(0)
         if tokens.device.type != "cuda":
-            return cls(requests, logits, tokens, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return cls(requests, logits, tokens, drawn, None)
+        host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True)
+        host.copy_(drawn, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(tokens.device))
         return cls(requests, logits, tokens, host, ready)

@@ -3,7 +3,7 @@
     rank 0 (EngineGroup)                      every rank (a RankWorker; a Follower drives it on ranks 1..N-1)
     the commands since the last round  --broadcast-->  apply those for this rank's DP group (and every Call)
                                                        engine.step(), all ranks in lockstep
-    mirror Requests brought up to date <--gather----  each DP group's output rank: what its requests gained
+    what each request gained, to the front  <--gather--  each DP group's output rank: its RequestUpdates
 
 Without DP attention there is one DP group: every rank applies every command and rank 0 reports for the
 group itself, so nothing is gathered.
@@ -13,100 +13,21 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
-import attrs
 import torch.distributed as dist
 
 from .engine import Engine
 from .memory import memory_report
+from .messages import Abort, Admit, Call, GroupReport, GroupStats, RequestUpdate, Round
 from .parallel import ParallelState
 from .request import FinishReason, Request
-from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-# --- what rank 0 sends ----------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Admit:
-    rid: str
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams
-    dp_rank: int
-
-
-@attrs.frozen
-class Abort:
-    rid: str
-    dp_rank: int
-
-
-@attrs.frozen
-class Call:
-    """engine.<method>(*args) on every rank, in step order (the expert-load calls, collectives themselves)."""
-
-    method: str
-    args: tuple = ()
-
-
-@attrs.frozen
-class Round:
-    """One round's commands, in arrival order; `halt` ends the followers' loops instead."""
-
-    commands: tuple = ()
-    halt: bool = False
-
-
-# --- what the DP groups send back -----------------------------------------------------------------
-
-
-@attrs.frozen
-class RequestUpdate:
-    """What a request gained in one round. Text is append-only except for a stop string cut off its end,
-    so it travels as (where the new text starts, the new text)."""
-
-    rid: str
-    new_ids: tuple[int, ...] = ()
-    new_logprobs: tuple[dict, ...] = ()
-    text_from: int = 0
-    text: str = ""
-    finish_reason: FinishReason | None = None
-    stop_reason: Any = None
-    error: str | None = None
-
-    def apply(self, mirror: Request) -> None:
-        mirror.output_ids.extend(self.new_ids)
-        mirror.logprobs.extend(self.new_logprobs)
-        mirror.text = mirror.text[: self.text_from] + self.text
-        if self.finish_reason is not None:
-            mirror.finish(self.finish_reason, self.stop_reason, self.error)
-
-
-@attrs.frozen
-class GroupStats:
-    num_running: int = 0
-    num_queued: int = 0
-    kv_pages_total: int = 0
-    kv_pages_free: int = 0
-    page_size: int = 1
-
-    @classmethod
-    def of(cls, engine: Engine) -> "GroupStats":
-        scheduler, kv = engine.scheduler, engine.kv
-        return cls(len(scheduler.running), len(scheduler.waiting), kv.num_pages, kv.num_free_pages, kv.page_size)
-
-
-@attrs.frozen
-class GroupReport:
-    """One DP group's round, from its output rank."""
-
-    dp_rank: int
-    updates: tuple[RequestUpdate, ...]
-    has_work: bool
-    stats: GroupStats
+def group_stats(engine: Engine) -> GroupStats:
+    scheduler, kv = engine.scheduler, engine.kv
+    return GroupStats(len(scheduler.running), len(scheduler.waiting), kv.num_pages, kv.num_free_pages, kv.page_size)
 
 
 class _Reported:
@@ -170,7 +91,7 @@ class RankWorker:
                 updates.append(update)
             if reported.request.finished:
                 del self._reported[rid]
-        return GroupReport(self.parallel.dp_rank, tuple(updates), self.engine.has_work, GroupStats.of(self.engine))
+        return GroupReport(self.parallel.dp_rank, tuple(updates), self.engine.has_work, group_stats(self.engine))
 
     def _admit(self, command: Admit) -> None:
         try:

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from .interfaces import Balancer, Dispatcher, MoEKernel, OverlapStrategy
+from .interfaces import Balancer, Dispatcher, MoEKernel, OverlapStrategy, PluginError
 
 KINDS = {
     "dispatcher": ("moeplex.dispatchers", Dispatcher),
@@ -19,10 +19,6 @@ KINDS = {
     "balancer": ("moeplex.balancers", Balancer),
     "overlap": ("moeplex.overlap", OverlapStrategy),
 }
-
-
-class PluginError(ValueError):
-    """A selection that cannot start; the message is one sentence naming what is available."""
 
 
 @attrs.frozen

@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import attrs
 import torch
 
 from .sampling import SamplingParams
+
+
+def check_prompt(prompt_ids: Sequence[int], vocab_size: int, capacity_tokens: int) -> None:
+    """The admission check, one for every layer that applies it (the front end early, for a 400; the leader
+    against the smallest DP group; the engine last, against its own KV cache): ValueError saying what is wrong."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    if len(prompt_ids) > capacity_tokens:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds at most {capacity_tokens}")
 
 
 class FinishReason(str, enum.Enum):

@@ -8,6 +8,9 @@ import torch
 
 from .transfer import to_device
 from .request import Request
+from .sampling import GREEDY_TEMPERATURE
+
+FAILED = -1  # the token of a row that could not be sampled: its request fails, the rest of the batch does not
 
 
 def _generator(request: Request, device: torch.device) -> torch.Generator | None:
@@ -26,7 +29,7 @@ def filtered_probs(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
     def column(values, dtype=torch.float32) -> torch.Tensor:
         return to_device(device, torch.tensor(values, dtype=dtype))[0][:, None]
 
-    logits = logits / column([p.temperature for p in params])
+    logits = logits / column([max(p.temperature, GREEDY_TEMPERATURE) for p in params])
     vocab = logits.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(top_k):
@@ -39,6 +42,7 @@ def filtered_probs(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
         drop = sorted_probs.cumsum(-1) - sorted_probs >= column([p.top_p for p in params])
+        drop[:, 0] = False  # the most likely token stays, even where top_p underflows float32 to 0
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
     if any(p.min_p > 0.0 for p in params):
         probs = probs.masked_fill(probs < column([p.min_p for p in params]) * probs.amax(-1, keepdim=True), 0.0)
@@ -56,20 +60,30 @@ class Sampler:
     def draw(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """[B] tokens on the logits' device, no host sync: greedy rows in one argmax, sampled rows filtered
         and drawn together, a row with a seed then drawn again from its own random stream (reproducible
-        whatever shares its batch)."""
-        tokens = torch.argmax(logits, dim=-1)
+        whatever shares its batch). A row whose logits are not finite (or whose filters leave nothing to
+        draw) gets FAILED instead of failing the batch: multinomial on a bad row raises on the CPU and
+        trips a device assert on a GPU, which would end every request."""
+        tokens = torch.argmax(logits, dim=-1)  # a NaN wins argmax, so the chosen logit shows a bad row
+        failed = ~torch.isfinite(logits.gather(-1, tokens[:, None])[:, 0])
         sampled = [row for row, r in enumerate(requests) if not r.params.greedy]
-        if not sampled:
-            return tokens
-        every = len(sampled) == len(requests)
-        index = None if every else to_device(logits.device, torch.tensor(sampled))[0]
-        probs = filtered_probs(logits if every else logits[index], [requests[row].params for row in sampled])
-        drawn = torch.multinomial(probs, 1)[:, 0]
-        for j, row in enumerate(sampled):
-            request = requests[row]
-            if request.params.seed is not None:
-                drawn[j] = torch.multinomial(probs[j], 1, generator=_generator(request, logits.device))[0]
-        return drawn if every else tokens.index_copy(0, index, drawn)
+        if sampled:
+            every = len(sampled) == len(requests)
+            index = None if every else to_device(logits.device, torch.tensor(sampled))[0]
+            probs = filtered_probs(logits if every else logits[index], [requests[row].params for row in sampled])
+            mass = probs.sum(-1)
+            drawable = torch.isfinite(mass) & (mass > 0)
+            probs = torch.where(drawable[:, None], probs, 1.0)  # a placeholder draw, replaced by FAILED below
+            drawn = torch.multinomial(probs, 1)[:, 0]
+            for j, row in enumerate(sampled):
+                request = requests[row]
+                if request.params.seed is not None:
+                    drawn[j] = torch.multinomial(probs[j], 1, generator=_generator(request, logits.device))[0]
+            if every:
+                tokens, failed = drawn, failed | ~drawable
+            else:
+                tokens = tokens.index_copy(0, index, drawn)
+                failed = failed.index_copy(0, index, failed[index] | ~drawable)
+        return torch.where(failed, FAILED, tokens)
 
     @staticmethod
     def record_logprobs(logits: torch.Tensor, requests: Sequence[Request], chosen: list[int]) -> None:
@@ -79,7 +93,7 @@ class Sampler:
         logprobs = torch.log_softmax(logits[rows], dim=-1)
         for j, row in enumerate(rows):
             request = requests[row]
-            top = torch.topk(logprobs[j], request.params.logprobs)
+            top = torch.topk(logprobs[j], min(request.params.logprobs, logprobs.shape[-1]))
             request.logprobs.append(
                 {
                     "token_id": chosen[row],

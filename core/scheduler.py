@@ -47,10 +47,6 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
-        if request.num_tokens > self.kv.capacity_tokens:
-            raise ValueError(
-                f"the prompt has {request.num_tokens} tokens; the KV cache holds at most {self.kv.capacity_tokens}"
-            )
         self.waiting.append(request)
 
     def schedule(self) -> list[ScheduledWork]:

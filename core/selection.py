@@ -39,9 +39,14 @@ def _runnable(kind: str, ok) -> str:
     return ", ".join(names) or "none"
 
 
-def resolve(config, ep_size: int = 1, has_gpu: bool | None = None) -> PluginSelection:
-    """Look up the configured plugins and refuse, in one sentence, a selection that cannot run."""
+def resolve(config, ep_size: int | None = None, has_gpu: bool | None = None, announce: bool = False) -> PluginSelection:
+    """Look up the configured plugins and refuse, in one sentence, a selection that cannot run.
+
+    `ep_size` defaults to the config's, so the launcher can check a selection before any rank
+    starts; `announce` logs the selection (one INFO line) once it is accepted.
+    """
     has_gpu = torch.cuda.is_available() if has_gpu is None else has_gpu
+    ep_size = config.parallel.ep_size if ep_size is None else ep_size
     sel = PluginSelection(
         dispatcher=registry.lookup("dispatcher", config.dispatcher),
         moe_kernel=registry.lookup("moe_kernel", config.moe_kernel),
@@ -72,7 +77,7 @@ def resolve(config, ep_size: int = 1, has_gpu: bool | None = None) -> PluginSele
     if ep_size > 1 and not dcaps.multi_rank:
         raise PluginError(
             f"dispatcher '{config.dispatcher}' serves one EP rank only, but --ep-size is {ep_size}; "
-            f"dispatchers for several ranks: {_runnable('dispatcher', lambda c: c.multi_rank)}."
+            f"dispatchers that can span ranks here: {_runnable('dispatcher', lambda c: c.multi_rank and (has_gpu or not c.needs_gpu))}."
         )
     if ep_size == 1 and not dcaps.single_rank:
         raise PluginError(
@@ -107,6 +112,11 @@ def resolve(config, ep_size: int = 1, has_gpu: bool | None = None) -> PluginSele
             f"--dispatch-fp8 needs a dispatcher that sends fp8 rows, and '{config.dispatcher}' does not; "
             f"dispatchers that do: {_runnable('dispatcher', lambda c: c.fp8_payload)}."
         )
+    if getattr(config, "dispatch_fp8", False) and not getattr(kcaps, "fp8_payload", False):
+        raise PluginError(
+            f"--dispatch-fp8 sends fp8 rows, which moe_kernel '{config.moe_kernel}' does not take; "
+            f"kernels that do: {_runnable('moe_kernel', lambda c: getattr(c, 'fp8_payload', False))}."
+        )
     limit = getattr(config, "max_dispatch_tokens_per_rank", None)
     if dcaps.fixed_max_tokens and not dcaps.other_layouts and limit and limit < config.max_batched_tokens:
         raise PluginError(
@@ -127,4 +137,16 @@ def resolve(config, ep_size: int = 1, has_gpu: bool | None = None) -> PluginSele
             "dispatcher '%s' has none, so its micro-batches run correctly but overlap nothing",
             config.overlap, config.dispatcher,
         )
+    if announce:
+        log.info("plugins: %s", describe(config))
     return sel
+
+
+def describe(config) -> str:
+    """The selected plugins with the distributions they come from, for the start-up log."""
+    chosen = []
+    for kind in registry.KINDS:
+        name = getattr(config, kind)
+        info = registry.discover(kind)[name]
+        chosen.append(f"{kind} {name} ({info.distribution} {info.version})")
+    return ", ".join(chosen)

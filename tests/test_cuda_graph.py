@@ -236,3 +236,31 @@ def test_greedy_generation_is_the_same_with_and_without_graphs_on_gpu(tiny_model
     assert with_graphs.runner.graphs is not None and eager.runner.graphs is None
     tokens = [r.output_ids for r in with_graphs.generate(prompts, params)]
     assert tokens == [r.output_ids for r in eager.generate(prompts, params)]
+
+
+@pytest.mark.gpu
+def test_one_request_cannot_fail_its_batch_on_gpu(tiny_model_dir):
+    """With graphs and the overlap schedule: a sampled row whose logits turn NaN would trip multinomial's device
+    assert and end every request; tiny temperatures and top_p would do the same. Now only that request fails."""
+    prompts = [[256] + list(range(40, 40 + n)) for n in (5, 9, 4, 7)]
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    engine = gpu_engine(tiny_model_dir("deepseek_v3"), "fp32")
+    assert engine.runner.graphs is not None and engine.overlap_schedule
+    reference = [r.output_ids for r in engine.generate(prompts[1:], greedy)]
+    first, forward = [True], engine.runner.forward
+
+    def poisoned(batch):  # the first step's row 0 comes back as NaN
+        logits = forward(batch)
+        if first and first.pop():
+            logits = logits.clone()
+            logits[0] = float("nan")
+        return logits
+
+    engine.runner.forward = poisoned
+    degenerate = [SamplingParams(max_new_tokens=10, ignore_eos=True, **kw)
+                  for kw in ({"temperature": 1e-40}, {"temperature": 5e-324}, {"top_p": 1e-50, "seed": 3})]
+    sampled = SamplingParams(max_new_tokens=10, temperature=0.8, ignore_eos=True)
+    results = engine.generate(prompts, [sampled] + degenerate)
+    assert results[0].finish_reason.value == "abort" and "not finite" in results[0].error
+    assert [r.output_ids for r in results[1:]] == reference
+    assert not engine.has_work and engine.kv.num_free_pages == engine.kv.num_pages

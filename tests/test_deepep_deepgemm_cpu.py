@@ -5,6 +5,8 @@ The GPU paths themselves are tested in test_deepep_deepgemm_gpu.py.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from moeplex.moe.adapters import plan_contiguous, standard_to_contiguous
 from moeplex.plugins.dispatchers.deepep import buffers
 from moeplex.plugins.dispatchers.deepep.auto import DeepEPAutoDispatcher, low_latency_step
 from moeplex.plugins.dispatchers.deepep.low_latency import DeepEPLowLatencyDispatcher, expected_rows
-from moeplex.plugins.dispatchers.deepep.normal import contiguous_layout, grouped_rows, weighted_sum, PendingNormalDispatch
+from moeplex.plugins.dispatchers.deepep.normal import DeepEPNormalDispatcher, contiguous_layout, grouped_rows, weighted_sum, PendingNormalDispatch
 from moeplex.quant import dequantize_activations, quantize_activations
 from moeplex.registry import PluginError
 
@@ -149,6 +151,44 @@ def test_pool_shares_a_big_enough_buffer():
     assert pool.get(FakeDeepEP, group, buffers.BufferPlan(5, 20, True, 4, 128)) is first
     assert pool.get(FakeDeepEP, group, buffers.BufferPlan(10, 40, True, 4, 128)) is not first
     assert len(made) == 2
+
+
+class FakeDeepEP:
+    """deep_ep as far as building buffers goes: sizes from hints, a Buffer that only remembers its sizes."""
+
+    class Config:
+        def get_nvl_buffer_size_hint(self, hidden_bytes, ranks):
+            return hidden_bytes * ranks
+
+    class Buffer:
+        def __init__(self, group, **sizes):
+            self.group, self.sizes = group, sizes
+
+        get_dispatch_config = get_combine_config = staticmethod(lambda ranks: FakeDeepEP.Config())
+        get_low_latency_rdma_size_hint = staticmethod(lambda tokens, hidden, ranks, experts: tokens * hidden)
+
+
+def test_buffers_module_holds_no_mutable_state():
+    held = [
+        name for name, value in vars(buffers).items()
+        if not name.startswith("__") and isinstance(value, (buffers.BufferPool, dict, list, set))
+    ]
+    assert not held, f"module-level state in deepep/buffers.py: {held}; buffers belong to the dispatcher"
+
+
+def test_each_dispatcher_owns_its_buffers_and_auto_shares_one_between_its_modes(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deep_ep", FakeDeepEP)
+    world = ctx(group=object())
+    first, second = DeepEPAutoDispatcher(world), DeepEPAutoDispatcher(world)
+    assert first.buffers is not second.buffers and len(first.buffers) == 1
+    assert first.normal.buffer is first.low_latency.buffer  # one buffer, both modes
+    assert first.normal.buffer is not second.normal.buffer
+    shared = buffers.BufferPool()  # several dispatchers in one process: one pool handed to all
+    low_latency = DeepEPLowLatencyDispatcher(world, buffers=shared)
+    again = DeepEPLowLatencyDispatcher(world, buffers=shared)
+    assert again.mode.buffer is low_latency.mode.buffer and len(shared) == 1
+    normal = DeepEPNormalDispatcher(world, buffers=shared)
+    assert normal.buffers is shared and len(shared) == 2 and not normal.mode.buffer.sizes["low_latency_mode"]
 
 
 def test_normal_mode_groups_received_rows_per_expert_and_sums_them_back():

@@ -168,3 +168,29 @@ def test_the_overlap_schedule_is_refused_across_ranks():
     assert _overlap_schedule(EngineConfig(model="unused"), torch.device("cuda"), world_size=1)
     assert not _overlap_schedule(EngineConfig(model="unused"), torch.device("cuda"), world_size=2)
     assert not _overlap_schedule(EngineConfig(model="unused"), torch.device("cpu"), world_size=1)
+
+
+def test_one_request_cannot_fail_its_batch(tiny_model_dir):
+    """Degenerate but valid sampling values run as greedy, and a row whose logits turn non-finite ends its
+    own request with a reason while the others finish exactly as they would have alone."""
+    folder = tiny_model_dir("deepseek_v3")
+    prompts = _mixed_prompts(4, seed=5)
+    degenerate = [SamplingParams(max_new_tokens=10, ignore_eos=True, **kw)
+                  for kw in ({"temperature": 1e-40}, {"temperature": 5e-324}, {"top_p": 1e-50, "seed": 3})]
+    alone = [r.output_ids[:10] for r in make_engine(folder).generate(prompts[1:], GREEDY)]
+    engine = make_engine(folder)
+    first, forward = [True], engine.runner.forward
+
+    def poisoned(batch):  # the first step's row 0 (prompts[0]) comes back as NaN
+        logits = forward(batch)
+        if first.pop() if first else False:
+            logits = logits.clone()
+            logits[0] = float("nan")
+        return logits
+
+    engine.runner.forward = poisoned
+    results = engine.generate(prompts, [GREEDY] + degenerate)
+    assert results[0].finish_reason.value == "abort" and "not finite" in results[0].error
+    assert [r.output_ids for r in results[1:]] == alone
+    assert [r.finish_reason.value for r in results[1:]] == ["length"] * 3
+    assert not engine.has_work and engine.kv.num_free_pages == engine.kv.num_pages

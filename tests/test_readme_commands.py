@@ -6,7 +6,7 @@ import os
 import re
 
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
-BARE = re.compile(r"^(?:python3?|pytest|pip) ")  # the system's, not the set-up's environment
+BARE = re.compile(r"^(?:python3?|pytest) ")  # the system's, not the set-up's environment (pip lines install elsewhere)
 
 
 def commands(text: str) -> list[str]:

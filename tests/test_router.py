@@ -17,19 +17,14 @@ import pytest
 from moeplex.cli import main as cli_main
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
-from moeplex.router import RouterSettings
-from moeplex.router.app import build_router_app
 from moeplex.server import ServerSettings, build_app
 
 from live_server import LiveServer
+from router_helpers import fake_worker, live_router, wait_for
 
 ENGINE = dict(dtype="fp32", show_progress=False, max_total_tokens=4096, page_size=16, max_running_requests=64)
 
 
-
-
-def live_router(workers: list[str], **settings) -> LiveServer:
-    return LiveServer(build_router_app(RouterSettings(worker_urls=workers, seed=0, **settings)))
 
 
 class FakeWorkers:
@@ -83,13 +78,6 @@ def grouped_bodies(groups: int, per_group: int, seed: int = 0) -> list[tuple[int
 
 def metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-
-def wait_for(condition, timeout: float = 10.0, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 # --- fake workers --------------------------------------------------------------------------------
@@ -170,16 +158,18 @@ def test_a_workers_4xx_comes_back_as_it_is_and_streams_pass_through_chunk_by_chu
     assert all(w["load"] == 0 for w in state), "a finished stream no longer counts as load"
 
 
-def test_a_worker_dying_mid_stream_breaks_the_stream_instead_of_ending_it_quietly():
+def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event():
     with FakeWorkers(1, delay_ms=400) as fake, live_router(fake.urls) as router:
         events = []
-        with pytest.raises(httpx.RemoteProtocolError):
-            with httpx.stream("POST", f"{router.url}/v1/completions", json={"prompt": "hi", "stream": True}) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        fake.proc.kill()
-        assert len(events) == 1, "the chunk sent before the failure arrived, and nothing after it"
+        with httpx.stream("POST", f"{router.url}/v1/completions", json={"prompt": "hi", "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    fake.proc.kill()
+        assert len(events) == 3, events
+        assert json.loads(events[0])["index"] == 0, "the chunk sent before the failure arrived"
+        # as the workers' own streams end a failure (core/server/sse.py): an error event, then [DONE]
+        assert "incomplete" in json.loads(events[1])["error"]["message"] and events[2] == "[DONE]"
         [worker] = httpx.get(f"{router.url}/list_workers").json()["workers"]
         metrics = httpx.get(f"{router.url}/metrics").text
     assert worker["load"] == 0 and worker["failures_in_a_row"] == 1
@@ -277,3 +267,30 @@ def test_real_workers_keep_each_prefix_on_one_worker(real_workers):
             assert all(status == 200 for status, _ in asyncio.run(send_all(router.url, bodies, concurrency=4)))
             gained = sorted(completions_served(url) - b for url, b in zip(real_workers, before))
             assert gained == [0, 8], f"group {group} was split over the workers: {gained}"
+
+
+def test_the_tree_keeps_no_text_of_a_request_a_worker_refused():
+    worker, server = fake_worker()
+    with server, live_router([server.url]) as router:
+        refused = httpx.post(f"{router.url}/v1/completions", json={"prompt": "r" * 100, "fake_status": 400})
+        failed = httpx.post(f"{router.url}/v1/completions", json={"prompt": "f" * 100, "fake_status": 500})
+        assert (refused.status_code, failed.status_code) == (400, 500)
+        assert metric(httpx.get(f"{router.url}/metrics").text, "moeplex_router_tree_size_chars") == 0
+        assert httpx.post(f"{router.url}/v1/completions", json={"prompt": "a" * 100}).status_code == 200
+        assert metric(httpx.get(f"{router.url}/metrics").text, "moeplex_router_tree_size_chars") == 100
+
+
+def test_a_worker_going_silent_mid_stream_ends_the_stream_with_an_error_event():
+    worker, server = fake_worker(delay=0.4)  # chunks 100 ms apart
+    with server, live_router([server.url], request_timeout_secs=0.5) as router:
+        events = []
+        try:
+            with httpx.stream("POST", f"{router.url}/v1/completions", json={"prompt": "hi", "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        worker.hung = True  # a stopped process: the connection stays open, nothing more comes
+        finally:
+            worker.hung = False
+    assert json.loads(events[0])["index"] == 0 and len(events) == 3, events
+    assert "incomplete" in json.loads(events[1])["error"]["message"] and events[2] == "[DONE]"

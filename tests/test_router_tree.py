@@ -234,3 +234,58 @@ def test_retry_backoff_doubles_up_to_the_cap_with_bounded_jitter():
     for attempt, base in [(1, 0.05), (2, 0.1), (3, 0.2), (4, 0.3), (9, 0.3)]:
         waits = [forwarder.backoff(attempt) for _ in range(200)]
         assert base * 0.8 <= min(waits) < max(waits) <= base * 1.2
+
+
+# --- the size bound and refused requests ---------------------------------------------------------
+
+
+def test_the_size_bound_holds_after_every_insert():
+    import random
+
+    rng = random.Random(0)
+    tree = RadixTree(max_size=2000)
+    longest = 0
+    for i in range(5000):
+        text = "".join(rng.choices("abcdefgh", k=rng.randint(1, 60)))
+        longest = max(longest, len(text))
+        worker = WORKERS[i % 2]
+        tree.insert(text, worker)
+        assert tree.size(worker) <= 2000, f"insert {i}: {tree.size(worker)} characters"
+    check_invariants(tree)
+    assert all(tree.size(w) > 2000 * 3 // 4 for w in WORKERS[:2]), "an eviction keeps most of the bound"
+
+
+def test_the_cache_aware_policy_bounds_its_tree():
+    policy = CacheAware(cache_threshold=0.5, balance_abs_threshold=32, balance_rel_threshold=1.1, max_tree_size=500)
+    pool = workers(0, 0, 0)
+    for i in range(2000):
+        policy.select(f"conversation {i}: " + "x" * (i % 40), pool)
+        assert max(policy.tree_size(w.url) for w in pool) <= 500
+
+
+@given(st.lists(st.tuples(texts, st.sampled_from(WORKERS), st.booleans()), max_size=40), st.lists(texts, min_size=1, max_size=8))
+@settings(max_examples=200, deadline=None)
+def test_a_retracted_insert_leaves_the_tree_as_if_it_never_happened(operations, queries):
+    tree, brute = RadixTree(), BruteForce()
+    for text, worker, accepted in operations:
+        inserted = tree.insert(text, worker)
+        if accepted:
+            brute.insert(text, worker)
+        else:
+            tree.retract(inserted)
+        check_invariants(tree)
+    for worker in WORKERS:
+        assert tree.size(worker) == brute.size(worker)
+        for query in queries:
+            assert tree.match(query, allowed={worker}).length == brute.longest(query, worker)
+
+
+def test_a_refused_request_gives_back_only_what_it_added():
+    policy = CacheAware(cache_threshold=0.5, balance_abs_threshold=32, balance_rel_threshold=1.1)
+    pool = workers(0, 0, 0)
+    kept = policy.select("system prompt: question one", pool)
+    refused = policy.select("system prompt: question two", pool)
+    assert refused.worker is kept.worker
+    policy.refused(refused)
+    assert policy.tree.match("system prompt: question two").length == len("system prompt: question ")
+    assert policy.tree_size(kept.worker.url) == len("system prompt: question one")

@@ -62,3 +62,44 @@ def test_a_seeded_row_draws_the_same_tokens_whatever_shares_its_batch():
         return [Sampler()(logits[: len(batch)], batch)[0] for _ in range(8)]
 
     assert draws([]) == draws([SamplingParams(temperature=0.8), SamplingParams(temperature=0.0)])
+
+
+# --- one row cannot fail its batch -------------------------------------------------------------------
+
+DEGENERATE = [
+    SamplingParams(temperature=1e-40),  # valid in float64, 0 in float32: 1/t would be inf
+    SamplingParams(temperature=1e-300),
+    SamplingParams(temperature=5e-324),
+    SamplingParams(temperature=1.0, top_p=1e-50),  # 0 in float32: every token would be dropped
+    SamplingParams(temperature=0.7, top_p=1e-50, seed=5),
+]
+
+
+def test_tiny_temperatures_and_top_p_draw_the_most_likely_token_beside_ordinary_rows():
+    logits = torch.randn(len(DEGENERATE) + 2, 40, generator=torch.Generator().manual_seed(4)) * 3
+    params = DEGENERATE + [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=3, seed=1)]
+    requests = [Request(str(i), [1], p) for i, p in enumerate(params)]
+    tokens = Sampler()(logits, requests)
+    assert tokens[: len(DEGENERATE)] == logits[: len(DEGENERATE)].argmax(-1).tolist()
+    assert all(0 <= t < 40 for t in tokens)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_row_with_non_finite_logits_fails_alone(sampled):
+    from moeplex.sampler import FAILED
+
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(6)) * 2
+    logits[1, 7] = float("nan")
+    logits[2] = float("-inf")
+    params = SamplingParams(temperature=0.9 if sampled else 0.0)
+    requests = [Request(str(i), [1], params) for i in range(3)] + [Request("s", [1], SamplingParams(temperature=1.0, seed=3))]
+    tokens = Sampler.draw(logits, requests).tolist()
+    assert tokens[1] == tokens[2] == FAILED
+    assert 0 <= tokens[0] < 40 and 0 <= tokens[3] < 40
+
+
+@pytest.mark.parametrize("field, value", [("temperature", float("nan")), ("temperature", float("inf")),
+                                          ("top_p", float("nan")), ("min_p", float("nan"))])
+def test_non_finite_values_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
+from pathlib import Path
 
+import attrs
 import pytest
 
-from moeplex import registry
+from moeplex import cli, offline, registry
 from moeplex.config import EngineConfig
+from moeplex.interfaces import BalancerCaps, DispatcherCaps, KernelCaps, OverlapCaps
+from moeplex.parallel import ParallelConfig
 from moeplex.registry import PluginError
 from moeplex.selection import resolve
 
@@ -93,3 +98,52 @@ def test_broken_plugins_name_their_distribution(fake_distribution):
         resolve(config(moe_kernel="fake-broken"), has_gpu=False)
     with pytest.raises(PluginError, match="fake-moeplex-plugins 0.1 failed to import"):
         resolve(config(moe_kernel="fake-missing"), has_gpu=False)
+
+
+def test_a_one_rank_dispatcher_is_refused_from_the_configs_ep_size():
+    """The check reads --ep-size from the config, so the launcher refuses before any rank starts."""
+    two_ranks = ParallelConfig(tp_size=2, ep_size=2)
+    with pytest.raises(PluginError) as err:
+        resolve(config(dispatcher="local", parallel=two_ranks), has_gpu=False)
+    message = str(err.value)
+    assert "--ep-size is 2" in message and "can span ranks here: naive." in message and one_sentence(message)
+
+
+def test_the_command_line_refuses_before_any_rank_starts(monkeypatch, capsys):
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(offline, "launch", no_ranks)
+    code = cli.main(["generate", "--tp-size", "2", "--ep-size", "2", "--dispatcher", "local", "--input-ids", "1,2"])
+    assert code == 2
+    assert "serves one EP rank only, but --ep-size is 2" in capsys.readouterr().err
+
+
+def test_start_up_logs_the_selected_plugins_with_their_distributions(caplog):
+    with caplog.at_level(logging.INFO, logger="moeplex.selection"):
+        resolve(config(), has_gpu=False, announce=True)
+    lines = [r.getMessage() for r in caplog.records if r.name == "moeplex.selection"]
+    assert lines == [
+        "plugins: dispatcher local (moeplex 0.1.0), moe_kernel torch (moeplex 0.1.0), "
+        "balancer static (moeplex 0.1.0), overlap none (moeplex 0.1.0)"
+    ]
+
+
+def test_fp8_rows_need_a_kernel_that_takes_them(fake_distribution):
+    with pytest.raises(PluginError) as err:
+        resolve(config(dispatcher="fake-fp8", moe_kernel="fake-fp32-standard", dispatch_fp8=True), has_gpu=False)
+    message = str(err.value)
+    assert "does not take" in message and "torch" in message and one_sentence(message)
+    assert resolve(config(dispatcher="fake-fp8", dispatch_fp8=True), has_gpu=False)
+
+
+@pytest.mark.parametrize("caps_class", [DispatcherCaps, KernelCaps, BalancerCaps, OverlapCaps])
+def test_every_capability_is_documented(caps_class):
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "plugins.md").read_text()
+    missing = [field for field in attrs.fields_dict(caps_class) if f"`{field}`" not in docs]
+    assert not missing, f"docs/plugins.md does not say what {caps_class.__name__} {missing} mean"
+
+
+def test_dispatchers_declare_no_capability_nothing_reads():
+    """combine does exactly what ExpertOutput says is left, whoever the dispatcher is: no cap for it."""
+    assert "combine_applies_weights" not in attrs.fields_dict(DispatcherCaps)

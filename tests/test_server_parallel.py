@@ -140,6 +140,17 @@ def test_tp2_ep2_answers_with_the_tokens_of_one_process(tp2, reference):
     assert all(r["experts_mib"] > 0 and r["kv_cache_tokens"] == 4096 for r in layout["ranks"])
 
 
+def test_tp2_degenerate_sampling_values_neither_fail_the_batch_nor_stop_the_server(tp2, reference):
+    """Values valid in float64 that underflow float32 (1/1e-40 = inf, top_p 1e-50 = 0) once failed every
+    request of the batch and, across ranks, stopped the server: now they sample the most likely token."""
+    for tiny in ({"temperature": 1e-40}, {"temperature": 5e-324}, {"top_p": 1e-50}):
+        sampling = {"max_new_tokens": 6, "ignore_eos": True, **tiny}
+        batch = tp2.client.post("/generate", json={"input_ids": PROMPTS, "sampling_params": sampling})
+        assert batch.status_code == 200, batch.text
+        assert [b["output_ids"] for b in batch.json()] == greedy_ids(reference, PROMPTS, 6)
+    assert tp2.client.get("/health").status_code == 200
+
+
 def test_tp2_expert_load_calls_run_on_every_rank(tp2, reference):
     """Recording, dumping and rebalancing are collectives: they work only if every rank runs them in step."""
     body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}

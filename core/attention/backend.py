@@ -21,11 +21,9 @@ from typing import ClassVar
 
 import torch
 
+from ..config import ATTENTION_BACKENDS, AUTO
 from ..forward_batch import ForwardBatch
 from .torch_ref import paged_decode_attention, ragged_attention
-
-AUTO = "auto"
-ATTENTION_BACKENDS = (AUTO, "torch", "triton")
 
 
 class AttentionBackend(abc.ABC):

@@ -25,7 +25,25 @@ def add_parser(sub) -> None:
     _add_cache_aware_flags(p)
     _add_health_flags(p)
     _add_forwarding_flags(p)
+    _add_access_flags(p)
     p.set_defaults(run=run)
+
+
+def _add_access_flags(p) -> None:
+    g = p.add_argument_group("access")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' from clients on every path except /health and /metrics "
+                   "(401 otherwise; default: no key)")
+    g.add_argument("--admin-api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /add_worker, /remove_worker and /list_workers; without "
+                   "it those answer only on a router bound to a loopback --host (403 otherwise; default: no key)")
+    g.add_argument("--worker-api-key", default=None,
+                   help="the key the router sends workers as 'Authorization: Bearer KEY' (their `serve --api-key`); a "
+                   "client's own Authorization header is never passed on (default: none sent)")
+    g.add_argument("--worker-url-allow", nargs="+", metavar="PATTERN", default=[],
+                   help="patterns a worker URL must match, shell-style and part by part (scheme, host label by label, "
+                   "port), e.g. 'http://10.0.0.*:*' or 'https://*.internal.example:30001'; applies to --worker-urls and "
+                   "/add_worker, which refuses others with 400 (default: any URL)")
 
 
 def _add_cache_aware_flags(p) -> None:
@@ -40,10 +58,9 @@ def _add_cache_aware_flags(p) -> None:
     g.add_argument("--balance-rel-threshold", type=float, default=1.1,
                    help="... and the most loaded worker has more than this times the least loaded one's requests "
                    "(default: 1.1)")
-    g.add_argument("--eviction-interval-secs", type=float, default=60.0,
-                   help="seconds between evictions of the least recently used text from the tree (default: 60)")
     g.add_argument("--max-tree-size", type=int, default=1 << 22,
-                   help="characters of the tree each worker keeps after an eviction (default: 4194304)")
+                   help="characters of the tree each worker owns at most: an insert past it evicts that worker's least "
+                   "recently used text down to 7/8 of it (default: 4194304)")
 
 
 def _add_health_flags(p) -> None:
@@ -56,6 +73,10 @@ def _add_health_flags(p) -> None:
                    help="failures in a row (forwards or health checks) that take a worker out of routing (default: 3)")
     g.add_argument("--health-success-threshold", type=int, default=2,
                    help="passed health checks in a row that put a worker back into routing (default: 2)")
+    g.add_argument("--worker-startup-timeout-secs", type=float, default=600.0,
+                   help="a worker not yet seen healthy is 'starting' (loading its model): checked after 0.25 s, 0.5 s, "
+                   "1 s, then every 2 s, never taken out, and in routing from its first passed check; "
+                   "after this many seconds without one it is out like a failed worker (default: 600)")
 
 
 def _add_forwarding_flags(p) -> None:
@@ -74,7 +95,11 @@ def _add_forwarding_flags(p) -> None:
     g.add_argument("--max-connections", type=int, default=512,
                    help="pooled connections to each worker at most (default: 512)")
     g.add_argument("--max-request-bytes", type=int, default=32 << 20,
-                   help="larger request bodies are refused with 413 by the router itself (default: 32 MiB)")
+                   help="larger request bodies are refused with 413 by the router itself, by their Content-Length "
+                   "or as they stream past it, before they are buffered (default: 32 MiB)")
+    g.add_argument("--body-timeout-secs", type=float, default=30.0,
+                   help="a request body not all received within this many seconds is refused with 408 and its "
+                   "connection closed (default: 30)")
     g.add_argument("--seed", type=int, default=None,
                    help="seed of the random policy and of the retry jitter (default: fresh randomness)")
 

@@ -3,7 +3,9 @@
 Every logical expert keeps >= 1 replica, each GPU gets exactly P / num_gpus slots, the
 two maps invert each other (Placement.check); the same load gives the same placement;
 the load tensor is left as it was; balancedness (mean GPU load / max GPU load) is in (0, 1].
-Loads are random, Zipf-skewed, zero (what the engine passes at start-up) and [steps, L, E].
+Loads are random, Zipf-skewed, all zero (what the engine passes at start-up), with idle
+experts (a third of them recorded no token), all on one expert per layer, and [steps, L, E]:
+an expert that recorded no load still keeps a replica, or the engine refuses the placement.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ WORLDS = {
     "4_nodes_redundant": World(layers=2, logical=32, physical=48, groups=8, nodes=4, gpus=8),
     "16_gpus_redundant": World(layers=2, logical=64, physical=80, groups=8, nodes=2, gpus=16),
 }
-LOADS = ("random", "zipf", "zero", "steps")
+LOADS = ("random", "zipf", "zero", "idle_experts", "one_hot", "steps")
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,14 @@ def make_load(kind: str, world: World, seed: int) -> torch.Tensor:
         return (100_000 / ranks.double() ** 1.2).long()
     if kind == "zero":
         return torch.zeros(shape, dtype=torch.int64)
+    if kind == "idle_experts":  # a third of each layer's experts recorded nothing, the rest a skewed load
+        load = torch.randint(1, 1000, shape, generator=gen) ** 2
+        idle = torch.rand(shape, generator=gen).argsort(dim=1) < max(1, world.logical // 3)
+        return load.masked_fill(idle, 0)
+    if kind == "one_hot":  # every token of a layer went to one expert
+        load = torch.zeros(shape, dtype=torch.int64)
+        load[torch.arange(world.layers), torch.randint(0, world.logical, (world.layers,), generator=gen)] = 10_000
+        return load
     if kind == "steps":
         return torch.randint(0, 300, (4, *shape), generator=gen)
     raise ValueError(kind)
@@ -85,6 +95,23 @@ def test_placement_keeps_the_contract(balancer_cls, moeplex_plugin, world_name, 
 
 @pytest.mark.parametrize("load_kind", LOADS)
 @pytest.mark.parametrize("world_name", list(WORLDS))
+def test_every_logical_expert_keeps_a_replica(balancer_cls, moeplex_plugin, world_name, load_kind):
+    """Counted from phy2log itself, whatever logcnt says: the experts no token reached too."""
+    world = world_for(balancer_cls, moeplex_plugin.name, world_name)
+    load = make_load(load_kind, world, seed=5)
+    placement = rebalance(balancer_cls, load, world)
+    for layer in range(world.layers):
+        present = set(placement.phy2log[layer].tolist())
+        missing = [e for e in range(world.logical) if e not in present]
+        layer_load = load.reshape(-1, world.layers, world.logical).sum(0)[layer]
+        assert not missing, (
+            f"layer {layer}: logical experts {missing} (recorded load {layer_load[missing].tolist()}) have no "
+            f"physical slot; every logical expert keeps >= 1 replica, idle ones too"
+        )
+
+
+@pytest.mark.parametrize("load_kind", LOADS)
+@pytest.mark.parametrize("world_name", list(WORLDS))
 def test_same_load_gives_same_placement(balancer_cls, moeplex_plugin, world_name, load_kind):
     world = world_for(balancer_cls, moeplex_plugin.name, world_name)
     first = rebalance(balancer_cls, make_load(load_kind, world, seed=2), world)
@@ -103,7 +130,7 @@ def test_load_is_not_modified(balancer_cls, moeplex_plugin, world_name, load_kin
     assert torch.equal(load, before), "rebalance changed the load tensor it was given"
 
 
-@pytest.mark.parametrize("load_kind", ["random", "zipf", "steps"])
+@pytest.mark.parametrize("load_kind", ["random", "zipf", "idle_experts", "one_hot", "steps"])
 @pytest.mark.parametrize("world_name", list(WORLDS))
 def test_balancedness_is_in_unit_interval(balancer_cls, moeplex_plugin, world_name, load_kind):
     world = world_for(balancer_cls, moeplex_plugin.name, world_name)

@@ -1,8 +1,17 @@
-"""The public plugin API: every contract a dispatcher, MoE kernel, balancer or overlap strategy implements."""
+"""The public plugin API: every contract a dispatcher, MoE kernel, balancer or overlap strategy implements.
 
+A plugin imports moeplex only through the modules in PUBLIC_MODULES: this one (contracts,
+capabilities, layouts, ForwardBatch, PluginError) and `moeplex.interfaces.kernels` (fp8
+quantization, row permutation, layout planning; it imports Triton, so it is not imported here).
+Everything else in moeplex may change under a plugin. tests/test_plugin_imports.py holds
+every plugin shipped with moeplex to this.
+"""
+
+from ..forward_batch import ForwardBatch, ForwardMode
 from .balancer import Balancer, BalancerCaps, Placement
 from .context import MoEContext
 from .dispatcher import Dispatcher, DispatcherCaps
+from .errors import PluginError
 from .layouts import (
     ALL_LAYOUTS,
     CONTIGUOUS,
@@ -20,5 +29,7 @@ from .layouts import (
 )
 from .moe_kernel import BF16, FP8_BLOCK, WEIGHT_FORMATS, ExpertWeights, KernelCaps, MoEKernel
 from .overlap import BatchMeta, OverlapCaps, OverlapStrategy
+
+PUBLIC_MODULES = ("moeplex.interfaces", "moeplex.interfaces.kernels")  # all a plugin may import of moeplex
 
 __all__ = [name for name in dir() if not name.startswith("_")]

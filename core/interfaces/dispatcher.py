@@ -21,8 +21,7 @@ class DispatcherCaps:
     graph_safe: bool = False  # can be captured in a CUDA graph
     needs_host_sync: bool = False  # reads device values on the host during dispatch
     fixed_max_tokens: bool = False  # buffers sized by MoEContext.max_tokens_per_rank
-    fp8_payload: bool = False
-    combine_applies_weights: bool = False
+    fp8_payload: bool = False  # sends rows as fp8 values + 128-wide scales when MoEContext.dispatch_fp8
     async_halves: bool = False  # waiting in *_finish costs no compute (receive hooks)
     requires: tuple[str, ...] = ()  # Python modules it imports when an instance is made
     min_compute_capability: tuple[int, int] | None = None  # e.g. (9, 0): Hopper or newer

@@ -25,6 +25,7 @@ class KernelCaps:
     needs_gpu: bool = False
     graph_safe: bool = False
     fp8_compute: bool = False  # computes in fp8 whatever the weights: matches the reference within fp8 error
+    fp8_payload: bool = False  # takes layouts whose rows arrive as fp8 values + 128-wide scales (layout.fp8)
     requires: tuple[str, ...] = ()  # Python modules it imports when an instance is made
     min_compute_capability: tuple[int, int] | None = None  # e.g. (9, 0): Hopper or newer
 

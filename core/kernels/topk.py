@@ -14,14 +14,26 @@ order as the probabilities do but stay distinct where probabilities round to the
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
+import attrs
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:  # the router imports this module
-    from ..moe.router import RouterSpec
+
+@attrs.frozen
+class RouterSpec:
+    """How an architecture routes: what the router module computes and this kernel fuses."""
+
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"  # "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3)
+    norm_topk_prob: bool = True
+    num_groups: int = 1  # DeepSeek-V3 n_group
+    topk_groups: int = 1  # DeepSeek-V3 topk_group
+    scaling_factor: float = 1.0  # DeepSeek-V3 routed_scaling_factor
+    correction_bias: bool = False  # DeepSeek-V3 e_score_correction_bias (selection only)
+
 
 ELEMENTS_PER_PROGRAM = 2048  # rows per program = this / padded experts: 8 rows of 256 experts, 16 at most
 

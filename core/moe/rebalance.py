@@ -17,8 +17,9 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from ..config import PER_STEP
 from ..interfaces import Placement
-from .recorder import PER_STEP, LoadRecorder
+from .recorder import LoadRecorder
 from .weight_mover import WeightMover
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-OFF, STAT, PER_STEP = "off", "stat", "per-step"
+from ..config import OFF, PER_STEP, STAT
 
 
 class LoadRecorder:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..config import DISPATCH_ALGORITHMS, SPREAD, STATIC
 from ..interfaces import Placement
-
-STATIC, SPREAD = "static", "spread"
-DISPATCH_ALGORITHMS = (STATIC, SPREAD)
 
 
 class ReplicaSelector:

@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-import attrs
 import torch
 from torch import nn
 
-from ..kernels.topk import route_topk
-
-
-@attrs.frozen
-class RouterSpec:
-    num_experts: int
-    top_k: int
-    scoring: str = "softmax"  # "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3)
-    norm_topk_prob: bool = True
-    num_groups: int = 1  # DeepSeek-V3 n_group
-    topk_groups: int = 1  # DeepSeek-V3 topk_group
-    scaling_factor: float = 1.0  # DeepSeek-V3 routed_scaling_factor
-    correction_bias: bool = False  # DeepSeek-V3 e_score_correction_bias (selection only)
+from ..kernels.topk import RouterSpec, route_topk
 
 
 class Router(nn.Module):

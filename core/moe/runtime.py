@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from ..config import SPREAD
 from ..interfaces import BF16, ExpertWeights, MoEContext, Placement
 from ..parallel import Group, ParallelConfig, ParallelState
 from .adapters import LayoutAdapter
 from .rebalance import PlacementShape
 from .recorder import LoadRecorder
-from .replicas import SPREAD, ReplicaSelector
+from .replicas import ReplicaSelector
 
 
 class MoERuntime:

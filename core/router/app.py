@@ -9,18 +9,21 @@ import logging
 
 import aiohttp
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .access import RouterAccess, WorkerUrlRule, error_response
+from .bodies import MANAGEMENT_BODY_BYTES, BodyRefused, read_body
 from .health import HealthChecker, probe
 from .metrics import RouterMetrics
 from .policies import make_policy
-from .proxy import Forwarder, error_response
+from .proxy import Forwarder
 from .request_text import TEXT_OF, routing_text
 from .settings import RouterSettings
 from .upstream import forwarded_headers, worker_session
-from .workers import WorkerRegistry, normalize_url
+from .workers import HEALTHY, OUT, STARTING, WorkerRegistry, normalize_url
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +36,8 @@ class Router:
     def __init__(self, settings: RouterSettings):
         self.settings = settings
         self.registry = WorkerRegistry(settings.worker_urls, settings.health_failure_threshold,
-                                       settings.health_success_threshold)
+                                       settings.health_success_threshold, settings.worker_startup_timeout_secs, STARTING)
+        self.url_rule = WorkerUrlRule(settings.worker_url_allow)
         self.policy = make_policy(settings)
         self.metrics = RouterMetrics()
         self.metrics.watch(self.registry.all, self.policy.tree_size)
@@ -43,7 +47,8 @@ class Router:
     def open(self, session: aiohttp.ClientSession, probes: aiohttp.ClientSession) -> None:
         """Start forwarding through `session` and health checks through `probes` (a pool of their own)."""
         self.forwarder = Forwarder(session, self.registry, self.policy, self.metrics, self.settings)
-        self.health = HealthChecker(probes, self.registry, self.metrics, self.settings.health_check_timeout_secs)
+        self.health = HealthChecker(probes, self.registry, self.metrics, self.settings.health_check_timeout_secs,
+                                    self.settings.health_check_interval_secs)
 
     def routes(self) -> list[Route]:
         forwarded = [Route(path, self.generate, methods=["POST"]) for path in TEXT_OF]
@@ -59,12 +64,9 @@ class Router:
     # --- forwarded -------------------------------------------------------------------------------
 
     async def generate(self, http: Request) -> Response:
-        try:
-            body = await read_body(http, self.settings.max_request_bytes)
-        except ClientDisconnect:
-            return Response(status_code=CLIENT_CLOSED)
-        if body is None:
-            return error_response(413, f"the request body is over the router's limit of {self.settings.max_request_bytes} bytes")
+        body = await self._body(http, self.settings.max_request_bytes)
+        if isinstance(body, Response):
+            return body
         text = routing_text(http.url.path, body)
         return await self._forward(http, body, text)
 
@@ -73,44 +75,54 @@ class Router:
 
     async def _forward(self, http: Request, body: bytes, text: str | None) -> Response:
         path = http.url.path + (f"?{http.url.query}" if http.url.query else "")
-        forward = self.forwarder.forward(http.method, path, forwarded_headers(http.headers.raw), body, text)
+        headers = forwarded_headers(http.headers.raw, self.settings.worker_api_key)
+        forward = self.forwarder.forward(http.method, path, headers, body, text)
         response = await until_disconnected(http, forward)
         return Response(status_code=CLIENT_CLOSED) if response is None else response
 
     # --- operations ------------------------------------------------------------------------------
 
     async def aggregated_health(self, http: Request) -> JSONResponse:
-        """200 while at least one worker answers its /health with 200; each worker's answer in the body."""
-        results = await self.health.check_all()
-        up = sum(1 for status in results.values() if status == 200)
-        body = {"status": "ok" if up else "unavailable", "healthy_workers": up, "workers": results}
+        """200 while at least one worker is in routing, as the router's own health checks last found;
+        a client's GET probes nothing (so it can neither take a worker out nor slow the router down)."""
+        states = [w.state for w in self.registry.all()]
+        up = states.count(HEALTHY)
+        # counts only: /health is open, and worker addresses are for /list_workers (management) to show
+        body = {"status": "ok" if up else "unavailable", "healthy_workers": up,
+                "workers": {state: states.count(state) for state in (HEALTHY, STARTING, OUT)}}
         return JSONResponse(body, status_code=200 if up else 503)
 
-    async def add_worker(self, http: Request) -> JSONResponse:
-        url = await worker_url_of(http)
-        if url is None:
-            return error_response(400, "name the worker: POST /add_worker?url=http://HOST:PORT or a JSON body {\"url\": ...}")
+    async def add_worker(self, http: Request) -> Response:
+        url = await self._worker_url(http)
+        if not isinstance(url, str):
+            return url
         try:
             url = normalize_url(url)
         except ValueError as exc:
             return error_response(400, exc.args[0])
+        refusal = self.url_rule.refusal(url)
+        if refusal:
+            return error_response(400, refusal)
         status = await probe(self.health.client, url, self.settings.health_check_timeout_secs)
         try:
-            worker = self.registry.add(url, healthy=status == 200)
+            worker = self.registry.add(url, HEALTHY if status == 200 else STARTING)
         except KeyError as exc:  # already a worker
             return error_response(400, exc.args[0])
-        log.info("added worker %s (%s)", worker.url, "in routing" if worker.healthy else "out until its health checks pass")
+        worker.last_check = status
+        self.health.check_soon(worker)
+        log.info("added worker %s (%s)", worker.url, "in routing" if worker.healthy else "starting: in once a health check passes")
         return JSONResponse(worker.describe())
 
-    async def remove_worker(self, http: Request) -> JSONResponse:
-        url = await worker_url_of(http)
-        if url is None:
-            return error_response(400, "name the worker: POST /remove_worker?url=http://HOST:PORT or a JSON body {\"url\": ...}")
+    async def remove_worker(self, http: Request) -> Response:
+        url = await self._worker_url(http)
+        if not isinstance(url, str):
+            return url
         try:
             worker = self.registry.remove(url)
         except (KeyError, ValueError) as exc:
             return error_response(404, exc.args[0])
         self.policy.forget(worker.url)
+        self.health.forget(worker.url)
         log.info("removed worker %s", worker.url)
         return JSONResponse(worker.describe())
 
@@ -123,38 +135,35 @@ class Router:
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
 
-    # --- background ------------------------------------------------------------------------------
+    # --- bodies ----------------------------------------------------------------------------------
 
-    async def evict_every(self, interval: float) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            dropped = self.policy.evict(self.settings.max_tree_size)
-            if dropped:
-                log.info("evicted from the cache-aware tree (characters per worker): %s", dropped)
+    async def _body(self, http: Request, limit: int) -> bytes | Response:
+        """The body under `limit` bytes, or the response that refuses it (413, 408, or nobody left to answer)."""
+        try:
+            return await read_body(http, limit, self.settings.body_timeout_secs)
+        except BodyRefused as exc:
+            # the rest of the body is never read: close the connection, so a client still sending it stops
+            response = error_response(exc.status, exc.args[0])
+            response.headers["Connection"] = "close"
+            return response
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED)
 
-
-async def read_body(http: Request, limit: int) -> bytes | None:
-    """The whole body, or None once it is past `limit` bytes."""
-    declared = http.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        return None
-    body = bytearray()
-    async for piece in http.stream():
-        body += piece
-        if len(body) > limit:
-            return None
-    return bytes(body)
-
-
-async def worker_url_of(http: Request) -> str | None:
-    if "url" in http.query_params:
-        return http.query_params["url"]
-    try:
-        values = json.loads(await http.body() or b"null")
-    except ValueError:
-        return None
-    url = values.get("url") if isinstance(values, dict) else None
-    return url if isinstance(url, str) else None
+    async def _worker_url(self, http: Request) -> str | Response:
+        """The worker a management call names (?url= or a JSON body {"url": ...}), or the response refusing it."""
+        if "url" in http.query_params:
+            return http.query_params["url"]
+        body = await self._body(http, MANAGEMENT_BODY_BYTES)
+        if isinstance(body, Response):
+            return body
+        try:
+            values = json.loads(body or b"null")
+        except (ValueError, RecursionError):
+            values = None
+        url = values.get("url") if isinstance(values, dict) else None
+        if isinstance(url, str):
+            return url
+        return error_response(400, f"name the worker: POST {http.url.path}?url=http://HOST:PORT or a JSON body {{\"url\": ...}}")
 
 
 async def until_disconnected(http: Request, work) -> Response | None:
@@ -177,7 +186,7 @@ async def wait_for_disconnect(http: Request) -> None:
 
 
 def build_router_app(settings: RouterSettings) -> Starlette:
-    """The router's app; its HTTP client, health checks and tree eviction start and stop with the app's lifespan."""
+    """The router's app; its HTTP client and health checks start and stop with the app's lifespan."""
     router = Router(settings)
 
     @contextlib.asynccontextmanager
@@ -185,8 +194,8 @@ def build_router_app(settings: RouterSettings) -> Starlette:
         session = worker_session(settings.max_connections, settings.request_timeout_secs, settings.connect_timeout_secs)
         async with session, aiohttp.ClientSession() as probes:
             router.open(session, probes)
-            tasks = [asyncio.create_task(router.health.run(settings.health_check_interval_secs)),
-                     asyncio.create_task(router.evict_every(settings.eviction_interval_secs))]
+            await router.health.check_all_once()
+            tasks = [asyncio.create_task(router.health.run())]
             try:
                 yield
             finally:
@@ -194,6 +203,7 @@ def build_router_app(settings: RouterSettings) -> Starlette:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    app = Starlette(routes=router.routes(), lifespan=lifespan)
+    access = Middleware(RouterAccess, api_key=settings.api_key, admin_api_key=settings.admin_api_key, host=settings.host)
+    app = Starlette(routes=router.routes(), lifespan=lifespan, middleware=[access])
     app.state.router = router
     return app

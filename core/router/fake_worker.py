@@ -2,7 +2,9 @@
 
 It answers the generation routes after `--delay-ms`, serving at most `--slots` requests at once
 (0: no limit), as JSON or as server-sent events ending in `data: [DONE]`; a body that is not a JSON
-object is its 400. Every answer names the worker, so a client can see where its request went.
+object is its 400, and a body with "fake_status" is answered with that status. Every answer names the
+worker and the Authorization header it was sent, so a client can see where its request went and how.
+POST /fake/sick makes /health answer 503; POST /fake/hang makes every route accept and never answer.
 Several workers can share one process:
 
     python -m moeplex.router.fake_worker --count 4 --delay-ms 20     # prints {"ports": [...]} once listening
@@ -31,6 +33,7 @@ class FakeWorker:
         self.slots = asyncio.Semaphore(slots) if slots else None
         self.stream_chunks = stream_chunks
         self.sick = False  # /health answers 503 while set
+        self.hung = False  # nothing is answered while set (a stopped process: connections accepted, no reply)
         self.requests = 0
         self.in_flight = 0
         self.peak_in_flight = 0
@@ -41,9 +44,15 @@ class FakeWorker:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/fake/stats", self.stats, methods=["GET"]),
             Route("/fake/sick", self.set_sick, methods=["POST"]),
+            Route("/fake/hang", self.set_hung, methods=["POST"]),
         ]
 
+    async def _hang_while_hung(self) -> None:
+        while self.hung:
+            await asyncio.sleep(0.02)
+
     async def generate(self, http: Request) -> Response:
+        await self._hang_while_hung()
         try:
             values = json.loads(await http.body())
         except ValueError as exc:
@@ -53,10 +62,12 @@ class FakeWorker:
                      "param": None, "code": None}
             return JSONResponse({"error": error}, status_code=400)
         self.requests += 1
+        if isinstance(values.get("fake_status"), int):
+            return JSONResponse({"error": {"message": "refused as asked"}}, status_code=values["fake_status"])
         if values.get("stream"):
             return StreamingResponse(self._events(), media_type="text/event-stream")
         await self._serve()
-        return JSONResponse({"worker": self.name, "text": "ok"})
+        return JSONResponse({"worker": self.name, "text": "ok", "authorization": http.headers.get("authorization")})
 
     async def _serve(self) -> None:
         """Hold the request for the service time, in one of the slots."""
@@ -76,9 +87,11 @@ class FakeWorker:
         for i in range(self.stream_chunks):
             yield f"data: {json.dumps({'worker': self.name, 'index': i})}\n\n".encode()
             await asyncio.sleep(self.delay / self.stream_chunks)
+            await self._hang_while_hung()
         yield b"data: [DONE]\n\n"
 
     async def health(self, http: Request) -> Response:
+        await self._hang_while_hung()
         return Response(status_code=503 if self.sick else 200)
 
     async def models(self, http: Request) -> JSONResponse:
@@ -90,6 +103,10 @@ class FakeWorker:
     async def set_sick(self, http: Request) -> JSONResponse:
         self.sick = http.query_params.get("on", "1") == "1"
         return JSONResponse({"sick": self.sick})
+
+    async def set_hung(self, http: Request) -> JSONResponse:
+        self.hung = http.query_params.get("on", "1") == "1"
+        return JSONResponse({"hung": self.hung})
 
 
 def listening_socket(port: int = 0) -> socket.socket:

@@ -5,7 +5,8 @@ Every policy answers a Choice: the worker and why it was chosen (the reason is c
 the absolute threshold AND max above the relative threshold times min) the shortest queue wins;
 otherwise the worker whose tree share matches the longest prefix, if the match covers more than the
 cache threshold of the text; otherwise the least loaded worker (among those within one request of it,
-the one owning the least text). The chosen worker then owns the text in the tree.
+the one owning the least text). The chosen worker then owns the text in the tree at once (so a burst of
+requests sharing a prefix follows the first), and gives it back if it refuses the request or fails.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import random
 
 import attrs
 
-from .radix_tree import RadixTree
+from .radix_tree import Inserted, RadixTree
 from .settings import RouterSettings
 from .workers import Worker
 
@@ -26,6 +27,7 @@ from .workers import Worker
 class Choice:
     worker: Worker
     reason: str  # cache_hit, cache_miss, imbalanced (cache_aware); otherwise the policy's name
+    inserted: Inserted | None = None  # what the choice added to the cache-aware tree
 
 
 class Policy(abc.ABC):
@@ -34,6 +36,9 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def select(self, text: str, workers: list[Worker]) -> Choice:
         """The worker for a request whose routing text is `text`, among the routable `workers`."""
+
+    def refused(self, choice: Choice) -> None:
+        """The chosen worker refused or failed the request: forget what the choice taught the policy."""
 
     def forget(self, url: str) -> None:
         """`url` left the router: drop what the policy knows of it."""
@@ -87,18 +92,23 @@ class ShortestQueue(Policy):
 class CacheAware(Policy):
     name = "cache_aware"
 
-    def __init__(self, cache_threshold: float, balance_abs_threshold: int, balance_rel_threshold: float):
+    def __init__(self, cache_threshold: float, balance_abs_threshold: int, balance_rel_threshold: float,
+                 max_tree_size: int | None = None):
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
-        self.tree = RadixTree()
+        self.tree = RadixTree(max_tree_size)
         self._turn = itertools.count()
 
     def select(self, text: str, workers: list[Worker]) -> Choice:
         choice = self._choose(text, workers)
-        if text:
-            self.tree.insert(text, choice.worker.url)
-        return choice
+        if not text:
+            return choice
+        return attrs.evolve(choice, inserted=self.tree.insert(text, choice.worker.url))
+
+    def refused(self, choice: Choice) -> None:
+        if choice.inserted is not None:
+            self.tree.retract(choice.inserted)
 
     def forget(self, url: str) -> None:
         self.tree.remove_worker(url)
@@ -142,7 +152,8 @@ class CacheAware(Policy):
 def make_policy(settings: RouterSettings) -> Policy:
     makers = {
         CacheAware.name: lambda: CacheAware(
-            settings.cache_threshold, settings.balance_abs_threshold, settings.balance_rel_threshold
+            settings.cache_threshold, settings.balance_abs_threshold, settings.balance_rel_threshold,
+            settings.max_tree_size,
         ),
         RoundRobin.name: RoundRobin,
         Random.name: lambda: Random(settings.seed),

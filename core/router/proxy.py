@@ -12,10 +12,11 @@ import logging
 import random
 
 import aiohttp
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
+from .access import error_response
 from .metrics import RouterMetrics
-from .policies import Policy, least_loaded
+from .policies import Choice, Policy, least_loaded
 from .settings import RouterSettings
 from .upstream import TRANSPORT_ERRORS, Upstream, WorkerUnavailable, open_upstream
 from .workers import Worker, WorkerRegistry
@@ -23,12 +24,6 @@ from .workers import Worker, WorkerRegistry
 log = logging.getLogger(__name__)
 
 FORWARD_FAILURES = (*TRANSPORT_ERRORS, WorkerUnavailable)
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    """An error of the router's own, in the OpenAI error shape the workers use."""
-    kind = "service_unavailable" if status == 503 else "invalid_request_error" if status < 500 else "internal_server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status)
 
 
 class Forwarder:
@@ -49,16 +44,23 @@ class Forwarder:
             if attempt:
                 self.metrics.retries.inc()
                 await asyncio.sleep(self.backoff(attempt))
-            worker = self._pick(text, tried, attempt)
-            if worker is None:
+            choice = self._pick(text, tried, attempt)
+            if choice is None:
                 self.metrics.failed_requests.inc()
-                return error_response(503, "no healthy worker: every worker is out of routing")
+                return error_response(503, self._none_routable())
+            worker = choice.worker
             tried.add(worker.url)
             try:
                 upstream = await self._attempt(worker, method, path, headers, body)
             except FORWARD_FAILURES as exc:
+                self.policy.refused(choice)
                 last_error = f"{worker.url}: {type(exc).__name__}: {exc}"
                 continue
+            except BaseException:  # the client left
+                self.policy.refused(choice)
+                raise
+            if upstream.response.status >= 400:  # the worker refused the request: the tree must not keep its text
+                self.policy.refused(choice)
             return upstream.to_response(lambda failed: self._finished(worker, failed))
         self.metrics.failed_requests.inc()
         return error_response(502, f"no worker answered after {len(tried)} worker(s) and {attempt + 1} tries; last: {last_error}")
@@ -69,16 +71,22 @@ class Forwarder:
         base = min(s.retry_backoff_ms * 2 ** (attempt - 1), s.retry_max_backoff_ms) / 1000
         return base * (1 + s.retry_jitter * self._random.uniform(-1.0, 1.0))
 
-    def _pick(self, text: str | None, tried: set[str], attempt: int) -> Worker | None:
+    def _none_routable(self) -> str:
+        states = [w.state for w in self.registry.all()]
+        if not states:
+            return "no healthy worker: the router has no workers"
+        return f"no healthy worker: {states.count('starting')} starting, {states.count('out')} out of routing"
+
+    def _pick(self, text: str | None, tried: set[str], attempt: int) -> Choice | None:
         healthy = self.registry.healthy()
         if not healthy:
             return None
         untried = [w for w in healthy if w.url not in tried] or healthy  # all tried: a worker may try again
         if text is None:
-            return least_loaded(untried, attempt)
+            return Choice(least_loaded(untried, attempt), "least_loaded")
         choice = self.policy.select(text, untried)
         self.metrics.decisions.labels(choice.reason).inc()
-        return choice.worker
+        return choice
 
     async def _attempt(self, worker: Worker, method: str, path: str, headers: list, body: bytes) -> Upstream:
         self.registry.sent(worker)  # load counts from the moment of the decision

@@ -4,7 +4,8 @@ One tree is shared by all workers. Each node holds an edge of text and the worke
 each with the logical time it last did. A worker's share of the tree is prefix-closed (a worker that
 saw a node saw all its ancestors), so the deepest node a text reaches names the workers with the
 longest match. The tree only approximates what a worker's KV cache holds: it sees text, not tokens,
-and it forgets on its own schedule (least recently used first, down to a maximum per worker).
+and it forgets on its own schedule: least recently used first, whenever an insert takes a worker's
+share past the maximum (so the maximum holds at all times, not only after a periodic sweep).
 """
 
 from __future__ import annotations
@@ -24,6 +25,16 @@ class Node:
         self.parent = parent
         self.children: dict[str, Node] = {}  # first character of the child's edge -> child
         self.seen: dict[str, int] = {}  # worker -> logical time it last saw this node
+
+
+@attrs.frozen
+class Inserted:
+    """What one insert added, so that a request the worker refused can be taken back out."""
+
+    text: str
+    worker: str
+    time: int
+    known: int  # leading characters of the text the worker had seen before this insert
 
 
 @attrs.frozen
@@ -49,7 +60,9 @@ def shared_length(edge: str, text: str, start: int) -> int:
 
 
 class RadixTree:
-    def __init__(self):
+    def __init__(self, max_size: int | None = None):
+        """`max_size`: characters each worker's share holds at most (None: no bound)."""
+        self.max_size = max_size
         self.root = Node("", None)
         self.sizes: dict[str, int] = {}  # worker -> characters of the tree it has seen
         self._clock = itertools.count(1)
@@ -85,10 +98,10 @@ class RadixTree:
 
     # --- writing ---------------------------------------------------------------------------------
 
-    def insert(self, text: str, worker: str) -> None:
-        """Record that `worker` saw `text` now."""
+    def insert(self, text: str, worker: str) -> Inserted:
+        """Record that `worker` saw `text` now; past the maximum, evict its least recently used text."""
         now = next(self._clock)
-        node, depth = self.root, 0
+        node, depth, known = self.root, 0, len(text)
         while depth < len(text):
             child = node.children.get(text[depth])
             if child is None:
@@ -97,8 +110,29 @@ class RadixTree:
             shared = shared_length(child.edge, text, depth)
             if shared < len(child.edge):
                 child = self._split(child, shared)
+            if worker not in child.seen:
+                known = min(known, depth)
             self._stamp(child, worker, now)
             node, depth = child, depth + shared
+        if self.max_size is not None and self.size(worker) > self.max_size:
+            # down to 7/8 of the maximum, so the sweep over the tree runs once per eighth of it inserted
+            self._evict({worker}, self.max_size - self.max_size // 8)
+        return Inserted(text, worker, now, known)
+
+    def retract(self, inserted: Inserted) -> None:
+        """Take back what `inserted` added for its worker, where no later insert has touched it."""
+        worker, text = inserted.worker, inserted.text
+        path, node, depth = [], self.root, 0
+        while depth < len(text):
+            child = node.children.get(text[depth])
+            if child is None or worker not in child.seen or not text.startswith(child.edge, depth):
+                break
+            path.append((depth, child))
+            node, depth = child, depth + len(child.edge)
+        for start, node in reversed(path):
+            if start < inserted.known or node.seen[worker] != inserted.time or not self._is_leaf_of(node, worker):
+                break
+            self._unstamp(node, worker)
 
     def remove_worker(self, worker: str) -> None:
         """Forget everything `worker` saw."""
@@ -116,6 +150,11 @@ class RadixTree:
         over = {w for w, size in self.sizes.items() if size > max_size}
         if not over:
             return {}
+        return self._evict(over, max_size)
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _evict(self, over: set[str], max_size: int) -> dict[str, int]:
         leaves: dict[str, list] = {w: [] for w in over}
         order = itertools.count()  # breaks ties between equal times without comparing nodes
         for node in self.nodes():
@@ -123,8 +162,6 @@ class RadixTree:
                 if self._is_leaf_of(node, worker):
                     leaves[worker].append((node.seen[worker], next(order), node))
         return {w: self._evict_worker(w, leaves[w], max_size, order) for w in over}
-
-    # --- internals -------------------------------------------------------------------------------
 
     def _evict_worker(self, worker: str, heap: list, max_size: int, order) -> int:
         heapq.heapify(heap)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import attrs
 from attrs.validators import ge, gt, le
 
+from .access import WorkerUrlRule
+
 POLICIES = ("cache_aware", "round_robin", "random", "shortest_queue")
 
 
@@ -25,12 +27,13 @@ class RouterSettings:
     # cache_aware: load is imbalanced when max - min > abs AND max > rel * min; then the shortest queue wins
     balance_abs_threshold: int = attrs.field(default=32, validator=ge(0))
     balance_rel_threshold: float = attrs.field(default=1.1, validator=ge(1.0))
-    eviction_interval_secs: float = attrs.field(default=60.0, validator=gt(0))
-    max_tree_size: int = attrs.field(default=1 << 22, validator=gt(0))  # characters per worker
+    max_tree_size: int = attrs.field(default=1 << 22, validator=gt(0))  # characters per worker, at all times
     health_check_interval_secs: float = attrs.field(default=10.0, validator=gt(0))
     health_check_timeout_secs: float = attrs.field(default=5.0, validator=gt(0))
     health_failure_threshold: int = attrs.field(default=3, validator=ge(1))  # consecutive failures take a worker out
     health_success_threshold: int = attrs.field(default=2, validator=ge(1))  # consecutive passed checks put it back
+    # a worker not yet seen healthy is 'starting' (probed with backoff, never taken out) for this long
+    worker_startup_timeout_secs: float = attrs.field(default=600.0, validator=gt(0))
     max_retries: int = attrs.field(default=3, validator=ge(0))  # further workers tried after a failed forward
     retry_backoff_ms: float = attrs.field(default=50.0, validator=ge(0))
     retry_max_backoff_ms: float = attrs.field(default=1000.0, validator=ge(0))
@@ -39,4 +42,17 @@ class RouterSettings:
     connect_timeout_secs: float = attrs.field(default=5.0, validator=gt(0))
     max_connections: int = attrs.field(default=512, validator=ge(1))
     max_request_bytes: int = attrs.field(default=32 << 20, validator=gt(0))
+    body_timeout_secs: float = attrs.field(default=30.0, validator=gt(0))  # a body not all there by then: 408
     seed: int | None = None  # of the random policy and the retry jitter; None draws from the OS
+    # access: keys are never shown in a repr or a log
+    api_key: str | None = attrs.field(default=None, repr=False)  # clients' bearer key; None: open
+    admin_api_key: str | None = attrs.field(default=None, repr=False)  # management; None: loopback binding only
+    worker_api_key: str | None = attrs.field(default=None, repr=False)  # the bearer key the router sends workers
+    worker_url_allow: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # URL patterns; empty: any
+
+    def __attrs_post_init__(self):
+        rule = WorkerUrlRule(self.worker_url_allow)
+        for url in self.worker_urls:
+            refusal = rule.refusal(url)
+            if refusal:
+                raise ValueError(refusal)

@@ -8,6 +8,7 @@ be retried on another worker; after it, the client already holds part of the ans
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import AsyncIterator, Callable
 
@@ -20,7 +21,9 @@ log = logging.getLogger(__name__)
 # the worker cannot serve now (overloaded, draining, or a proxy in front of it says it is gone)
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 # hop-by-hop headers, and those the router's own server writes
-DROPPED_REQUEST_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade"})
+# (and the client's key: it is the router's, and a worker never sees it; see forwarded_headers)
+DROPPED_REQUEST_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
+                                     "authorization", "proxy-authorization"})
 DROPPED_RESPONSE_HEADERS = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding", "date", "server"})
 # a worker that cannot be reached, breaks the connection or goes silent past the read timeout
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
@@ -85,14 +88,27 @@ async def open_upstream(session: aiohttp.ClientSession, url: str, method: str, h
         raise
 
 
-def forwarded_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+def forwarded_headers(raw: list[tuple[bytes, bytes]], worker_api_key: str | None = None) -> list[tuple[str, str]]:
+    """The client's headers a worker sees: no hop-by-hop ones, and the router's worker key in place of the client's."""
     headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw]
-    return [(k, v) for k, v in headers if k.lower() not in DROPPED_REQUEST_HEADERS]
+    kept = [(k, v) for k, v in headers if k.lower() not in DROPPED_REQUEST_HEADERS]
+    return kept + [("Authorization", f"Bearer {worker_api_key}")] if worker_api_key else kept
+
+
+DONE = b"data: [DONE]"
+
+
+def error_event(message: str) -> bytes:
+    """The failure as the workers' own streams carry one (core/server/sse.py): an error event, then [DONE]."""
+    error = {"message": message, "type": "internal_server_error", "param": None, "code": None}
+    return b"data: " + json.dumps({"error": error}, separators=(",", ":")).encode() + b"\n\n" + DONE + b"\n\n"
 
 
 class PassThrough(StreamingResponse):
     """A worker's stream, chunk by chunk as it arrives; the upstream closes however the stream ends.
 
+    A stream the worker cuts (it dies, goes silent past the read timeout, or closes without `[DONE]`)
+    ends with an error event, so the client never takes a cut answer for a short complete one.
     Starlette cancels the stream when the client disconnects; closing the upstream then closes the
     connection to the worker, which aborts the generation there and frees its KV cache.
     """
@@ -102,25 +118,33 @@ class PassThrough(StreamingResponse):
         self.raw_headers += upstream.raw_headers()
         self.upstream = upstream
         self.on_close = on_close
+        self.failed = False
 
-    @staticmethod
-    async def _chunks(upstream: Upstream) -> AsyncIterator[bytes]:
+    async def _chunks(self, upstream: Upstream) -> AsyncIterator[bytes]:
+        tail = upstream.body[-64:]
         if upstream.body:
             yield upstream.body
-        async for chunk in upstream.chunks:
-            yield chunk
+        try:
+            async for chunk in upstream.chunks:
+                yield chunk
+                tail = (tail + chunk)[-64:]
+        except TRANSPORT_ERRORS as exc:
+            self.failed = True
+            log.warning("%s failed in the middle of a stream: %r", upstream.response.url, exc)
+            yield error_event(f"the worker failed in the middle of the stream ({type(exc).__name__}); "
+                              "the answer is incomplete")
+            return
+        if not tail.rstrip().endswith(DONE):
+            self.failed = True
+            log.warning("%s ended a stream without [DONE]", upstream.response.url)
+            yield error_event("the worker ended the stream before finishing it; the answer is incomplete")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        failed = False
         response = self.upstream.response
         try:
             await super().__call__(scope, receive, send)
-        except TRANSPORT_ERRORS as exc:
-            # the worker failed mid-stream: the response stays unterminated, so the client sees a broken
-            # stream rather than a short one that looks complete
-            failed = True
-            log.warning("%s failed in the middle of a stream: %r", response.url, exc)
         finally:
+            failed = self.failed
             self.on_close(failed)
             if response.content.at_eof() and not failed:
                 response.release()  # the connection goes back to the pool

@@ -1,6 +1,6 @@
 """The HTTP side of the engine: requests out to the leader (rank 0), its round reports back into the HTTP calls.
 
-    event loop  --Commands (what arrived since the last send, one message)-->  connection  -->  Leader (leader.py),
+    event loop  --a Round (what arrived since the last send, one message)-->  connection  -->  Leader (leader.py),
                                                                                 in its own process, or on a thread
     event loop  <--RoundReport, one per round-- reader thread <-- connection <--  of this one for an in-process engine
 
@@ -22,8 +22,9 @@ from multiprocessing.connection import Connection
 from typing import Callable
 
 from ..engine import Engine
-from ..request import Request
-from .leader import Cancel, Commands, EngineCall, EngineFacts, Failure, Halted, Leader, RoundReport, Submit
+from ..messages import Abort, Admit, Call, Failure, Halted, Round, RoundReport
+from ..request import Request, check_prompt
+from .leader import EngineFacts, Leader
 from .metrics import ServerMetrics
 from .outputs import Output, Ticket
 from .progress import Progress
@@ -103,7 +104,7 @@ class EngineLoop:
             ticket.queue.put_nowait(Output.failure(ticket, 503, SHUTTING_DOWN))
             return
         try:
-            self._check(ticket.prompt_ids)
+            check_prompt(ticket.prompt_ids, self.facts.vocab_size, self.facts.capacity_tokens)
         except ValueError as exc:  # the engine's own checks: vocabulary, KV capacity
             self.metrics.finished.labels("rejected").inc()
             ticket.queue.put_nowait(Output.failure(ticket, 400, str(exc)))
@@ -111,12 +112,12 @@ class EngineLoop:
         mirror = Request(ticket.rid, list(ticket.prompt_ids), ticket.params)
         self._progress[ticket.rid] = Progress(mirror, ticket)
         self.metrics.prompt_tokens.inc(len(ticket.prompt_ids))
-        self._command(Submit(ticket.rid, tuple(ticket.prompt_ids), ticket.params))
+        self._command(Admit(ticket.rid, tuple(ticket.prompt_ids), ticket.params))
 
     def abort(self, rid: str) -> None:
         """The client has gone: drop the request and its KV pages; nobody is left to tell."""
         if self._progress.pop(rid, None) is not None:
-            self._command(Cancel(rid))
+            self._command(Abort(rid))
             self.metrics.finished.labels("abort").inc()
 
     def call(self, method: str, *args) -> asyncio.Future:
@@ -127,7 +128,7 @@ class EngineLoop:
             return future
         call_id = next(self._call_ids)
         self._calls[call_id] = future
-        self._command(EngineCall(call_id, method, tuple(args)))
+        self._command(Call(method, tuple(args), call_id))
         return future
 
     def _command(self, item) -> None:
@@ -142,19 +143,9 @@ class EngineLoop:
             return
         self._halting = halt
         try:
-            self.connection.send(Commands(items, halt))
+            self.connection.send(Round(items, halt))
         except OSError:  # the leader has gone; the reader thread says so
             pass
-
-    def _check(self, prompt_ids) -> None:
-        vocab, capacity = self.facts.vocab_size, self.facts.capacity_tokens
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        if len(prompt_ids) > capacity:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds at most {capacity}")
 
     # --- the reader thread: blocks on the connection, hands each message to the event loop -----------
     def _read(self) -> None:

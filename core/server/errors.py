@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -15,6 +17,13 @@ ERROR_TYPES = {
     500: "internal_server_error",
     503: "service_unavailable",
 }
+
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON escaped to ASCII: an error may quote what the client sent, lone surrogates included."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
 
 
 class ApiError(Exception):
@@ -33,7 +42,7 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return AsciiJSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

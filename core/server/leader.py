@@ -1,6 +1,6 @@
 """Rank 0 of a served engine as a leader: the front end's commands in, one EngineGroup round each step, reports out.
 
-    front end (HTTP process)  --Commands, one message per batch-->  Leader (rank 0): queue them on the EngineGroup
+    front end (HTTP process)  --Round of commands, one a batch-->  Leader (rank 0): queue them on the EngineGroup
                                                                     a round on every rank (see engine_group.py)
     front end  <--RoundReport, one message per round------------  what each request gained, call outcomes, stats
 
@@ -20,103 +20,9 @@ import attrs
 
 from ..config import EngineConfig
 from ..engine_group import EngineGroup
-from ..rank_worker import GroupStats, RequestUpdate
-from ..sampling import SamplingParams
+from ..messages import Abort, Admit, Call, Failure, Halted, LoopStats, Round, RoundReport
 
 log = logging.getLogger("moeplex.server")
-
-
-# --- the front end's side of the connection -------------------------------------------------------
-
-
-@attrs.frozen
-class Submit:
-    rid: str
-    prompt_ids: tuple[int, ...]
-    params: SamplingParams
-
-
-@attrs.frozen
-class Cancel:
-    """The client has gone: drop the request and its KV pages."""
-
-    rid: str
-
-
-@attrs.frozen
-class EngineCall:
-    """engine.<method>(*args) on every rank between two steps; rank 0's result or error answers call `id`."""
-
-    id: int
-    method: str
-    args: tuple = ()
-
-
-@attrs.frozen
-class Commands:
-    items: tuple = ()
-    halt: bool = False  # after `items`: end the rounds, release the followers, answer Halted
-
-
-# --- the leader's side ----------------------------------------------------------------------------
-
-
-@attrs.frozen
-class LoopStats:
-    """The engine's state as of its last round."""
-
-    groups: tuple[GroupStats, ...]  # one per DP group
-    admitted: tuple[int, ...]  # requests each DP group was given since start-up
-    steps: int
-    failed_steps: int
-
-    @property
-    def num_running(self) -> int:
-        return sum(g.num_running for g in self.groups)
-
-    @property
-    def num_queued(self) -> int:
-        return sum(g.num_queued for g in self.groups)
-
-    @property
-    def kv_pages_total(self) -> int:
-        return sum(g.kv_pages_total for g in self.groups)
-
-    @property
-    def kv_pages_free(self) -> int:
-        return sum(g.kv_pages_free for g in self.groups)
-
-    @property
-    def page_size(self) -> int:
-        return self.groups[0].page_size
-
-    @property
-    def kv_pages_used(self) -> int:
-        return self.kv_pages_total - self.kv_pages_free
-
-
-@attrs.frozen
-class Failure:
-    """A request the engine gave up on: `status` is the HTTP status its client gets."""
-
-    rid: str
-    status: int
-    message: str
-
-
-@attrs.frozen
-class RoundReport:
-    updates: tuple[RequestUpdate, ...]
-    failures: tuple[Failure, ...]
-    outcomes: tuple[tuple[int, Any], ...]  # (call id, rank 0's result or exception)
-    stats: LoopStats
-
-
-@attrs.frozen
-class Halted:
-    """The last message: `reason` is None when the front end asked for it, else why the rounds stopped."""
-
-    reason: str | None = None
 
 
 @attrs.frozen
@@ -173,24 +79,24 @@ class Leader:
             return
         while not self._halted and self.connection.poll(0):
             try:
-                commands: Commands = self.connection.recv()
+                commands: Round = self.connection.recv()
             except EOFError:  # the front end has gone without a word: nobody is left to serve
                 self._halted = True
                 return
-            for item in commands.items:
-                self._handle(item)
+            for command in commands.commands:
+                self._handle(command)
             self._halted = commands.halt
 
-    def _handle(self, item) -> None:
-        if isinstance(item, Submit):
+    def _handle(self, command) -> None:
+        if isinstance(command, Admit):
             try:
-                self.group.add_request(item.prompt_ids, item.params, rid=item.rid)
+                self.group.add_request(command.prompt_ids, command.params, rid=command.rid)
             except ValueError as exc:  # the front end checks first; the engine's own checks have the last word
-                self._failures.append(Failure(item.rid, 400, str(exc)))
-        elif isinstance(item, Cancel):
-            self.group.abort(item.rid)
-        elif isinstance(item, EngineCall):
-            self.group.call(item.method, item.args, lambda outcome, id=item.id: self._outcomes.append((id, outcome)))
+                self._failures.append(Failure(command.rid, 400, str(exc)))
+        elif isinstance(command, Abort):
+            self.group.abort(command.rid)
+        elif isinstance(command, Call):
+            self.group.call(command.method, command.args, lambda outcome, id=command.id: self._outcomes.append((id, outcome)))
 
     def _round(self) -> None:
         self._steps += 1

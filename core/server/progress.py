@@ -13,13 +13,18 @@ def held_back(text: str, stops: Sequence[str]) -> int:
 
     The engine cuts a matched stop string out of request.text, but text already streamed cannot be
     taken back, so such an end waits until the next tokens decide whether it is a stop string.
+    Per stop string only the positions in the text's last len(stop) - 1 characters where its first
+    character occurs are tried, each by one C-level comparison: no Python loop over every length.
     """
     longest = 0
     for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:size]):
-                longest = size
+        start = max(len(text) - len(stop) + 1, 0)
+        at = text.find(stop[0], start) if stop else -1
+        while at >= 0 and len(text) - at > longest:
+            if stop.startswith(text[at:]):
+                longest = len(text) - at
                 break
+            at = text.find(stop[0], at + 1)
     return longest
 
 

@@ -49,10 +49,26 @@ def _finite_number(value: Any) -> bool:
     return type(value) is int or (type(value) is float and math.isfinite(value))
 
 
+class Text(Kind):
+    """A JSON string that is text: JSON's \\ud800 escapes can spell a lone UTF-16 surrogate, which no
+    tokenizer or UTF-8 encoder accepts."""
+
+    def read(self, value: Any, param: str) -> Any:
+        super().read(value, param)
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            at = exc.start
+            raise bad_request(
+                f"{param} is not valid text: it holds a lone UTF-16 surrogate (U+{ord(value[at]):04X}) at character {at}", param
+            ) from None
+        return value
+
+
 INTEGER = Kind("an integer", lambda v: type(v) is int, {"type": "integer"})
 NUMBER = Kind("a number", _finite_number, {"type": "number"})
 BOOLEAN = Kind("a boolean", lambda v: type(v) is bool, {"type": "boolean"})
-STRING = Kind("a string", lambda v: type(v) is str, {"type": "string"})
+STRING = Text("a string", lambda v: type(v) is str, {"type": "string"})
 OBJECT = Kind("an object", lambda v: type(v) is dict, {"type": "object"})
 
 

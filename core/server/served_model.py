@@ -26,6 +26,8 @@ class ServedModel:
         # one sequence can never outgrow the KV pool, however long the model's positions reach
         self.context_length = context_length(hf_config, facts.capacity_tokens)
         self.tokenizer = tokenizer
+        # no token spells more characters than the longest in the vocabulary: a bound on a text's token count
+        self._longest_token = max(map(len, tokenizer.get_vocab())) if tokenizer is not None else 0
         self.chat_template = ChatTemplate.from_folder(self.path)
         self.bos_token_id = hf_config.get("bos_token_id")
         self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
@@ -37,7 +39,15 @@ class ServedModel:
     def encode(self, text: str, param: str) -> list[int]:
         if self.tokenizer is None:
             raise bad_request(f"{self.path} has no tokenizer.json, so {param} must be token ids", param)
-        return self.tokenizer.encode(text).ids
+        if len(text) > self.context_length * self._longest_token:
+            raise bad_request(
+                f"{param} has {len(text)} characters, more than this model's context of {self.context_length} tokens can "
+                f"hold at {self._longest_token} characters per token",
+                param,
+                "context_length_exceeded",
+            )
+        # encode_batch lets go of the GIL while it works (encode holds it): the event loop keeps serving
+        return self.tokenizer.encode_batch([text])[0].ids
 
     def check_prompt(self, ids: Sequence[int], param: str) -> None:
         if not ids:

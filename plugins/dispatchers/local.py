@@ -16,7 +16,7 @@ from moeplex.interfaces import (
 
 
 class LocalDispatcher(Dispatcher):
-    caps = DispatcherCaps(layout=STANDARD, multi_rank=False, graph_safe=True, combine_applies_weights=True)
+    caps = DispatcherCaps(layout=STANDARD, multi_rank=False, graph_safe=True)
 
     def dispatch_start(self, hidden, topk_ids, topk_weights, batch=None):
         return hidden, topk_ids, topk_weights

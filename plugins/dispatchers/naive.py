@@ -96,7 +96,6 @@ class NaiveAllToAllDispatcher(Dispatcher):
         needs_gpu=False,
         graph_safe=False,  # split sizes change every step and are read on the host
         needs_host_sync=True,  # the count exchange goes to the host to size the uneven splits
-        combine_applies_weights=True,  # combine finishes the kernel's output with reduce_standard
         # The halves launch and wait, but a wait is not free: dispatch_start blocks on the count
         # exchange with every peer, NCCL's all-to-all kernels occupy SMs while in flight, and
         # gloo's transfers run on worker threads that share the CPU cores with compute.

@@ -31,8 +31,7 @@ from moeplex.interfaces import (
     MoEContext,
     MoEKernel,
 )
-from moeplex.kernels.fp8 import quantize_rows, silu_mul_quantize
-from moeplex.quant import BLOCK, quantize_blocks
+from moeplex.interfaces.kernels import BLOCK, quantize_blocks, quantize_rows, silu_mul_quantize
 
 MASKED = "masked"
 ALIGNMENT = 128  # DeepGEMM's get_mk_alignment_for_contiguous_layout() on Hopper
@@ -87,6 +86,7 @@ class DeepGemmMoEKernel(MoEKernel):
         needs_gpu=True,
         graph_safe=True,  # no host sync: the masked path reads its counts on the device
         fp8_compute=True,
+        fp8_payload=True,  # reads rows from layout.fp8 when the dispatcher sent them as fp8
         requires=("deep_gemm",),
         min_compute_capability=(9, 0),
     )

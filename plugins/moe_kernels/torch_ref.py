@@ -18,7 +18,7 @@ from moeplex.interfaces import (
     MoEKernel,
     StandardLayout,
 )
-from moeplex.quant import dequantize_activations, dequantize_blocks
+from moeplex.interfaces.kernels import dequantize_activations, dequantize_blocks
 
 
 class TorchMoEKernel(MoEKernel):
@@ -26,6 +26,7 @@ class TorchMoEKernel(MoEKernel):
         layouts=frozenset(ALL_LAYOUTS),
         dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
         weight_formats=frozenset({BF16, FP8_BLOCK}),
+        fp8_payload=True,  # reads rows from layout.fp8 when the dispatcher sent them as fp8
     )
 
     def prepare_weights(self, weights: ExpertWeights):

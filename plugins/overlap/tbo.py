@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-from moeplex.forward_batch import ForwardMode
-from moeplex.interfaces import BatchMeta, OverlapCaps, OverlapStrategy
+from moeplex.interfaces import BatchMeta, ForwardMode, OverlapCaps, OverlapStrategy
 
 BALANCE_TOLERANCE = 0.1  # a request boundary within 10% of the middle is good enough to cut at
 

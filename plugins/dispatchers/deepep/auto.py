@@ -13,7 +13,7 @@ import torch
 
 from moeplex.interfaces import CONTIGUOUS, MASKED, Dispatched, Dispatcher, ExpertOutput, MoEContext
 
-from .buffers import check_low_latency, check_normal, make_buffer
+from .buffers import BufferPool, check_low_latency, check_normal
 from .low_latency import (
     DeepEPLowLatencyDispatcher,
     LowLatencyHandle,
@@ -46,11 +46,12 @@ class DeepEPAutoDispatcher(Dispatcher):
         needs_host_sync=True,  # in extend steps; decode steps, the ones captured in graphs, have none
     )
 
-    def __init__(self, ctx: MoEContext):
+    def __init__(self, ctx: MoEContext, buffers: BufferPool | None = None):
         super().__init__(ctx)
         check_normal(ctx, self.name)
         check_low_latency(ctx, self.name)
-        deep_ep, buffer, plan = make_buffer(ctx, self.name, normal=True, low_latency=True)
+        self.buffers = buffers if buffers is not None else BufferPool()  # one buffer, both modes
+        deep_ep, buffer, plan = self.buffers.make(ctx, self.name, normal=True, low_latency=True)
         self.normal = NormalMode(ctx, deep_ep, buffer)
         self.low_latency = LowLatencyMode(ctx, buffer, plan.ll_tokens_per_rank, self.name)
 

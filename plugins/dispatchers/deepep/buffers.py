@@ -9,8 +9,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from moeplex.interfaces import Dispatched, Dispatcher, ExpertOutput, MoEContext
-from moeplex.registry import PluginError
+from moeplex.interfaces import Dispatched, Dispatcher, ExpertOutput, MoEContext, PluginError
 
 # What DeepEP v1.2.1's kernels are built for.
 LL_HIDDEN_SIZES = frozenset({2048, 2560, 4096, 5120, 6144, 7168, 8192})  # low-latency kernels, per hidden size
@@ -99,15 +98,32 @@ def plan_buffer(
 
 
 class BufferPool:
-    """The DeepEP buffers of this process, one per (EP group, mode).
+    """DeepEP buffers, one per (EP group, mode), owned by the dispatcher that made the pool.
 
-    NVSHMEM, which low-latency buffers live in, starts once per process, so a second
-    dispatcher over the same group (a second engine, or a test) shares the first one's
-    buffer when it is big enough rather than starting NVSHMEM again.
+    Each DeepEP dispatcher makes its pool in `__init__` unless it is handed one; deepep-auto's
+    two modes share the one buffer of the pool deepep-auto owns. NVSHMEM, which low-latency
+    buffers live in, starts once per process, so whoever makes several dispatchers in one
+    process (a test, a second engine) passes them one pool: a later dispatcher then takes the
+    earlier one's buffer when it is big enough rather than starting NVSHMEM again.
     """
 
     def __init__(self):
         self._buffers: dict[tuple, tuple[BufferPlan, Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def make(self, ctx: MoEContext, name: str, normal: bool, low_latency: bool):
+        """(deep_ep module, Buffer, BufferPlan) for a dispatcher of `ctx`."""
+        deep_ep = import_deep_ep(name)
+        group = ep_group(ctx, name)
+
+        def nvl_hint(hidden_bytes: int, ranks: int) -> int:
+            configs = (deep_ep.Buffer.get_dispatch_config(ranks), deep_ep.Buffer.get_combine_config(ranks))
+            return max(config.get_nvl_buffer_size_hint(hidden_bytes, ranks) for config in configs)
+
+        plan = plan_buffer(ctx, normal, low_latency, nvl_hint, deep_ep.Buffer.get_low_latency_rdma_size_hint)
+        return deep_ep, self.get(deep_ep, group, plan), plan
 
     def get(self, deep_ep, group, plan: BufferPlan):
         key = (id(group), plan.low_latency)
@@ -123,9 +139,6 @@ class BufferPool:
         )
         self._buffers[key] = (plan, buffer)
         return buffer
-
-
-POOL = BufferPool()
 
 
 def import_deep_ep(name: str):
@@ -144,19 +157,6 @@ def ep_group(ctx: MoEContext, name: str):
     if dist.get_world_size() != 1:
         raise PluginError(f"dispatcher '{name}' with one EP rank runs only in an engine of one process.")
     return dist.group.WORLD
-
-
-def make_buffer(ctx: MoEContext, name: str, normal: bool, low_latency: bool):
-    """(deep_ep module, Buffer, BufferPlan) for a dispatcher of `ctx`."""
-    deep_ep = import_deep_ep(name)
-    group = ep_group(ctx, name)
-
-    def nvl_hint(hidden_bytes: int, ranks: int) -> int:
-        configs = (deep_ep.Buffer.get_dispatch_config(ranks), deep_ep.Buffer.get_combine_config(ranks))
-        return max(config.get_nvl_buffer_size_hint(hidden_bytes, ranks) for config in configs)
-
-    plan = plan_buffer(ctx, normal, low_latency, nvl_hint, deep_ep.Buffer.get_low_latency_rdma_size_hint)
-    return deep_ep, POOL.get(deep_ep, group, plan), plan
 
 
 def as_bf16(hidden: torch.Tensor) -> torch.Tensor:

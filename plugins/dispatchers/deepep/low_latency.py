@@ -26,7 +26,15 @@ from moeplex.interfaces import (
     placeholder,
 )
 
-from .buffers import OneModeDispatcher, FP8_GROUP, LL_HIDDEN_SIZES, LL_MAX_TOP_K, as_bf16, check_low_latency, make_buffer
+from .buffers import (
+    FP8_GROUP,
+    LL_HIDDEN_SIZES,
+    LL_MAX_TOP_K,
+    BufferPool,
+    OneModeDispatcher,
+    as_bf16,
+    check_low_latency,
+)
 
 
 @attrs.frozen
@@ -122,7 +130,6 @@ class DeepEPLowLatencyDispatcher(OneModeDispatcher):
         graph_safe=True,
         fixed_max_tokens=True,
         fp8_payload=True,
-        combine_applies_weights=True,
         async_halves=True,
         max_in_flight=1,  # each low-latency transfer clears the other buffer's receive flags
         requires=("deep_ep",),
@@ -131,8 +138,9 @@ class DeepEPLowLatencyDispatcher(OneModeDispatcher):
         max_top_k=LL_MAX_TOP_K,
     )
 
-    def __init__(self, ctx: MoEContext):
+    def __init__(self, ctx: MoEContext, buffers: BufferPool | None = None):
         super().__init__(ctx)
         check_low_latency(ctx, self.name)
-        _, buffer, plan = make_buffer(ctx, self.name, normal=False, low_latency=True)
+        self.buffers = buffers if buffers is not None else BufferPool()
+        _, buffer, plan = self.buffers.make(ctx, self.name, normal=False, low_latency=True)
         self.mode = LowLatencyMode(ctx, buffer, plan.ll_tokens_per_rank, self.name)

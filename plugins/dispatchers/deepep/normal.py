@@ -29,11 +29,9 @@ from moeplex.interfaces import (
     MoEContext,
     placeholder,
 )
-from moeplex.kernels.fp8 import quantize_rows
-from moeplex.kernels.permute import gather_rows, weighted_pair_sum
-from moeplex.moe.adapters import ContiguousPlan, plan_contiguous
+from moeplex.interfaces.kernels import ContiguousPlan, gather_rows, plan_contiguous, quantize_rows, weighted_pair_sum
 
-from .buffers import OneModeDispatcher, FP8_GROUP, as_bf16, check_normal, make_buffer
+from .buffers import FP8_GROUP, BufferPool, OneModeDispatcher, as_bf16, check_normal
 
 ALIGNMENT = 128  # rows per expert group: DeepGEMM's contiguous-layout alignment on Hopper
 
@@ -161,14 +159,14 @@ class DeepEPNormalDispatcher(OneModeDispatcher):
         graph_safe=False,
         needs_host_sync=True,
         fp8_payload=True,
-        combine_applies_weights=True,
         async_halves=True,
         requires=("deep_ep",),
         min_compute_capability=(9, 0),
     )
 
-    def __init__(self, ctx: MoEContext):
+    def __init__(self, ctx: MoEContext, buffers: BufferPool | None = None):
         super().__init__(ctx)
         check_normal(ctx, self.name)
-        deep_ep, buffer, _ = make_buffer(ctx, self.name, normal=True, low_latency=False)
+        self.buffers = buffers if buffers is not None else BufferPool()
+        deep_ep, buffer, _ = self.buffers.make(ctx, self.name, normal=True, low_latency=False)
         self.mode = NormalMode(ctx, deep_ep, buffer)

@@ -6,8 +6,7 @@ import attrs
 import torch
 
 from moeplex.interfaces import FP8_BLOCK, ExpertWeights, Fp8Payload
-from moeplex.kernels.fp8 import quantize_rows
-from moeplex.quant import BLOCK as GROUP, dequantize_activations
+from moeplex.interfaces.kernels import BLOCK as GROUP, dequantize_activations, quantize_rows
 
 from .align import Alignment, align_direct, align_in_place, align_pairs, can_align_direct, can_align_in_place
 from .configs import MoETiles

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeplex.quant import BLOCK as SCALE_BLOCK
+from moeplex.interfaces.kernels import BLOCK as SCALE_BLOCK
 
 from .align import Alignment
 from .configs import TileConfig

@@ -38,6 +38,7 @@ class TritonMoEKernel(MoEKernel):
         dtypes=frozenset(_DTYPES),
         weight_formats=frozenset({BF16, FP8_BLOCK}),
         alignment=CONTIGUOUS_ALIGNMENT,
+        fp8_payload=True,  # reads rows from layout.fp8 when the dispatcher sent them as fp8
         needs_gpu=not INTERPRETED,
         graph_safe=True,  # no host sync: counts stay on the device and grids come from shapes
     )

@@ -1,0 +1,33 @@
+"""Public helpers for plugins: fp8 quantization, row permutation and layout planning.
+
+The core uses the same functions from their home modules (moeplex.quant, moeplex.kernels,
+moeplex.moe.adapters); this module is the one door a plugin imports them through, so those
+homes may move without breaking a plugin. Importing it imports Triton (its kernels are
+Triton kernels), which is why `moeplex.interfaces` itself does not import it.
+"""
+
+from moeplex.kernels.fp8 import quantize_rows, silu_mul_quantize
+from moeplex.kernels.permute import gather_rows, weighted_pair_sum
+from moeplex.moe.adapters import ContiguousPlan, LayoutAdapter, plan_contiguous
+from moeplex.quant import (
+    BLOCK,
+    dequantize_activations,
+    dequantize_blocks,
+    quantize_activations,
+    quantize_blocks,
+)
+
+__all__ = [
+    "BLOCK",  # the fp8 group / block width: 128 columns of activations, 128x128 weights
+    "ContiguousPlan",
+    "LayoutAdapter",
+    "dequantize_activations",
+    "dequantize_blocks",
+    "gather_rows",
+    "plan_contiguous",
+    "quantize_activations",
+    "quantize_blocks",
+    "quantize_rows",
+    "silu_mul_quantize",
+    "weighted_pair_sum",
+]

@@ -1,0 +1,160 @@
+"""The one vocabulary a request travels in, from the HTTP front end to every rank and back.
+
+    front end  --Round(commands, halt)-->  leader (rank 0)  --Round(commands)-->  every rank
+    front end  <--RoundReport----------   leader           <--GroupReport-----  each DP group's output rank
+
+Commands are the same three wherever they go: Admit a request, Abort one, Call an engine method on every
+rank between two steps. The front end leaves `dp_rank` unset; the leader picks the DP group. What comes
+back is a RequestUpdate per request that grew, stats, the outcomes of calls, and the requests that failed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from .request import FinishReason, Request
+from .sampling import SamplingParams
+
+# --- commands -----------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Admit:
+    rid: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    dp_rank: int | None = None  # the DP group that runs it (the leader's choice)
+
+
+@attrs.frozen
+class Abort:
+    """Drop the request and free its KV pages (the client has gone)."""
+
+    rid: str
+    dp_rank: int | None = None
+
+
+@attrs.frozen
+class Call:
+    """engine.<method>(*args) on every rank between two steps (the expert-load calls, collectives themselves);
+    rank 0's result or exception answers call `id`."""
+
+    method: str
+    args: tuple = ()
+    id: int = 0
+
+
+@attrs.frozen
+class Round:
+    """Commands in arrival order; `halt` (after them) ends the rounds: the leader stops, the followers return."""
+
+    commands: tuple = ()
+    halt: bool = False
+
+
+# --- progress -----------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RequestUpdate:
+    """What a request gained in one round. Text is append-only except for a stop string cut off its end,
+    so it travels as (where the new text starts, the new text)."""
+
+    rid: str
+    new_ids: tuple[int, ...] = ()
+    new_logprobs: tuple[dict, ...] = ()
+    text_from: int = 0
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: Any = None
+    error: str | None = None
+
+    def apply(self, request: Request) -> None:
+        request.output_ids.extend(self.new_ids)
+        request.logprobs.extend(self.new_logprobs)
+        request.text = request.text[: self.text_from] + self.text
+        if self.finish_reason is not None:
+            request.finish(self.finish_reason, self.stop_reason, self.error)
+
+
+@attrs.frozen
+class GroupStats:
+    """One DP group's scheduler and KV cache after a round."""
+
+    num_running: int = 0
+    num_queued: int = 0
+    kv_pages_total: int = 0
+    kv_pages_free: int = 0
+    page_size: int = 1
+
+
+@attrs.frozen
+class GroupReport:
+    """One DP group's round, from its output rank."""
+
+    dp_rank: int
+    updates: tuple[RequestUpdate, ...]
+    has_work: bool
+    stats: GroupStats
+
+
+@attrs.frozen
+class LoopStats:
+    """The engine's state as of its last round."""
+
+    groups: tuple[GroupStats, ...]  # one per DP group
+    admitted: tuple[int, ...]  # requests each DP group was given since start-up
+    steps: int
+    failed_steps: int
+
+    @property
+    def num_running(self) -> int:
+        return sum(g.num_running for g in self.groups)
+
+    @property
+    def num_queued(self) -> int:
+        return sum(g.num_queued for g in self.groups)
+
+    @property
+    def kv_pages_total(self) -> int:
+        return sum(g.kv_pages_total for g in self.groups)
+
+    @property
+    def kv_pages_free(self) -> int:
+        return sum(g.kv_pages_free for g in self.groups)
+
+    @property
+    def page_size(self) -> int:
+        return self.groups[0].page_size
+
+    @property
+    def kv_pages_used(self) -> int:
+        return self.kv_pages_total - self.kv_pages_free
+
+
+@attrs.frozen
+class Failure:
+    """A request the engine gave up on: `status` is the HTTP status its client gets."""
+
+    rid: str
+    status: int
+    message: str
+
+
+@attrs.frozen
+class RoundReport:
+    """The leader's answer to the front end, one per round."""
+
+    updates: tuple[RequestUpdate, ...]
+    failures: tuple[Failure, ...]
+    outcomes: tuple[tuple[int, Any], ...]  # (call id, rank 0's result or exception)
+    stats: LoopStats
+
+
+@attrs.frozen
+class Halted:
+    """The leader's last message: `reason` is None when the front end asked for it, else why the rounds stopped."""
+
+    reason: str | None = None

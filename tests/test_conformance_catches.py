@@ -1,0 +1,66 @@
+"""The conformance suites fail realistic broken plugins (tests/fake_plugins.py), run in-process as a third party runs them."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+
+import fake_plugins
+
+
+class Outcomes:
+    """Collects each test's outcome by its id, e.g. 'test_placement_keeps_the_contract[...]' -> 'failed'."""
+
+    def __init__(self):
+        self.by_test: dict[str, str] = {}
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" or report.outcome != "passed":
+            self.by_test[report.nodeid.rpartition("::")[2]] = report.outcome
+
+
+@pytest.fixture
+def fake_distribution(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    site.mkdir()
+    fake_plugins.write_distribution(site)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+    monkeypatch.chdir(tmp_path)  # no project settings apply, as for a third party
+    importlib.invalidate_caches()
+    yield
+    sys.modules.pop("fake_plugins", None)
+
+
+def run_conformance(plugin: str, select: str) -> dict[str, str]:
+    outcomes = Outcomes()
+    args = ["-q", "--tb=line", "-p", "no:cacheprovider", "--pyargs", "moeplex.conformance", "--moeplex-plugin", plugin, "-k", select]
+    code = pytest.main(args, plugins=[outcomes])
+    assert code in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED), f"the suite did not run: exit {code}"
+    return outcomes.by_test
+
+
+def test_fp16_inside_passes_at_unit_scale_where_the_old_suite_looked(fake_distribution):
+    """What let it through before: unit-scale data, on which fp16 arithmetic is as exact as bf16."""
+    outcomes = run_conformance("moe_kernel:fake-fp16-inside", "matches_torch_reference and random")
+    ran = [o for o in outcomes.values() if o != "skipped"]
+    assert ran and set(ran) == {"passed"}, outcomes
+
+
+def test_balancer_suite_fails_a_balancer_that_starves_idle_experts(fake_distribution):
+    outcomes = run_conformance("balancer:fake-starves-idle", "idle_experts or one_hot or zero")
+    failed = [test for test, outcome in outcomes.items() if outcome == "failed"]
+    assert any(test.startswith("test_every_logical_expert_keeps_a_replica") for test in failed), outcomes
+    assert any(test.startswith("test_placement_keeps_the_contract") for test in failed), outcomes
+    zero = [o for test, o in outcomes.items() if test.endswith("-zero]")]
+    assert zero and all(o == "passed" for o in zero), f"all-zero loads are not where it breaks: {outcomes}"
+
+
+@pytest.mark.parametrize("kernel", ["fake-fp16-inside", "fake-fp8-inside"])
+def test_kernel_suite_fails_a_kernel_that_computes_narrower_than_it_declares(fake_distribution, kernel):
+    outcomes = run_conformance(f"moe_kernel:{kernel}", "declared_dtype")
+    ran = [o for test, o in outcomes.items() if o != "skipped"]
+    assert len(ran) == 3 and set(ran) == {"failed"}, outcomes  # its one dtype, on each layout
