@@ -125,7 +125,7 @@ def test_engine_on_cpu_runs_without_graphs_and_says_nothing(tiny_model_dir, capl
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "bench-one-batch"])
-def test_every_engine_command_takes_the_graph_and_attention_flags(command, capsys):
+def test_every_engine_command_takes_the_graph_and_attention_flags(command, capsys, tiny_model_dir):
     parser = build_parser()
     with pytest.raises(SystemExit):
         parser.parse_args([command, "--help"])
@@ -133,11 +133,12 @@ def test_every_engine_command_takes_the_graph_and_attention_flags(command, capsy
     for flag in ("--attention-backend", "--disable-cuda-graph", "--cuda-graph-max-bs"):
         assert flag in help_text
     extra = ["--input-ids", "1,2"] if command == "generate" else []
-    args = parser.parse_args([command, "--model", "m", *extra, "--attention-backend", "triton",
+    folder = tiny_model_dir("deepseek_v3")
+    args = parser.parse_args([command, "--model", folder, *extra, "--attention-backend", "triton",
                               "--disable-cuda-graph", "--cuda-graph-max-bs", "48"])
     config = engine_config(args)
     assert (config.attention_backend, config.disable_cuda_graph, config.cuda_graph_max_bs) == ("triton", True, 48)
-    defaults = engine_config(parser.parse_args([command, "--model", "m", *extra]))
+    defaults = engine_config(parser.parse_args([command, "--model", folder, *extra]))
     assert (defaults.attention_backend, defaults.disable_cuda_graph, defaults.cuda_graph_max_bs) == ("auto", False, 256)
 
 
