@@ -102,7 +102,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     par.add_argument("--nnodes", type=int, default=1, help="machines the ranks span (default: 1)")
     par.add_argument("--node-rank", type=int, default=0, help="this machine's index among --nnodes (default: 0)")
-    par.add_argument("--dist-init-addr", default="127.0.0.1:29517", help="HOST:PORT of rank 0 for the rendezvous")
+    par.add_argument(
+        "--dist-init-addr", default="127.0.0.1:29517",
+        help="HOST:PORT where node 0 hosts the rendezvous with --nnodes > 1 (it binds HOST only); "
+        "one node uses a free loopback port instead",
+    )
     par.add_argument("--dist-backend", choices=("gloo", "nccl"), default=None, help="default: nccl on CUDA, gloo on CPU")
     par.add_argument(
         "--dist-timeout", type=float, default=300.0,

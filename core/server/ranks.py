@@ -22,12 +22,13 @@ from multiprocessing.connection import Connection
 
 import attrs
 import torch
+import torch.multiprocessing as mp
 import uvicorn
 
 from ..config import EngineConfig
 from ..engine import Engine
 from ..engine_group import EngineGroup
-from ..launcher import RankFailed, launch
+from ..launcher import RankFailed, last_line, launch
 from ..memory import describe, memory_report
 from ..parallel import init_parallel, rank_device
 from ..rank_worker import Follower
@@ -46,10 +47,7 @@ def serve(config: EngineConfig, settings: ServerSettings, log_level: str) -> Non
     here, there = multiprocessing.get_context("spawn").Pipe()
     ranks = RankProcesses(config, there, log_level, settings.warmup)
     try:
-        facts = here.recv()
-    except EOFError:  # rank 0 is gone before it could lead
-        ranks.join()
-        raise RankFailed("rank 0 stopped during start-up") from None
+        facts = _first_message(here, ranks)
     finally:
         there.close()  # the ranks hold their own copy: the leader's exit must reach `here` as the end of the pipe
     server = HttpServer(LeaderLink(here, facts), settings, log_level)
@@ -61,6 +59,20 @@ def serve(config: EngineConfig, settings: ServerSettings, log_level: str) -> Non
     failure = server.app.state.engine_loop.failure
     if failure is not None:
         raise failure
+
+
+def _first_message(here: Connection, ranks: "RankProcesses") -> EngineFacts:
+    """Rank 0's start-up facts; RankFailed as soon as the ranks have stopped instead (this process still holds
+    the pipe's other end until the ranks are up, so their exit alone never ends the wait)."""
+    while not here.poll(0.2):
+        if not ranks.thread.is_alive():
+            ranks.join()
+            raise RankFailed("rank 0 stopped during start-up")
+    try:
+        return here.recv()
+    except EOFError:  # rank 0 is gone before it could lead
+        ranks.join()
+        raise RankFailed("rank 0 stopped during start-up") from None
 
 
 class RankProcesses:
@@ -75,15 +87,14 @@ class RankProcesses:
     def _run(self, config: EngineConfig, connection: Connection, log_level: str, warmup: bool) -> None:
         try:
             if config.parallel.distributed:
-                launch(serve_on_rank, config.parallel, config, connection, log_level, warmup)
+                launch(serve_on_rank, config.parallel, config, connection, log_level, warmup, device=config.device)
             else:  # launch() would run one rank in this process: spawn it, as the front end must stay apart
-                rank = multiprocessing.get_context("spawn").Process(
-                    target=serve_on_rank, args=(0, config, connection, log_level, warmup), name="moeplex-rank-0"
-                )
-                rank.start()
-                rank.join()
-                if rank.exitcode != 0:
-                    raise RankFailed(f"rank 0 died (exit code {rank.exitcode})")
+                try:
+                    mp.start_processes(serve_on_rank, args=(config, connection, log_level, warmup), start_method="spawn")
+                except mp.ProcessRaisedException as exc:
+                    raise RankFailed(f"rank 0 failed: {last_line(str(exc))}") from None
+                except mp.ProcessExitedException as exc:
+                    raise RankFailed(f"rank 0 died (exit code {exc.exit_code})") from None
         except RankFailed as exc:
             self.failure = exc
 
