@@ -406,20 +406,26 @@ def test_moeplex_serve_drains_in_flight_requests_on_sigterm(folder):
             time.sleep(0.2)
         results: dict[int, list] = {}
         started = threading.Barrier(3, timeout=30)
-        streams = [threading.Thread(target=_stream, args=(url, n, started, results)) for n in (100, 16000)]
-        for t in streams:
+        streams = [threading.Thread(target=_stream, args=(url, n, started, results)) for n in (20, 16000)]
+        whole = threading.Thread(target=_whole, args=(url, 16000, results))
+        for t in streams + [whole]:
             t.start()
         started.wait()
         proc.send_signal(signal.SIGTERM)
-        for t in streams:
+        for t in streams + [whole]:
             t.join(30)
         # uvicorn re-raises the SIGTERM once it has shut down, so the exit status says what stopped it
-        assert proc.wait(timeout=45) in (0, -signal.SIGTERM)
+        assert proc.wait(timeout=45) in (0, -signal.SIGTERM), proc.stderr.read().decode()[-3000:]
     finally:
         proc.kill()
-    short, long = results[100], results[16000]
-    assert short[-1] == "[DONE]" and _tokens(short) == 100  # drained to the end
-    assert "[DONE]" not in long and 0 < _tokens(long) < 16000  # cut when the shutdown timeout ran out
+    short, long = results[20], results[16000]
+    assert short[-1] == "[DONE]" and _tokens(short) == 20  # drained to the end
+    # cut when the shutdown timeout ran out: with an error event, never as a short complete answer
+    error = json.loads(long[-2])["error"]
+    assert long[-1] == "[DONE]" and "shutdown-timeout" in error["message"] and error["type"] == "service_unavailable"
+    assert 0 < _tokens(long[:-2]) < 16000
+    status, body = results["whole"]
+    assert status == 503 and "shutdown-timeout" in body["error"]["message"], (status, body)
 
 
 def _tokens(events: list[str]) -> int:
@@ -431,6 +437,12 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def _whole(url: str, tokens: int, results: dict) -> None:
+    body = {"prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    results["whole"] = (r.status_code, r.json() if r.headers.get("content-type") == "application/json" else r.text)
 
 
 def _stream(url: str, tokens: int, started: threading.Barrier, results: dict) -> None:

@@ -94,6 +94,13 @@ class EngineLoop:
         for thread in self._threads:
             await asyncio.to_thread(thread.join, timeout)
 
+    def expire(self, message: str) -> None:
+        """Fail every request still in flight with a 503 saying `message` and drop it from the engine
+        (the shutdown's drain time has run out: each client gets a reason before its connection closes)."""
+        for rid in list(self._progress):
+            self._fail(Failure(rid, 503, message))
+            self._command(Cancel(rid))
+
     @property
     def alive(self) -> bool:
         return self._running and not self._halting
@@ -190,7 +197,7 @@ class EngineLoop:
             self.failure = EngineStopped(reason or "the engine stopped")
             log.error("the engine stopped: %s", self.failure)
         self._running = False
-        self._shut_down(SHUTTING_DOWN)
+        self._shut_down(f"the engine stopped: {self.failure}" if self.failure is not None else SHUTTING_DOWN)
         if not self._halted.done():
             self._halted.set_result(None)
         if self.failure is not None and self.on_stopped is not None:

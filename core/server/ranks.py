@@ -12,6 +12,7 @@ Two processes even for one rank: the forward steps and the HTTP work then never 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing
@@ -19,6 +20,7 @@ import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
+from typing import Callable
 
 import attrs
 import torch
@@ -128,14 +130,8 @@ class HttpServer:
     def __init__(self, link: LeaderLink, settings: ServerSettings, log_level: str):
         self.settings = settings
         self.app = build_app(link, settings, on_engine_stopped=self._engine_stopped)
-        config = uvicorn.Config(
-            self.app,
-            host=settings.host,
-            port=settings.port,
-            log_level=log_level,
-            timeout_graceful_shutdown=settings.shutdown_timeout,
-        )
-        self.server = uvicorn.Server(config)
+        self.server = DrainingServer(uvicorn_config(self.app, settings, log_level), settings.shutdown_timeout,
+                                     self.app.state.engine_loop.expire)
 
     def run(self) -> None:
         sys.setswitchinterval(self.settings.gil_switch_interval)  # this process is the server's: see ServerSettings
@@ -144,6 +140,34 @@ class HttpServer:
 
     def _engine_stopped(self) -> None:
         self.server.should_exit = True
+
+
+FINAL_WORDS_S = 2.0  # after the drain time, for the 503s and error events to reach their clients
+
+
+def uvicorn_config(app, settings: ServerSettings, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=log_level,
+        timeout_graceful_shutdown=settings.shutdown_timeout + FINAL_WORDS_S,
+    )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, whose shutdown first fails what is still running when the drain time is over (`expire`): past its own
+    graceful timeout uvicorn cancels the requests, and a cancelled request gets a plain-text 500 or a cut stream."""
+
+    def __init__(self, config: uvicorn.Config, drain_s: float, expire: Callable[[str], None]):
+        super().__init__(config)
+        self.drain_s = drain_s
+        self.expire = expire
+
+    async def shutdown(self, sockets=None) -> None:
+        message = f"the server is shutting down and its --shutdown-timeout of {self.drain_s:g} s has run out"
+        deadline = asyncio.get_running_loop().call_later(self.drain_s, self.expire, message)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
 
 
 @contextlib.contextmanager
