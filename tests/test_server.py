@@ -293,6 +293,15 @@ def test_oversized_body_is_a_413_and_the_server_keeps_serving(client):
     wait_until_idle(client)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/start_expert_distribution_record", "/rebalance_experts"])
+def test_a_declared_oversized_body_is_a_413_before_it_is_read(live, path):
+    port = int(live.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     "Content-Length: 200000000\r\n\r\n{".encode())  # 200 MB announced, one byte sent
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413")
+
+
 def test_missing_or_wrong_api_key_is_a_401(live):
     body = {"prompt": PROMPT, "max_tokens": 1}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):

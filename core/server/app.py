@@ -15,6 +15,7 @@ from starlette.routing import Route
 from ..engine import Engine
 from ..engine_group import EngineGroup
 from ..tokenizer import load_tokenizer
+from .body import BodyReader
 from .engine_loop import EngineLoop
 from .errors import EXCEPTION_HANDLERS
 from .expert_load import ExpertLoadRoutes
@@ -58,9 +59,10 @@ def build_app(
     model = ServedModel(facts, settings.served_model_name or facts.config.model, load_tokenizer(facts.config.model))
     endpoints = [CompletionsEndpoint(model), ChatEndpoint(model), GenerateEndpoint(model)]
     info = InfoRoutes(model, loop, metrics, settings, endpoints)
-    routes = [Route(e.path, generation_route(e, loop, settings.max_request_bytes), methods=["POST"]) for e in endpoints]
+    bodies = BodyReader(settings.max_request_bytes, settings.read_timeout)
+    routes = [Route(e.path, generation_route(e, loop, bodies), methods=["POST"]) for e in endpoints]
     routes += info.routes()
-    routes += ExpertLoadRoutes(loop, settings.expert_load_dir, settings.max_request_bytes).routes()
+    routes += ExpertLoadRoutes(loop, settings.expert_load_dir, bodies).routes()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

@@ -2,49 +2,22 @@
 
 from __future__ import annotations
 
-import json
 from typing import Awaitable, Callable
 
-from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
+from .body import CLIENT_CLOSED, BodyReader
 from .endpoint import Endpoint
 from .engine_loop import EngineLoop
-from .errors import ApiError, bad_request
 from .group import RequestGroup
 from .schema import parse
 from .sse import EventStream
 
-CLIENT_CLOSED = 499  # nobody reads it; it shows in the access log and in the metrics
 
-
-def _no_constants(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-async def read_json(http: HttpRequest, limit: int):
-    """The body as JSON; 413 past `limit` bytes (checked before and while reading), 400 if not JSON."""
-    declared = http.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body has {declared} bytes; the limit is {limit}")
-    body = bytearray()
-    try:
-        async for piece in http.stream():
-            body += piece
-            if len(body) > limit:
-                raise ApiError(413, f"the request body is over the limit of {limit} bytes")
-    except ClientDisconnect:
-        raise ApiError(CLIENT_CLOSED, "the client disconnected while sending the request") from None
-    try:
-        return json.loads(body, parse_constant=_no_constants)
-    except (ValueError, RecursionError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-
-
-def generation_route(endpoint: Endpoint, loop: EngineLoop, max_request_bytes: int) -> Callable[[HttpRequest], Awaitable[Response]]:
+def generation_route(endpoint: Endpoint, loop: EngineLoop, bodies: BodyReader) -> Callable[[HttpRequest], Awaitable[Response]]:
     async def handle(http: HttpRequest) -> Response:
-        values = parse(await read_json(http, max_request_bytes), endpoint.fields)
+        values = parse(await bodies.json(http), endpoint.fields)
         plan = endpoint.plan(values)
         group = RequestGroup(loop)
         for prompt_ids, params in plan.requests:

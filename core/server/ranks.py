@@ -35,6 +35,7 @@ from ..memory import describe, memory_report
 from ..parallel import init_parallel, rank_device
 from ..rank_worker import Follower
 from .app import LeaderLink, build_app
+from .body import protocol_with_header_deadline
 from .engine_loop import EngineStopped
 from .leader import EngineFacts, Leader
 from .settings import ServerSettings
@@ -149,6 +150,8 @@ def uvicorn_config(app, settings: ServerSettings, log_level: str) -> uvicorn.Con
     return uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=log_level,
         timeout_graceful_shutdown=settings.shutdown_timeout + FINAL_WORDS_S,
+        http=protocol_with_header_deadline(settings.read_timeout),
+        limit_concurrency=settings.max_connections,
     )
 
 
