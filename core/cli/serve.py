@@ -39,6 +39,12 @@ def add_parser(sub) -> None:
         help="concurrent connections and requests; past this many a new one gets a 503 (default: 2048)",
     )
     http.add_argument(
+        "--stall-timeout", type=float, default=30.0,
+        help="no engine step for this many seconds while requests wait: /health answers 503, the requests in flight "
+        "fail with a 503 naming the rank that stopped answering (default: 30; the collective timeout "
+        "--dist-timeout still ends the server)",
+    )
+    http.add_argument(
         "--shutdown-timeout", type=float, default=30.0,
         help="on SIGTERM, stop accepting and give in-flight requests this many seconds to finish (default: 30)",
     )
@@ -69,6 +75,7 @@ def run(args) -> int:
         served_model_name=args.served_model_name,
         max_request_bytes=args.max_request_bytes,
         read_timeout=args.read_timeout,
+        stall_timeout=args.stall_timeout,
         max_connections=args.max_connections,
         shutdown_timeout=args.shutdown_timeout,
         gil_switch_interval=args.gil_switch_interval,

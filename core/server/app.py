@@ -29,6 +29,7 @@ from .openai_chat import ChatEndpoint
 from .openai_completions import CompletionsEndpoint
 from .served_model import ServedModel
 from .settings import ServerSettings
+from .watchdog import RankBeats, Watchdog
 
 
 @attrs.frozen
@@ -37,6 +38,7 @@ class LeaderLink:
 
     connection: multiprocessing.connection.Connection
     facts: EngineFacts
+    beats: RankBeats | None = None  # this machine's ranks' heartbeats and rounds
 
 
 def build_app(
@@ -49,11 +51,13 @@ def build_app(
     """
     metrics = ServerMetrics()
     if isinstance(engine, LeaderLink):
-        loop = EngineLoop(engine.connection, engine.facts, metrics, on_engine_stopped)
+        watchdog = Watchdog(engine.beats, settings.stall_timeout)
+        loop = EngineLoop(engine.connection, engine.facts, metrics, on_engine_stopped, watchdog=watchdog)
     else:
         group = EngineGroup(engine)
         here, there = multiprocessing.Pipe()
-        loop = EngineLoop(here, EngineFacts.of(group), metrics, on_engine_stopped, leader=Leader(group, there))
+        watchdog = Watchdog(None, settings.stall_timeout)
+        loop = EngineLoop(here, EngineFacts.of(group), metrics, on_engine_stopped, Leader(group, there), watchdog)
     metrics.watch(lambda: loop.stats)
     facts = loop.facts
     model = ServedModel(facts, settings.served_model_name or facts.config.model, load_tokenizer(facts.config.model))

@@ -39,6 +39,7 @@ from .body import protocol_with_header_deadline
 from .engine_loop import EngineStopped
 from .leader import EngineFacts, Leader
 from .settings import ServerSettings
+from .watchdog import RankBeats
 from .warmup import warm_up
 
 log = logging.getLogger("moeplex.server")
@@ -48,17 +49,23 @@ def serve(config: EngineConfig, settings: ServerSettings, log_level: str) -> Non
     """Start the ranks, serve HTTP until a signal or a failed rank; RankFailed / EngineStopped say what went wrong."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     here, there = multiprocessing.get_context("spawn").Pipe()
-    ranks = RankProcesses(config, there, log_level, settings.warmup)
+    parallel = config.parallel
+    beats = RankBeats(parallel.ranks_per_node, parallel.node_rank * parallel.ranks_per_node)
+    ranks = RankProcesses(config, there, log_level, settings.warmup, beats)
     try:
         facts = _first_message(here, ranks)
     finally:
         there.close()  # the ranks hold their own copy: the leader's exit must reach `here` as the end of the pipe
-    server = HttpServer(LeaderLink(here, facts), settings, log_level)
+    server = HttpServer(LeaderLink(here, facts, beats), settings, log_level)
     try:
         server.run()
     finally:
         here.close()  # a leader still waiting (say uvicorn could not bind its port) sees the pipe end and halts
-    ranks.join()
+    blamed = server.app.state.engine_loop.watchdog.blamed
+    try:
+        ranks.join()
+    except RankFailed as exc:  # a collective that timed out fails on a healthy rank: say who stopped first
+        raise RankFailed(f"{blamed}; then: {exc}" if blamed else str(exc)) from None
     failure = server.app.state.engine_loop.failure
     if failure is not None:
         raise failure
@@ -81,19 +88,20 @@ def _first_message(here: Connection, ranks: "RankProcesses") -> EngineFacts:
 class RankProcesses:
     """Every local rank in a process of its own, waited for on a thread; join() raises RankFailed if one failed."""
 
-    def __init__(self, config: EngineConfig, connection: Connection, log_level: str, warmup: bool = False):
+    def __init__(self, config: EngineConfig, connection: Connection, log_level: str, warmup: bool, beats: RankBeats):
         self.failure: RankFailed | None = None
-        args = (config, connection, log_level, warmup)
+        args = (config, connection, log_level, warmup, beats)
         self.thread = threading.Thread(target=self._run, args=args, name="moeplex-ranks", daemon=True)
         self.thread.start()
 
-    def _run(self, config: EngineConfig, connection: Connection, log_level: str, warmup: bool) -> None:
+    def _run(self, config: EngineConfig, connection: Connection, log_level: str, warmup: bool, beats: RankBeats) -> None:
+        args = (config, connection, log_level, warmup, beats)
         try:
             if config.parallel.distributed:
-                launch(serve_on_rank, config.parallel, config, connection, log_level, warmup, device=config.device)
+                launch(serve_on_rank, config.parallel, *args, device=config.device)
             else:  # launch() would run one rank in this process: spawn it, as the front end must stay apart
                 try:
-                    mp.start_processes(serve_on_rank, args=(config, connection, log_level, warmup), start_method="spawn")
+                    mp.start_processes(serve_on_rank, args=args, start_method="spawn")
                 except mp.ProcessRaisedException as exc:
                     raise RankFailed(f"rank 0 failed: {last_line(str(exc))}") from None
                 except mp.ProcessExitedException as exc:
@@ -107,10 +115,13 @@ class RankProcesses:
             raise self.failure
 
 
-def serve_on_rank(rank: int, config: EngineConfig, connection: Connection, log_level: str, warmup: bool = False) -> None:
+def serve_on_rank(
+    rank: int, config: EngineConfig, connection: Connection, log_level: str, warmup: bool, beats: RankBeats
+) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     for sig in (signal.SIGINT, signal.SIGTERM):  # stopping is the front end's to decide
         signal.signal(sig, signal.SIG_IGN)
+    beats.start_beating(rank)
     config = attrs.evolve(config, device=rank_device(config.device, rank, config.parallel))
     engine = Engine(config, parallel=init_parallel(config.parallel, rank, torch.device(config.device)))
     log.info(describe(memory_report(engine)))
@@ -119,10 +130,10 @@ def serve_on_rank(rank: int, config: EngineConfig, connection: Connection, log_l
         if warmup and engine.device.type == "cuda":  # the followers step along in their loop
             warm_up(group)
         connection.send(EngineFacts.of(group))
-        Leader(group, connection).run()
+        Leader(group, connection, lambda: beats.round_done(rank)).run()
     else:
         connection.close()  # only the leader talks to the front end
-        Follower(engine).run()
+        Follower(engine, lambda: beats.round_done(rank)).run()
 
 
 class HttpServer:
