@@ -90,3 +90,28 @@ def _children(pid: int) -> list[int]:
             return [int(c) for c in f.read().split()]
     except FileNotFoundError:
         return []
+
+
+def test_two_serve_nodes_answer_as_one_process_and_node_0_names_the_node_that_died(folder):
+    from test_server_parallel import RankedServer, greedy_ids
+    from moeplex.config import EngineConfig
+    from moeplex.engine import Engine
+
+    [expected] = greedy_ids(Engine(EngineConfig(model=folder, show_progress=False, max_total_tokens=4096)), [[256, 1, 2, 3]], 6)
+    address = f"127.0.0.1:{free_port()}"
+    flags = ("--tp-size", "2", "--nnodes", "2", "--dist-init-addr", address, "--dist-timeout", "60")
+    second = subprocess.Popen(
+        [*CLI[:-1], "serve", "--model", folder, *flags, "--node-rank", "1", "--max-total-tokens", "4096",
+         "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        with RankedServer(folder, *flags, "--node-rank", "0") as first:
+            # RankedServer passes a --dist-init-addr of its own; ours comes later in the command and wins
+            body = {"prompt": [256, 1, 2, 3], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            assert first.client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == expected
+            os.killpg(second.pid, signal.SIGKILL)
+            cut = first.client.post("/v1/completions", json=body)  # a round now, rather than at the next keep-alive
+            assert cut.status_code == 503, cut.text
+            assert first.proc.wait(timeout=60) != 0
+            assert "node 1 (ranks 1..1) stopped answering" in first.proc.stderr.read()
+    finally:
+        second.kill()

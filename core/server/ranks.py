@@ -52,6 +52,14 @@ def serve(config: EngineConfig, settings: ServerSettings, log_level: str) -> Non
     parallel = config.parallel
     beats = RankBeats(parallel.ranks_per_node, parallel.node_rank * parallel.ranks_per_node)
     ranks = RankProcesses(config, there, log_level, settings.warmup, beats)
+    if parallel.node_rank != 0:  # HTTP is node 0's: this node's ranks follow its leader until it halts them
+        log.info("node %d: ranks follow node 0's leader; node 0 serves HTTP", parallel.node_rank)
+        try:
+            ranks.join()
+        finally:
+            here.close()
+            there.close()
+        return
     try:
         facts = _first_message(here, ranks)
     finally:
