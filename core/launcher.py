@@ -25,6 +25,7 @@ from .parallel import ParallelConfig, default_backend
 
 LOOPBACK = "127.0.0.1"
 BEAT_S = 1.0  # how often a launcher tells the store its node is alive
+STOP_GRACE_S = 3.0
 
 
 class RankFailed(RuntimeError):
@@ -118,10 +119,14 @@ def launch(fn: Callable[..., Any], parallel: ParallelConfig, *args, device: str 
         with tempfile.TemporaryDirectory(prefix="moeplex-ranks-") as tmp:
             result_path = os.path.join(tmp, "rank0.pkl")
             try:
-                mp.start_processes(
+                ranks = mp.start_processes(
                     _rank_main, args=(fn, parallel, joining, result_path, args), nprocs=parallel.ranks_per_node,
-                    start_method="spawn",
+                    start_method="spawn", join=False,
                 )
+                # after a failure the others get a few seconds, not torch's 30, before SIGTERM and then SIGKILL:
+                # a stopped or hung rank (or one ignoring SIGTERM, as served ranks do) would hold the exit
+                while not ranks.join(grace_period=STOP_GRACE_S):
+                    pass
             except mp.ProcessRaisedException as exc:
                 rank = parallel.node_rank * parallel.ranks_per_node + exc.error_index
                 raise RankFailed(_blame(rendezvous, f"rank {rank} failed: {last_line(str(exc))}")) from None
