@@ -87,5 +87,6 @@ def test_a_declared_oversized_body_is_refused_before_it_is_read():
     with served(ServerSettings(max_request_bytes=1024)) as server:
         sock = connect(server.url)
         sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n")
-        answer = closed_within(sock, time.monotonic() + 5) or b""
+        sock.settimeout(5)
+        answer = sock.recv(65536)
         assert answer.startswith(b"HTTP/1.1 413"), answer
