@@ -95,4 +95,4 @@ def generate_on_rank(parallel: ParallelState, config: EngineConfig, prompts, par
 def generate(config: EngineConfig, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[dict]:
     """Run prompts on all ranks of `config.parallel` (one process when it is a single rank)."""
     params = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-    return launch(_generate_on_rank, config.parallel, config, [list(p) for p in prompts], params)
+    return launch(_generate_on_rank, config.parallel, config, [list(p) for p in prompts], params, device=config.device)

@@ -148,12 +148,13 @@ def init_parallel(config: ParallelConfig, rank: int, device: torch.device) -> Pa
     """Join the process group and build the sub-groups (every rank creates every group, in order)."""
     if not config.distributed:
         return ParallelState(config)
-    address, port = config.dist_init_addr.rsplit(":", 1)
     backend = config.dist_backend or default_backend(device)
     timeout = datetime.timedelta(seconds=config.timeout_s)
-    dist.init_process_group(
-        backend=backend, init_method=f"tcp://{address}:{port}", world_size=config.world_size, rank=rank, timeout=timeout
-    )
+    if not dist.is_initialized():  # else the launcher has joined this rank to its rendezvous already
+        address, port = config.dist_init_addr.rsplit(":", 1)
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://{address}:{port}", world_size=config.world_size, rank=rank, timeout=timeout
+        )
 
     def host_of(members: list[int] | None):
         """A gloo group of the same members for host-side collectives (every rank makes every group, in order)."""

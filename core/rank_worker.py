@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -151,9 +152,11 @@ class Follower:
     collective timeout, so only a rank that is really gone makes that wait fail.
     """
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, on_round: Callable[[], None] = lambda: None):
+        """`on_round` is called after each round (the heartbeat table's round count)."""
         self.worker = RankWorker(engine)
         self.channel = Channel(engine.parallel)
+        self.on_round = on_round
         self.channel.gather(rank_info(engine))  # rank 0 learns every rank's memory at start-up
 
     def run(self) -> None:
@@ -163,3 +166,4 @@ class Follower:
                     log.debug("engine call refused on this rank: %s", outcome)
             self.worker.step()
             self.channel.collect(self.worker.report())
+            self.on_round()

@@ -19,11 +19,12 @@ def loopback_socket() -> socket.socket:
 class LiveServer:
     """uvicorn on a socket bound here (so the port is known and never raced), in a background thread."""
 
-    def __init__(self, app):
+    def __init__(self, app, config: uvicorn.Config | None = None):
+        """`config`: uvicorn's settings as `moeplex serve` makes them (default: uvicorn's own)."""
         self.app = app
         self.sock = loopback_socket()
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(config or uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self):

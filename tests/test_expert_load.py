@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-
 import importlib.util
 import json
 import os

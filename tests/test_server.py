@@ -305,6 +305,15 @@ def test_oversized_body_is_a_413_and_the_server_keeps_serving(client):
     wait_until_idle(client)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/start_expert_distribution_record", "/rebalance_experts"])
+def test_a_declared_oversized_body_is_a_413_before_it_is_read(live, path):
+    port = int(live.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     "Content-Length: 200000000\r\n\r\n{".encode())  # 200 MB announced, one byte sent
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413")
+
+
 def test_missing_or_wrong_api_key_is_a_401(live):
     body = {"prompt": PROMPT, "max_tokens": 1}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
@@ -418,20 +427,26 @@ def test_moeplex_serve_drains_in_flight_requests_on_sigterm(folder):
             time.sleep(0.2)
         results: dict[int, list] = {}
         started = threading.Barrier(3, timeout=30)
-        streams = [threading.Thread(target=_stream, args=(url, n, started, results)) for n in (100, 16000)]
-        for t in streams:
+        streams = [threading.Thread(target=_stream, args=(url, n, started, results)) for n in (20, 16000)]
+        whole = threading.Thread(target=_whole, args=(url, 16000, results))
+        for t in streams + [whole]:
             t.start()
         started.wait()
         proc.send_signal(signal.SIGTERM)
-        for t in streams:
+        for t in streams + [whole]:
             t.join(30)
         # uvicorn re-raises the SIGTERM once it has shut down, so the exit status says what stopped it
-        assert proc.wait(timeout=45) in (0, -signal.SIGTERM)
+        assert proc.wait(timeout=45) in (0, -signal.SIGTERM), proc.stderr.read().decode()[-3000:]
     finally:
         proc.kill()
-    short, long = results[100], results[16000]
-    assert short[-1] == "[DONE]" and _tokens(short) == 100  # drained to the end
-    assert "[DONE]" not in long and 0 < _tokens(long) < 16000  # cut when the shutdown timeout ran out
+    short, long = results[20], results[16000]
+    assert short[-1] == "[DONE]" and _tokens(short) == 20  # drained to the end
+    # cut when the shutdown timeout ran out: with an error event, never as a short complete answer
+    error = json.loads(long[-2])["error"]
+    assert long[-1] == "[DONE]" and "shutdown-timeout" in error["message"] and error["type"] == "service_unavailable"
+    assert 0 < _tokens(long[:-2]) < 16000
+    status, body = results["whole"]
+    assert status == 503 and "shutdown-timeout" in body["error"]["message"], (status, body)
 
 
 def _tokens(events: list[str]) -> int:
@@ -443,6 +458,12 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def _whole(url: str, tokens: int, results: dict) -> None:
+    body = {"prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    results["whole"] = (r.status_code, r.json() if r.headers.get("content-type") == "application/json" else r.text)
 
 
 def _stream(url: str, tokens: int, started: threading.Barrier, results: dict) -> None:

@@ -22,6 +22,7 @@ from test_server import PROMPT, metric, sse, wait_until_idle
 
 TP2 = ("--tp-size", "2", "--ep-size", "2", "--dispatcher", "naive", "--balancer", "eplb")
 DP2 = TP2 + ("--dp-size", "2", "--enable-dp-attention", "--dist-timeout", "6")
+STALL_S = 4
 PROMPTS = [[256, 1, 2, 3, 4], [256, 9, 8, 7], [256, 40, 41, 42], [256, 100, 7, 3]]
 
 
@@ -109,7 +110,7 @@ def greedy_ids(engine: Engine, prompts: list[list[int]], n: int) -> list[list[in
 
 @pytest.fixture(scope="module")
 def tp2(folder):
-    with RankedServer(folder, *TP2) as server:
+    with RankedServer(folder, *TP2, "--stall-timeout", str(STALL_S)) as server:
         yield server
 
 
@@ -178,6 +179,34 @@ def test_tp2_client_leaving_mid_stream_frees_the_kv_cache(tp2):
         assert sum(1 for _, line in zip(range(6), r.iter_lines()) if line.startswith("data: ")) == 3
     wait_until_idle(tp2.client)
     assert aborted(tp2) == before + 1
+
+
+def test_a_stopped_rank_turns_health_503_and_fails_the_requests_in_flight_naming_it(tp2):
+    wait_until_idle(tp2.client)
+    body = {"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=tp2.url, timeout=30) as own, own.stream("POST", "/v1/completions", json=body) as r:
+        stream = _events(r)
+        next(stream)
+        os.kill(tp2.rank_pids[1], signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            health = wait_for(lambda: (h := tp2.client.get("/health")).status_code == 503 and h, "/health stayed 200")
+            noticed = time.monotonic() - stopped
+            latency = time.monotonic()
+            refused = tp2.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            latency = time.monotonic() - latency
+            rest = list(stream)
+        finally:
+            os.kill(tp2.rank_pids[1], signal.SIGCONT)
+    print(f"stall noticed after {noticed:.1f} s (--stall-timeout {STALL_S}); a request meanwhile answered in {latency:.2f} s")
+    assert STALL_S <= noticed < STALL_S + 10
+    assert "rank 1 stopped answering" in health.json()["error"]["message"]
+    assert refused.status_code == 503 and "rank 1 stopped answering" in refused.json()["error"]["message"]
+    error = json.loads(rest[-2][len("data: "):])["error"]
+    assert rest[-1] == "data: [DONE]" and "rank 1 stopped answering" in error["message"]
+    wait_for(lambda: tp2.client.get("/health").status_code == 200, "/health did not recover after SIGCONT")
+    assert tp2.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+    wait_until_idle(tp2.client)
 
 
 def test_sigterm_drains_the_stream_in_flight_and_stops_every_rank(tp2):

@@ -151,7 +151,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     flag(par, "--enable-dp-attention", "each of the --dp-size groups schedules its own requests; MoE layers stay shared")
     flag(par, "--nnodes", "machines the ranks span (default: %(default)s)")
     flag(par, "--node-rank", "this machine's index among --nnodes (default: %(default)s)")
-    flag(par, "--dist-init-addr", "HOST:PORT of rank 0 for the rendezvous (default: %(default)s)")
+    flag(
+        par, "--dist-init-addr",
+        "HOST:PORT where node 0 hosts the rendezvous with --nnodes > 1 (it binds HOST only); "
+        "one node uses a free loopback port instead (default: %(default)s)",
+    )
     flag(par, "--dist-backend", "default: nccl on CUDA, gloo on CPU", choices=("gloo", "nccl"))
     flag(
         par, "--dist-timeout",

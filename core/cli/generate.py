@@ -63,7 +63,10 @@ def run(args) -> int:
     if args.prompt and tokenizer is None:
         raise ValueError(f"{config.model} has no tokenizer.json; pass --input-ids instead of --prompt")
     prompts = [_parse_ids(t) for t in args.input_ids] if args.input_ids else [tokenizer.encode(t).ids for t in args.prompt]
-    for i, result in enumerate(generate(config, prompts, params)):
+    results = generate(config, prompts, params)
+    if results is None:  # a node other than 0 ran its ranks; node 0 prints the completions
+        return 0
+    for i, result in enumerate(results):
         result = {"index": i, **result}
         if not args.logprobs:
             del result["logprobs"]

@@ -32,6 +32,21 @@ def add_parser(sub) -> None:
         "--max-request-bytes", type=int, default=8 << 20, help="larger request bodies are refused with 413 (default: 8 MiB)"
     )
     http.add_argument(
+        "--read-timeout", type=float, default=30.0,
+        help="seconds a client has to send a request's headers, and again its body, before the connection is "
+        "dropped (408 for a body) (default: 30)",
+    )
+    http.add_argument(
+        "--max-connections", type=int, default=2048,
+        help="concurrent connections and requests; past this many a new one gets a 503 (default: 2048)",
+    )
+    http.add_argument(
+        "--stall-timeout", type=float, default=30.0,
+        help="no engine step for this many seconds while requests wait: /health answers 503, the requests in flight "
+        "fail with a 503 naming the rank that stopped answering (default: 30; the collective timeout "
+        "--dist-timeout still ends the server)",
+    )
+    http.add_argument(
         "--shutdown-timeout", type=float, default=30.0,
         help="on SIGTERM, stop accepting and give in-flight requests this many seconds to finish (default: 30)",
     )
@@ -61,6 +76,9 @@ def run(args) -> int:
         api_key=args.api_key,
         served_model_name=args.served_model_name,
         max_request_bytes=args.max_request_bytes,
+        read_timeout=args.read_timeout,
+        stall_timeout=args.stall_timeout,
+        max_connections=args.max_connections,
         shutdown_timeout=args.shutdown_timeout,
         gil_switch_interval=args.gil_switch_interval,
         expert_load_dir=args.expert_load_dir,

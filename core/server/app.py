@@ -15,6 +15,7 @@ from starlette.routing import Route
 from ..engine import Engine
 from ..engine_group import EngineGroup
 from ..tokenizer import load_tokenizer
+from .body import BodyReader
 from .engine_loop import EngineLoop
 from .errors import EXCEPTION_HANDLERS
 from .expert_load import ExpertLoadRoutes
@@ -28,6 +29,7 @@ from .openai_chat import ChatEndpoint
 from .openai_completions import CompletionsEndpoint
 from .served_model import ServedModel
 from .settings import ServerSettings
+from .watchdog import RankBeats, Watchdog
 
 
 @attrs.frozen
@@ -36,6 +38,7 @@ class LeaderLink:
 
     connection: multiprocessing.connection.Connection
     facts: EngineFacts
+    beats: RankBeats | None = None  # this machine's ranks' heartbeats and rounds
 
 
 def build_app(
@@ -48,19 +51,22 @@ def build_app(
     """
     metrics = ServerMetrics()
     if isinstance(engine, LeaderLink):
-        loop = EngineLoop(engine.connection, engine.facts, metrics, on_engine_stopped)
+        watchdog = Watchdog(engine.beats, settings.stall_timeout)
+        loop = EngineLoop(engine.connection, engine.facts, metrics, on_engine_stopped, watchdog=watchdog)
     else:
         group = EngineGroup(engine)
         here, there = multiprocessing.Pipe()
-        loop = EngineLoop(here, EngineFacts.of(group), metrics, on_engine_stopped, leader=Leader(group, there))
+        watchdog = Watchdog(None, settings.stall_timeout)
+        loop = EngineLoop(here, EngineFacts.of(group), metrics, on_engine_stopped, Leader(group, there), watchdog)
     metrics.watch(lambda: loop.stats)
     facts = loop.facts
     model = ServedModel(facts, settings.served_model_name or facts.config.model, load_tokenizer(facts.config.model))
     endpoints = [CompletionsEndpoint(model), ChatEndpoint(model), GenerateEndpoint(model)]
     info = InfoRoutes(model, loop, metrics, settings, endpoints)
-    routes = [Route(e.path, generation_route(e, loop, settings.max_request_bytes), methods=["POST"]) for e in endpoints]
+    bodies = BodyReader(settings.max_request_bytes, settings.read_timeout)
+    routes = [Route(e.path, generation_route(e, loop, bodies), methods=["POST"]) for e in endpoints]
     routes += info.routes()
-    routes += ExpertLoadRoutes(loop, settings.expert_load_dir, settings.max_request_bytes).routes()
+    routes += ExpertLoadRoutes(loop, settings.expert_load_dir, bodies).routes()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

@@ -28,6 +28,7 @@ from .leader import EngineFacts, Leader
 from .metrics import ServerMetrics
 from .outputs import Output, Ticket
 from .progress import Progress
+from .watchdog import Watchdog
 
 log = logging.getLogger("moeplex.server")
 
@@ -46,6 +47,7 @@ class EngineLoop:
         metrics: ServerMetrics,
         on_stopped: Callable[[], None] | None = None,
         leader: Leader | None = None,
+        watchdog: Watchdog | None = None,
     ):
         """`leader`: run it on a thread of this process (an in-process engine); None: it runs in another process.
         `on_stopped` is called on the event loop if the leader stops by itself (see `failure`)."""
@@ -55,6 +57,7 @@ class EngineLoop:
         self.metrics = metrics
         self.on_stopped = on_stopped
         self.leader = leader
+        self.watchdog = watchdog or Watchdog(None, 30.0)
         self.failure: EngineStopped | None = None  # why the leader stopped when nobody asked it to
         self.stats = facts.stats
         self._progress: dict[str, Progress] = {}
@@ -82,6 +85,25 @@ class EngineLoop:
         self._running = True
         for thread in self._threads:
             thread.start()
+        self._events.call_later(self._watch_every, self._watch)
+
+    @property
+    def _watch_every(self) -> float:
+        return min(1.0, self.watchdog.stall_timeout / 4)
+
+    def _watch(self) -> None:
+        if not self._running:
+            return
+        reason = self.watchdog.check(self.busy)
+        if reason is not None:
+            log.error("the engine is stalled: %s", reason)
+            self.expire(reason)
+        self._events.call_later(self._watch_every, self._watch)
+
+    @property
+    def busy(self) -> bool:
+        """Requests or engine calls are waiting on the engine."""
+        return bool(self._progress or self._calls)
 
     async def stop(self, timeout: float = 30.0) -> None:
         """Halt the leader (and through it every rank), then fail whatever is still running (503)."""
@@ -95,6 +117,17 @@ class EngineLoop:
         for thread in self._threads:
             await asyncio.to_thread(thread.join, timeout)
 
+    def expire(self, message: str) -> None:
+        """Fail every request and call still in flight with a 503 saying `message` and drop the requests from the
+        engine (the shutdown's drain time has run out, or the engine stalled: each client gets a reason)."""
+        for rid in list(self._progress):
+            self._fail(Failure(rid, 503, message))
+            self._command(Cancel(rid))
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(RuntimeError(message))
+
     @property
     def alive(self) -> bool:
         return self._running and not self._halting
@@ -103,6 +136,9 @@ class EngineLoop:
         if not self.alive:
             ticket.queue.put_nowait(Output.failure(ticket, 503, SHUTTING_DOWN))
             return
+        if self.watchdog.stalled is not None:
+            ticket.queue.put_nowait(Output.failure(ticket, 503, self.watchdog.stalled))
+            return
         try:
             check_prompt(ticket.prompt_ids, self.facts.vocab_size, self.facts.capacity_tokens)
         except ValueError as exc:  # the engine's own checks: vocabulary, KV capacity
@@ -110,6 +146,8 @@ class EngineLoop:
             ticket.queue.put_nowait(Output.failure(ticket, 400, str(exc)))
             return
         mirror = Request(ticket.rid, list(ticket.prompt_ids), ticket.params)
+        if not self.busy:
+            self.watchdog.reported()  # idle until now: no round was due
         self._progress[ticket.rid] = Progress(mirror, ticket)
         self.metrics.prompt_tokens.inc(len(ticket.prompt_ids))
         self._command(Admit(ticket.rid, tuple(ticket.prompt_ids), ticket.params))
@@ -127,6 +165,8 @@ class EngineLoop:
             future.set_exception(RuntimeError("the engine is not running"))
             return future
         call_id = next(self._call_ids)
+        if not self.busy:
+            self.watchdog.reported()
         self._calls[call_id] = future
         self._command(Call(method, tuple(args), call_id))
         return future
@@ -164,6 +204,7 @@ class EngineLoop:
     # --- back on the event loop ---------------------------------------------------------------------
     def _absorb(self, report: RoundReport) -> None:
         self.stats = report.stats
+        self.watchdog.reported()
         for update in report.updates:
             progress = self._progress.get(update.rid)
             if progress is not None:  # else aborted meanwhile
@@ -178,10 +219,12 @@ class EngineLoop:
 
     def _on_halted(self, reason: str | None) -> None:
         if reason is not None or not self._halting:
-            self.failure = EngineStopped(reason or "the engine stopped")
+            reason = reason or "the engine stopped"
+            blamed = self.watchdog.blamed
+            self.failure = EngineStopped(f"{blamed}; then: {reason}" if blamed else reason)
             log.error("the engine stopped: %s", self.failure)
         self._running = False
-        self._shut_down(SHUTTING_DOWN)
+        self._shut_down(f"the engine stopped: {self.failure}" if self.failure is not None else SHUTTING_DOWN)
         if not self._halted.done():
             self._halted.set_result(None)
         if self.failure is not None and self.on_stopped is not None:

@@ -6,7 +6,6 @@ recorded, a wrong mode) is a 400.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -15,6 +14,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ..moe.rebalance import placement_record
+from .body import BodyReader
 from .engine_loop import EngineLoop
 from .errors import ApiError, bad_request
 
@@ -22,10 +22,10 @@ MODES = ("stat", "per-step")
 
 
 class ExpertLoadRoutes:
-    def __init__(self, loop: EngineLoop, dump_dir: str, max_request_bytes: int):
+    def __init__(self, loop: EngineLoop, dump_dir: str, bodies: BodyReader):
         self.loop = loop
         self.dump_dir = dump_dir
-        self.max_request_bytes = max_request_bytes
+        self.bodies = bodies
 
     def routes(self) -> list[Route]:
         table = {
@@ -44,28 +44,25 @@ class ExpertLoadRoutes:
         return JSONResponse({"recording": True, "mode": mode or self.loop.config.expert_distribution_recorder_mode})
 
     async def stop(self, http: HttpRequest) -> JSONResponse:
+        await self._body(http)  # read (within the limits) even though nothing in it is used
         await self._on_engine("stop_recording")
         return JSONResponse({"recording": False})
 
     async def dump(self, http: HttpRequest) -> JSONResponse:
         """Writes the dump into the server's --expert-load-dir and returns it with the file's path."""
+        await self._body(http)
         path = os.path.join(self.dump_dir, f"expert_distribution_{time.time_ns()}.json")
         data = await self._on_engine("dump_recording", path)
         return JSONResponse({"path": path, **data})
 
     async def rebalance(self, http: HttpRequest) -> JSONResponse:
         """Balances the recorded load and moves the experts; returns the new placement (a placement file's content)."""
+        await self._body(http)
         report = await self._on_engine("rebalance")
         return JSONResponse({**report.summary(), **placement_record(report.placement, None, 1)})
 
     async def _body(self, http: HttpRequest) -> dict:
-        body = await http.body()
-        if len(body) > self.max_request_bytes:
-            raise ApiError(413, f"the request body is over the limit of {self.max_request_bytes} bytes")
-        try:
-            data = json.loads(body) if body.strip() else {}
-        except ValueError as exc:
-            raise bad_request(f"the request body is not valid JSON: {exc}") from None
+        data = await self.bodies.json(http, empty={})
         if not isinstance(data, dict):
             raise bad_request("the request body must be a JSON object")
         return data

@@ -43,7 +43,7 @@ class InfoRoutes:
 
     def _table(self) -> dict:
         return {
-            "/health": (self.health, "200 while the engine loop runs, 503 otherwise"),
+            "/health": (self.health, "200 while the engine loop runs and steps, 503 (with the reason) when it stopped or stalled"),
             "/health_generate": (self.health_generate, "200 once a one-token generation succeeds"),
             "/v1/models": (self.models, "the served model, OpenAI style"),
             "/get_model_info": (self.model_info, "the model's path, architecture, vocabulary and context (SGLang style)"),
@@ -58,6 +58,8 @@ class InfoRoutes:
     async def health(self, http: HttpRequest) -> Response:
         if not self.loop.alive:
             raise ApiError(503, "the engine loop is not running")
+        if self.loop.watchdog.stalled is not None:
+            raise ApiError(503, self.loop.watchdog.stalled)
         return Response(status_code=200)
 
     async def health_generate(self, http: HttpRequest) -> Response:

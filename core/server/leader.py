@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
@@ -52,9 +52,11 @@ class EngineFacts:
 
 
 class Leader:
-    def __init__(self, group: EngineGroup, connection: Connection):
+    def __init__(self, group: EngineGroup, connection: Connection, on_round: Callable[[], None] = lambda: None):
+        """`on_round` is called after each round (the heartbeat table's round count)."""
         self.group = group
         self.connection = connection
+        self.on_round = on_round
         self._halted = False
         self._steps = self._failed_steps = 0
         self._failures: list[Failure] = []
@@ -113,6 +115,7 @@ class Leader:
                 self.group.abort(rid)
                 self._failures.append(Failure(rid, 500, message))
             reports = []
+        self.on_round()
         updates = tuple(update for report in reports for update in report.updates)
         stats = LoopStats(tuple(self.group.stats), tuple(self.group.admitted), self._steps, self._failed_steps)
         self.connection.send(RoundReport(updates, tuple(self._failures), tuple(self._outcomes), stats))

@@ -12,6 +12,7 @@ Two processes even for one rank: the forward steps and the HTTP work then never 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing
@@ -19,22 +20,26 @@ import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
+from typing import Callable
 
 import attrs
 import torch
+import torch.multiprocessing as mp
 import uvicorn
 
 from ..config import EngineConfig
 from ..engine import Engine
 from ..engine_group import EngineGroup
-from ..launcher import RankFailed, launch
+from ..launcher import RankFailed, last_line, launch
 from ..memory import describe, memory_report
 from ..parallel import init_parallel, rank_device
 from ..rank_worker import Follower
 from .app import LeaderLink, build_app
+from .body import protocol_with_header_deadline
 from .engine_loop import EngineStopped
 from .leader import EngineFacts, Leader
 from .settings import ServerSettings
+from .watchdog import RankBeats
 from .warmup import warm_up
 
 log = logging.getLogger("moeplex.server")
@@ -44,46 +49,71 @@ def serve(config: EngineConfig, settings: ServerSettings, log_level: str) -> Non
     """Start the ranks, serve HTTP until a signal or a failed rank; RankFailed / EngineStopped say what went wrong."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     here, there = multiprocessing.get_context("spawn").Pipe()
-    ranks = RankProcesses(config, there, log_level, settings.warmup)
+    parallel = config.parallel
+    beats = RankBeats(parallel.ranks_per_node, parallel.node_rank * parallel.ranks_per_node)
+    ranks = RankProcesses(config, there, log_level, settings.warmup, beats)
+    if parallel.node_rank != 0:  # HTTP is node 0's: this node's ranks follow its leader until it halts them
+        log.info("node %d: ranks follow node 0's leader; node 0 serves HTTP", parallel.node_rank)
+        try:
+            ranks.join()
+        finally:
+            here.close()
+            there.close()
+        return
     try:
-        facts = here.recv()
-    except EOFError:  # rank 0 is gone before it could lead
-        ranks.join()
-        raise RankFailed("rank 0 stopped during start-up") from None
+        facts = _first_message(here, ranks)
     finally:
         there.close()  # the ranks hold their own copy: the leader's exit must reach `here` as the end of the pipe
-    server = HttpServer(LeaderLink(here, facts), settings, log_level)
+    server = HttpServer(LeaderLink(here, facts, beats), settings, log_level)
     try:
         server.run()
     finally:
         here.close()  # a leader still waiting (say uvicorn could not bind its port) sees the pipe end and halts
-    ranks.join()
+    blamed = server.app.state.engine_loop.watchdog.blamed
+    try:
+        ranks.join()
+    except RankFailed as exc:  # a collective that timed out fails on a healthy rank: say who stopped first
+        raise RankFailed(f"{blamed}; then: {exc}" if blamed else str(exc)) from None
     failure = server.app.state.engine_loop.failure
     if failure is not None:
         raise failure
 
 
+def _first_message(here: Connection, ranks: "RankProcesses") -> EngineFacts:
+    """Rank 0's start-up facts; RankFailed as soon as the ranks have stopped instead (this process still holds
+    the pipe's other end until the ranks are up, so their exit alone never ends the wait)."""
+    while not here.poll(0.2):
+        if not ranks.thread.is_alive():
+            ranks.join()
+            raise RankFailed("rank 0 stopped during start-up")
+    try:
+        return here.recv()
+    except EOFError:  # rank 0 is gone before it could lead
+        ranks.join()
+        raise RankFailed("rank 0 stopped during start-up") from None
+
+
 class RankProcesses:
     """Every local rank in a process of its own, waited for on a thread; join() raises RankFailed if one failed."""
 
-    def __init__(self, config: EngineConfig, connection: Connection, log_level: str, warmup: bool = False):
+    def __init__(self, config: EngineConfig, connection: Connection, log_level: str, warmup: bool, beats: RankBeats):
         self.failure: RankFailed | None = None
-        args = (config, connection, log_level, warmup)
+        args = (config, connection, log_level, warmup, beats)
         self.thread = threading.Thread(target=self._run, args=args, name="moeplex-ranks", daemon=True)
         self.thread.start()
 
-    def _run(self, config: EngineConfig, connection: Connection, log_level: str, warmup: bool) -> None:
+    def _run(self, config: EngineConfig, connection: Connection, log_level: str, warmup: bool, beats: RankBeats) -> None:
+        args = (config, connection, log_level, warmup, beats)
         try:
             if config.parallel.distributed:
-                launch(serve_on_rank, config.parallel, config, connection, log_level, warmup)
+                launch(serve_on_rank, config.parallel, *args, device=config.device)
             else:  # launch() would run one rank in this process: spawn it, as the front end must stay apart
-                rank = multiprocessing.get_context("spawn").Process(
-                    target=serve_on_rank, args=(0, config, connection, log_level, warmup), name="moeplex-rank-0"
-                )
-                rank.start()
-                rank.join()
-                if rank.exitcode != 0:
-                    raise RankFailed(f"rank 0 died (exit code {rank.exitcode})")
+                try:
+                    mp.start_processes(serve_on_rank, args=args, start_method="spawn")
+                except mp.ProcessRaisedException as exc:
+                    raise RankFailed(f"rank 0 failed: {last_line(str(exc))}") from None
+                except mp.ProcessExitedException as exc:
+                    raise RankFailed(f"rank 0 died (exit code {exc.exit_code})") from None
         except RankFailed as exc:
             self.failure = exc
 
@@ -93,10 +123,13 @@ class RankProcesses:
             raise self.failure
 
 
-def serve_on_rank(rank: int, config: EngineConfig, connection: Connection, log_level: str, warmup: bool = False) -> None:
+def serve_on_rank(
+    rank: int, config: EngineConfig, connection: Connection, log_level: str, warmup: bool, beats: RankBeats
+) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     for sig in (signal.SIGINT, signal.SIGTERM):  # stopping is the front end's to decide
         signal.signal(sig, signal.SIG_IGN)
+    beats.start_beating(rank)
     config = attrs.evolve(config, device=rank_device(config.device, rank, config.parallel))
     engine = Engine(config, parallel=init_parallel(config.parallel, rank, torch.device(config.device)))
     log.info(describe(memory_report(engine)))
@@ -105,10 +138,10 @@ def serve_on_rank(rank: int, config: EngineConfig, connection: Connection, log_l
         if warmup and engine.device.type == "cuda":  # the followers step along in their loop
             warm_up(group)
         connection.send(EngineFacts.of(group))
-        Leader(group, connection).run()
+        Leader(group, connection, lambda: beats.round_done(rank)).run()
     else:
         connection.close()  # only the leader talks to the front end
-        Follower(engine).run()
+        Follower(engine, lambda: beats.round_done(rank)).run()
 
 
 class HttpServer:
@@ -117,14 +150,8 @@ class HttpServer:
     def __init__(self, link: LeaderLink, settings: ServerSettings, log_level: str):
         self.settings = settings
         self.app = build_app(link, settings, on_engine_stopped=self._engine_stopped)
-        config = uvicorn.Config(
-            self.app,
-            host=settings.host,
-            port=settings.port,
-            log_level=log_level,
-            timeout_graceful_shutdown=settings.shutdown_timeout,
-        )
-        self.server = uvicorn.Server(config)
+        self.server = DrainingServer(uvicorn_config(self.app, settings, log_level), settings.shutdown_timeout,
+                                     self.app.state.engine_loop.expire)
 
     def run(self) -> None:
         sys.setswitchinterval(self.settings.gil_switch_interval)  # this process is the server's: see ServerSettings
@@ -133,6 +160,36 @@ class HttpServer:
 
     def _engine_stopped(self) -> None:
         self.server.should_exit = True
+
+
+FINAL_WORDS_S = 2.0  # after the drain time, for the 503s and error events to reach their clients
+
+
+def uvicorn_config(app, settings: ServerSettings, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=log_level,
+        timeout_graceful_shutdown=settings.shutdown_timeout + FINAL_WORDS_S,
+        http=protocol_with_header_deadline(settings.read_timeout),
+        limit_concurrency=settings.max_connections,
+    )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, whose shutdown first fails what is still running when the drain time is over (`expire`): past its own
+    graceful timeout uvicorn cancels the requests, and a cancelled request gets a plain-text 500 or a cut stream."""
+
+    def __init__(self, config: uvicorn.Config, drain_s: float, expire: Callable[[str], None]):
+        super().__init__(config)
+        self.drain_s = drain_s
+        self.expire = expire
+
+    async def shutdown(self, sockets=None) -> None:
+        message = f"the server is shutting down and its --shutdown-timeout of {self.drain_s:g} s has run out"
+        deadline = asyncio.get_running_loop().call_later(self.drain_s, self.expire, message)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
 
 
 @contextlib.contextmanager

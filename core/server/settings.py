@@ -19,6 +19,9 @@ class ServerSettings:
     api_key: str | None = None  # when set, every path but /health, /health_generate and /metrics needs it
     served_model_name: str | None = None  # default: the model path
     max_request_bytes: int = attrs.field(default=8 << 20, validator=_positive)  # larger bodies are a 413
+    read_timeout: float = attrs.field(default=30.0, validator=_positive)  # a request's headers, then its body (408)
+    max_connections: int = attrs.field(default=2048, validator=_positive)  # uvicorn answers 503 past this many
+    stall_timeout: float = attrs.field(default=30.0, validator=_positive)  # no step this long with work waiting: 503s
     shutdown_timeout: float = attrs.field(default=30.0, validator=_positive)  # drain in-flight requests on SIGTERM
     expert_load_dir: str = attrs.field(factory=tempfile.gettempdir)  # where expert-load dumps are written
     warmup: bool = True  # on a GPU, rank 0 runs a prefill step of each size class before serving (server/warmup.py)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import AsyncIterator, Callable
 
 from starlette.responses import StreamingResponse
@@ -11,6 +12,8 @@ from starlette.types import Receive, Scope, Send
 from .errors import ApiError
 
 DONE = b"data: [DONE]\n\n"
+log = logging.getLogger("moeplex.server")
+
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -25,6 +28,9 @@ async def events(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
             yield event(chunk)
     except ApiError as exc:  # headers are gone already: the failure travels as an event (as vLLM does)
         yield event(exc.body())
+    except Exception as exc:  # never a cut that reads like a short complete answer
+        log.exception("a stream failed")
+        yield event(ApiError(500, f"internal error: {type(exc).__name__}: {exc}").body())
     yield DONE
 
 
