@@ -53,7 +53,8 @@ from report import emit  # benchmarks/report.py, beside this file
 from moeplex.conformance.dispatch_ranks import free_port
 from moeplex.interfaces import ExpertOutput, ExpertWeights, MoEContext, StandardLayout
 from moeplex.moe.adapters import LayoutAdapter
-from moeplex.moe.replicas import SPREAD, STATIC, ReplicaSelector
+from moeplex.config import SPREAD, STATIC
+from moeplex.moe.replicas import ReplicaSelector
 from moeplex.registry import PluginError, lookup
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}

@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from moeplex.interfaces import Placement
-from moeplex.moe.recorder import STAT, LoadRecorder
-from moeplex.moe.replicas import SPREAD, STATIC, ReplicaSelector
+from moeplex.config import STAT
+from moeplex.moe.recorder import LoadRecorder
+from moeplex.config import SPREAD, STATIC
+from moeplex.moe.replicas import ReplicaSelector
 from moeplex.registry import lookup
 
 

@@ -28,7 +28,7 @@ CASES = {
 
 
 def probe(url: str, body: dict) -> tuple[int, float, float, float]:
-    slowest, samples, done = [0.0], [], threading.Event()
+    samples, done = [], threading.Event()
 
     def health():
         with httpx.Client(timeout=120) as client:
@@ -54,7 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:30000", help="a running `moeplex serve`")
     args = parser.parse_args()
-    print(f"| case | status | request s | slowest /health ms | median /health ms |\n|---|---|---|---|---|")
+    print("| case | status | request s | slowest /health ms | median /health ms |\n|---|---|---|---|---|")
     for name, body in CASES.items():
         status, took, worst, median = probe(args.url, body)
         print(f"| {name} | {status} | {took:.2f} | {worst * 1e3:.1f} | {median * 1e3:.1f} |")

@@ -18,8 +18,10 @@ from moeplex.interfaces import Placement
 from moeplex.models.base import MoESpec
 from moeplex.models.setup import placement_shape
 from moeplex.moe.rebalance import placement_record, write_json
-from moeplex.moe.recorder import PER_STEP, STAT, LoadRecorder
-from moeplex.moe.replicas import SPREAD, STATIC, ReplicaSelector
+from moeplex.config import PER_STEP, STAT
+from moeplex.moe.recorder import LoadRecorder
+from moeplex.config import SPREAD, STATIC
+from moeplex.moe.replicas import ReplicaSelector
 from moeplex.parallel import Group, ParallelConfig, ParallelState
 from moeplex.registry import lookup
 from moeplex.sampling import SamplingParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import DISPATCH_ALGORITHMS, SPREAD, STATIC
+from ..config import DISPATCH_ALGORITHMS, SPREAD
 from ..interfaces import Placement
 
 

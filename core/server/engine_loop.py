@@ -122,7 +122,7 @@ class EngineLoop:
         engine (the shutdown's drain time has run out, or the engine stalled: each client gets a reason)."""
         for rid in list(self._progress):
             self._fail(Failure(rid, 503, message))
-            self._command(Cancel(rid))
+            self._command(Abort(rid))
         calls, self._calls = self._calls, {}
         for future in calls.values():
             if not future.done():
