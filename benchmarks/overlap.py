@@ -33,7 +33,7 @@ from moeplex.batch_builder import ScheduledSeq, build_forward_batch
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
 from moeplex.interfaces import BatchMeta
-from moeplex.launcher import launch
+from moeplex.ranks.launcher import launch
 from moeplex.models.make_model import write_checkpoint
 from moeplex.parallel import ParallelConfig, init_parallel, rank_device
 from moeplex.registry import PluginError, lookup

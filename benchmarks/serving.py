@@ -142,9 +142,9 @@ def offline_throughput(args, work) -> dict:
     """Output tokens/s of the engine itself on the same requests, all submitted at once, and its steps."""
     from moeplex.config import EngineConfig
     from moeplex.engine import Engine
-    from moeplex.engine_group import EngineGroup
+    from moeplex.ranks.group import EngineGroup
     from moeplex.sampling import SamplingParams
-    from moeplex.server.warmup import warm_up
+    from moeplex.ranks.warmup import warm_up
 
     settings = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
     engine = Engine(EngineConfig(model=args.model, show_progress=False, **settings))

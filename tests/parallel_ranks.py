@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from moeplex.config import EngineConfig
-from moeplex.offline import generate_on_rank
+from moeplex.ranks.offline import generate_on_rank
 from moeplex.parallel import init_parallel
 
 

@@ -155,7 +155,7 @@ def test_serve_on_a_taken_port_refuses_before_loading_the_model(tiny_model_dir, 
     ids=["intermediate-over-tp", "experts-over-ep", "one-rank-dispatcher"],
 )
 def test_an_impossible_layout_is_refused_before_any_rank_starts(tiny_model_dir, monkeypatch, capsys, flags, words):
-    monkeypatch.setattr("moeplex.offline.launch", lambda *a, **k: pytest.fail("rank processes were started"))
+    monkeypatch.setattr("moeplex.ranks.offline.launch", lambda *a, **k: pytest.fail("rank processes were started"))
     line = refusal(capsys, "generate", "--model", tiny_model_dir("qwen3_moe"), "--input-ids", "1,2", *flags)
     assert all(w in line for w in words), line
 

@@ -21,10 +21,10 @@ from moeplex.batch_builder import ScheduledSeq
 from moeplex.cli import main
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
-from moeplex.launcher import launch
+from moeplex.ranks.launcher import launch
 from moeplex.models.loader import SCALE_SUFFIX, CheckpointError
 from moeplex.models.setup import load_model
-from moeplex.offline import generate
+from moeplex.ranks.offline import generate
 from moeplex.parallel import ParallelConfig
 from moeplex.quant import FP8, dequantize_blocks, quantize_blocks
 from moeplex.registry import PluginError

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from moeplex.launcher import RankFailed, Rendezvous, launch
+from moeplex.ranks.launcher import RankFailed, Rendezvous, launch
 from moeplex.parallel import ParallelConfig
 
 import fault_ranks

@@ -15,8 +15,8 @@ from moeplex.config import EngineConfig
 from moeplex.forward_batch import ForwardMode
 from moeplex.interfaces import BatchMeta
 from moeplex.kv_cache import KVPool
-from moeplex.launcher import launch
-from moeplex.offline import generate
+from moeplex.ranks.launcher import launch
+from moeplex.ranks.offline import generate
 from moeplex.parallel import ParallelConfig
 from moeplex.plugins.overlap.tbo import BALANCE_TOLERANCE, TwoBatchOverlap, two_batch_cut
 from moeplex.registry import lookup

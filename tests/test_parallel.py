@@ -7,9 +7,9 @@ import socket
 import pytest
 
 from moeplex.config import EngineConfig
-from moeplex.launcher import RankFailed, launch
+from moeplex.ranks.launcher import RankFailed, launch
 from moeplex.models.make_model import ARCHES
-from moeplex.offline import assign_to_dp_groups, generate
+from moeplex.ranks.offline import assign_to_dp_groups, generate
 from moeplex.parallel import ParallelConfig
 from moeplex.sampling import SamplingParams
 

@@ -9,7 +9,7 @@ import torch
 
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
-from moeplex.launcher import launch
+from moeplex.ranks.launcher import launch
 from moeplex.moe.weight_mover import plan_transfers
 from moeplex.parallel import ParallelConfig
 from moeplex.sampling import SamplingParams

@@ -14,7 +14,7 @@ from starlette.routing import Route
 from moeplex.server import ServerSettings
 from moeplex.server.body import BodyReader
 from moeplex.server.errors import EXCEPTION_HANDLERS
-from moeplex.server.ranks import uvicorn_config
+from moeplex.server.processes import uvicorn_config
 
 from live_server import LiveServer
 

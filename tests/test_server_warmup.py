@@ -2,10 +2,10 @@
 
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
-from moeplex.engine_group import EngineGroup
+from moeplex.ranks.group import EngineGroup
 from moeplex.hooks import hookimpl
 from moeplex.sampling import SamplingParams
-from moeplex.server.warmup import step_sizes, warm_up
+from moeplex.ranks.warmup import step_sizes, warm_up
 
 
 def test_step_sizes_double_up_to_the_budget():

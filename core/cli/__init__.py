@@ -7,7 +7,7 @@ import importlib
 import logging
 import sys
 
-from ..launcher import RankFailed
+from ..ranks.launcher import RankFailed
 from ..registry import PluginError
 
 # sub-command -> module under moeplex.cli defining add_parser(subparsers) and run(args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ..offline import generate
+from ..ranks.offline import generate
 from ..sampling import SamplingParams
 from ..tokenizer import load_tokenizer
 from .flags import add_engine_flags, engine_config

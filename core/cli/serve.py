@@ -1,7 +1,7 @@
 """`moeplex serve`: the engine behind an OpenAI-compatible and SGLang-native HTTP server.
 
 This process is the HTTP front end; it spawns every rank of the engine, rank 0 leading the others
-(moeplex.server.ranks). A rank that fails stops the rest, and the error names it.
+(moeplex.server.processes). A rank that fails stops the rest, and the error names it.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import tempfile
 
 from ..server import ServerSettings
-from ..server.ranks import EngineStopped, serve
+from ..server.processes import EngineStopped, serve
 from .flags import add_engine_flags, engine_config
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")

@@ -1,10 +1,12 @@
 """`moeplex serve`: OpenAI-compatible and SGLang-native HTTP serving.
 
-    ranks.py          the processes: this one the HTTP front end, every rank spawned (rank 0 leads, the others follow)
+    processes.py      the processes: this one the HTTP front end, every rank spawned (rank 0 leads, the others
+                      follow: moeplex.ranks)
     app.py            the starlette app: routes, middleware, the leader's lifetime (in-process engines: a leader thread)
-    engine_loop.py    the front end of the engine: commands out to the leader, its round reports into the HTTP calls
-    leader.py         rank 0: the front end's commands in, one EngineGroup round per step, one report per round out
-                      (moeplex.engine_group / rank_worker: the ranks' side)
+    engine_loop.py    the front end of the engine: commands out to the leader (core/messages.py), its round reports
+                      into the HTTP calls
+    body.py           reading a request body within its size and time limits
+    watchdog.py       the ranks' heartbeats, and when no step has come back for too long
     progress.py       what each running request has sent its client (stop-string hold-back)
     group.py          the engine requests of one HTTP call, read back through one asyncio queue
     handlers.py       body -> fields -> Plan -> engine -> JSON or server-sent events

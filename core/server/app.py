@@ -13,7 +13,8 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from ..engine import Engine
-from ..engine_group import EngineGroup
+from ..ranks.group import EngineGroup
+from ..ranks.leader import EngineFacts, Leader
 from ..tokenizer import load_tokenizer
 from .body import BodyReader
 from .engine_loop import EngineLoop
@@ -21,7 +22,6 @@ from .errors import EXCEPTION_HANDLERS
 from .expert_load import ExpertLoadRoutes
 from .handlers import generation_route
 from .info import InfoRoutes
-from .leader import EngineFacts, Leader
 from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, HttpMetrics
 from .native import GenerateEndpoint

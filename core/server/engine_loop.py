@@ -1,6 +1,6 @@
 """The HTTP side of the engine: requests out to the leader (rank 0), its round reports back into the HTTP calls.
 
-    event loop  --a Round (what arrived since the last send, one message)-->  connection  -->  Leader (leader.py),
+    event loop  --a Round (what arrived since the last send, one message)-->  connection  -->  Leader (ranks/leader.py),
                                                                                 in its own process, or on a thread
     event loop  <--RoundReport, one per round-- reader thread <-- connection <--  of this one for an in-process engine
 
@@ -23,8 +23,8 @@ from typing import Callable
 
 from ..engine import Engine
 from ..messages import Abort, Admit, Call, Failure, Halted, Round, RoundReport
+from ..ranks.leader import EngineFacts, Leader
 from ..request import Request, check_prompt
-from .leader import EngineFacts, Leader
 from .metrics import ServerMetrics
 from .outputs import Output, Ticket
 from .progress import Progress

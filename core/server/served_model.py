@@ -11,9 +11,9 @@ from typing import Sequence
 from tokenizers import Tokenizer
 
 from ..context_limit import context_length, context_problem
+from ..ranks.leader import EngineFacts
 from .chat_template import ChatTemplate
 from .errors import bad_request
-from .leader import EngineFacts
 
 
 class ServedModel:

@@ -24,7 +24,7 @@ class ServerSettings:
     stall_timeout: float = attrs.field(default=30.0, validator=_positive)  # no step this long with work waiting: 503s
     shutdown_timeout: float = attrs.field(default=30.0, validator=_positive)  # drain in-flight requests on SIGTERM
     expert_load_dir: str = attrs.field(factory=tempfile.gettempdir)  # where expert-load dumps are written
-    warmup: bool = True  # on a GPU, rank 0 runs a prefill step of each size class before serving (server/warmup.py)
+    warmup: bool = True  # on a GPU, rank 0 runs a prefill step of each size class before serving (ranks/warmup.py)
     health_timeout: float = attrs.field(default=20.0, validator=_positive)  # /health_generate's one-token request
     # applied by `moeplex serve` to its front-end process (sys.setswitchinterval), never by build_app: the thread
     # that receives the engine's round reports gets the GIL back from the event loop within this interval rather

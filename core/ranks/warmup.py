@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import time
 
-from ..engine_group import EngineGroup
 from ..sampling import SamplingParams
+from .group import EngineGroup
 
 log = logging.getLogger("moeplex.server")
 

@@ -17,11 +17,11 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from .engine import Engine
-from .memory import memory_report
-from .messages import Abort, Admit, Call, GroupReport, GroupStats, RequestUpdate, Round
-from .parallel import ParallelState
-from .request import FinishReason, Request
+from ..engine import Engine
+from ..memory import memory_report
+from ..messages import Abort, Admit, Call, GroupReport, GroupStats, RequestUpdate, Round
+from ..parallel import ParallelState
+from ..request import FinishReason, Request
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
     moeplex serve   the front end: uvicorn, tokenizer, request mirrors, streaming (app.py, engine_loop.py);
                     SIGINT / SIGTERM here drain the requests in flight, then halt the leader
-      rank 0        the leader (leader.py): the front end's commands in through a pipe, one EngineGroup round
+      rank 0        the leader (ranks/leader.py): the front end's commands in through a pipe, one EngineGroup round
                     per step, one report per round back
       ranks 1..N-1  Follower: receive a round, apply it, step, report
     Every rank ignores SIGINT / SIGTERM: stopping is the front end's to decide, and the leader halts the others.
@@ -29,18 +29,18 @@ import uvicorn
 
 from ..config import EngineConfig
 from ..engine import Engine
-from ..engine_group import EngineGroup
-from ..launcher import RankFailed, last_line, launch
 from ..memory import describe, memory_report
 from ..parallel import init_parallel, rank_device
-from ..rank_worker import Follower
+from ..ranks.group import EngineGroup
+from ..ranks.launcher import RankFailed, last_line, launch
+from ..ranks.leader import EngineFacts, Leader
+from ..ranks.warmup import warm_up
+from ..ranks.worker import Follower
 from .app import LeaderLink, build_app
 from .body import protocol_with_header_deadline
 from .engine_loop import EngineStopped
-from .leader import EngineFacts, Leader
 from .settings import ServerSettings
 from .watchdog import RankBeats
-from .warmup import warm_up
 
 log = logging.getLogger("moeplex.server")
 

@@ -12,13 +12,13 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from .config import EngineConfig
-from .context_limit import context_length, context_problem
-from .engine import Engine
+from ..config import EngineConfig
+from ..context_limit import context_length, context_problem
+from ..engine import Engine
+from ..memory import describe, memory_report
+from ..parallel import ParallelState, init_parallel, rank_device
+from ..sampling import SamplingParams
 from .launcher import launch
-from .memory import describe, memory_report
-from .parallel import ParallelState, init_parallel, rank_device
-from .sampling import SamplingParams
 
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Rank 0 queues commands between rounds: a new request goes to the least-loaded DP group (fewest tokens
 of unfinished requests, ties to the lowest group); aborts and engine calls follow in arrival order.
-step() runs a round on every rank (see rank_worker.py) and returns each DP group's report, whose
+step() runs a round on every rank (see worker.py) and returns each DP group's report, whose
 RequestUpdates the leader passes on: the request itself lives on its ranks only, and the front end keeps
 the one copy its clients are served from. With one rank the same code runs without a collective, so a
 single-process server is the same path.
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from .engine import Engine
-from .messages import Abort, Admit, Call, GroupReport, GroupStats, Round
-from .rank_worker import Channel, RankWorker, rank_info
-from .request import check_prompt
-from .sampling import SamplingParams
+from ..engine import Engine
+from ..messages import Abort, Admit, Call, GroupReport, GroupStats, Round
+from ..request import check_prompt
+from ..sampling import SamplingParams
+from .worker import Channel, RankWorker, rank_info
 
 
 class EngineGroup:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .parallel import ParallelConfig, default_backend
+from ..parallel import ParallelConfig, default_backend
 
 LOOPBACK = "127.0.0.1"
 BEAT_S = 1.0  # how often a launcher tells the store its node is alive

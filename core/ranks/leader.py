@@ -1,7 +1,7 @@
 """Rank 0 of a served engine as a leader: the front end's commands in, one EngineGroup round each step, reports out.
 
     front end (HTTP process)  --Round of commands, one a batch-->  Leader (rank 0): queue them on the EngineGroup
-                                                                    a round on every rank (see engine_group.py)
+                                                                    a round on every rank (see group.py)
     front end  <--RoundReport, one message per round------------  what each request gained, call outcomes, stats
 
 The leader sends EngineFacts once at start-up: all the front end knows of the engine besides the reports.
@@ -19,8 +19,8 @@ from typing import Any, Callable
 import attrs
 
 from ..config import EngineConfig
-from ..engine_group import EngineGroup
 from ..messages import Abort, Admit, Call, Failure, Halted, LoopStats, Round, RoundReport
+from .group import EngineGroup
 
 log = logging.getLogger("moeplex.server")
 
