@@ -22,7 +22,8 @@ from moeplex.cli import main
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
 from moeplex.ranks.launcher import launch
-from moeplex.models.loader import SCALE_SUFFIX, CheckpointError
+from moeplex.models.loader import SCALE_SUFFIX
+from moeplex.targets import CheckpointError
 from moeplex.models.setup import load_model
 from moeplex.ranks.offline import generate
 from moeplex.parallel import ParallelConfig

@@ -19,7 +19,7 @@ from moeplex.config import EngineConfig
 from moeplex.forward_batch import ForwardMode
 from moeplex.kv_cache import KVPool
 from moeplex.models.deepseek_v3 import PRESETS, moe_spec
-from moeplex.models.loader import CheckpointError
+from moeplex.targets import CheckpointError
 from moeplex.models.mla import mla_rope_parameters, softmax_scale
 from moeplex.models.rope import RotaryEmbedding, inv_freq_and_scale
 from moeplex.models.setup import load_model

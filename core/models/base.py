@@ -17,7 +17,7 @@ from ..kernels.norm import rms_norm
 from ..kv_cache import KVPool
 from ..moe.layer import MoELayer
 from ..parallel import Group
-from .loader import Target, parameter_target
+from ..targets import Target, parameter_target
 from .parallel_layers import MergedColumnLinear, RowLinear
 
 

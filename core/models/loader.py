@@ -15,53 +15,21 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Iterable
+from typing import Iterable
 
-import attrs
 import torch
 from safetensors import safe_open
 
 from ..json_file import read_json_object
 from ..progress import progress
 from ..quant import BLOCK, dequantize_blocks, num_blocks
+from ..targets import CheckpointError, Target
 
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 FP8_DTYPE = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 FP8_QUANTIZATION_CONFIG = {  # config.json's quantization_config of a DeepSeek-V3 fp8 checkpoint
     "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK],
 }
-
-
-class CheckpointError(ValueError):
-    pass
-
-
-@attrs.frozen
-class Target:
-    shape: tuple[int, ...]  # of the whole tensor in the checkpoint
-    copy: Callable[[torch.Tensor], None] | None  # None: the tensor belongs to another rank
-    select: tuple[int, int, int] | None = None  # (dim, start, length): read only this slice
-    # takes an fp8 checkpoint's values and block scales as stored (a block-aligned slice); None: `copy`
-    # gets the weight dequantized
-    copy_fp8: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-
-
-def shard_of(param: torch.Tensor) -> tuple[int, int, int] | None:
-    """(dim, rank, size) when `param` holds one tensor-parallel slice (set by the parallel layers)."""
-    return getattr(param, "tp_shard", None)
-
-
-def parameter_target(param: torch.Tensor) -> Target:
-    def copy(tensor: torch.Tensor) -> None:
-        param.data.copy_(tensor)
-
-    shard = shard_of(param)
-    if shard is None:
-        return Target(tuple(param.shape), copy)
-    dim, rank, size = shard
-    full = list(param.shape)
-    full[dim] *= size
-    return Target(tuple(full), copy, (dim, rank * param.shape[dim], param.shape[dim]))
 
 
 class CheckpointReader:

@@ -7,11 +7,9 @@ targets), so a folder written here loads in moeplex and in transformers alike.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
-import zlib
 
 import torch
 from safetensors.torch import save_file
@@ -22,6 +20,7 @@ from ..progress import progress
 from ..quant import quantize_blocks
 from . import architecture
 from .loader import FP8_QUANTIZATION_CONFIG, SCALE_SUFFIX
+from .random_weights import named_random_tensor
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 CHAT_TEMPLATE = (
@@ -71,27 +70,6 @@ def _write_json(folder: str, name: str, data: dict) -> None:
     with open(os.path.join(folder, name), "w") as f:
         json.dump(data, f, indent=2)
         f.write("\n")
-
-
-def named_random_tensor(name: str, shape: tuple[int, ...], seed: int, device="cpu") -> torch.Tensor:
-    """`random_tensor` drawn from a generator of the tensor's own (seeded by `seed` and its name), so the
-    checkpoint make-model writes and the weights `--load-format dummy` makes are the same on any device
-    and any parallel layout: each rank draws whole tensors and keeps its slices and experts."""
-    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return random_tensor(name, shape, gen)
-
-
-def random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """A random weight for the tensor called `name` (on the generator's device, fp32)."""
-    noise = torch.randn(shape, generator=gen, device=gen.device)
-    if "norm" in name:  # RMSNorm weights near one
-        return 1.0 + 0.1 * noise
-    if name.endswith("bias"):  # router correction bias, attention biases
-        return 0.1 * noise
-    if "embed_tokens" in name:
-        return noise
-    # unit-variance activations through the stack, so logits are peaked and ties unlikely
-    return noise / math.sqrt(shape[-1])
 
 
 def write_checkpoint(

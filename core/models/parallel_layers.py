@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import Group
-from .loader import Target
+from ..targets import Target
 
 
 def mark_shard(param: torch.Tensor, dim: int, tp: Group) -> None:

@@ -20,7 +20,7 @@ from . import architecture
 from .base import MoECausalLM, MoESpec, read_config
 from .expert_format import expert_weight_format
 from .loader import CheckpointReader, load_checkpoint
-from .make_model import named_random_tensor
+from .random_weights import named_random_tensor
 
 log = logging.getLogger(__name__)
 

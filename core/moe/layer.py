@@ -9,7 +9,7 @@ from torch import nn
 
 from ..executor import StepState
 from ..interfaces import FP8_BLOCK
-from ..models.loader import CheckpointError, Target
+from ..targets import CheckpointError, Target
 from ..quant import BLOCK, FP8, num_blocks, quantize_blocks
 from .router import Router, RouterSpec
 from .runtime import MoERuntime
