@@ -11,7 +11,8 @@ from pathlib import Path
 import attrs
 import pytest
 
-from moeplex import cli, offline, registry
+from moeplex import cli, registry
+from moeplex.ranks import offline
 from moeplex.config import EngineConfig
 from moeplex.interfaces import BalancerCaps, DispatcherCaps, KernelCaps, OverlapCaps
 from moeplex.parallel import ParallelConfig
