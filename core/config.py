@@ -70,6 +70,7 @@ class EngineConfig:
     mixed_chunk: bool | None = None
     page_size: int = attrs.field(default=16, validator=_positive)
     max_total_tokens: int | None = attrs.field(default=None, validator=_positive)  # KV pool size in tokens
+    disable_prefix_cache: bool = False  # every prompt computed from its first token (no radix tree of cached pages)
     kv_memory_fraction: float = attrs.field(default=0.25, validator=_fraction)  # of free memory, without max_total_tokens
     show_progress: bool = True
     load_format: str = attrs.field(default="auto", validator=_one_of(("auto", "dummy")))

@@ -30,6 +30,7 @@ from .model_runner import ModelRunner
 from .models.setup import load_model
 from .moe.rebalance import ExpertBalancing, RebalanceReport
 from .parallel import ParallelState
+from .prefix_cache import PrefixCache
 from .progress import progress as progress_bar
 from .request import FinishReason, Request, check_prompt
 from .sampler import FAILED, Sampler
@@ -92,8 +93,10 @@ class Engine:
         strategy = selection.overlap(min_tokens=config.overlap_min_tokens)
         graphs = decode_graphs(config, self.model, self.kv, strategy, selection, self.parallel.config.world_size)
         mixed = config.mixed_chunk if config.mixed_chunk is not None else graphs is None
+        self.prefix_cache = None if config.disable_prefix_cache else PrefixCache(self.kv)
         self.scheduler = Scheduler(
-            self.kv, config.max_running_requests, config.max_batched_tokens, config.chunked_prefill_size, mixed
+            self.kv, config.max_running_requests, config.max_batched_tokens, config.chunked_prefill_size, mixed,
+            self.prefix_cache,
         )
         self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs)
         self.overlap_schedule = _overlap_schedule(config, self.device, self.parallel.config.world_size)
@@ -123,6 +126,10 @@ class Engine:
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model} has no tokenizer.json; pass token ids instead of text")
         return self.tokenizer.encode(text).ids
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache (its pages back to the free list) unless a running request reads from it."""
+        return self.prefix_cache.flush() if self.prefix_cache is not None else True
 
     def abort(self, rid: str) -> None:
         request = self._requests.get(rid)
@@ -175,8 +182,11 @@ class Engine:
         self.balancing.after_forward()  # counts the step in the load recorders; may move experts between steps
         due = []
         for row, item in enumerate(work):
-            item.request.num_cached += item.num_tokens
-            if item.request.num_uncached == 0:
+            request = item.request
+            request.num_cached += item.num_tokens
+            if request.num_cached <= len(request.prompt_ids):  # a prompt chunk: its pages may be shared now
+                self.scheduler.cache_progress(request)
+            if request.num_uncached == 0:
                 due.append(row)
         if not due:
             return None

@@ -70,8 +70,10 @@ class RequestUpdate:
     finish_reason: FinishReason | None = None
     stop_reason: Any = None
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave it
 
     def apply(self, request: Request) -> None:
+        request.cached_tokens = self.cached_tokens
         request.output_ids.extend(self.new_ids)
         request.logprobs.extend(self.new_logprobs)
         request.text = request.text[: self.text_from] + self.text
@@ -88,6 +90,10 @@ class GroupStats:
     kv_pages_total: int = 0
     kv_pages_free: int = 0
     page_size: int = 1
+    kv_pages_cached: int = 0  # held by the prefix cache (evictable when no request reads them)
+    cache_queried_tokens: int = 0  # since start-up: tokens looked up in the prefix cache at admission
+    cache_hit_tokens: int = 0  # of those, tokens found cached
+    cache_evicted_pages: int = 0
 
 
 @attrs.frozen
@@ -124,6 +130,14 @@ class LoopStats:
     @property
     def kv_pages_free(self) -> int:
         return sum(g.kv_pages_free for g in self.groups)
+
+    @property
+    def kv_pages_cached(self) -> int:
+        return sum(g.kv_pages_cached for g in self.groups)
+
+    def cache_total(self, counter: str) -> int:
+        """A prefix-cache counter summed over the DP groups: queried_tokens, hit_tokens or evicted_pages."""
+        return sum(getattr(g, f"cache_{counter}") for g in self.groups)
 
     @property
     def page_size(self) -> int:

@@ -60,6 +60,11 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     pending_rows: list[int] = attrs.Factory(list)  # per step in flight that samples for it, the row of its token
+    # the prefix cache: pages[:num_shared_pages] belong to its tree, locked through `cache_node` while this
+    # request reads them; the rest are the request's own. cached_tokens: prompt tokens its first admission reused
+    num_shared_pages: int = 0
+    cache_node: Any = None
+    cached_tokens: int = 0
 
     @property
     def awaiting_final_token(self) -> bool:

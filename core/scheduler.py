@@ -7,6 +7,7 @@ from collections import deque
 import attrs
 
 from .kv_cache import KVPool
+from .prefix_cache import PrefixCache
 from .request import FinishReason, Request
 
 
@@ -26,14 +27,23 @@ class Scheduler:
     running request is preempted: its pages are freed and it waits at the front
     of the queue to recompute its KV later.
 
+    With a prefix cache, an admitted request starts at its longest cached prefix (at least one prompt
+    token is computed, so its logits exist) and the budget counts only the tokens it computes; its KV
+    joins the cache after every prompt chunk, on preemption and at its end. When pages run short,
+    cached pages no request reads are evicted before any request is preempted.
+
     `mixed=False` keeps prompts and decodes in separate steps, as SGLang does by default:
     a step prefills (prompt chunks and new admissions) whenever there is something to
     prefill, and decodes otherwise. Where decode steps replay CUDA graphs, a mixed step
     would run eagerly over every decoding request for the sake of one prompt.
     """
 
-    def __init__(self, kv: KVPool, max_running: int, token_budget: int, chunk_size: int, mixed: bool = True):
+    def __init__(
+        self, kv: KVPool, max_running: int, token_budget: int, chunk_size: int, mixed: bool = True,
+        cache: PrefixCache | None = None,
+    ):
         self.kv = kv
+        self.cache = cache
         self.max_running = max_running
         self.token_budget = token_budget
         self.chunk_size = chunk_size
@@ -77,8 +87,10 @@ class Scheduler:
             budget -= n
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
+            self._reuse_prefix(request)
             n = self._chunk(request, budget)
             if not self._reserve(request, n, preempt=False):
+                self._release(request, keep=False)  # it waits without holding cached pages
                 break
             self.waiting.popleft()
             self.running.append(request)
@@ -94,6 +106,8 @@ class Scheduler:
         """Make request.pages cover num_cached + n tokens, preempting newer requests if allowed."""
         missing = self.kv.pages_for(request.num_cached + n) - len(request.pages)
         while missing > 0:
+            if self.cache is not None and self.kv.num_free_pages < missing:
+                self.cache.evict(missing - self.kv.num_free_pages)  # cached pages go before any request
             pages = self.kv.allocate(missing)
             if pages is not None:
                 request.pages.extend(pages)
@@ -113,19 +127,59 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self._free(request)
+        self._release(request, keep=True)  # what it computed stays cached: resuming is a hit
         request.num_cached = 0
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def finish(self, request: Request) -> None:
-        """Release a finished (or aborted) request's pages and forget it."""
+        """Release a finished (or aborted) request's pages and forget it; its KV joins the prefix cache
+        unless it failed (a request whose logits were not finite may have written NaNs)."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._free(request)
+        self._release(request, keep=request.error is None)
 
-    def _free(self, request: Request) -> None:
-        self.kv.release(request.pages)
-        request.pages = []
+    # --- the prefix cache ---------------------------------------------------------------------------
+    def cache_progress(self, request: Request) -> None:
+        """After a prompt chunk: the pages it filled join the cache, so a request arriving meanwhile shares them."""
+        if self.cache is not None:
+            self._insert(request)
+
+    def _reuse_prefix(self, request: Request) -> None:
+        if self.cache is None or request.pages:
+            return
+        match = self.cache.match(request.all_ids, request.num_tokens - 1)
+        self.cache.lock(match.node)
+        request.pages, request.num_cached = list(match.pages), match.num_tokens
+        request.num_shared_pages, request.cache_node = len(match.pages), match.node
+        if request.num_preemptions == 0:
+            request.cached_tokens = match.num_tokens
+
+    def _insert(self, request: Request) -> None:
+        """The request's full pages of computed KV into the tree; from then on it reads the tree's pages."""
+        ids = request.all_ids[: min(request.num_cached, len(request.all_ids))]
+        full = len(ids) // self.kv.page_size
+        if full <= request.num_shared_pages:
+            return
+        inserted = self.cache.insert(ids[: full * self.kv.page_size], request.pages[:full])
+        # pages it read from the tree are the tree's already; only its own copies of cached tokens go back
+        held = set(inserted.pages)
+        self.kv.release([page for page in inserted.duplicates if page not in held])
+        self.cache.lock(inserted.node)
+        self.cache.unlock(request.cache_node)
+        request.pages[:full] = inserted.pages
+        request.num_shared_pages, request.cache_node = full, inserted.node
+
+    def _release(self, request: Request, keep: bool) -> None:
+        """Give back the request's pages: its own to the free list (or, with `keep`, its computed full pages
+        to the prefix cache first), and its lock on the cached ones."""
+        if self.cache is not None and request.cache_node is not None:
+            if keep:
+                self._insert(request)
+            self.cache.unlock(request.cache_node)
+        self.kv.release(request.pages[request.num_shared_pages :])
+        request.pages, request.num_shared_pages, request.cache_node = [], 0, None
+        if not keep:
+            request.num_cached = 0

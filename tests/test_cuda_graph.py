@@ -264,4 +264,4 @@ def test_one_request_cannot_fail_its_batch_on_gpu(tiny_model_dir):
     results = engine.generate(prompts, [sampled] + degenerate)
     assert results[0].finish_reason.value == "abort" and "not finite" in results[0].error
     assert [r.output_ids for r in results[1:]] == reference
-    assert not engine.has_work and engine.kv.num_free_pages == engine.kv.num_pages
+    assert not engine.has_work and engine.flush_cache() and engine.kv.num_free_pages == engine.kv.num_pages

@@ -45,7 +45,7 @@ def test_greedy_generation_equals_transformers(tiny_model_dir, arch):
     engine = make_engine(folder)
     [request] = engine.generate([prompt], GREEDY)
     assert request.output_ids == hf_greedy(folder, prompt, 32)
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert engine.flush_cache() and engine.kv.num_free_pages == engine.kv.num_pages
 
 
 def _mixed_prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -76,7 +76,7 @@ def test_preempted_requests_resume_with_identical_output(tiny_model_dir):
     results = tight.generate(prompts, params)
     assert sum(r.num_preemptions for r in results) > 0
     assert [r.output_ids for r in results] == [r.output_ids for r in roomy]
-    assert tight.kv.num_free_pages == tight.kv.num_pages
+    assert tight.flush_cache() and tight.kv.num_free_pages == tight.kv.num_pages
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model_dir):
@@ -118,7 +118,7 @@ def test_abort_frees_the_cache(tiny_model_dir):
         engine.step()
     assert requests[1].finish_reason.value == "abort"
     assert all(r.finish_reason.value == "length" for r in requests[:1] + requests[2:])
-    assert engine.kv.num_free_pages == engine.kv.num_pages
+    assert engine.flush_cache() and engine.kv.num_free_pages == engine.kv.num_pages
 
 
 def test_bad_prompts_are_refused(tiny_model_dir):
@@ -156,7 +156,7 @@ def test_the_overlap_schedule_wastes_no_step_on_length_and_one_row_on_a_stop(tin
     assert stopped.output_ids == free[2].output_ids[: free[2].output_ids.index(stop) + 1]
     # the step after the stop was launched before its token was read: one row of wasted work
     assert len(calls) == len(stopped.output_ids) + overlap_schedule
-    assert not engine.has_work and engine.kv.num_free_pages == engine.kv.num_pages
+    assert not engine.has_work and engine.flush_cache() and engine.kv.num_free_pages == engine.kv.num_pages
 
 
 def test_the_overlap_schedule_is_refused_across_ranks():
@@ -193,4 +193,4 @@ def test_one_request_cannot_fail_its_batch(tiny_model_dir):
     assert results[0].finish_reason.value == "abort" and "not finite" in results[0].error
     assert [r.output_ids for r in results[1:]] == alone
     assert [r.finish_reason.value for r in results[1:]] == ["length"] * 3
-    assert not engine.has_work and engine.kv.num_free_pages == engine.kv.num_pages
+    assert not engine.has_work and engine.flush_cache() and engine.kv.num_free_pages == engine.kv.num_pages

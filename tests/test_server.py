@@ -73,7 +73,7 @@ def wait_until_idle(client: httpx.Client, timeout: float = 15.0) -> dict:
     while True:
         info = client.get("/get_server_info").json()
         kv = info["kv_cache"]
-        if info["num_running_requests"] == info["num_queued_requests"] == 0 and kv["free_pages"] == kv["num_pages"]:
+        if info["num_running_requests"] == info["num_queued_requests"] == 0 and kv["free_pages"] + kv["cached_pages"] == kv["num_pages"]:
             return info
         assert time.monotonic() < deadline, f"the server did not go idle: {info}"
         time.sleep(0.05)
@@ -338,7 +338,7 @@ def test_client_leaving_mid_stream_aborts_and_frees_the_kv_cache(client, live):
             lines = r.iter_lines()
             assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data: ")) == 3
     info = wait_until_idle(client)
-    assert info["kv_cache"]["free_pages"] == info["kv_cache"]["num_pages"]
+    assert info["kv_cache"]["free_pages"] + info["kv_cache"]["cached_pages"] == info["kv_cache"]["num_pages"]
     assert aborted(client) == before + 1
 
 
@@ -531,3 +531,21 @@ def test_stream_events_survive_any_line_splitting():
     text = "a\u2028b\x85c\u2029d\x1ce"  # characters str.splitlines() breaks on
     line = event({"text": text}).decode()
     assert len(line.strip().splitlines()) == 1 and json.loads(line[6:])["text"] == text
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens_and_the_cache_can_be_flushed(client):
+    wait_until_idle(client)
+    body = {"prompt": "The experts of a mixture " * 8, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    first = client.post("/v1/completions", json=body).json()["usage"]
+    again = client.post("/v1/completions", json=body).json()["usage"]
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert 0 < again["prompt_tokens_details"]["cached_tokens"] < again["prompt_tokens"]
+    native = client.post("/generate", json={"text": body["prompt"], "sampling_params": {"max_new_tokens": 2}}).json()
+    assert native["meta_info"]["cached_tokens"] == again["prompt_tokens_details"]["cached_tokens"]
+    info = client.get("/get_server_info").json()
+    assert info["prefix_cache"]["enabled"] and info["prefix_cache"]["hit_tokens"] > 0 and info["kv_cache"]["cached_pages"] > 0
+    text = client.get("/metrics").text
+    assert metric(text, "moeplex_prefix_cache_hit_tokens_total") > 0
+    wait_until_idle(client)
+    assert client.post("/flush_cache").json() == {"flushed": True}
+    assert client.get("/get_server_info").json()["kv_cache"]["cached_pages"] == 0

@@ -136,6 +136,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "KV cache size in tokens (default: --kv-memory-fraction of free memory, at most 131072)", type=int,
     )
     flag(
+        sched, "--disable-prefix-cache",
+        "compute every prompt from its first token; by default a radix tree keeps the KV pages of earlier "
+        "prompts and answers, and a request starts at its longest cached prefix (RadixAttention)",
+    )
+    flag(
         sched, "--kv-memory-fraction",
         "share of the device's free memory (host memory on the CPU) the KV cache takes when --max-total-tokens "
         "is not given (default: %(default)s)",

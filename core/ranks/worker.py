@@ -15,6 +15,7 @@ import logging
 import os
 from typing import Callable
 
+import attrs
 import torch.distributed as dist
 
 from ..engine import Engine
@@ -28,7 +29,14 @@ log = logging.getLogger(__name__)
 
 def group_stats(engine: Engine) -> GroupStats:
     scheduler, kv = engine.scheduler, engine.kv
-    return GroupStats(len(scheduler.running), len(scheduler.waiting), kv.num_pages, kv.num_free_pages, kv.page_size)
+    stats = GroupStats(len(scheduler.running), len(scheduler.waiting), kv.num_pages, kv.num_free_pages, kv.page_size)
+    cache = engine.prefix_cache
+    if cache is None:
+        return stats
+    return attrs.evolve(
+        stats, kv_pages_cached=cache.num_pages, cache_queried_tokens=cache.queried_tokens,
+        cache_hit_tokens=cache.hit_tokens, cache_evicted_pages=cache.evicted_pages,
+    )
 
 
 class _Reported:
@@ -46,7 +54,7 @@ class _Reported:
             return None
         update = RequestUpdate(
             r.rid, tuple(r.output_ids[self.ids :]), tuple(r.logprobs[self.logprobs :]), text_from, r.text[text_from:],
-            r.finish_reason, r.stop_reason, r.error,
+            r.finish_reason, r.stop_reason, r.error, r.cached_tokens,
         )
         self.ids, self.logprobs, self.text = len(r.output_ids), len(r.logprobs), len(r.text)
         return update

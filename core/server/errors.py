@@ -13,6 +13,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "conflict_error",
     408: "invalid_request_error",
     413: "invalid_request_error",
     500: "internal_server_error",

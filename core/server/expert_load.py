@@ -1,4 +1,5 @@
-"""Expert-load endpoints (SGLang's paths): start, stop and dump a recording, rebalance the experts.
+"""Engine-call endpoints (SGLang's paths): start, stop and dump an expert-load recording, rebalance the
+experts, flush the prefix cache.
 
 Each runs on every rank between two steps (EngineLoop.call); a refusal of the engine (nothing
 recorded, a wrong mode) is a 400.
@@ -33,6 +34,7 @@ class ExpertLoadRoutes:
             "/stop_expert_distribution_record": self.stop,
             "/dump_expert_distribution_record": self.dump,
             "/rebalance_experts": self.rebalance,
+            "/flush_cache": self.flush_cache,
         }
         return [Route(path, handler, methods=["POST"]) for path, handler in table.items()]
 
@@ -60,6 +62,13 @@ class ExpertLoadRoutes:
         await self._body(http)
         report = await self._on_engine("rebalance")
         return JSONResponse({**report.summary(), **placement_record(report.placement, None, 1)})
+
+    async def flush_cache(self, http: HttpRequest) -> JSONResponse:
+        """Empties the prefix cache on every rank, unless a running request reads from it (409, saying so)."""
+        await self._body(http)
+        if not await self._on_engine("flush_cache"):
+            raise ApiError(409, "the prefix cache was not flushed: running requests read from it; try again when idle")
+        return JSONResponse({"flushed": True})
 
     async def _body(self, http: HttpRequest) -> dict:
         data = await self.bodies.json(http, empty={})

@@ -114,9 +114,11 @@ class InfoRoutes:
                 "kv_cache": {
                     "num_pages": stats.kv_pages_total,
                     "free_pages": stats.kv_pages_free,
+                    "cached_pages": stats.kv_pages_cached,
                     "page_size": stats.page_size,
                     "capacity_tokens": stats.kv_pages_total * stats.page_size,
                 },
+                "prefix_cache": self._prefix_cache(stats),
                 "num_running_requests": stats.num_running,
                 "num_queued_requests": stats.num_queued,
                 "steps": stats.steps,
@@ -124,6 +126,17 @@ class InfoRoutes:
                 "parallel": self._parallel(),
             }
         )
+
+    def _prefix_cache(self, stats) -> dict:
+        queried, hit = stats.cache_total("queried_tokens"), stats.cache_total("hit_tokens")
+        return {
+            "enabled": not self.loop.config.disable_prefix_cache,
+            "cached_pages": stats.kv_pages_cached,
+            "queried_tokens": queried,
+            "hit_tokens": hit,
+            "hit_rate": hit / queried if queried else 0.0,
+            "evicted_pages": stats.cache_total("evicted_pages"),
+        }
 
     def _parallel(self) -> dict:
         """The ranks and DP groups: each group's queues and KV pages as of the last round, each rank's memory."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
@@ -47,6 +48,9 @@ class ServerMetrics:
         self.kv_pages_total = Gauge("moeplex_kv_pages_total", "Pages of the KV cache", registry=r)
         self.kv_pages_used = Gauge("moeplex_kv_pages_used", "Pages of the KV cache held by requests", registry=r)
         self.kv_usage = Gauge("moeplex_kv_cache_usage_ratio", "Fraction of KV cache pages in use", registry=r)
+        self.kv_pages_cached = Gauge(
+            "moeplex_prefix_cache_pages", "KV pages the prefix cache holds (in use or evictable)", registry=r
+        )
 
     def watch(self, stats: Callable[[], object]) -> None:
         """Read the engine gauges from `stats()` (an object with num_running, num_queued, kv_pages_*) at scrape time."""
@@ -55,6 +59,8 @@ class ServerMetrics:
         self.kv_pages_total.set_function(lambda: stats().kv_pages_total)
         self.kv_pages_used.set_function(lambda: stats().kv_pages_used)
         self.kv_usage.set_function(lambda: stats().kv_pages_used / max(stats().kv_pages_total, 1))
+        self.kv_pages_cached.set_function(lambda: stats().kv_pages_cached)
+        self.registry.register(PrefixCacheCounters(stats))
 
     def tokens_generated(self, count: int, since_previous: float, first: bool) -> None:
         """`count` new tokens of one request, `since_previous` seconds after its submission or previous token."""
@@ -67,3 +73,23 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class PrefixCacheCounters:
+    """The prefix cache's counters, summed over the DP groups, read from the engine's statistics at scrape time."""
+
+    COUNTERS = (
+        ("queried_tokens", "moeplex_prefix_cache_queried_tokens", "Tokens looked up in the prefix cache at admission"),
+        ("hit_tokens", "moeplex_prefix_cache_hit_tokens", "Looked-up tokens found in the prefix cache"),
+        ("evicted_pages", "moeplex_prefix_cache_evicted_pages", "KV pages evicted from the prefix cache"),
+    )
+
+    def __init__(self, stats: Callable[[], object]):
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats()
+        for counter, name, documentation in self.COUNTERS:
+            family = CounterMetricFamily(name, documentation)
+            family.add_metric([], stats.cache_total(counter))
+            yield family

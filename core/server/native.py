@@ -103,7 +103,7 @@ class GenerateEndpoint:
             "finish_reason": _finish_reason(c),
             "prompt_tokens": c.num_prompt_tokens,
             "completion_tokens": len(c.token_ids),
-            "cached_tokens": 0,
+            "cached_tokens": c.cached_tokens,
             "e2e_latency": time.monotonic() - group.submitted_at,
         }
         if plan.options["return_logprob"]:

@@ -53,8 +53,12 @@ def params_for_choice(values: dict, model: ServedModel, max_tokens: int, logprob
 
 def usage(completions: list[Completion], n: int) -> dict:
     prompt = sum(c.num_prompt_tokens for c in completions[::n])  # a prompt counts once, whatever n
+    cached = sum(c.cached_tokens for c in completions[::n])
     generated = sum(len(c.token_ids) for c in completions)
-    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+    return {
+        "prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def header(kind: str, call_id: str, model: ServedModel) -> dict:

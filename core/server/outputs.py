@@ -34,6 +34,7 @@ class Output:
     stop_reason: Any = None  # the stop string or token id that ended it
     error: str | None = None
     status: int = 200  # the HTTP status of the failure, when error is set
+    cached_tokens: int = 0  # of the prompt, reused from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -57,9 +58,11 @@ class Completion:
     stop_reason: Any = None
     error: str | None = None
     status: int = 200
+    cached_tokens: int = 0
 
     def add(self, output: Output) -> None:
         self.num_prompt_tokens = output.num_prompt_tokens
+        self.cached_tokens = max(self.cached_tokens, output.cached_tokens)
         self.text += output.text
         self.token_ids.extend(output.token_ids)
         self.logprobs.extend(output.logprobs)

@@ -64,4 +64,5 @@ class Progress:
             stop_reason=request.stop_reason if request.finished else None,
             error=request.error,
             status=500 if request.error else 200,
+            cached_tokens=request.cached_tokens,
         )
