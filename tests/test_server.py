@@ -90,7 +90,8 @@ def test_greedy_completion_equals_engine_and_moeplex_generate(client, reference,
     expected = greedy(reference, reference.encode(PROMPT), 12)
     assert (choice["token_ids"], choice["text"], choice["finish_reason"]) == (expected.output_ids, expected.text, "length")
     prompt_tokens = len(reference.encode(PROMPT))
-    assert r.json()["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 12, "total_tokens": prompt_tokens + 12}
+    assert r.json()["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 12, "total_tokens": prompt_tokens + 12,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
     cli_main(["generate", "--model", folder, "--prompt", PROMPT, "--max-new-tokens", "12", "--ignore-eos", "--json"])
     assert json.loads(capsys.readouterr().out)["output_ids"] == choice["token_ids"]
 
