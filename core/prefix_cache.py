@@ -29,6 +29,9 @@ class _Node:
         self.lock_count = 0
         self.last_access = 0
 
+    def is_evictable_leaf(self) -> bool:
+        return not self.children and self.lock_count == 0 and self.parent is not None  # the root holds no pages
+
     def __repr__(self) -> str:
         return f"_Node(id={self.id}, pages={self.pages}, locks={self.lock_count})"
 
@@ -136,7 +139,7 @@ class PrefixCache:
         A leaf is trimmed from its end when fewer pages are needed than it holds: its remaining pages
         still cache a valid prefix.
         """
-        leaves = [(n.last_access, n.id, n) for n in self._nodes() if not n.children and n.lock_count == 0]
+        leaves = [(n.last_access, n.id, n) for n in self._nodes() if n.is_evictable_leaf()]
         heapq.heapify(leaves)
         freed = 0
         while freed < num_pages and leaves:
@@ -152,7 +155,7 @@ class PrefixCache:
             parent = leaf.parent
             del parent.children[leaf.tokens[: self.page_size]]
             leaf.parent = None
-            if parent is not self.root and not parent.children and parent.lock_count == 0:
+            if parent.is_evictable_leaf():
                 heapq.heappush(leaves, (parent.last_access, parent.id, parent))
         self._num_pages -= freed
         self.evicted_pages += freed
