@@ -327,5 +327,5 @@ class Requests(RuleBasedStateMachine):
         assert self.kv.num_free_pages == self.POOL and self.cache.num_pages == 0 and self.cache.evictable_pages == 0
 
 
-Requests.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+Requests.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 test_random_workloads_keep_the_invariants = Requests.TestCase
