@@ -32,6 +32,11 @@ def generate_every_model(rank, parallel_config, folders, prompts, params, **sett
     return results
 
 
+def generate_with_settings(rank, parallel_config, folders, prompts, params, settings: dict):
+    """generate_every_model with EngineConfig settings passed positionally (launch passes no keywords)."""
+    return generate_every_model(rank, parallel_config, folders, prompts, params, **settings)
+
+
 def die_after_joining(rank, parallel_config):
     init_parallel(parallel_config, rank, torch.device("cpu"))
     if rank == 1:

@@ -9,7 +9,13 @@ import pytest
 
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
+from moeplex.parallel import ParallelConfig
+from moeplex.ranks.launcher import launch
+from moeplex.ranks.offline import generate
 from moeplex.sampling import SamplingParams
+
+import parallel_ranks
+from test_parallel import LAYOUTS, free_address
 
 PAGE = 4
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
@@ -109,3 +115,19 @@ def test_flush_refuses_while_a_request_reads_the_cache(tiny_model_dir):
     assert request.cached_tokens > 0 and not cached.flush_cache()
     cached.abort(request.rid)
     assert cached.flush_cache() and cached.kv.num_free_pages == cached.kv.num_pages
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ep2", "dp2-attention"])
+def test_over_ranks_the_cache_changes_no_token(tiny_model_dir, layout):
+    """Every rank of a DP group keeps the same tree (the same scheduling decisions); two requests at a time,
+    so later prompts find the shared system prompt cached."""
+    folder = tiny_model_dir("deepseek_v3")
+    prompts = system_prompt_workload(seed=3)
+    plain = EngineConfig(model=folder, show_progress=False, max_total_tokens=1024, page_size=4, disable_prefix_cache=True)
+    reference = generate(plain, prompts, GREEDY)
+    parallel = ParallelConfig(dist_init_addr=free_address(), timeout_s=120, **LAYOUTS[layout])
+    results = launch(parallel_ranks.generate_with_settings, parallel, parallel, [folder], prompts, [GREEDY] * len(prompts),
+                     {"max_running_requests": 2})[folder]
+    assert [r["output_ids"] for r in results] == [r["output_ids"] for r in reference]
+    assert sum(r["cached_tokens"] for r in results) > 0

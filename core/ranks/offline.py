@@ -41,6 +41,7 @@ def result_of(request, with_text: bool) -> dict:
         "output_ids": request.output_ids,
         "finish_reason": request.finish_reason.value,
         "logprobs": request.logprobs,
+        "cached_tokens": request.cached_tokens,
     }
     if with_text:
         result["text"] = request.text
