@@ -131,3 +131,18 @@ def test_over_ranks_the_cache_changes_no_token(tiny_model_dir, layout):
                      {"max_running_requests": 2})[folder]
     assert [r["output_ids"] for r in results] == [r["output_ids"] for r in reference]
     assert sum(r["cached_tokens"] for r in results) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_on_gpu_the_cache_changes_no_token(tiny_model_dir, arch):
+    """Triton attention over a cached prefix (MLA's latent and GQA), CUDA-graph decode, the overlap schedule."""
+    gpu = dict(device="cuda", moe_kernel="triton", attention_backend="triton", cuda_graph_max_bs=16, max_running_requests=16)
+    cached, plain = engines(tiny_model_dir(arch), **gpu)
+    assert cached.runner.graphs is not None and cached.overlap_schedule
+    prompts = system_prompt_workload(seed=4)
+    first = cached.generate(prompts[:2], GREEDY)
+    rest = cached.generate(prompts[2:], GREEDY)
+    assert [r.output_ids for r in first + rest] == [r.output_ids for r in plain.generate(prompts, GREEDY)]
+    assert all(r.cached_tokens > 0 for r in rest)
+    assert idle_and_conserved(cached)
