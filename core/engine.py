@@ -131,6 +131,11 @@ class Engine:
         """Empty the prefix cache (its pages back to the free list) unless a running request reads from it."""
         return self.prefix_cache.flush() if self.prefix_cache is not None else True
 
+    def reset_prefix_cache(self) -> None:
+        """Flush the idle cache and zero its counters (after the warm-up, whose prompts are nobody's prefix)."""
+        if self.prefix_cache is not None and self.flush_cache():
+            self.prefix_cache.queried_tokens = self.prefix_cache.hit_tokens = self.prefix_cache.evicted_pages = 0
+
     def abort(self, rid: str) -> None:
         request = self._requests.get(rid)
         if request is not None and not request.finished:

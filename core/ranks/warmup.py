@@ -40,14 +40,13 @@ def warm_up(group: EngineGroup) -> int:
         if len(lengths) > config.max_running_requests:
             break
         for index, length in enumerate(lengths):
-            # prompts differ from their first token on: no step is shortened by the prefix cache
-            first = size + index
-            group.add_request([(first + 7 * i) % vocab for i in range(length)], params, rid=f"warmup-{size}-{index}")
+            group.add_request([(7 * i + index) % vocab for i in range(length)], params, rid=f"warmup-{size}-{index}")
         while group.needs_round:
             group.step()
             steps += 1
-    group.call("flush_cache", (), lambda outcome: None)  # the warm-up's prompts are nobody's prefix
-    group.step()
+        # each size computes its whole prompts (no hit on the size before), and clients start from an empty cache
+        group.call("reset_prefix_cache", (), lambda outcome: None)
+        group.step()
     group.admitted = [0] * group.dp_size  # clients' requests are what these count
     log.info("warm-up: %d steps, prefill up to %d tokens, in %.1f s", steps, budget, time.monotonic() - started)
     return steps
