@@ -134,7 +134,7 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Flush the idle cache and zero its counters (after the warm-up, whose prompts are nobody's prefix)."""
         if self.prefix_cache is not None and self.flush_cache():
-            self.prefix_cache.queried_tokens = self.prefix_cache.hit_tokens = self.prefix_cache.evicted_pages = 0
+            self.prefix_cache.reset_counters()
 
     def abort(self, rid: str) -> None:
         request = self._requests.get(rid)

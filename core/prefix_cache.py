@@ -69,9 +69,7 @@ class PrefixCache:
         self._num_pages = 0
         self._locked_pages = 0
         # counters for metrics
-        self.queried_tokens = 0
-        self.hit_tokens = 0
-        self.evicted_pages = 0
+        self.reset_counters()
 
     @property
     def num_pages(self) -> int:
@@ -171,6 +169,10 @@ class PrefixCache:
         self.root.children = {}
         self._num_pages = 0
         return True
+
+    def reset_counters(self) -> None:
+        """Zero the counters metrics read: tokens looked up and found by `match`, pages freed by `evict`."""
+        self.queried_tokens = self.hit_tokens = self.evicted_pages = 0
 
     def _walk(self, tokens: tuple[int, ...]) -> tuple[_Node, list[int]]:
         """Follow tokens (whole pages) down the tree, touching every node passed; the deepest node reached

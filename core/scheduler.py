@@ -164,9 +164,7 @@ class Scheduler:
         if full <= request.num_shared_pages:
             return
         inserted = self.cache.insert(ids[: full * self.kv.page_size], request.pages[:full])
-        # pages it read from the tree are the tree's already; only its own copies of cached tokens go back
-        held = set(inserted.pages)
-        self.kv.release([page for page in inserted.duplicates if page not in held])
+        self.kv.release(inserted.duplicates)  # its own copies of tokens the tree held already
         self.cache.lock(inserted.node)
         self.cache.unlock(request.cache_node)
         request.pages[:full] = inserted.pages
