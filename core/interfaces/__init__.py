@@ -1,4 +1,5 @@
-"""The public plugin API: every contract a dispatcher, MoE kernel, balancer or overlap strategy implements.
+"""The public plugin API: every contract a dispatcher, MoE kernel, balancer, overlap strategy, KV transfer
+backend or drafter implements.
 
 A plugin imports moeplex only through the modules in PUBLIC_MODULES: this one (contracts,
 capabilities, layouts, ForwardBatch, PluginError) and `moeplex.interfaces.kernels` (fp8
@@ -11,7 +12,9 @@ from ..forward_batch import ForwardBatch, ForwardMode
 from .balancer import Balancer, BalancerCaps, Placement
 from .context import MoEContext
 from .dispatcher import Dispatcher, DispatcherCaps
+from .drafter import DraftRequest, Drafter, DrafterCaps, Drafts
 from .errors import PluginError
+from .kv_transfer import KVRegion, KVTransfer, KVTransferCaps, TransferStatus, kv_regions, page_runs
 from .layouts import (
     ALL_LAYOUTS,
     CONTIGUOUS,

@@ -1,0 +1,109 @@
+"""KV transfer contract: how a prefill server's KV pages reach a decode server's pool.
+
+A backend registers one rank's KV buffers once (`KVPool.buffers`: per layer, per cached quantity, one
+tensor whose page p is the contiguous byte range [p * page_bytes, (p + 1) * page_bytes)), describes itself
+as endpoint bytes a peer can connect to, and moves (source pages -> destination pages) plus one small
+metadata row per room. Every call returns at once: `start` launches, `poll` reports, `abort` ends.
+
+Ownership (docs/pd.md): the receiver owns its destination pages and frees them only once no more bytes can
+land; `poll` returning DONE on either side promises that every byte of the transfer is in the receiver's
+buffers. A backend that reports DONE before the bytes land is wrong; the conformance suite catches it.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from typing import ClassVar, Sequence
+
+import attrs
+import torch
+
+
+class TransferStatus(str, enum.Enum):
+    PENDING = "pending"  # launched, not finished
+    DONE = "done"  # every byte and the metadata row are in the receiver's memory
+    FAILED = "failed"  # the transfer will never complete (peer lost, injected failure, deadline, abort)
+
+
+@attrs.frozen
+class KVTransferCaps:
+    devices: frozenset[str] = frozenset({"cpu"})  # device types whose buffers it can register
+    cross_host: bool = True  # peers may be on another host (cuda-ipc: False)
+    needs_extra: str | None = None  # the pip extra that brings its library, for the start-up sentence
+
+
+@attrs.frozen
+class KVRegion:
+    """One registered buffer: a layer's cached quantity, `page_bytes` per page, pages laid out in order."""
+
+    tensor: torch.Tensor
+    page_bytes: int
+
+
+def kv_regions(buffers: Sequence[Sequence[torch.Tensor]], page_size: int) -> list[KVRegion]:
+    """The regions of a KVPool's buffers (pool.buffers), one per layer and quantity, in a fixed order."""
+    regions = []
+    for layer in buffers:
+        for tensor in layer:
+            regions.append(KVRegion(tensor, page_size * tensor[0].numel() * tensor.element_size()))
+    return regions
+
+
+def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) runs where both page lists advance by one: each moves as one range."""
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source pages but {len(dst)} destination pages")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+class KVTransfer(abc.ABC):
+    """One rank's end of KV movement; the same object sends (prefill) and receives (decode)."""
+
+    caps: ClassVar[KVTransferCaps]
+
+    @abc.abstractmethod
+    def register(self, regions: Sequence[KVRegion], metadata_bytes: int) -> None:
+        """Register this rank's KV regions once, plus room for one `metadata_bytes` row per room."""
+
+    @abc.abstractmethod
+    def endpoint(self) -> bytes:
+        """Serialisable description a peer passes to `connect` (address, memory handles, region sizes)."""
+
+    @abc.abstractmethod
+    def connect(self, peer: bytes) -> str:
+        """Connect to a peer's endpoint; returns a peer id. Raises PluginError naming what does not match."""
+
+    @abc.abstractmethod
+    def expect(self, room: int, dst_pages: Sequence[int]) -> None:
+        """Receiver: pages of room `room` will land in `dst_pages`; writes to a room not expected are dropped."""
+
+    @abc.abstractmethod
+    def start(self, room: int, peer: str, src_pages: Sequence[int], dst_pages: Sequence[int], metadata: bytes) -> None:
+        """Sender: launch the copy of src_pages (every region) to the peer's dst_pages, then the metadata row.
+
+        Never blocks; runs of consecutive pages move as one range."""
+
+    @abc.abstractmethod
+    def poll(self, room: int) -> TransferStatus:
+        """Either side: the state of a room's transfer (receiver: DONE once bytes and metadata landed)."""
+
+    @abc.abstractmethod
+    def metadata(self, room: int) -> bytes:
+        """Receiver, after DONE: the metadata row the sender attached (first token, logprobs, ...)."""
+
+    @abc.abstractmethod
+    def abort(self, room: int) -> None:
+        """Either side: end the room; later bytes for it are dropped and `poll` says FAILED. Idempotent."""
+
+    def release(self, room: int) -> None:
+        """Forget a finished room's bookkeeping (after DONE or FAILED has been acted on)."""
+
+    def close(self) -> None:
+        """Stop background threads and free registrations."""
