@@ -59,14 +59,24 @@ def make_weights(shape: Shape, fp8: bool, seed: int = 0) -> ExpertWeights:
     return ExpertWeights(q13, q2, FP8_BLOCK, s13, s2)
 
 
-def make_layout(shape: Shape, tokens: int, seed: int = 0) -> StandardLayout:
-    """Uniform top-k over all experts, as rank 0 sees it: ids of experts on other ranks become -1."""
+ROUTINGS = ("global", "local")
+
+
+def make_layout(shape: Shape, tokens: int, seed: int = 0, routing: str = "global") -> StandardLayout:
+    """Uniform top-k routing of `tokens` rows, as rank 0 sees it.
+
+    global: over all experts; ids of experts on other ranks become -1 (top_k / ep_size pairs per row).
+    local: over the rank's own experts only (top_k pairs per row: rows a dispatcher sent here because
+    all their experts live here) — same M, ep_size times the rows per expert.
+    """
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    ids = torch.rand(tokens, shape.experts, device="cuda", generator=gen).argsort(1)[:, : shape.top_k]
+    experts = shape.experts if routing == "global" else shape.local_experts
+    ids = torch.rand(tokens, experts, device="cuda", generator=gen).argsort(1)[:, : shape.top_k]
     ids = torch.where(ids < shape.local_experts, ids, -1).to(torch.int32)
     weights = torch.rand(tokens, shape.top_k, device="cuda", generator=gen)
     hidden = torch.randn(tokens, shape.hidden, device="cuda", generator=gen).bfloat16()
-    return StandardLayout(hidden, ids, weights, shape.local_experts)
+    pairs = int((ids >= 0).sum())  # a dispatcher that knows its counts on the host hands them over like this
+    return StandardLayout(hidden, ids, weights, shape.local_experts, routed_pairs=pairs)
 
 
 def context(shape: Shape) -> MoEContext:
@@ -159,22 +169,44 @@ class Work:
         return max(self.compute_ms(roof), self.memory_ms(roof))
 
 
-HEADER = ("| M | pairs here | experts hit | triton µs | triton graph µs | torch µs | speed-up | TFLOP/s | of matmul peak "
-          "| TB/s | of copy peak | of roofline |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| routing | M | pairs here | experts hit | triton µs | triton graph µs | torch µs | speed-up "
+          "| grouped_mm GEMMs µs | triton / grouped_mm | TFLOP/s | of matmul peak "
+          "| TB/s | of copy peak | of roofline |\n" + "|---" * 15 + "|")
 
 
-def row(shape: Shape, tokens: int, fp8: bool, roof: Roofline, kernels, timer: ColdTimer) -> str:
+def grouped_mm_gemms(layout: StandardLayout, weights: ExpertWeights):
+    """The two expert GEMMs alone through torch._grouped_mm (CUTLASS), on rows already sorted by expert.
+
+    The library baseline for the GEMMs: no routing, permutation or weighting is timed (bf16 only)."""
+    ids = layout.topk_ids.flatten()
+    order = torch.argsort(ids[ids >= 0].long(), stable=True)
+    rows = layout.hidden.repeat_interleave(layout.topk_ids.shape[1], 0)[ids >= 0][order].contiguous()
+    counts = torch.bincount(ids[ids >= 0].long(), minlength=layout.num_local_experts)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    w13, w2 = weights.w13.transpose(1, 2), weights.w2.transpose(1, 2)  # [E, K, N] views of [E, N, K]
+
+    def run():
+        gate_up = torch._grouped_mm(rows, w13, offs=offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2, offs=offs)
+
+    return run
+
+
+def row(shape: Shape, tokens: int, routing: str, fp8: bool, roof: Roofline, kernels, raw_weights: ExpertWeights,
+        timer: ColdTimer) -> str:
     """One M: times, and the best of them against each ceiling and against the larger of the two (the roofline)."""
-    layout = make_layout(shape, tokens, seed=tokens)
+    layout = make_layout(shape, tokens, seed=tokens, routing=routing)
     work = Work.of(layout, shape, 1 if fp8 else 2)
     (triton_kernel, triton_weights), (torch_kernel, torch_weights) = kernels
     triton_eager = timer(lambda: triton_kernel.apply(layout, triton_weights))
+    grouped = timer(grouped_mm_gemms(layout, raw_weights)) if not fp8 and hasattr(torch, "_grouped_mm") else float("nan")
     triton_graph = timer.graph(lambda: triton_kernel.apply(layout, triton_weights))
     torch_ms = timer(lambda: torch_kernel.apply(layout, torch_weights))
     best = min(triton_eager, triton_graph)
     return (
-        f"| {tokens} | {work.pairs} | {work.experts_hit} | {triton_eager * 1e3:.1f} | {triton_graph * 1e3:.1f} | "
-        f"{torch_ms * 1e3:.1f} | {torch_ms / best:.2f} | {work.flops / best / 1e9:.1f} | "
+        f"| {routing} | {tokens} | {work.pairs} | {work.experts_hit} | {triton_eager * 1e3:.1f} | {triton_graph * 1e3:.1f} | "
+        f"{torch_ms * 1e3:.1f} | {torch_ms / best:.2f} | {grouped * 1e3:.1f} | {best / grouped:.2f} | {work.flops / best / 1e9:.1f} | "
         f"{100 * work.compute_ms(roof) / best:.0f}% | {work.bytes / best / 1e9:.2f} | "
         f"{100 * work.memory_ms(roof) / best:.0f}% | {100 * work.ideal_ms(roof) / best:.0f}% |"
     )
@@ -186,6 +218,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16",
                         help="bf16 weights, or fp8 weights in 128x128 blocks with 1x128 activation scales (w8a8)")
     parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="token counts M received by the rank")
+    parser.add_argument("--routing", choices=ROUTINGS, nargs="+", default=["global"],
+                        help="global: top-k over all experts (rank 0 keeps its share); local: top-k over the rank's "
+                             "own experts (ep_size times the rows per expert at the same M)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("this benchmark times GPU kernels and no CUDA device is visible")
@@ -200,12 +235,13 @@ def main() -> None:
     print(f"## fused MoE: `triton` vs `torch`, {args.shape}, {args.dtype}\n")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"{datetime.date.today()}. Rank 0 of {shape.ep_size}: {shape.local_experts} experts, "
-          f"H={shape.hidden}, I={shape.intermediate}, top-{shape.top_k} uniform routing.")
+          f"H={shape.hidden}, I={shape.intermediate}, top-{shape.top_k} uniform routing ({', '.join(args.routing)}).")
     print(f"Measured peaks: {'fp8' if fp8 else 'bf16'} matmul {roof.matmul_tflops:.0f} TFLOP/s, "
           f"device copy {roof.copy_gbps:.0f} GB/s.\n")
     print(HEADER)
-    for tokens in args.tokens:
-        print(row(shape, tokens, fp8, roof, kernels, timer), flush=True)
+    for routing in args.routing:
+        for tokens in args.tokens:
+            print(row(shape, tokens, routing, fp8, roof, kernels, weights, timer), flush=True)
 
 
 if __name__ == "__main__":

@@ -219,7 +219,9 @@ def main() -> None:
     weights = make_weights(shape, fp8)
     prepared = PreparedWeights.from_expert_weights(weights)
     layouts = {m: make_layout(shape, m, seed=m) for m in args.tokens}
-    rows_per_expert = {m: int((layout.topk_ids >= 0).sum()) / shape.local_experts for m, layout in layouts.items()}
+    # the table's key: the rows each local expert receives (what the plugin looks tiles up by)
+    rows_per_expert = {m: float(f"{int((layout.topk_ids >= 0).sum()) / shape.local_experts:.4g}")
+                       for m, layout in layouts.items()}
     spaces = {(gemm, tiles): gemm_space(gemm, *tiles, fp8) for gemm in GEMMS
               for tiles in {t for m in args.tokens for t in row_tiles(rows_per_expert[m])}}
     precompile(args.shape, fp8, compile_jobs(spaces, args.tokens, rows_per_expert, shape.top_k), args.workers)
@@ -233,7 +235,7 @@ def main() -> None:
     torch_kernel = lookup("moe_kernel", "torch")(context(shape))
     torch_weights = torch_kernel.prepare_weights(weights)
     for m, layout in layouts.items():
-        finalists = {default_tiles(m, shape.local_experts, shape.top_k, dtype, False), table.get(m)} - {None}
+        finalists = {default_tiles(rows_per_expert[m], dtype, False), table.get(rows_per_expert[m])} - {None}
         for tiles in row_tiles(rows_per_expert[m]):
             case = Case.build(shape, layout, prepared, *tiles)
             best = {}
@@ -255,8 +257,8 @@ def main() -> None:
             del case
         ms, tiles = min(((whole_ms(t, layout, prepared), t) for t in finalists), key=lambda pair: pair[0])
         check(layout, prepared, tiles, torch_kernel.apply(layout, torch_weights).hidden, fp8)
-        table[m] = tiles
-        print(f"M={m}: {ms * 1e3:.1f} µs with {tiles}  [{time.monotonic() - started:.0f}s]", flush=True)
+        table[rows_per_expert[m]] = tiles
+        print(f"M={m} ({rows_per_expert[m]:g} rows per expert): {ms * 1e3:.1f} µs with {tiles}  [{time.monotonic() - started:.0f}s]", flush=True)
     if log_file:
         log_file.close()
     path = Path(args.table_dir) / name

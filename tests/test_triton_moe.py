@@ -323,15 +323,30 @@ def test_caps_follow_how_triton_runs_the_kernels():
         assert caps.needs_gpu and torch.bfloat16 in caps.dtypes
 
 
-def test_tile_table_picks_the_nearest_token_count_and_defaults_without_one(tmp_path):
+def test_tile_table_picks_the_nearest_rows_per_expert_and_defaults_without_one(tmp_path):
     small = MoETiles(TileConfig(16, 32, 64), TileConfig(16, 128, 128, num_stages=5))
     large = MoETiles.both(TileConfig(64, 128, 64, group_m=8, num_warps=8, num_stages=4))
-    write_table(tmp_path / table_file("dev", "bf16", 8, I, H), {1: small, 256: large})
+    write_table(tmp_path / table_file("dev", "bf16", 8, I, H), {0.5: small, 128: large})
     tables = TileTables("dev", tmp_path)
-    pick = lambda m, e=8: tables.pick(m, dtype="bf16", num_experts=e, intermediate=I, hidden=H, top_k=8)  # noqa: E731
-    assert (pick(1), pick(100), pick(200), pick(4096)) == (small, small, large, large)
+    pick = lambda rows, e=8: tables.pick(rows, dtype="bf16", num_experts=e, intermediate=I, hidden=H)  # noqa: E731
+    # nearest on a log scale: 7 rows is nearer 0.5 (2^-1) than 128 (2^7); 9 rows is nearer 128
+    assert (pick(0.03), pick(7), pick(9), pick(4096)) == (small, small, large, large)
     assert pick(1).gate_up != pick(1).down  # each GEMM keeps its own tile
     assert pick(1, e=9).block_m in (16, 32, 64)  # no table for 9 experts: a default
+
+
+def test_tiles_are_looked_up_by_the_rows_each_expert_receives():
+    """512 rows of top-8: 16 rows per expert when routing spreads over 8 EP ranks' 256 experts, 128 when all
+    eight land on the 32 local experts (the dispatcher says so through routed_pairs), whatever M is."""
+    kernel = TritonMoEKernel(MoEContext(H, I, 256, 8, torch.float32, torch.device("cpu"), ep_rank=0, ep_size=8))
+    ids, weights, hidden = torch.zeros(512, 8, dtype=torch.int32), torch.ones(512, 8), torch.zeros(512, H)
+    assert kernel.rows_per_expert(StandardLayout(hidden, ids, weights, 32)) == 16  # unknown: uniform over EP
+    assert kernel.rows_per_expert(StandardLayout(hidden, ids, weights, 32, routed_pairs=4096)) == 128
+    contiguous = ContiguousLayout(torch.zeros(32 * 128, H), torch.zeros(32 * 128, dtype=torch.int32), 32, 128)
+    assert kernel.rows_per_expert(contiguous) == 128  # the padded rows: an upper bound
+    assert kernel.rows_per_expert(attrs.evolve(contiguous, routed_pairs=320)) == 10
+    masked = MaskedLayout(torch.zeros(32, 256, H), torch.zeros(32, dtype=torch.int32), None, expected_rows=3)
+    assert kernel.rows_per_expert(masked) == 3
 
 
 def test_tile_table_entries_of_one_tile_serve_both_gemms(tmp_path):
@@ -339,8 +354,8 @@ def test_tile_table_entries_of_one_tile_serve_both_gemms(tmp_path):
     (tmp_path / "table.json").write_text(json.dumps({"16": one}))
     assert read_table(tmp_path / "table.json") == {16: MoETiles.both(TileConfig(32, 64, 64, 8, 4, 3))}
     tuned = MoETiles(TileConfig(64, 128, 64, tma=True, tail_m=16), TileConfig(64, 256, 64, tail_m=16))
-    write_table(tmp_path / "tuned.json", {4096: tuned})
-    assert read_table(tmp_path / "tuned.json") == {4096: tuned}
+    write_table(tmp_path / "tuned.json", {0.03125: tuned, 128: tuned})
+    assert read_table(tmp_path / "tuned.json") == {0.03125: tuned, 128.0: tuned}
 
 
 @pytest.mark.parametrize("tail_m", [8, 24, 128])

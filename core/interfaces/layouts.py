@@ -38,7 +38,11 @@ def placeholder(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Ten
 
 @attrs.frozen
 class StandardLayout:
-    """Received tokens [N, H] with their local top-k expert ids (-1: not on this rank) and weights."""
+    """Received tokens [N, H] with their local top-k expert ids (-1: not on this rank) and weights.
+
+    `routed_pairs` is the count of ids >= 0 where the host knows it without a sync (0: unknown), for
+    kernels that pick tiles by the rows each expert receives.
+    """
 
     name: ClassVar[str] = STANDARD
     hidden: torch.Tensor
@@ -46,6 +50,7 @@ class StandardLayout:
     topk_weights: torch.Tensor
     num_local_experts: int
     fp8: Fp8Payload | None = None
+    routed_pairs: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -56,7 +61,8 @@ class StandardLayout:
 class ContiguousLayout:
     """Rows grouped per local expert, each group padded to `alignment` rows.
 
-    `expert_index[m]` is the local expert of row m, or -1 on padding rows.
+    `expert_index[m]` is the local expert of row m, or -1 on padding rows. `routed_pairs` is the count
+    of rows that are not padding where the host knows it (0: unknown).
     """
 
     name: ClassVar[str] = CONTIGUOUS
@@ -65,6 +71,7 @@ class ContiguousLayout:
     num_local_experts: int
     alignment: int
     fp8: Fp8Payload | None = None
+    routed_pairs: int = 0
 
     @property
     def num_rows(self) -> int:

@@ -104,7 +104,8 @@ def standard_to_contiguous(layout: StandardLayout, alignment: int) -> tuple[Cont
     hidden = layout.hidden.new_zeros(total, layout.hidden.shape[1])
     hidden[rows] = layout.hidden[source]
     fp8 = _moved_fp8(layout.fp8, source, (total,), (rows,))
-    converted = ContiguousLayout(hidden, plan.expert_index, layout.num_local_experts, alignment, fp8)
+    converted = ContiguousLayout(hidden, plan.expert_index, layout.num_local_experts, alignment, fp8,
+                                 routed_pairs=plan.pairs.numel())
 
     def restore(output: ExpertOutput) -> ExpertOutput:
         return ExpertOutput(_unsorted(output.hidden[rows], plan.pairs, layout), weights_applied=False, summed=False)

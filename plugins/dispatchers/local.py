@@ -23,7 +23,7 @@ class LocalDispatcher(Dispatcher):
 
     def dispatch_finish(self, pending) -> Dispatched:
         hidden, topk_ids, topk_weights = pending
-        layout = StandardLayout(hidden, topk_ids, topk_weights, self.ctx.num_local_experts)
+        layout = StandardLayout(hidden, topk_ids, topk_weights, self.ctx.num_local_experts, routed_pairs=topk_ids.numel())
         return Dispatched(layout, handle=(topk_ids, topk_weights))
 
     def combine_start(self, output: ExpertOutput, handle):

@@ -100,7 +100,8 @@ def contiguous_layout(pending: PendingNormalDispatch, ctx: MoEContext) -> tuple[
         hidden = placeholder((fp8.values.shape[0], ctx.hidden_size), torch.bfloat16, values.device)
     else:
         fp8, hidden = None, grouped_rows(pending.received, plan)
-    return ContiguousLayout(hidden, plan.expert_index, ctx.num_local_experts, ALIGNMENT, fp8), plan
+    return ContiguousLayout(hidden, plan.expert_index, ctx.num_local_experts, ALIGNMENT, fp8,
+                            routed_pairs=sum(pending.counts)), plan
 
 
 class NormalMode:

@@ -1,18 +1,24 @@
-"""Tile configurations: tuned JSON tables per (device, dtype, E, N, K), nearest token count, sane defaults.
+"""Tile configurations: tuned JSON tables per (device, dtype, E, N, K), nearest rows per expert, sane defaults.
 
 A table lives in configs/ as `E=<experts>,N=<intermediate>,K=<hidden>,device=<name>,dtype=<dtype>.json`
-(N is the intermediate size: w13 has 2N rows, w2 has N columns) and maps a token count M to
+(N is the intermediate size: w13 has 2N rows, w2 has N columns) and maps the rows one local expert
+receives (routed pairs on this rank / local experts: what a tile's height must fit) to
 {"gate_up": TILE, "down": TILE}, one tile per GEMM, where TILE is {"BLOCK_SIZE_M", "BLOCK_SIZE_N",
 "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages"} and optionally "USE_TMA" and "TAIL_SIZE_M"
 (rows a tile holds past BLOCK_SIZE_M, run with it on the same weight tiles: kernel.py); an entry that
 is one TILE serves both GEMMs.
 The two GEMMs have transposed shapes (N=2I, K=H against N=H, K=I), so their best tiles differ; they
 share BLOCK_SIZE_M and TAIL_SIZE_M because they share one alignment. benchmarks/tune_fused_moe.py writes the tables.
+
+Tables are keyed by rows per expert, not by token count: the same 512 tokens give one expert 16 rows
+when top-8 spreads over 256 experts and 128 rows when it lands on 32 local ones, and the tile that
+streams weights for 16 rows is ~2x slower than the one that computes 128 (issue #22).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import attrs
@@ -117,22 +123,24 @@ def table_file(device: str, dtype: str, num_experts: int, intermediate: int, hid
     return f"E={num_experts},N={intermediate},K={hidden},device={device},dtype={dtype}.json"
 
 
-def read_table(path: Path) -> dict[int, MoETiles] | None:
+def read_table(path: Path) -> dict[float, MoETiles] | None:
     if not path.is_file():
         return None
-    return {int(m): MoETiles.from_json(entry) for m, entry in json.loads(path.read_text()).items()}
+    return {float(rows): MoETiles.from_json(entry) for rows, entry in json.loads(path.read_text()).items()}
 
 
-def write_table(path: Path, table: dict[int, MoETiles]) -> None:
+def write_table(path: Path, table: dict[float, MoETiles]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({str(m): table[m].to_json() for m in sorted(table)}, indent=2) + "\n")
+    path.write_text(json.dumps({f"{rows:g}": table[rows].to_json() for rows in sorted(table)}, indent=2) + "\n")
 
 
-def nearest(table: dict[int, MoETiles], num_tokens: int) -> MoETiles:
-    return table[min(table, key=lambda m: abs(m - num_tokens))]
+def nearest(table: dict[float, MoETiles], rows_per_expert: float) -> MoETiles:
+    """The entry nearest on a log scale (rows double between tuned points), ties to the larger."""
+    target = math.log2(max(rows_per_expert, 1e-6))
+    return table[min(table, key=lambda rows: (abs(math.log2(max(rows, 1e-6)) - target), -rows))]
 
 
-def default_tiles(num_tokens: int, num_experts: int, top_k: int, dtype: str, interpreted: bool) -> MoETiles:
+def default_tiles(rows_per_expert: float, dtype: str, interpreted: bool) -> MoETiles:
     """What to run when no tuned table matches (pointer loads: tensor descriptors need Hopper)."""
     if interpreted:
         # The interpreter pays per program and per operation, not per element: few mid-sized tiles run fastest.
@@ -140,7 +148,6 @@ def default_tiles(num_tokens: int, num_experts: int, top_k: int, dtype: str, int
     if dtype == "fp32":
         # 4-byte operands: small K tiles and two stages stay inside shared memory (fp32 serves tests, not speed).
         return MoETiles.both(TileConfig(block_m=32, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=2))
-    rows_per_expert = num_tokens * top_k / max(num_experts, 1)
     if dtype == FP8_DTYPE:
         # A K tile must sit inside one 128-wide scale group.
         if rows_per_expert <= 16:
@@ -177,9 +184,8 @@ class TileTables:
             self._tables[name] = read_table(self.directory / name)
         return self._tables[name]
 
-    def pick(self, num_tokens: int, *, dtype: str, num_experts: int, intermediate: int, hidden: int, top_k: int) -> MoETiles:
+    def pick(self, rows_per_expert: float, *, dtype: str, num_experts: int, intermediate: int, hidden: int) -> MoETiles:
         table = self.lookup(dtype, num_experts, intermediate, hidden)
         if table:
-            return nearest(table, num_tokens)
-        interpreted = self.device == INTERPRETER_DEVICE
-        return default_tiles(num_tokens, num_experts, top_k, dtype, interpreted)
+            return nearest(table, rows_per_expert)
+        return default_tiles(rows_per_expert, dtype, self.device == INTERPRETER_DEVICE)

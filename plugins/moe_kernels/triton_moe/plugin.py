@@ -52,12 +52,10 @@ class TritonMoEKernel(MoEKernel):
 
     def apply(self, layout, weights: PreparedWeights) -> ExpertOutput:
         acts = activations(layout.hidden, layout.fp8, weights)
+        tiles = self.tiles(self.rows_per_expert(layout), acts.out_dtype, weights)
         if isinstance(layout, StandardLayout):
-            tiles = self.tiles(layout.num_rows, acts.out_dtype, weights)
             hidden = moe_standard(acts, layout.topk_ids, layout.topk_weights, weights, tiles)
             return ExpertOutput(hidden, weights_applied=True, summed=True)
-        # Grouped rows carry no token count the host can see; key the tile table by rows per top-k.
-        tiles = self.tiles(-(-layout.num_rows // self.ctx.top_k), acts.out_dtype, weights)
         if isinstance(layout, ContiguousLayout):
             hidden = moe_grouped_rows(acts, layout.expert_index, layout.alignment, weights, tiles)
             return ExpertOutput(hidden, weights_applied=False, summed=False)
@@ -68,12 +66,27 @@ class TritonMoEKernel(MoEKernel):
             return ExpertOutput(hidden.view(num_experts, max_rows, -1), weights_applied=False, summed=False)
         raise TypeError(f"unknown layout {type(layout).__name__}")
 
-    def tiles(self, num_tokens: int, dtype: torch.dtype, weights: PreparedWeights) -> MoETiles:
+    def rows_per_expert(self, layout) -> float:
+        """The rows a local expert receives this step, as the host knows it without a sync.
+
+        The dispatcher's count where it has one (`routed_pairs`, `expected_rows`); otherwise, for the
+        standard layout, uniform routing of every row's top-k over all EP ranks, and for the grouped
+        layouts their row count (an upper bound: it includes the alignment padding).
+        """
+        experts = layout.num_local_experts
+        if isinstance(layout, MaskedLayout):
+            return float(layout.expected_rows or layout.hidden.shape[1])
+        if layout.routed_pairs:
+            return layout.routed_pairs / experts
+        if isinstance(layout, StandardLayout):
+            return layout.num_rows * self.ctx.top_k / self.ctx.ep_size / experts
+        return layout.num_rows / experts
+
+    def tiles(self, rows_per_expert: float, dtype: torch.dtype, weights: PreparedWeights) -> MoETiles:
         return self.tables.pick(
-            num_tokens,
+            rows_per_expert,
             dtype=dtype_name(dtype, weights.fp8),
             num_experts=weights.num_experts,
             intermediate=weights.intermediate_size,
             hidden=weights.hidden_size,
-            top_k=self.ctx.top_k,
         )
