@@ -431,6 +431,28 @@ def test_gpu_tuned_deepseek_v3_ep8_tiles_match_fp32(tokens):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("library", [False, True])
+def test_gpu_many_rows_per_expert_match_fp32_on_both_gemm_paths(library):
+    """From GROUPED_MM_MIN_ROWS rows per expert bf16 runs torch._grouped_mm; both paths agree with fp32, in a graph too."""
+    kernel, layout, weights = gpu_case(1024)
+    if not kernel.grouped_mm_min_rows < float("inf"):
+        pytest.skip("torch._grouped_mm's kernels need sm90")
+    kernel.grouped_mm_min_rows = 0 if library else float("inf")
+    assert relative_error(apply_poisoned(kernel, layout, weights), fp32_reference(layout, weights)) <= 1e-2
+    prepared = kernel.prepare_weights(weights)
+    kernel.apply(layout, prepared)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernel.apply(layout, prepared).hidden
+    _, fresh, _ = gpu_case(1025)
+    layout.hidden.copy_(fresh.hidden[:1024])
+    layout.topk_ids.copy_(fresh.topk_ids[:1024])
+    graph.replay()
+    assert relative_error(captured, fp32_reference(layout, weights)) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("layout_name", ["contiguous", "masked"])
 def test_gpu_grouped_layouts_match_fp32(layout_name):
     kernel, standard, weights = gpu_case(300)

@@ -112,6 +112,32 @@ def moe_standard(acts: Activations, topk_ids: torch.Tensor, topk_weights: torch.
     return sum_topk(pair_rows, topk_ids.contiguous(), out)
 
 
+def moe_standard_grouped_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                            weights: PreparedWeights) -> torch.Tensor:
+    """moe_standard through torch._grouped_mm (CUTLASS) for both GEMMs: bf16 on sm90, where rows per expert are many.
+
+    Pairs are sorted by expert (pairs routed elsewhere last, past the last offset, never read back), their rows
+    gathered once, and each pair's output weighted in place before the same top-k sum. No host sync: the group
+    offsets stay on the device, so a CUDA graph can hold it.
+    """
+    num_tokens, top_k = topk_ids.shape
+    out = torch.empty(num_tokens, weights.hidden_size, dtype=hidden.dtype, device=hidden.device)
+    if num_tokens == 0:
+        return out
+    ids = topk_ids.reshape(-1).long()
+    key = torch.where(ids >= 0, ids, weights.num_experts)
+    order = torch.argsort(key)
+    counts = torch.zeros(weights.num_experts + 1, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    offs = torch.cumsum(counts[:-1], 0, dtype=torch.int32)
+    rows = hidden.reshape(num_tokens, -1)[order // top_k]
+    gate, up = torch._grouped_mm(rows, weights.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    down = torch._grouped_mm(torch.nn.functional.silu(gate) * up, weights.w2.transpose(1, 2), offs=offs)
+    pair_rows = torch.empty_like(down)
+    pair_rows[order] = down * topk_weights.reshape(-1)[order, None].to(down.dtype)
+    return sum_topk(pair_rows, topk_ids.contiguous(), out)
+
+
 def align_standard(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m: int = 0) -> Alignment:
     """The (token, k) pairs of topk_ids [N, K] grouped per expert: read directly for a few tokens, else sorted
     into tiles of block_m + tail_m slots."""

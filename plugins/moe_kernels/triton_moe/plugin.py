@@ -20,7 +20,14 @@ from moeplex.interfaces import (
 )
 
 from .configs import MoETiles, TileTables, device_name, dtype_name
-from .fused import PreparedWeights, activations, masked_expert_index, moe_grouped_rows, moe_standard
+from .fused import (
+    PreparedWeights,
+    activations,
+    masked_expert_index,
+    moe_grouped_rows,
+    moe_standard,
+    moe_standard_grouped_mm,
+)
 from .kernel import grouped_gemm_kernel
 
 # Triton decides when it decorates a kernel whether it will compile it for the GPU or interpret it
@@ -30,6 +37,15 @@ INTERPRETED = isinstance(grouped_gemm_kernel, InterpretedFunction)
 _DTYPES = {torch.float32, torch.float16} if INTERPRETED else {torch.float32, torch.float16, torch.bfloat16}
 
 CONTIGUOUS_ALIGNMENT = 128  # a multiple of every BLOCK_M, so contiguous groups never need sorting
+# From this many rows per expert, bf16 standard-layout GEMMs run faster through torch._grouped_mm (CUTLASS) than
+# through the Triton kernel on the H200 (benchmarks/results/fused_moe_h200_routing.md); below it the fused kernel wins.
+GROUPED_MM_MIN_ROWS = 256
+
+
+def _grouped_mm_runs(device: torch.device) -> bool:
+    """torch._grouped_mm's CUTLASS kernels need sm90 (Hopper)."""
+    return (not INTERPRETED and hasattr(torch, "_grouped_mm") and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 class TritonMoEKernel(MoEKernel):
@@ -46,13 +62,20 @@ class TritonMoEKernel(MoEKernel):
     def __init__(self, ctx: MoEContext, tables: TileTables | None = None):
         super().__init__(ctx)
         self.tables = tables or TileTables(device_name(ctx.device, INTERPRETED))
+        # rows per expert from which bf16 standard layouts take the library GEMMs (inf: never)
+        self.grouped_mm_min_rows = GROUPED_MM_MIN_ROWS if _grouped_mm_runs(ctx.device) else float("inf")
 
     def prepare_weights(self, weights: ExpertWeights) -> PreparedWeights:
         return PreparedWeights.from_expert_weights(weights)
 
     def apply(self, layout, weights: PreparedWeights) -> ExpertOutput:
         acts = activations(layout.hidden, layout.fp8, weights)
-        tiles = self.tiles(self.rows_per_expert(layout), acts.out_dtype, weights)
+        rows_per_expert = self.rows_per_expert(layout)
+        if (isinstance(layout, StandardLayout) and rows_per_expert >= self.grouped_mm_min_rows and not weights.fp8
+                and acts.values.dtype == torch.bfloat16):
+            hidden = moe_standard_grouped_mm(acts.values, layout.topk_ids, layout.topk_weights, weights)
+            return ExpertOutput(hidden, weights_applied=True, summed=True)
+        tiles = self.tiles(rows_per_expert, acts.out_dtype, weights)
         if isinstance(layout, StandardLayout):
             hidden = moe_standard(acts, layout.topk_ids, layout.topk_weights, weights, tiles)
             return ExpertOutput(hidden, weights_applied=True, summed=True)
