@@ -1,4 +1,5 @@
-"""The small kernel after the grouped GEMM: the sum over top-k (fp8 quantization lives in moeplex.kernels.fp8)."""
+"""The small kernels around the grouped GEMMs: SiLU-and-multiply, the sum over top-k (fp8 quantization lives in
+moeplex.kernels.fp8)."""
 
 from __future__ import annotations
 
@@ -36,4 +37,25 @@ def sum_topk(pair_rows: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor)
         grid = (triton.cdiv(num_tokens, ROWS_PER_PROGRAM), triton.cdiv(hidden, block_h))
         _sum_topk_kernel[grid](pair_rows, topk_ids, out, num_tokens, hidden, pair_rows.stride(0), out.stride(0),
                                TOP_K=top_k, BLOCK_T=ROWS_PER_PROGRAM, BLOCK_H=block_h)
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[M, I]: SiLU(gate) * up of rows [M, 2I] holding gate then up, in one pass."""
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = min(triton.next_power_of_2(inter), 1024)
+        _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
+                                                            BLOCK=block)
     return out

@@ -6,11 +6,11 @@ import attrs
 import torch
 
 from moeplex.interfaces import FP8_BLOCK, ExpertWeights, Fp8Payload
-from moeplex.interfaces.kernels import BLOCK as GROUP, dequantize_activations, quantize_rows
+from moeplex.interfaces.kernels import BLOCK as GROUP, dequantize_activations, gather_rows, quantize_rows, weighted_pair_sum
 
 from .align import Alignment, align_direct, align_in_place, align_pairs, can_align_direct, can_align_in_place
 from .configs import MoETiles
-from .finish import sum_topk
+from .finish import silu_mul, sum_topk
 from .kernel import grouped_gemm
 
 
@@ -113,29 +113,30 @@ def moe_standard(acts: Activations, topk_ids: torch.Tensor, topk_weights: torch.
 
 
 def moe_standard_grouped_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                            weights: PreparedWeights) -> torch.Tensor:
+                            routed_pairs: int, weights: PreparedWeights) -> torch.Tensor:
     """moe_standard through torch._grouped_mm (CUTLASS) for both GEMMs: bf16 on sm90, where rows per expert are many.
 
-    Pairs are sorted by expert (pairs routed elsewhere last, past the last offset, never read back), their rows
-    gathered once, and each pair's output weighted in place before the same top-k sum. No host sync: the group
-    offsets stay on the device, so a CUDA graph can hold it.
+    The `routed_pairs` local pairs (the host's count) are sorted by expert, their rows gathered once, SiLU-and-
+    multiply runs in one pass between the GEMMs, and one kernel weights and sums each token's pairs. Group offsets
+    stay on the device: no host sync, so a CUDA graph can hold it.
     """
     num_tokens, top_k = topk_ids.shape
-    out = torch.empty(num_tokens, weights.hidden_size, dtype=hidden.dtype, device=hidden.device)
-    if num_tokens == 0:
-        return out
+    if num_tokens == 0 or routed_pairs == 0:
+        return torch.zeros(num_tokens, weights.hidden_size, dtype=hidden.dtype, device=hidden.device)
     ids = topk_ids.reshape(-1).long()
-    key = torch.where(ids >= 0, ids, weights.num_experts)
-    order = torch.argsort(key)
-    counts = torch.zeros(weights.num_experts + 1, dtype=torch.int32, device=ids.device)
+    elsewhere = weights.num_experts
+    key = torch.where(ids >= 0, ids, elsewhere)
+    order = torch.argsort(key)[:routed_pairs]  # the local pairs, grouped by expert
+    counts = torch.zeros(elsewhere + 1, dtype=torch.int32, device=ids.device)
     counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
     offs = torch.cumsum(counts[:-1], 0, dtype=torch.int32)
-    rows = hidden.reshape(num_tokens, -1)[order // top_k]
-    gate, up = torch._grouped_mm(rows, weights.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    down = torch._grouped_mm(torch.nn.functional.silu(gate) * up, weights.w2.transpose(1, 2), offs=offs)
-    pair_rows = torch.empty_like(down)
-    pair_rows[order] = down * topk_weights.reshape(-1)[order, None].to(down.dtype)
-    return sum_topk(pair_rows, topk_ids.contiguous(), out)
+    rows = gather_rows(hidden.reshape(num_tokens, -1), order // top_k)
+    inter = silu_mul(torch._grouped_mm(rows, weights.w13.transpose(1, 2), offs=offs))
+    down = torch._grouped_mm(inter, weights.w2.transpose(1, 2), offs=offs)
+    # each pair's row of `down`; -1 for pairs routed elsewhere (should the host's count have been an upper bound)
+    valid = torch.arange(routed_pairs, device=ids.device).masked_fill(key[order] == elsewhere, -1)
+    pair_row = torch.full_like(ids, -1).index_copy_(0, order, valid)
+    return weighted_pair_sum(down, pair_row.view(num_tokens, top_k), topk_weights.float(), hidden.dtype)
 
 
 def align_standard(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m: int = 0) -> Alignment:

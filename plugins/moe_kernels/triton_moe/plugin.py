@@ -71,9 +71,10 @@ class TritonMoEKernel(MoEKernel):
     def apply(self, layout, weights: PreparedWeights) -> ExpertOutput:
         acts = activations(layout.hidden, layout.fp8, weights)
         rows_per_expert = self.rows_per_expert(layout)
-        if (isinstance(layout, StandardLayout) and rows_per_expert >= self.grouped_mm_min_rows and not weights.fp8
-                and acts.values.dtype == torch.bfloat16):
-            hidden = moe_standard_grouped_mm(acts.values, layout.topk_ids, layout.topk_weights, weights)
+        if (isinstance(layout, StandardLayout) and layout.routed_pairs and rows_per_expert >= self.grouped_mm_min_rows
+                and not weights.fp8 and acts.values.dtype == torch.bfloat16):
+            hidden = moe_standard_grouped_mm(acts.values, layout.topk_ids, layout.topk_weights, layout.routed_pairs,
+                                             weights)
             return ExpertOutput(hidden, weights_applied=True, summed=True)
         tiles = self.tiles(rows_per_expert, acts.out_dtype, weights)
         if isinstance(layout, StandardLayout):
