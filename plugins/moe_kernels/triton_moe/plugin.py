@@ -71,8 +71,7 @@ class TritonMoEKernel(MoEKernel):
     def apply(self, layout, weights: PreparedWeights) -> ExpertOutput:
         acts = activations(layout.hidden, layout.fp8, weights)
         rows_per_expert = self.rows_per_expert(layout)
-        if (isinstance(layout, StandardLayout) and layout.routed_pairs and rows_per_expert >= self.grouped_mm_min_rows
-                and not weights.fp8 and acts.values.dtype == torch.bfloat16):
+        if isinstance(layout, StandardLayout) and self._library_gemms(layout, rows_per_expert, weights, acts):
             hidden = moe_standard_grouped_mm(acts.values, layout.topk_ids, layout.topk_weights, layout.routed_pairs,
                                              weights)
             return ExpertOutput(hidden, weights_applied=True, summed=True)
@@ -89,6 +88,14 @@ class TritonMoEKernel(MoEKernel):
             hidden = moe_grouped_rows(acts, expert_index, max_rows, weights, tiles)
             return ExpertOutput(hidden.view(num_experts, max_rows, -1), weights_applied=False, summed=False)
         raise TypeError(f"unknown layout {type(layout).__name__}")
+
+    def _library_gemms(self, layout: StandardLayout, rows_per_expert: float, weights, acts) -> bool:
+        """Whether torch._grouped_mm runs the GEMMs: bf16, many rows per expert, and most of the rows' top-k here
+        (the path sorts all N x top_k pairs; with an eighth of them local, as under EP8, the sort costs more than the
+        library gains: benchmarks/results/fused_moe_h200_routing.md)."""
+        return (bool(layout.routed_pairs) and rows_per_expert >= self.grouped_mm_min_rows
+                and 2 * layout.routed_pairs >= layout.topk_ids.numel()
+                and not weights.fp8 and acts.values.dtype == torch.bfloat16)
 
     def rows_per_expert(self, layout) -> float:
         """The rows a local expert receives this step, as the host knows it without a sync.
