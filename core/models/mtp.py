@@ -1,0 +1,158 @@
+"""DeepSeek-V3's multi-token-prediction (MTP, "NextN") layers, as one-layer draft models.
+
+What a checkpoint holds. config.json's `num_nextn_predict_layers` (D) counts them; MTP layer i is stored
+as `model.layers.{num_hidden_layers + i}.*`:
+  enorm.weight, hnorm.weight           RMSNorms (rms_norm_eps) of the token embedding and of the hidden state
+  eh_proj.weight [H, 2H]               Linear without bias on cat(enorm(embed(token)), hnorm(hidden)), in that
+                                       order (SGLang's deepseek_nextn.py and vLLM's deepseek_mtp.py agree)
+  input_layernorm, self_attn.*, post_attention_layernorm, mlp.*
+                                       a whole decoder layer: MLA attention and an MoE MLP (router, routed and
+                                       shared experts), the same kind as the main model's MoE layers
+  shared_head.norm.weight              RMSNorm before the head
+  shared_head.head.weight, embed_tokens.weight
+                                       optional copies of the main model's lm_head and embed_tokens (DeepSeek's
+                                       release stores them); never read: the layer uses the main model's own
+In fp8 checkpoints the attention and expert projections are fp8 with block scales like the main layers';
+eh_proj stays bf16 in DeepSeek's release (an fp8 eh_proj with scales also loads, dequantized).
+
+Built only on request: `load_model(..., mtp=True)` (models/setup.py) builds and loads all D layers as
+`model.mtp_layers` (an nn.ModuleList of MTPLayer; empty otherwise, and a checkpoint's MTP tensors are then
+ignored). `mtp=True` is refused in one sentence when config.json declares no MTP layer or the checkpoint
+holds none (`require_mtp_weights`). Their MoE layers take the Placement's last layer rows (moe_index after
+the main model's MoE layers), so EP, expert balancing and --load-format dummy treat them like any MoE layer.
+
+KV. MTP layer i caches like a main MLA layer, one [kv_lora_rank + qk_rope_head_dim] row per token, in the
+KV pool's layer buffer `kv.layer(layer.layer_id)` with layer_id = num_hidden_layers + i: the model's
+`kv_shapes()` lists the MTP layers after the main ones, so a KVPool built from it (as the engine builds
+it) holds them as extra layers, in the same pages and slots as the target's KV. `model.num_mtp_kv_layers`
+says how many extra layers there are; `MTPLayer.layer_id` is the index.
+
+API (what the `nextn` drafter calls):
+
+    new_hidden, logits = layer(hidden, batch, kv, input_ids=None, logits_at=None, strategy=None)
+
+  hidden     [T, H] in the model dtype. Row t holds the representation of the token at position
+             batch.positions[t] from the depth before: for the first MTP step, the target model's LAST
+             HIDDEN STATES AFTER ITS FINAL NORM (`model.model.norm(h)`, what lm_head reads, as Megatron-LM's
+             MTP training, SGLang and vLLM feed it; `target_hidden_and_logits` returns it); for a later
+             step, the `new_hidden` of the step before.
+  batch      a ForwardBatch of T tokens, EXTEND or DECODE: positions, out_cache_loc, kv_indices, seq_lens
+             exactly as for the target's tokens at those positions (the MTP layer writes its KV row of
+             position p into slot out_cache_loc[t] of ITS OWN layer buffer and attends over kv_indices).
+  input_ids  [T] int64: row t is the token at position batch.positions[t] + 1 (the target's sampled or
+             accepted next token); default batch.input_ids. So the MTP's batch is the target's with its
+             ids shifted left by one, the new token appended.
+  kv         the KVPool whose buffers include the MTP layers (built from model.kv_shapes()).
+  logits_at  [R] rows of T to compute logits for; default each request's last new token
+             (batch.last_token_index, R = batch size).
+  strategy   an overlap strategy (default: the layer's operations in order, like `none`).
+  returns    new_hidden [T, H] = shared_head.norm(decoder layer output), model dtype: the `hidden` of the
+             next chained step (the same MTP layer again, or MTP layer i+1); logits [R, vocab] fp32 =
+             lm_head(new_hidden[logits_at]), the distribution of the token at position p + 2.
+
+The main model's embed_tokens and lm_head are used by reference (not parameters of the layer). Under
+attention TP / DP attention the layer behaves like any main layer (eh_proj is replicated on every rank).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..executor import StepState, run_program
+from ..forward_batch import ForwardBatch
+from ..kv_cache import KVPool
+from ..targets import CheckpointError
+from .base import DecoderLayer, RMSNorm
+
+# checkpoint names under an MTP layer's prefix that copy the main model's weights (read from the main model)
+SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+class MTPLayer(DecoderLayer):
+    """One MTP depth: eh_proj(cat(enorm(embed(next token)), hnorm(hidden))) -> decoder layer -> shared_head."""
+
+    def __init__(
+        self,
+        layer_id: int,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        hidden_size: int,
+        eps: float,
+        embed_tokens: nn.Embedding,
+        lm_head: nn.Linear,
+    ):
+        super().__init__(layer_id, self_attn, mlp, hidden_size, eps)
+        self.enorm = RMSNorm(hidden_size, eps)
+        self.hnorm = RMSNorm(hidden_size, eps)
+        self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(hidden_size, eps)
+        self.shared = (embed_tokens, lm_head)  # the main model's: a tuple, so not registered as our parameters
+
+    def combine(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder layer's input [T, H]: the next tokens' embeddings joined with the depth-before hidden."""
+        embed, _ = self.shared
+        return self.eh_proj(torch.cat((self.enorm(embed(input_ids)), self.hnorm(hidden)), dim=-1))
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVPool,
+        input_ids: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
+        strategy: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(new_hidden [T, H], logits [R, vocab] fp32); see the module docstring."""
+        x = self.combine(hidden, batch.input_ids if input_ids is None else input_ids)
+        if strategy is None:
+            state = StepState(x, batch, kv)
+            for _ in self.program(state):
+                pass
+            out = state.hidden
+        else:
+            out = run_program(self.program, x, batch, kv, strategy)
+        new_hidden = self.shared_head.norm(out)
+        rows = batch.last_token_index if logits_at is None else logits_at
+        _, lm_head = self.shared
+        return new_hidden, lm_head(new_hidden[rows]).float()
+
+
+def target_hidden_and_logits(
+    model, batch: ForwardBatch, kv: KVPool, strategy, logits_at: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's forward keeping what the first MTP step reads: (final-norm hidden [T, H], fp32 logits
+    [R, vocab] of `logits_at`, default each request's last token), the logits equal to `model(...)`'s."""
+    from ..executor import run_layers
+
+    hidden = model.model.norm(run_layers(model, batch, kv, strategy))
+    rows = batch.last_token_index if logits_at is None else logits_at
+    return hidden, model.lm_head(hidden[rows]).float()
+
+
+def mtp_layer_count(config: dict) -> int:
+    """num_nextn_predict_layers of a config.json (0 when absent or null)."""
+    return int(config.get("num_nextn_predict_layers") or 0)
+
+
+def require_mtp_weights(folder: str, names: set[str], config: dict) -> None:
+    """Refuse, in one sentence, a checkpoint that has none of the MTP layers its model is asked to load."""
+    first = f"model.layers.{config['num_hidden_layers']}."
+    if not any(name.startswith(first) and not name.endswith(SHARED_COPIES) for name in names):
+        raise CheckpointError(
+            f"checkpoint {folder} holds no MTP (NextN) layer weights ({first}*) although config.json declares "
+            f"num_nextn_predict_layers={mtp_layer_count(config)}; write one with `moeplex make-model --arch "
+            "deepseek_v3 --mtp 1` or choose a drafter that needs no weights"
+        )
+
+
+def checkpoint_name(name: str, num_hidden_layers: int) -> str:
+    """A parameter name of the model -> its checkpoint name: mtp_layers.{i}.X -> model.layers.{N + i}.X."""
+    if not name.startswith("mtp_layers."):
+        return name
+    index, _, rest = name[len("mtp_layers.") :].partition(".")
+    return f"model.layers.{num_hidden_layers + int(index)}.{rest}"
+
