@@ -23,6 +23,7 @@ from model_helpers import assert_matches, no_overlap, scattered_pages, token_seq
 from moeplex.batch_builder import ScheduledSeq, build_forward_batch
 from moeplex.cli import main
 from moeplex.config import EngineConfig
+from moeplex.executor import run_layers
 from moeplex.kv_cache import KVPool
 from moeplex.models.loader import SCALE_SUFFIX
 from moeplex.models.mtp import target_hidden_and_logits
@@ -99,7 +100,7 @@ def reference(folder):
 
 
 def pool(model, pages: int = 64) -> KVPool:
-    return KVPool(pages, PAGE_SIZE, model.kv_shapes(), torch.float32, "cpu")
+    return KVPool(pages, PAGE_SIZE, model.kv_shapes() + model.mtp_kv_shapes(), torch.float32, "cpu")
 
 
 def target_step(model, kv, seqs):
@@ -130,8 +131,8 @@ def test_make_model_writes_the_mtp_layer(folder):
 def test_layer_and_its_kv(ours):
     """One MTP layer, an MoE layer after the main ones, its KV one more MLA layer at index num_hidden_layers."""
     [layer] = ours.mtp_layers
-    assert layer.layer_id == N and ours.num_mtp_kv_layers == 1
-    assert ours.kv_shapes() == [[(32 + 8,)]] * (N + 1)
+    assert layer.layer_id == N == len(ours.kv_shapes())
+    assert ours.mtp_kv_shapes() == [[(32 + 8,)]] and ours.kv_shapes() == [[(32 + 8,)]] * N
     assert layer.mlp.moe_index == len(ours.moe_layers()) - 1 == 2
     assert layer.eh_proj.weight.shape == (64, 128)
     assert not any(name.startswith("mtp_layers") for name in ours.weight_targets())
@@ -142,6 +143,10 @@ def test_target_hidden_and_logits_equal_the_forward(ours, reference):
     kv = pool(ours)
     hidden, logits = target_step(ours, kv, [ScheduledSeq(tokens, 0, kv.allocate(3))])
     assert_matches(hidden, reference.target_hidden(tokens), "final-norm hidden")
+    batch = build_forward_batch([ScheduledSeq(tokens, 0, kv.allocate(3))], kv, "cpu")
+    with torch.no_grad():  # the engine keeps pre-norm hidden states; from_target gives the layer's input
+        prenorm = run_layers(ours, batch, kv, no_overlap())
+        assert torch.equal(ours.mtp_layers[0].from_target(prenorm), hidden)
     assert_matches(logits, reference.main(torch.tensor([tokens])).logits[0].detach(), "target logits")
 
 
@@ -203,7 +208,7 @@ def test_dummy_weights_are_the_checkpoint_weights(folder, ours):
 
 def test_a_checkpoint_with_mtp_loads_without_it(folder, ours, reference):
     plain = load(folder, mtp=False)
-    assert len(plain.mtp_layers) == 0 and len(plain.kv_shapes()) == N
+    assert len(plain.mtp_layers) == 0 and plain.mtp_kv_shapes() == [] and len(plain.kv_shapes()) == N
     tokens = token_sequence(8, seed=6)
     kv = pool(plain)
     _, logits = target_step(plain, kv, [ScheduledSeq(tokens, 0, kv.allocate(2))])

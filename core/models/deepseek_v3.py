@@ -171,7 +171,7 @@ def _shared_experts(config: dict[str, Any], runtime: MoERuntime) -> SiluMLP | No
 
 class DeepseekV3ForCausalLM(MoECausalLM):
     """The main model; with `mtp_layers` > 0 also the checkpoint's first MTP layers as `self.mtp_layers`
-    (models/mtp.py), their KV listed after the main layers' in `kv_shapes()`."""
+    (models/mtp.py), their KV shapes in `mtp_kv_shapes()`."""
 
     def __init__(self, config: dict[str, Any], runtime: MoERuntime, mtp_layers: int = 0):
         super().__init__()
@@ -195,18 +195,8 @@ class DeepseekV3ForCausalLM(MoECausalLM):
             mlp = SiluMLP(config["hidden_size"], config["intermediate_size"], tp=runtime.attn_tp)
         return MTPLayer(
             layer_id, MLAttention(config, runtime.attn_tp), mlp, config["hidden_size"], config["rms_norm_eps"],
-            self.model.embed_tokens, self.lm_head,
+            self.model.embed_tokens, self.lm_head, self.model.norm,
         )
-
-    @property
-    def num_mtp_kv_layers(self) -> int:
-        """KV layers the MTP layers add after the main ones (layer ids num_hidden_layers, ...)."""
-        return len(self.mtp_layers)
-
-    def set_attention_backend(self, backend) -> None:
-        super().set_attention_backend(backend)
-        for layer in self.mtp_layers:
-            layer.self_attn.backend = backend
 
     @staticmethod
     def _mlp(config: dict[str, Any], layer: int, runtime: MoERuntime, moe_index: int) -> nn.Module:
@@ -228,8 +218,13 @@ class DeepseekV3ForCausalLM(MoECausalLM):
         )
 
     def kv_shapes(self) -> list[list[tuple[int, ...]]]:
-        """Per KV layer: the main layers, then the MTP layers (layer id num_hidden_layers + i)."""
-        return [[(layer.self_attn.cache_width,)] for layer in (*self.model.layers, *self.mtp_layers)]
+        return [[(layer.self_attn.cache_width,)] for layer in self.model.layers]
+
+    def mtp_kv_shapes(self) -> list[list[tuple[int, ...]]]:
+        """Per MTP layer built, its per-token KV shapes: the KV pool's layers after the main ones (pool layer
+        num_hidden_layers + i for MTP layer i, its `layer_id`), when the pool is built from
+        kv_shapes() + mtp_kv_shapes()."""
+        return [[(layer.self_attn.cache_width,)] for layer in self.mtp_layers]
 
     def weight_targets(self):
         return {checkpoint_name(name, self.num_hidden_layers): t for name, t in super().weight_targets().items()}

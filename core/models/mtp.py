@@ -21,34 +21,44 @@ ignored). `mtp=True` is refused in one sentence when config.json declares no MTP
 holds none (`require_mtp_weights`). Their MoE layers take the Placement's last layer rows (moe_index after
 the main model's MoE layers), so EP, expert balancing and --load-format dummy treat them like any MoE layer.
 
-KV. MTP layer i caches like a main MLA layer, one [kv_lora_rank + qk_rope_head_dim] row per token, in the
-KV pool's layer buffer `kv.layer(layer.layer_id)` with layer_id = num_hidden_layers + i: the model's
-`kv_shapes()` lists the MTP layers after the main ones, so a KVPool built from it (as the engine builds
-it) holds them as extra layers, in the same pages and slots as the target's KV. `model.num_mtp_kv_layers`
-says how many extra layers there are; `MTPLayer.layer_id` is the index.
+KV. MTP layer i caches like a main MLA layer, one [kv_lora_rank + qk_rope_head_dim] row per token, in its own
+KV pool layer `layer.layer_id` = num_hidden_layers + i, in the same pages and slots as the target's KV of
+the same positions. The model's `kv_shapes()` lists the main layers only; `model.mtp_kv_shapes()` lists the
+MTP layers' (one entry each, [[(kv_lora_rank + qk_rope_head_dim,)]]; [] when none is built). Build the pool
+from `model.kv_shapes() + model.mtp_kv_shapes()` (the `nextn` drafter's `kv_layers(model)` returns
+`model.mtp_kv_shapes()`), so pool layer num_hidden_layers + i is MTP layer i's.
 
 API (what the `nextn` drafter calls):
 
+    hidden0 = layer.from_target(target_hidden)       # first step: the target's final norm of its hidden
     new_hidden, logits = layer(hidden, batch, kv, input_ids=None, logits_at=None, strategy=None)
 
-  hidden     [T, H] in the model dtype. Row t holds the representation of the token at position
-             batch.positions[t] from the depth before: for the first MTP step, the target model's LAST
-             HIDDEN STATES AFTER ITS FINAL NORM (`model.model.norm(h)`, what lm_head reads, as Megatron-LM's
-             MTP training, SGLang and vLLM feed it; `target_hidden_and_logits` returns it); for a later
-             step, the `new_hidden` of the step before.
-  batch      a ForwardBatch of T tokens, EXTEND or DECODE: positions, out_cache_loc, kv_indices, seq_lens
-             exactly as for the target's tokens at those positions (the MTP layer writes its KV row of
-             position p into slot out_cache_loc[t] of ITS OWN layer buffer and attends over kv_indices).
-  input_ids  [T] int64: row t is the token at position batch.positions[t] + 1 (the target's sampled or
-             accepted next token); default batch.input_ids. So the MTP's batch is the target's with its
-             ids shifted left by one, the new token appended.
-  kv         the KVPool whose buffers include the MTP layers (built from model.kv_shapes()).
-  logits_at  [R] rows of T to compute logits for; default each request's last new token
+  hidden     [T, H] in the model dtype: row t represents the token at position batch.positions[t] at the
+             depth before. First step: the target's hidden states AFTER its final norm (what lm_head reads;
+             Megatron-LM's MTP training, SGLang and vLLM all feed these): `layer.from_target(h)` of the
+             pre-final-norm h the engine keeps (TargetStep.hidden), or `target_hidden_and_logits`'s first
+             result. Later chained steps: the `new_hidden` of the step before, as it is.
+  batch      a ForwardBatch of T tokens, EXTEND or DECODE, whose positions, out_cache_loc, kv_indices and
+             seq_lens are those of the target's tokens at the same positions (build it with
+             build_forward_batch from ScheduledSeq(next_ids, start, pages)): the layer writes the KV row of
+             position p into slot out_cache_loc[t] of ITS OWN pool layer and attends over kv_indices of it.
+  input_ids  [T] int64: row t is the token at position batch.positions[t] + 1 (in a prompt, the next prompt
+             token; at the end, the token sampled or accepted after it); default batch.input_ids. The MTP
+             batch is the target's with the ids shifted left by one and the next token appended.
+  kv         the KVPool built as above.
+  logits_at  [R] int64 rows of T whose logits to compute; default each request's last new token
              (batch.last_token_index, R = batch size).
-  strategy   an overlap strategy (default: the layer's operations in order, like `none`).
+  strategy   an overlap strategy (default None: the layer's operations in order, as `none` runs them).
   returns    new_hidden [T, H] = shared_head.norm(decoder layer output), model dtype: the `hidden` of the
-             next chained step (the same MTP layer again, or MTP layer i+1); logits [R, vocab] fp32 =
-             lm_head(new_hidden[logits_at]), the distribution of the token at position p + 2.
+             next chained step (this layer again, or MTP layer i + 1), at the same rows; logits [R, vocab]
+             fp32 = lm_head(new_hidden[logits_at]): the distribution of the token at position p + 2.
+
+A chain, for a decoding request whose last token x (not yet through the target) sits at position p, the
+target's pre-norm hidden h of position p - 1 known from its last forward and the MTP KV filled up to
+position p - 2: step 1 runs position p - 1 with (from_target(h), x) and proposes d1, the token of position
+p + 1; step j > 1 runs position p + j - 2 with (new_hidden of step j - 1, d_{j-1}) and proposes d_j. After
+the target verifies, the MTP rows of the positions it kept must be written again from the target's own
+hidden states (one extend over them, as in a prompt): rows written from a draft's hidden differ.
 
 The main model's embed_tokens and lm_head are used by reference (not parameters of the layer). Under
 attention TP / DP attention the layer behaves like any main layer (eh_proj is replicated on every rank).
@@ -83,6 +93,7 @@ class MTPLayer(DecoderLayer):
         eps: float,
         embed_tokens: nn.Embedding,
         lm_head: nn.Linear,
+        final_norm: RMSNorm,
     ):
         super().__init__(layer_id, self_attn, mlp, hidden_size, eps)
         self.enorm = RMSNorm(hidden_size, eps)
@@ -90,7 +101,14 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(hidden_size, eps)
-        self.shared = (embed_tokens, lm_head)  # the main model's: a tuple, so not registered as our parameters
+        # the main model's modules: in a tuple, so they are not registered as this layer's parameters
+        self.shared = (embed_tokens, lm_head)
+        self.target_norm = (final_norm,)
+
+    def from_target(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's hidden states before its final norm [T, H] (what the engine hands drafters) as the
+        `hidden` of a first MTP step: the target's final norm of them."""
+        return self.target_norm[0](hidden)
 
     def combine(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """The decoder layer's input [T, H]: the next tokens' embeddings joined with the depth-before hidden."""
