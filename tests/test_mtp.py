@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 
 import pytest
 import torch
@@ -28,9 +29,13 @@ from moeplex.kv_cache import KVPool
 from moeplex.models.loader import SCALE_SUFFIX
 from moeplex.models.mtp import target_hidden_and_logits
 from moeplex.models.setup import load_model
+from moeplex.parallel import ParallelConfig
+from moeplex.ranks.launcher import launch
 from moeplex.quant import FP8, dequantize_blocks
 from moeplex.selection import resolve
 from moeplex.targets import CheckpointError
+
+import mtp_ranks  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf  # noqa: E402
@@ -38,6 +43,12 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf  # noqa: 
 N = 3  # the tiny preset's num_hidden_layers: the MTP layer is model.layers.3
 MTP = f"model.layers.{N}."
 PAGE_SIZE = 4
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def make(folder: str, *args: str) -> str:
@@ -299,3 +310,12 @@ def test_fp8_checkpoint_with_mtp_equals_its_dequantized_twin(tmp_path):
 def test_make_model_refuses_mtp_for_other_architectures(tmp_path, capsys):
     assert main(["make-model", str(tmp_path / "q"), "--arch", "qwen3_moe", "--mtp", "1"]) != 0
     assert "multi-token-prediction layers exist for deepseek_v3 only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", [{"tp_size": 2}, {"tp_size": 2, "ep_size": 2}], ids=["tp2", "tp2-ep2-naive"])
+def test_parallel_ranks_give_the_same_mtp_logits(folder, layout):
+    """Attention split over 2 gloo ranks (and experts sharded over them): the MTP layer's logits are unchanged."""
+    sequences = [token_sequence(n, seed=20 + n) for n in (6, 11)]
+    alone = mtp_ranks.mtp_logits(0, ParallelConfig(), folder, sequences)
+    parallel = ParallelConfig(dist_init_addr=free_address(), timeout_s=120, **layout)
+    assert_matches(launch(mtp_ranks.mtp_logits, parallel, parallel, folder, sequences), alone, f"MTP over {layout}")
