@@ -319,3 +319,19 @@ def test_tp2_ep2_ranks_give_the_same_mtp_logits(folder):
     alone = mtp_ranks.mtp_logits(0, ParallelConfig(), folder, sequences)
     parallel = ParallelConfig(tp_size=2, ep_size=2, dist_init_addr=free_address(), timeout_s=120)
     assert_matches(launch(mtp_ranks.mtp_logits, parallel, parallel, folder, sequences), alone, "MTP over tp2 ep2")
+
+
+def test_two_mtp_layers_each_with_its_own_kv_layer(tmp_path):
+    model = load(make(str(tmp_path / "two"), "--mtp", "2"))
+    assert [layer.layer_id for layer in model.mtp_layers] == [N, N + 1]
+    assert [layer.mlp.moe_index for layer in model.mtp_layers] == [2, 3] and len(model.mtp_kv_shapes()) == 2
+    tokens = token_sequence(7, seed=8)
+    kv = pool(model)
+    pages = kv.allocate(2)
+    hidden, _ = target_step(model, kv, [ScheduledSeq(tokens, 0, pages)])
+    first, _ = mtp_step(model, kv, [ScheduledSeq(tokens[1:], 0, pages)], hidden[:-1], layer=0)
+    untouched = kv.buffers[N + 1][0].clone()
+    assert torch.equal(untouched, torch.zeros_like(untouched)), "layer 1's KV is written by layer 1 only"
+    mtp_step(model, kv, [ScheduledSeq(tokens[2:], 0, pages)], first[:-1], layer=1)
+    written = kv.buffers[N + 1][0][build_forward_batch([ScheduledSeq(tokens[2:], 0, pages)], kv, "cpu").out_cache_loc]
+    assert written.abs().sum() > 0

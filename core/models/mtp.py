@@ -71,7 +71,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..executor import StepState, run_program
+from ..executor import StepState, run_layers, run_program
 from ..forward_batch import ForwardBatch
 from ..kv_cache import KVPool
 from ..targets import CheckpointError
@@ -144,8 +144,6 @@ def target_hidden_and_logits(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's forward keeping what the first MTP step reads: (final-norm hidden [T, H], fp32 logits
     [R, vocab] of `logits_at`, default each request's last token), the logits equal to `model(...)`'s."""
-    from ..executor import run_layers
-
     hidden = model.model.norm(run_layers(model, batch, kv, strategy))
     rows = batch.last_token_index if logits_at is None else logits_at
     return hidden, model.lm_head(hidden[rows]).float()
