@@ -146,6 +146,7 @@ def test_layer_and_its_kv(ours):
     assert ours.mtp_kv_shapes() == [[(32 + 8,)]] and ours.kv_shapes() == [[(32 + 8,)]] * N
     assert layer.mlp.moe_index == len(ours.moe_layers()) - 1 == 2
     assert layer.eh_proj.weight.shape == (64, 128)
+    assert layer.self_attn.backend is ours.attention_backend, "the MTP layer attends through the model's backend"
     assert not any(name.startswith("mtp_layers") for name in ours.weight_targets())
 
 
