@@ -336,3 +336,16 @@ def test_two_mtp_layers_each_with_its_own_kv_layer(tmp_path):
     mtp_step(model, kv, [ScheduledSeq(tokens[2:], 0, pages)], first[:-1], layer=1)
     written = kv.buffers[N + 1][0][build_forward_batch([ScheduledSeq(tokens[2:], 0, pages)], kv, "cpu").out_cache_loc]
     assert written.abs().sum() > 0
+
+
+def test_released_shapes_build_on_the_meta_device(tmp_path):
+    """What the GPU benchmark runs (--config-only --mtp 1, --load-format dummy): DeepSeek-V3's MTP layer shapes."""
+    from moeplex.models.setup import build_model
+
+    folder = make(str(tmp_path / "v3"), "--preset", "v3", "--config-only", "--mtp", "1", "--set", "num_hidden_layers=4")
+    config = EngineConfig(model=folder, device="meta", load_format="dummy", show_progress=False)
+    model = build_model(folder, config, resolve(config), mtp=True)
+    [layer] = model.mtp_layers
+    assert layer.layer_id == 4 and layer.eh_proj.weight.shape == (7168, 2 * 7168)
+    assert layer.mlp.w13.shape == (256, 2 * 2048, 7168) and model.mtp_kv_shapes() == [[(512 + 64,)]]
+    assert sum(p.numel() for p in layer.parameters()) / 1e9 == pytest.approx(11.6, abs=0.1)
