@@ -349,3 +349,43 @@ def test_released_shapes_build_on_the_meta_device(tmp_path):
     assert layer.layer_id == 4 and layer.eh_proj.weight.shape == (7168, 2 * 7168)
     assert layer.mlp.w13.shape == (256, 2 * 2048, 7168) and model.mtp_kv_shapes() == [[(512 + 64,)]]
     assert sum(p.numel() for p in layer.parameters()) / 1e9 == pytest.approx(11.6, abs=0.1)
+
+
+def drafts_from_scratch(reference: Reference, seq: list[int], k: int) -> list[int]:
+    """k greedy chained drafts after `seq` (its last token not yet through the target), from whole sequences:
+    rows 0..p-1 from the target's hidden states, then one row per draft from the row before's new hidden."""
+    hidden, ids, drafts = reference.target_hidden(seq[:-1]), list(seq[1:]), []
+    for _ in range(k):
+        new, logits = reference.mtp(hidden, ids)
+        drafts.append(int(logits[-1].argmax()))
+        hidden, ids = torch.cat((hidden, new[-1:])), ids + drafts[-1:]
+    return drafts
+
+
+@pytest.mark.slow
+def test_draft_rounds_as_documented_equal_drafting_from_scratch(ours, reference):
+    """The protocol of models/mtp.py's docstring over two rounds: chain k drafts, verify, write the kept
+    positions' MTP rows again from the target's hidden states; each round's drafts equal those computed from
+    the whole sequence. The target verifies its own greedy continuation (all k accepted), so the rewrite
+    covers k rows; without it the second round's drafts would read rows written from draft hidden states."""
+    k, seq = 3, token_sequence(9, seed=9)
+    kv = pool(ours)
+    pages = kv.allocate(8)
+    hidden, logits = target_step(ours, kv, [ScheduledSeq(seq, 0, pages)])
+    mtp_step(ours, kv, [ScheduledSeq(seq[1:], 0, pages)], hidden[:-1])  # the prompt's MTP rows
+    seq = seq + [int(logits[-1].argmax())]
+    last_hidden = hidden[-1:]
+    for round_ in range(2):
+        p = len(seq) - 1  # the last token, not yet through the target
+        drafts, h = [], last_hidden
+        for j in range(k):
+            h, step_logits = mtp_step(ours, kv, [ScheduledSeq([seq[-1], *drafts][-1:], p - 1 + j, pages)], h)
+            drafts.append(int(step_logits[0].argmax()))
+        assert drafts == drafts_from_scratch(reference, seq, k), f"round {round_}"
+        with torch.no_grad():
+            continuation = reference.main.generate(torch.tensor([seq]), max_new_tokens=k + 1, do_sample=False,
+                                                   eos_token_id=None, pad_token_id=258)[0, len(seq):].tolist()
+        verified_hidden, verify_logits = target_step(ours, kv, [ScheduledSeq([seq[-1], *continuation[:k]], p, pages)])
+        assert verify_logits.argmax(-1).tolist() == continuation  # all k accepted, plus the bonus token
+        mtp_step(ours, kv, [ScheduledSeq(continuation[:k], p, pages)], verified_hidden[:k])  # rows p .. p+k-1 again
+        seq, last_hidden = seq + continuation, verified_hidden[k:]
