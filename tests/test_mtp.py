@@ -29,7 +29,7 @@ from moeplex.kv_cache import KVPool
 from moeplex.models.loader import SCALE_SUFFIX
 from moeplex.models.mtp import target_hidden_and_logits
 from moeplex.models.setup import load_model
-from moeplex.parallel import ParallelConfig
+from moeplex.parallel import ParallelConfig, ParallelState
 from moeplex.ranks.launcher import launch
 from moeplex.quant import FP8, dequantize_blocks
 from moeplex.selection import resolve
@@ -389,3 +389,29 @@ def test_draft_rounds_as_documented_equal_drafting_from_scratch(ours, reference)
         assert verify_logits.argmax(-1).tolist() == continuation  # all k accepted, plus the bonus token
         mtp_step(ours, kv, [ScheduledSeq(continuation[:k], p, pages)], verified_hidden[:k])  # rows p .. p+k-1 again
         seq, last_hidden = seq + continuation, verified_hidden[k:]
+
+
+def test_rebalancing_moves_the_mtp_layers_experts_too(folder):
+    """The MTP MoE layer is the placement's last row: EPLB gives its hot experts replicas, the logits stay."""
+    from moeplex.hooks import make_plugin_manager
+    from moeplex.moe.rebalance import ExpertBalancing
+
+    model = load(folder, balancer="eplb", ep_num_redundant_experts=4)
+    assert [layer.moe_index for layer in model.moe_layers()] == [0, 1, 2]
+    tokens = token_sequence(8, seed=11)
+
+    def mtp_logits():
+        kv = pool(model)
+        pages = kv.allocate(2)
+        hidden, _ = target_step(model, kv, [ScheduledSeq(tokens, 0, pages)])
+        return mtp_step(model, kv, [ScheduledSeq(tokens[1:], 0, pages)], hidden[:-1])[1]
+
+    before = mtp_logits()
+    config = EngineConfig(model=folder, dtype="fp32", balancer="eplb", ep_num_redundant_experts=4)
+    balancing = ExpertBalancing(model.moe_runtime, model.moe_layers(), resolve(config).balancer(), config,
+                                ParallelState(ParallelConfig()), make_plugin_manager())
+    load_ = torch.ones(3, 16)
+    load_[2, 5] = 1000  # only the MTP layer's expert 5 is hot
+    report = balancing.rebalance(load=load_)
+    assert 2 in report.layers_changed and report.placement.logcnt[2, 5] > 1
+    assert_matches(mtp_logits(), before, "MTP logits after rebalancing")
