@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import mtp_ranks
 from model_helpers import assert_matches, no_overlap, scattered_pages, token_sequence
 from moeplex.batch_builder import ScheduledSeq, build_forward_batch
 from moeplex.cli import main
@@ -34,8 +35,6 @@ from moeplex.ranks.launcher import launch
 from moeplex.quant import FP8, dequantize_blocks
 from moeplex.selection import resolve
 from moeplex.targets import CheckpointError
-
-import mtp_ranks  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf  # noqa: E402
