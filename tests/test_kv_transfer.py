@@ -185,3 +185,17 @@ def test_zmq_refuses_another_backends_endpoint():
         sender.connect(other.endpoint())
     for backend in (loop, sender, receiver, other):
         backend.close()
+
+
+# --- nixl ------------------------------------------------------------------------------------------------------
+def test_nixl_absent_says_which_extra_to_install(monkeypatch):
+    from moeplex.plugins.kv_transfer import nixl
+
+    def missing(name):
+        raise ImportError(f"No module named '{name}'")
+
+    monkeypatch.setattr(nixl.importlib, "import_module", missing)
+    with pytest.raises(PluginError, match=r"install moeplex\[nixl\]") as err:
+        registry.lookup("kv_transfer", "nixl")()
+    assert str(err.value).count(". ") == 0  # one sentence
+    assert registry.lookup("kv_transfer", "nixl").caps.needs_extra == "nixl"
