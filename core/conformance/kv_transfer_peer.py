@@ -31,11 +31,11 @@ class PoolSpec:
     metadata_bytes: int = 256
 
     def buffers(self, seed: int) -> list[list[torch.Tensor]]:
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
         shape = ((self.pages + 1) * self.page_size, *self.token_shape)
         dtype = getattr(torch, self.dtype)
         return [
-            [torch.randn(shape, generator=gen).to(dtype).to(self.device) for _ in range(self.per_layer)]
+            [torch.randn(shape, generator=gen, dtype=dtype, device=self.device) for _ in range(self.per_layer)]
             for _ in range(self.layers)
         ]
 

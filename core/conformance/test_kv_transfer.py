@@ -8,6 +8,7 @@ non-consecutive pages; several rooms at once; the moment either side reports DON
 there; writes for a room the receiver never expected or aborted are dropped and the sender sees FAILED;
 after the receiver's `abort` returns its pages do not change again; `abort` is idempotent; `start` and
 `poll` return at once; a peer with another KV layout is refused at `connect`; bad arguments raise at `start`.
+Pools live in CUDA memory when the backend declares "cuda" and a GPU is visible, else in CPU memory.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def make_pair(peers, backend_cls):
     made: list[End] = []
 
     def make(layout: str = "mha", reverse: bool = False, **spec_changes) -> tuple[End, End]:
-        device = "cpu" if "cpu" in backend_cls.caps.devices else "cuda"
+        device = "cuda" if "cuda" in backend_cls.caps.devices and torch.cuda.is_available() else "cpu"
         spec = attrs.evolve(LAYOUTS[layout], device=device, **spec_changes)
         send_peer, recv_peer = peers[::-1] if reverse else peers
         sender = End(send_peer, send_peer.new(spec, next(_seeds)))
