@@ -253,7 +253,7 @@ def test_abort_is_idempotent_and_release_forgets(backend_cls, make_pair):
 
 
 def test_start_and_poll_return_at_once(backend_cls, make_pair):
-    sender, receiver = make_pair("mha", pages=200, token_shape=(8, 64))  # 200 pages of 48 KiB in all regions
+    sender, receiver = make_pair("mha", pages=200, token_shape=(8, 64))  # 200 pages of 24 KiB (all regions): 5 MB
     peer = connect(sender, receiver)
     pages = list(range(200))
     receiver("expect", 1, pages)
