@@ -1,9 +1,9 @@
-"""KV transfer backends with the bugs the conformance suite exists to catch, registered through a test-only dist-info."""
+"""KV transfer backends with the bugs the conformance suite exists to catch, registered (with cuda-ipc's CPU
+twin, tests/kv_transfer_cpu_pull.py) through a test-only dist-info."""
 
 from __future__ import annotations
 
 import threading
-import time
 
 from moeplex.interfaces import KVTransferCaps, TransferStatus
 from moeplex.plugins.kv_transfer.common import page_slice
@@ -51,12 +51,16 @@ class WritesAfterAbort(LoopbackTransfer):
             copy_runs(self, receiver, runs)  # the late write into pages that may belong to another request now
 
 
-ENTRY_POINTS = {"acks-before-bytes": "AcksBeforeBytes", "writes-after-abort": "WritesAfterAbort"}
+ENTRY_POINTS = {
+    "acks-before-bytes": "kv_transfer_broken:AcksBeforeBytes",
+    "writes-after-abort": "kv_transfer_broken:WritesAfterAbort",
+    "cpu-pull": "kv_transfer_cpu_pull:SharedFilePull",  # not broken: cuda-ipc's protocol on CPU memory
+}
 
 
 def write_distribution(folder) -> None:
-    info = folder / "broken_kv_transfer-0.1.dist-info"
+    info = folder / "test_kv_transfer_backends-0.1.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-kv-transfer\nVersion: 0.1\n")
-    lines = ["[moeplex.kv_transfer]"] + [f"{name} = kv_transfer_broken:{cls}" for name, cls in ENTRY_POINTS.items()]
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: test-kv-transfer-backends\nVersion: 0.1\n")
+    lines = ["[moeplex.kv_transfer]"] + [f"{name} = {target}" for name, target in ENTRY_POINTS.items()]
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")

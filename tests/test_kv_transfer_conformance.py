@@ -63,6 +63,13 @@ def test_builtin_backend_passes(third_party, name):
     assert len(ran) >= 15 and set(ran.values()) == {"passed"}, outcomes
 
 
+def test_cuda_ipc_protocol_passes_on_cpu_memory(third_party):
+    """cuda-ipc's pull-and-confirm code, with shared files in place of CUDA IPC (tests/kv_transfer_cpu_pull.py)."""
+    outcomes = run_suite("cpu-pull")
+    ran = {test: o for test, o in outcomes.items() if o != "skipped"}
+    assert len(ran) >= 15 and set(ran.values()) == {"passed"}, outcomes
+
+
 def test_suite_fails_a_backend_that_acknowledges_before_the_bytes_land(third_party):
     outcomes = run_suite("acks-before-bytes")
     failed = {test.partition("[")[0] for test, o in outcomes.items() if o == "failed"}

@@ -52,7 +52,7 @@ def host_id() -> str:
 
 
 class _Copy:
-    def __init__(self, sender: bytes, metadata: bytes, done: torch.cuda.Event):
+    def __init__(self, sender: bytes, metadata: bytes, done):
         self.sender, self.metadata, self.done = sender, metadata, done
         self.since = time.monotonic()
         self.sender_aborted = False
@@ -60,6 +60,7 @@ class _Copy:
 
 class CudaIpcTransfer(KVTransfer):
     caps = KVTransferCaps(devices=frozenset({"cuda"}), cross_host=False)
+    name = "cuda-ipc"
 
     def __init__(self, timeout_s: float = 30.0):
         self.timeout_s = timeout_s
@@ -81,12 +82,12 @@ class CudaIpcTransfer(KVTransfer):
 
     # --- the contract ---------------------------------------------------------------------------------
     def register(self, regions: Sequence[KVRegion], metadata_bytes: int) -> None:
-        if not regions or not all(r.tensor.is_cuda for r in regions):
-            raise ValueError("cuda-ipc registers CUDA tensors only")
+        if not regions or not all(r.tensor.device.type in self.caps.devices for r in regions):
+            raise ValueError(f"{self.name} registers {sorted(self.caps.devices)} tensors only")
         self.layout = Layout.of(regions, metadata_bytes)
         self.regions = list(regions)
         self.device = regions[0].tensor.device
-        self._handles = pickle.dumps([reduce_tensor(r.tensor)[1] for r in regions])
+        self._handles = self._export()
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -96,11 +97,11 @@ class CudaIpcTransfer(KVTransfer):
         self._thread.start()
 
     def endpoint(self) -> bytes:
-        return encode_endpoint("cuda-ipc", self._registered(), id=self.id, address=self.address, host=host_id())
+        return encode_endpoint(self.name, self._registered(), id=self.id, address=self.address, host=host_id())
 
     def connect(self, peer: bytes) -> str:
-        data, layout = decode_endpoint(peer, "cuda-ipc")
-        self._registered().check_peer(layout, "cuda-ipc")
+        data, layout = decode_endpoint(peer, self.name)
+        self._registered().check_peer(layout, self.name)
         if data["host"] != host_id():
             raise PluginError(
                 f"cuda-ipc: the peer runs on host {data['host'].split('/')[0]}, this rank on "
@@ -120,15 +121,14 @@ class CudaIpcTransfer(KVTransfer):
 
     def start(self, room: int, peer: str, src_pages: Sequence[int], dst_pages: Sequence[int], metadata: bytes) -> None:
         if peer not in self._layouts:
-            raise PluginError(f"cuda-ipc: peer '{peer}' is not connected; call connect with its endpoint first.")
+            raise PluginError(f"{self.name}: peer '{peer}' is not connected; call connect with its endpoint first.")
         runs = check_transfer(self._registered(), self._layouts[peer], src_pages, dst_pages, metadata)
-        written = torch.cuda.Event(interprocess=True)
-        written.record(torch.cuda.current_stream(self.device))  # the KV writes queued so far come first
+        written = self._mark_written()
         with self._lock:
             self._out.state[room] = PENDING
             self._sent[room] = (peer, time.monotonic())
         header = json.dumps({"room": room, "runs": runs}).encode()
-        self._command(("send", peer, [b"S", header, bytes(metadata), pickle.dumps(written.ipc_handle())]))
+        self._command(("send", peer, [b"S", header, bytes(metadata), written]))
 
     def poll(self, room: int) -> TransferStatus:
         return self._in.poll(room) or self._out.poll(room) or FAILED
@@ -172,19 +172,18 @@ class CudaIpcTransfer(KVTransfer):
     # --- helpers ------------------------------------------------------------------------------------------
     def _registered(self) -> Layout:
         if self.layout is None:
-            raise RuntimeError("cuda-ipc: register the KV regions first")
+            raise RuntimeError(f"{self.name}: register the KV regions first")
         return self.layout
 
     def _command(self, command: tuple) -> None:
         if self._thread is None or self._closing:
-            raise RuntimeError("cuda-ipc: the backend is not running (register first; not after close)")
+            raise RuntimeError(f"{self.name}: the backend is not running (register first; not after close)")
         self._commands.put(command)
         os.write(self._wake_w, b"x")
 
     # --- the control thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
-        torch.cuda.set_device(self.device)
-        self._stream = torch.cuda.Stream(self.device)
+        self._start_thread()
         self._dealers: dict[str, zmq.Socket] = {}
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
@@ -242,8 +241,7 @@ class CudaIpcTransfer(KVTransfer):
     def _on_receiver_message(self, frames: list) -> None:
         sender, kind = frames[0], frames[1]
         if kind == b"H":
-            with torch.cuda.device(self.device):
-                tensors = [rebuild_cuda_tensor(*args) for args in pickle.loads(frames[2])]
+            tensors = self._map(frames[2])
             self._mapped[sender] = [KVRegion(t, r.page_bytes) for t, r in zip(tensors, self.regions)]
             return
         if kind == b"X":
@@ -266,13 +264,35 @@ class CudaIpcTransfer(KVTransfer):
                 self._in.fail(room, "pages outside the room")
                 return self._answer(sender, [b"F", _room(room)])
             source = self._mapped[sender]
-            written = torch.cuda.Event.from_ipc_handle(self.device, pickle.loads(frames[4]))
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(written)
-                self._copy(source, runs)
-                done = torch.cuda.Event()
-                done.record(self._stream)
-            self._copies[room] = _Copy(sender, bytes(frames[3]), done)
+            self._copies[room] = _Copy(sender, bytes(frames[3]), self._copy_after(frames[4], source, runs))
+
+    # --- what is CUDA about it (a subclass for other memory replaces these five) ---------------------------
+    def _export(self) -> bytes:
+        """The regions as CUDA IPC handles (torch's own reduction, as torch.multiprocessing sends tensors)."""
+        return pickle.dumps([reduce_tensor(r.tensor)[1] for r in self.regions])
+
+    def _map(self, handles: bytes) -> list[torch.Tensor]:
+        with torch.cuda.device(self.device):
+            return [rebuild_cuda_tensor(*args) for args in pickle.loads(handles)]
+
+    def _mark_written(self) -> bytes:
+        """An interprocess event after the KV writes the caller's stream has queued so far."""
+        written = torch.cuda.Event(interprocess=True)
+        written.record(torch.cuda.current_stream(self.device))
+        return pickle.dumps(written.ipc_handle())
+
+    def _start_thread(self) -> None:
+        torch.cuda.set_device(self.device)
+        self._stream = torch.cuda.Stream(self.device)
+
+    def _copy_after(self, written: bytes, source: list[KVRegion], runs: list):
+        """Launch the copy on the side stream once the sender's event passed; returns an event to query."""
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(torch.cuda.Event.from_ipc_handle(self.device, pickle.loads(written)))
+            self._copy(source, runs)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return done
 
     def _copy(self, source: list[KVRegion], runs: list) -> None:
         """Every run of every region, on the current (side) stream: one copy per run when runs are few,
