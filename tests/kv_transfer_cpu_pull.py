@@ -9,7 +9,7 @@ deadlines and the control socket, is the cuda-ipc code the GPU runs.
 from __future__ import annotations
 
 import os
-import pickle
+import json
 import shutil
 import tempfile
 
@@ -43,10 +43,10 @@ class SharedFilePull(CudaIpcTransfer):
             t.set_(backing.untyped_storage(), 0, t.shape, t.stride())  # the pool now lives in the shared file
             self._backing.append(backing)
             files.append((path, nbytes))
-        return pickle.dumps(files)
+        return json.dumps(files).encode()
 
     def _map(self, handles: bytes) -> list[torch.Tensor]:
-        return [torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8) for path, nbytes in pickle.loads(handles)]
+        return [torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8) for path, nbytes in json.loads(handles)]
 
     def _mark_written(self) -> bytes:
         return b""

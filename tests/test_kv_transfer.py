@@ -199,3 +199,30 @@ def test_nixl_absent_says_which_extra_to_install(monkeypatch):
         registry.lookup("kv_transfer", "nixl")()
     assert str(err.value).count(". ") == 0  # one sentence
     assert registry.lookup("kv_transfer", "nixl").caps.needs_extra == "nixl"
+
+
+def test_zmq_survives_a_stray_client():
+    sender, receiver, a, b = pair(ZmqTransfer)
+    ctx = zmq.Context()
+    stray = ctx.socket(zmq.DEALER)
+    stray.connect(json.loads(receiver.endpoint())["address"])
+    stray.send_multipart([b"P", b"not json"])
+    stray.send_multipart([b"garbage"])
+    peer = sender.connect(receiver.endpoint())
+    receiver.expect(1, [2, 3])
+    sender.start(1, peer, [5, 6], [2, 3], b"ok")
+    assert wait_while_pending(receiver, 1) is DONE and receiver.metadata(1) == b"ok"
+    assert torch.equal(b[1][0][8:16], a[1][0][20:28])
+    stray.close(linger=0)
+    ctx.term()
+    sender.close(), receiver.close()
+
+
+def test_cuda_ipc_handles_travel_as_json():
+    """The control socket reads JSON, not pickles: reduce_tensor's arguments survive the round trip."""
+    from moeplex.plugins.kv_transfer.cuda_ipc import _ipc_args, _ipc_fields
+
+    args = (torch.Tensor, torch.Size([8, 4]), (4, 1), 2, torch.storage.TypedStorage, torch.bfloat16, 0, b"\x01handle",
+            4096, 512, False, b"/torch_123_ref", 7, b"\x00event", True)
+    back = _ipc_args(json.loads(json.dumps(_ipc_fields(args))))
+    assert back == args

@@ -22,9 +22,10 @@ for the other side fails. caps: CUDA memory only, one host.
 
 from __future__ import annotations
 
+import base64
 import json
+import logging
 import os
-import pickle
 import queue
 import socket
 import threading
@@ -41,6 +42,17 @@ from moeplex.interfaces import KVRegion, KVTransfer, KVTransferCaps, PluginError
 from .common import (
     DONE, FAILED, PENDING, Layout, Rooms, check_pages, check_transfer, decode_endpoint, encode_endpoint, flat, page_slice,
 )
+
+
+log = logging.getLogger(__name__)
+
+
+def _guarded(handle, *args) -> None:
+    """A malformed control message is dropped (and logged); it never stops the control thread."""
+    try:
+        handle(*args)
+    except Exception:
+        log.exception("cuda-ipc: dropped a control message it could not read")
 
 
 def host_id() -> str:
@@ -197,10 +209,10 @@ class CudaIpcTransfer(KVTransfer):
                     os.read(self._wake_r, 4096)
                     self._drain_commands()
                 while self._router.poll(0):
-                    self._on_receiver_message(self._router.recv_multipart())
+                    _guarded(self._on_receiver_message, self._router.recv_multipart())
                 for peer_id, sock in self._dealers.items():
                     while sock.poll(0):
-                        self._on_sender_message(peer_id, sock, sock.recv_multipart())
+                        _guarded(self._on_sender_message, peer_id, sock, sock.recv_multipart())
                 self._progress_copies()
                 self._check_deadlines()
         finally:
@@ -268,18 +280,19 @@ class CudaIpcTransfer(KVTransfer):
 
     # --- what is CUDA about it (a subclass for other memory replaces these five) ---------------------------
     def _export(self) -> bytes:
-        """The regions as CUDA IPC handles (torch's own reduction, as torch.multiprocessing sends tensors)."""
-        return pickle.dumps([reduce_tensor(r.tensor)[1] for r in self.regions])
+        """The regions as CUDA IPC handles (torch's own reduction, as torch.multiprocessing sends tensors),
+        written as JSON: the control socket never unpickles what it receives."""
+        return json.dumps([_ipc_fields(reduce_tensor(r.tensor)[1]) for r in self.regions]).encode()
 
     def _map(self, handles: bytes) -> list[torch.Tensor]:
         with torch.cuda.device(self.device):
-            return [rebuild_cuda_tensor(*args) for args in pickle.loads(handles)]
+            return [rebuild_cuda_tensor(*_ipc_args(fields)) for fields in json.loads(handles)]
 
     def _mark_written(self) -> bytes:
         """An interprocess event after the KV writes the caller's stream has queued so far."""
         written = torch.cuda.Event(interprocess=True)
         written.record(torch.cuda.current_stream(self.device))
-        return pickle.dumps(written.ipc_handle())
+        return bytes(written.ipc_handle())
 
     def _start_thread(self) -> None:
         torch.cuda.set_device(self.device)
@@ -288,7 +301,7 @@ class CudaIpcTransfer(KVTransfer):
     def _copy_after(self, written: bytes, source: list[KVRegion], runs: list):
         """Launch the copy on the side stream once the sender's event passed; returns an event to query."""
         with torch.cuda.stream(self._stream):
-            self._stream.wait_event(torch.cuda.Event.from_ipc_handle(self.device, pickle.loads(written)))
+            self._stream.wait_event(torch.cuda.Event.from_ipc_handle(self.device, written))
             self._copy(source, runs)
             done = torch.cuda.Event()
             done.record(self._stream)
@@ -362,3 +375,20 @@ class CudaIpcTransfer(KVTransfer):
 
 def _room(room: int) -> bytes:
     return str(room).encode()
+
+
+def _ipc_fields(args: tuple) -> dict:
+    """reduce_tensor's arguments for rebuild_cuda_tensor, as JSON-able fields (bytes in base64)."""
+    (_, size, stride, offset, _, dtype, device, handle, size_bytes, offset_bytes, _, ref_handle, ref_offset,
+     event, event_sync) = args
+    b64 = lambda b: None if b is None else base64.b64encode(bytes(b)).decode()  # noqa: E731
+    return {"size": list(size), "stride": list(stride), "offset": offset, "dtype": str(dtype).removeprefix("torch."),
+            "device": device, "handle": b64(handle), "size_bytes": size_bytes, "offset_bytes": offset_bytes,
+            "ref_handle": b64(ref_handle), "ref_offset": ref_offset, "event": b64(event), "event_sync": event_sync}
+
+
+def _ipc_args(f: dict) -> tuple:
+    raw = lambda s: None if s is None else base64.b64decode(s)  # noqa: E731
+    return (torch.Tensor, torch.Size(f["size"]), tuple(f["stride"]), f["offset"], torch.storage.TypedStorage,
+            getattr(torch, f["dtype"]), f["device"], raw(f["handle"]), f["size_bytes"], f["offset_bytes"], False,
+            raw(f["ref_handle"]), f["ref_offset"], raw(f["event"]), f["event_sync"])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import importlib
 import json
+import logging
 import threading
 import time
 import uuid
@@ -213,7 +214,10 @@ class NixlTransfer(KVTransfer):
             busy = False
             for peer, messages in self.agent.get_new_notifs().items():
                 for message in messages:
-                    self._on_message(peer.decode() if isinstance(peer, bytes) else peer, message)
+                    try:
+                        self._on_message(peer.decode() if isinstance(peer, bytes) else peer, message)
+                    except Exception:  # a malformed notification never stops the progress thread
+                        logging.getLogger(__name__).exception("nixl kv_transfer: dropped a notification it could not read")
                     busy = True
             busy |= self._progress_reads()
             self._check_deadlines()

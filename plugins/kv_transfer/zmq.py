@@ -28,6 +28,7 @@ both sides with that probability, for fault tests).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import threading
@@ -212,10 +213,10 @@ class ZmqTransfer(KVTransfer):
                     os.read(self._wake_r, 4096)
                     self._drain_commands()
                 while self._router.poll(0):
-                    self._on_receiver_message(self._router.recv_multipart(copy=False))
+                    _guarded(self._on_receiver_message, self._router.recv_multipart(copy=False))
                 for peer in self._peers.values():
                     while peer.sock.poll(0):
-                        self._on_sender_message(peer, peer.sock.recv_multipart())
+                        _guarded(self._on_sender_message, peer, peer.sock.recv_multipart())
                     self._flush(peer)
                 self._send_chunks()
                 self._check_liveness()
@@ -408,3 +409,11 @@ class ZmqTransfer(KVTransfer):
 
 def _room(room: int) -> bytes:
     return str(room).encode()
+
+
+def _guarded(handle, *args) -> None:
+    """A malformed message (a stray client on the port) is dropped and logged; it never stops the I/O thread."""
+    try:
+        handle(*args)
+    except Exception:
+        logging.getLogger(__name__).exception("zmq kv_transfer: dropped a message it could not read")
