@@ -143,7 +143,10 @@ class CudaIpcTransfer(KVTransfer):
         self._command(("send", peer, [b"S", header, bytes(metadata), written]))
 
     def poll(self, room: int) -> TransferStatus:
-        return self._in.poll(room) or self._out.poll(room) or FAILED
+        status = self._in.poll(room) or self._out.poll(room) or FAILED
+        if status is PENDING and not self._thread.is_alive():
+            return FAILED  # the I/O thread ended (closed, or broke): nothing will move any more
+        return status
 
     def metadata(self, room: int) -> bytes:
         if self._in.poll(room) is not DONE:
@@ -188,7 +191,7 @@ class CudaIpcTransfer(KVTransfer):
         return self.layout
 
     def _command(self, command: tuple) -> None:
-        if self._thread is None or self._closing:
+        if self._thread is None or self._closing or not self._thread.is_alive():
             raise RuntimeError(f"{self.name}: the backend is not running (register first; not after close)")
         self._commands.put(command)
         os.write(self._wake_w, b"x")

@@ -137,7 +137,10 @@ class ZmqTransfer(KVTransfer):
         self._command(("start", _Out(room, peer, self._chunks(runs), bytes(metadata), ready)))
 
     def poll(self, room: int) -> TransferStatus:
-        return self._in.poll(room) or self._out.poll(room) or FAILED  # dict reads only: never waits for a copy
+        status = self._in.poll(room) or self._out.poll(room) or FAILED
+        if status is PENDING and not self._thread.is_alive():
+            return FAILED  # the I/O thread ended (closed, or broke): nothing will move any more
+        return status  # dict reads only: never waits for a copy
 
     def metadata(self, room: int) -> bytes:
         if self._in.poll(room) is not DONE:
@@ -178,7 +181,7 @@ class ZmqTransfer(KVTransfer):
         return self.layout
 
     def _command(self, command: tuple) -> None:
-        if self._thread is None or self._closing:
+        if self._thread is None or self._closing or not self._thread.is_alive():
             raise RuntimeError("zmq: the backend is not running (register first; not after close)")
         self._commands.put(command)
         os.write(self._wake_w, b"x")
