@@ -226,3 +226,21 @@ def test_cuda_ipc_handles_travel_as_json():
             4096, 512, False, b"/torch_123_ref", 7, b"\x00event", True)
     back = _ipc_args(json.loads(json.dumps(_ipc_fields(args))))
     assert back == args
+
+
+@pytest.mark.parametrize("cls", [LoopbackTransfer, ZmqTransfer], ids=["loopback", "zmq"])
+def test_failed_rooms_say_why(cls):
+    sender, receiver, _, _ = pair(cls)
+    peer = sender.connect(receiver.endpoint())
+    sender.start(1, peer, [0], [0], b"")  # never expected
+    assert wait_while_pending(sender, 1) is FAILED and "does not expect" in sender.reason(1)
+    receiver.expect(2, [1])
+    receiver.abort(2)
+    assert receiver.reason(2) == "aborted"
+    sender.faults.fail_rate = 1.0
+    receiver.expect(3, [1])
+    sender.start(3, peer, [1], [1], b"")
+    assert wait_while_pending(sender, 3) is FAILED and sender.reason(3) == "injected failure"
+    sender.release(3)
+    assert sender.reason(3) == ""
+    sender.close(), receiver.close()

@@ -116,6 +116,11 @@ class KVTransfer(abc.ABC):
     def abort(self, room: int) -> None:
         """Either side: end the room; later bytes for it are dropped and `poll` says FAILED. Idempotent."""
 
+    def reason(self, room: int) -> str:
+        """Either side, after FAILED: why, in a few words ("aborted", "the receiver did not answer for 30 s",
+        "injected failure"), for the error the client sees; "" when the backend does not say."""
+        return ""
+
     def release(self, room: int) -> None:
         """Forget a finished room's bookkeeping (after DONE or FAILED has been acted on)."""
 

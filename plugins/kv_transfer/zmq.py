@@ -158,6 +158,9 @@ class ZmqTransfer(KVTransfer):
         if sending:
             self._command(("abort", room))
 
+    def reason(self, room: int) -> str:
+        return self._in.reason.get(room) or self._out.reason.get(room) or ""
+
     def release(self, room: int) -> None:
         with self._lock:
             self._in.forget(room)
