@@ -244,3 +244,16 @@ def test_failed_rooms_say_why(cls):
     sender.release(3)
     assert sender.reason(3) == ""
     sender.close(), receiver.close()
+
+
+def test_zmq_sender_abort_reaches_the_receiver_at_once():
+    """Not after the 30 s silence deadline: the receiver hears X and fails the room (or it had already landed)."""
+    sender, receiver, _, _ = pair(ZmqTransfer, chunk_bytes=1)  # one page a message
+    peer = sender.connect(receiver.endpoint())
+    for room in range(10):
+        receiver.expect(room, list(range(16)))
+        sender.start(room, peer, list(range(16)), list(range(16)), b"")
+        sender.abort(room)
+        assert sender.poll(room) is FAILED
+        assert wait_while_pending(receiver, room, limit_s=3.0) in (FAILED, DONE)
+    sender.close(), receiver.close()
