@@ -8,7 +8,8 @@ metadata row per room. Every call returns at once: `start` launches, `poll` repo
 
 Who calls what: the receiver (decode) registers, `expect`s each room's destination pages and hands its
 `endpoint()` to the sender; the sender (prefill) `connect`s to that endpoint and `start`s. Whichever side
-moves the bytes (the sender pushes in zmq and nixl, the receiver pulls in cuda-ipc), the calls are the same.
+moves the bytes (the sender pushes in zmq and loopback, the receiver pulls in nixl and cuda-ipc),
+the calls are the same.
 
 Ownership (docs/pd.md): the receiver owns its destination pages and frees them only once no more bytes can
 land; `poll` returning DONE on either side promises that every byte of the transfer is in the receiver's
