@@ -94,6 +94,15 @@ def flat(region: KVRegion) -> torch.Tensor:
     return region.tensor.view(-1).view(torch.uint8)
 
 
+def page_rows(region: KVRegion) -> torch.Tensor:
+    """A region as [pages, words]: 8-byte words where a page divides into them (a gather of byte rows runs ~8x
+    more element operations for the same bytes), else bytes."""
+    data = flat(region)
+    if region.page_bytes % 8 == 0 and data.numel() % 8 == 0 and data.data_ptr() % 8 == 0:
+        return data.view(torch.int64).view(-1, region.page_bytes // 8)
+    return data.view(-1, region.page_bytes)
+
+
 def page_slice(region: KVRegion, start: int, count: int) -> torch.Tensor:
     return flat(region)[start * region.page_bytes : (start + count) * region.page_bytes]
 

@@ -40,7 +40,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 from moeplex.interfaces import KVRegion, KVTransfer, KVTransferCaps, PluginError, TransferStatus
 
 from .common import (
-    DONE, FAILED, PENDING, Layout, Rooms, check_pages, check_transfer, decode_endpoint, encode_endpoint, flat, page_slice,
+    DONE, FAILED, PENDING, Layout, Rooms, check_pages, check_transfer, decode_endpoint, encode_endpoint, page_rows, page_slice,
 )
 
 
@@ -324,8 +324,7 @@ class CudaIpcTransfer(KVTransfer):
         src_pages = torch.tensor([s + i for s, _, n in runs for i in range(n)], device=self.device)
         dst_pages = torch.tensor([d + i for _, d, n in runs for i in range(n)], device=self.device)
         for theirs, mine in zip(source, self.regions):
-            rows = flat(mine).view(-1, mine.page_bytes)
-            rows.index_copy_(0, dst_pages, flat(theirs).view(-1, theirs.page_bytes).index_select(0, src_pages))
+            page_rows(mine).index_copy_(0, dst_pages, page_rows(theirs).index_select(0, src_pages))
 
     def _progress_copies(self) -> None:
         with self._lock:
