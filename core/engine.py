@@ -36,6 +36,9 @@ from .request import FinishReason, Request, check_prompt
 from .sampler import FAILED, Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .speculation.setup import make_drafter
+from .speculation.step import SpeculativeDecoding
+from .interfaces import DrafterContext
 from .selection import resolve
 from .tokenizer import Detokenizer, load_tokenizer
 from .transfer import to_device
@@ -84,12 +87,16 @@ class Engine:
         self.hooks = hooks if hooks is not None else make_plugin_manager()
         selection = resolve(config, ep_size=self.parallel.ep.size)
         self.model = load_model(config.model, config, selection, self.parallel, hooks=self.hooks)
+        drafter = make_drafter(config, selection, self.model)
         self.balancing = ExpertBalancing(
             self.model.moe_runtime, self.model.moe_layers(), selection.balancer(), config, self.parallel, self.hooks
         )
         shapes = self.model.kv_shapes()
-        tokens = _kv_tokens(config, KVPool.bytes_per_token(shapes, config.torch_dtype), self.device)
-        self.kv = KVPool(-(-tokens // config.page_size), config.page_size, shapes, config.torch_dtype, self.device)
+        draft_shapes = drafter.kv_layers(self.model) if drafter is not None else []
+        tokens = _kv_tokens(config, KVPool.bytes_per_token(shapes + draft_shapes, config.torch_dtype), self.device)
+        self.kv = KVPool(
+            -(-tokens // config.page_size), config.page_size, shapes + draft_shapes, config.torch_dtype, self.device
+        )
         strategy = selection.overlap(min_tokens=config.overlap_min_tokens)
         graphs = decode_graphs(config, self.model, self.kv, strategy, selection, self.parallel.config.world_size)
         mixed = config.mixed_chunk if config.mixed_chunk is not None else graphs is None
@@ -99,7 +106,12 @@ class Engine:
             self.prefix_cache,
         )
         self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs)
-        self.overlap_schedule = _overlap_schedule(config, self.device, self.parallel.config.world_size)
+        self.speculation = None if drafter is None else SpeculativeDecoding(drafter, self.kv, self.model.hf_config["vocab_size"])
+        if self.speculation is not None:
+            drafter.bind(DrafterContext(self.model, self.kv, config, self.device, range(len(shapes), len(self.kv.buffers))))
+            self.scheduler.lookahead = self.speculation.lookahead
+        # speculative steps run without the overlap schedule: a step's drafts need the tokens accepted before it
+        self.overlap_schedule = _overlap_schedule(config, self.device, self.parallel.config.world_size) and drafter is None
         self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet
         self.sampler = Sampler()
         self.tokenizer = load_tokenizer(config.model)
@@ -174,11 +186,29 @@ class Engine:
         tokens of the step before, read now, finished them)."""
         work = self.scheduler.schedule()
         finished = self._drain_dropped()
+        if self.speculation is not None:
+            return finished + self._speculative_step(work)
         batch = self._agree(self.runner.prepare(work, self.in_flight))
         launched = self._launch(work, batch) if batch is not None else None
         if self.overlap_schedule:
             launched, self.in_flight = self.in_flight, launched
         return finished + self._complete(launched)
+
+    def _speculative_step(self, work) -> list[Request]:
+        drafts = self.speculation.draft(work)
+        batch = self._agree(self.runner.prepare(work, drafts=drafts))
+        if batch is None:
+            return []
+        self.hooks.hook.moeplex_batch_scheduled(batch=batch)
+        finished = self.speculation.run(
+            work, batch, drafts, self.runner.verify_forward, self.scheduler, self._append, self._fail, self.sampler,
+        )
+        self.balancing.after_forward()
+        return finished
+
+    def _fail(self, request: Request) -> None:
+        request.finish(FinishReason.ABORT, error=SAMPLING_FAILED)
+        self._retire(request)
 
     def _launch(self, work, batch: ForwardBatch) -> InFlight | None:
         """Run the batch and sample on the device; the requests due a token hold a place for it."""
@@ -286,6 +316,8 @@ class Engine:
     def _retire(self, request: Request) -> None:
         request.pending_rows.clear()  # a token still in flight comes too late
         self.scheduler.finish(request)
+        if self.speculation is not None:
+            self.speculation.finished(request)
         self._requests.pop(request.rid, None)
         detok = self._detok.pop(request.rid, None)
         if detok is not None and request.finish_reason != FinishReason.STOP:

@@ -24,11 +24,16 @@ class ModelRunner:
         self.hooks = hooks
         self.graphs = graphs  # captured decode steps, replayed for the decode batches they hold
 
-    def prepare(self, work: Sequence[ScheduledWork], in_flight: InFlight | None = None) -> ForwardBatch:
-        """The batch of the scheduled work; tokens still in flight are read on the device from `in_flight`."""
+    def prepare(self, work: Sequence[ScheduledWork], in_flight: InFlight | None = None,
+                drafts: Sequence[Sequence[int]] | None = None) -> ForwardBatch:
+        """The batch of the scheduled work (each item followed by its drafts, when speculating); tokens still in
+        flight are read on the device from `in_flight`."""
+        drafts = drafts if drafts is not None else [()] * len(work)
         seqs = [
-            ScheduledSeq(w.request.token_ids(w.request.num_cached, w.num_tokens), w.request.num_cached, w.request.pages)
-            for w in work
+            ScheduledSeq(
+                [*w.request.token_ids(w.request.num_cached, w.num_tokens), *draft], w.request.num_cached, w.request.pages
+            )
+            for w, draft in zip(work, drafts)
         ]
         batch = build_forward_batch(seqs, self.kv, self.device)
         if in_flight is not None and any(w.request.pending_rows for w in work):
@@ -45,3 +50,18 @@ class ModelRunner:
         if self.hooks is not None:
             self.hooks.hook.moeplex_forward_done(batch=batch, logits=logits)
         return logits
+
+    @torch.inference_mode()
+    def verify_forward(self, batch: ForwardBatch, rows: torch.Tensor, with_hidden: bool):
+        """(logits of the token rows `rows`, every token's pre-norm hidden state or None): a speculative step.
+        A step without drafts is a plain decode batch and replays its graph where it can."""
+        hidden = None
+        if not with_hidden and self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.run(batch)
+        elif with_hidden:
+            logits, hidden = self.model(batch, self.kv, self.strategy, logits_at=rows, return_hidden=True)
+        else:
+            logits = self.model(batch, self.kv, self.strategy, logits_at=rows)
+        if self.hooks is not None:
+            self.hooks.hook.moeplex_forward_done(batch=batch, logits=logits)
+        return logits, hidden

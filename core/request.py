@@ -65,6 +65,10 @@ class Request:
     num_shared_pages: int = 0
     cache_node: Any = None
     cached_tokens: int = 0
+    # speculative decoding: verify steps that carried drafts, the drafts they carried, the drafts accepted
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def awaiting_final_token(self) -> bool:
@@ -92,6 +96,17 @@ class Request:
     @property
     def num_uncached(self) -> int:
         return self.num_tokens - self.num_cached
+
+    @property
+    def spec_accept_length(self) -> float | None:
+        """Tokens gained per verify step that carried drafts (accepted drafts + the target's own token)."""
+        steps = self.spec_verify_steps
+        return (self.spec_accepted_tokens + steps) / steps if steps else None
+
+    @property
+    def spec_accept_rate(self) -> float | None:
+        """Share of the drafted tokens the target accepted."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
 
     @property
     def finished(self) -> bool:

@@ -145,7 +145,7 @@ def resolve(config, ep_size: int | None = None, has_gpu: bool | None = None, ann
 def describe(config) -> str:
     """The selected plugins with the distributions they come from, for the start-up log."""
     chosen = []
-    for kind in registry.KINDS:
+    for kind in attrs.fields_dict(PluginSelection):
         name = getattr(config, kind)
         info = registry.discover(kind)[name]
         chosen.append(f"{kind} {name} ({info.distribution} {info.version})")

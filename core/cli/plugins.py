@@ -7,11 +7,11 @@ import json
 from .. import registry
 
 
-TITLES = {"dispatcher": "dispatchers", "moe_kernel": "MoE kernels", "balancer": "balancers", "overlap": "overlap strategies"}
+TITLES = {"dispatcher": "dispatchers", "moe_kernel": "MoE kernels", "balancer": "balancers", "overlap": "overlap strategies", "drafter": "drafters"}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plugins", help="list installed dispatchers, MoE kernels, balancers and overlap strategies")
+    p = sub.add_parser("plugins", help="list installed dispatchers, MoE kernels, balancers, overlap strategies and drafters")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.set_defaults(run=run)
 

@@ -167,6 +167,9 @@ def check_before_start(config) -> None:
     layout = config.parallel
     rank0 = ParallelState(layout, 0, Group(0, layout.attn_tp_size), Group(0, layout.world_size))
     selection = resolve(config, ep_size=rank0.ep.size)  # on the real device: GPU needs are checked there
+    from ..speculation.setup import check_drafter  # deferred: it imports this module
+
+    check_drafter(config, selection, read_config(config.model))
     try:
         build_model(config.model, attrs.evolve(config, device="meta"), selection, rank0)
     except (ValueError, OSError, PluginError):
