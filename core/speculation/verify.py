@@ -71,8 +71,10 @@ def accept_sampled(probs: torch.Tensor, draft: Sequence[int], generator: torch.G
                    draft_probs: torch.Tensor | None = None) -> list[int]:
     """Rejection sampling over `probs` [m + 1, V] (filtered target distributions) for the m drafts; `draft_probs`
     [m, V] the drafter's distributions, or None for point masses."""
-    mass = probs.sum(-1)
-    drawable = (torch.isfinite(mass) & (mass > 0)).tolist()
+    mass = probs.sum(-1, keepdim=True)
+    ok = torch.isfinite(mass) & (mass > 0)
+    drawable = ok[:, 0].tolist()
+    probs = torch.where(ok, probs / torch.where(ok, mass, 1.0), 0.0)  # top-p and min-p leave rows unnormalized
     out = []
     for k, d in enumerate(draft):
         if not drawable[k]:
