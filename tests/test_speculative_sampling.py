@@ -28,22 +28,22 @@ def chi_square(samples: list[int], probs: torch.Tensor) -> tuple[float, int]:
     support = [t for t in range(probs.numel()) if probs[t] > 0]
     assert all(s in support for s in samples), "a token outside the target's support was emitted"
     counts = torch.bincount(torch.tensor(samples), minlength=probs.numel()).double()
-    expected = probs.double() * len(samples)
+    expected = probs.double() / probs.double().sum() * len(samples)  # the sampler's multinomial normalizes too
     stat = float(((counts[support] - expected[support]) ** 2 / expected[support]).sum())
     return stat, len(support) - 1
 
 
 def target(seed: int, params: SamplingParams, rows: int = 3, vocab: int = 6) -> torch.Tensor:
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 1.5
-    probs = filtered_probs(logits, [params] * rows)
-    return probs / probs.sum(-1, keepdim=True)  # what the non-speculative sampler draws from (multinomial normalizes)
+    return filtered_probs(logits, [params] * rows)  # as verify gets them: top-p and min-p rows unnormalized
 
 
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.7, top_k=4),
     SamplingParams(temperature=1.3, top_p=0.8),
-], ids=["plain", "top_k", "top_p"])
+    SamplingParams(temperature=2.0, top_p=0.6, min_p=0.05),
+], ids=["plain", "top_k", "top_p", "top_p-min_p"])
 @pytest.mark.parametrize("draft_rank", [0, 2, 5], ids=["likely-draft", "middling-draft", "unlikely-draft"])
 def test_point_mass_drafts_keep_the_target_distribution(params, draft_rank):
     probs = target(draft_rank, params)
