@@ -12,9 +12,13 @@ import pytest
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
 from moeplex.models.make_model import ARCHES
+from moeplex.parallel import ParallelConfig
+from moeplex.ranks.launcher import launch
 from moeplex.sampling import SamplingParams
 
+import parallel_ranks
 import script_drafters
+from test_parallel import LAYOUTS, free_address
 
 PAGE = 4
 PROMPTS = [[256] + list(range(10, 20)) * 3, [256, 5, 6, 7, 5, 6, 7, 5, 6], [256] + list(range(40, 75))]
@@ -177,3 +181,17 @@ def test_a_seed_reproduces_sampled_speculative_output(tiny_model_dir):
     engine, together = run(folder, PROMPTS, [seeded, other, other], **spec)
     assert together[0].output_ids == alone.output_ids
     assert conserved(engine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ep2", "dp2-attention"])
+def test_ngram_over_ranks_changes_no_token(tiny_model_dir, layout):
+    """tp2 with experts over 2 ranks (the naive all-to-all), and 2 DP attention groups (each drafts for its
+    own requests; a step is an extend on every rank when any rank verifies drafts)."""
+    folder = tiny_model_dir("deepseek_v3")
+    single = {f: [r.output_ids for r in run(f, PROMPTS)[1]] for f in [folder]}
+    parallel = ParallelConfig(dist_init_addr=free_address(), timeout_s=120, **LAYOUTS[layout])
+    spec = {"speculative_algorithm": "ngram", "speculative_num_steps": 2, "dtype": "fp32"}
+    results = launch(parallel_ranks.generate_with_settings, parallel, parallel, [folder], PROMPTS,
+                     [GREEDY] * len(PROMPTS), spec)
+    assert [r["output_ids"] for r in results[folder]] == single[folder]
