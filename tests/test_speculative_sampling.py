@@ -142,3 +142,30 @@ def test_drafters_are_a_plugin_kind_listed_by_moeplex_plugins():
     with redirect_stdout(out):
         plugins_cli.run(SimpleNamespace(json=False))
     assert "drafters:" in out.getvalue() and "ngram" in out.getvalue()
+
+
+BROKEN_DRAFTER = '''
+from moeplex.interfaces import Drafter, DrafterCaps, Drafts
+
+
+class TooMany(Drafter):
+    caps = DrafterCaps()
+
+    def propose(self, requests):
+        return Drafts([[1] * (self.num_steps + 1) for _ in requests])
+'''
+
+
+@pytest.mark.slow
+def test_the_drafter_suite_catches_a_drafter_that_proposes_too_many_tokens(tmp_path):
+    from test_conformance import conformance, outcomes, report
+
+    (tmp_path / "broken_drafter.py").write_text(BROKEN_DRAFTER)
+    info = tmp_path / "broken_drafter-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-drafter\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[moeplex.drafters]\ntoo-many = broken_drafter:TooMany\n")
+    result = conformance("--moeplex-plugin", "drafter:too-many", cwd=tmp_path, pythonpath=tmp_path)
+    assert result.returncode == 1, report(result)
+    assert any(outcome == "FAILED" for _, _, outcome in outcomes(result)), report(result)
+    assert "more than num_steps" in result.stdout, report(result)
