@@ -43,7 +43,12 @@ def step_cuts(strategy: OverlapStrategy, batch: ForwardBatch) -> list[int] | Non
 
 def run_layers(model, batch: ForwardBatch, kv: KVPool, strategy: OverlapStrategy) -> torch.Tensor:
     """[T, H] hidden states after the last layer (micro-batches put back in token order)."""
-    hidden = model.model.embed_tokens(batch.input_ids)
+    return run_program(model.layers_program, model.model.embed_tokens(batch.input_ids), batch, kv, strategy)
+
+
+def run_program(program, hidden: torch.Tensor, batch: ForwardBatch, kv: KVPool, strategy: OverlapStrategy) -> torch.Tensor:
+    """`program(state)` (layer programs with yield points) over `hidden` [T, H], cut into the strategy's
+    micro-batches; returns the final hidden states [T, H] in token order."""
     shared_during_dispatch = strategy.caps.shared_during_dispatch
     cuts = step_cuts(strategy, batch)
     if cuts is None:
@@ -53,5 +58,5 @@ def run_layers(model, batch: ForwardBatch, kv: KVPool, strategy: OverlapStrategy
             StepState(hidden[a:b], batch.slice_tokens(a, b), kv, shared_during_dispatch)
             for a, b in micro_batch_ranges(cuts, batch.num_tokens)
         ]
-    strategy.run([model.layers_program(state) for state in states])
+    strategy.run([program(state) for state in states])
     return states[0].hidden if len(states) == 1 else torch.cat([s.hidden for s in states])

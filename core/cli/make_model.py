@@ -27,6 +27,12 @@ def add_parser(sub) -> None:
         "one fp32 scale per 128x128 block (X.weight_scale_inv), and quantization_config in config.json",
     )
     p.add_argument(
+        "--mtp", type=int, default=0, metavar="N",
+        help="deepseek_v3: also write N multi-token-prediction (NextN) layers as model.layers.{num_hidden_layers + i} "
+        "(enorm, hnorm, eh_proj, a decoder layer, shared_head.norm), for the nextn drafter; config.json's "
+        "num_nextn_predict_layers is set to N (default 0: none)",
+    )
+    p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a config.json field, VALUE as JSON (e.g. --set num_hidden_layers=4); repeatable",
     )
@@ -49,8 +55,9 @@ def _overrides(pairs: list[str]) -> dict:
 def run(args) -> int:
     folder = write_checkpoint(
         args.out, args.arch, args.preset, args.seed, overrides=_overrides(args.set), config_only=args.config_only,
-        fp8=args.fp8, show_progress=True,
+        fp8=args.fp8, show_progress=True, mtp=args.mtp,
     )
     what = "config (no weights)" if args.config_only else "random fp8 checkpoint" if args.fp8 else "random checkpoint"
-    print(f"wrote a {args.arch} ({args.preset}) {what} to {folder}")
+    layers = f" with {args.mtp} MTP layer(s)" if args.mtp else ""
+    print(f"wrote a {args.arch} ({args.preset}) {what}{layers} to {folder}")
     return 0

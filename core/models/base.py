@@ -201,6 +201,10 @@ class MoECausalLM(nn.Module, abc.ABC):
     def kv_shapes(self) -> list[list[tuple[int, ...]]]:
         """Per layer, the per-token shapes of what its attention caches."""
 
+    def mtp_kv_shapes(self) -> list[list[tuple[int, ...]]]:
+        """Per MTP layer built, the per-token shapes of its KV (none for models without MTP layers)."""
+        return []
+
     def build_stack(self, config: dict, layers: list[DecoderLayer]) -> None:
         """embed_tokens, the layers, the final norm and lm_head, under their checkpoint names."""
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
@@ -210,12 +214,13 @@ class MoECausalLM(nn.Module, abc.ABC):
         self.model.layers = nn.ModuleList(layers)
         self.model.norm = RMSNorm(hidden, config["rms_norm_eps"])
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.mtp_layers = nn.ModuleList()  # multi-token-prediction layers, built on request (DeepSeek-V3: models/mtp.py)
         self.requires_grad_(False)
 
     def set_attention_backend(self, backend) -> None:
         """Every layer's attention computes with `backend` (an AttentionBackend) from now on."""
         self.attention_backend = backend
-        for layer in self.model.layers:
+        for layer in (*self.model.layers, *self.mtp_layers):
             layer.self_attn.backend = backend
 
     def use_fused_kernels(self, on: bool) -> None:

@@ -13,6 +13,7 @@ from ..moe.router import RouterSpec
 from ..moe.runtime import MoERuntime
 from .base import DecoderLayer, MoECausalLM, MoESpec, SiluMLP
 from .mla import MLAttention
+from .mtp import SHARED_COPIES, MTPLayer, checkpoint_name
 
 _TINY = {
     "model_type": "deepseek_v3",
@@ -111,6 +112,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+HAS_MTP = True  # checkpoints may carry multi-token-prediction layers (num_nextn_predict_layers)
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -143,10 +145,15 @@ def router_spec(config: dict[str, Any]) -> RouterSpec:
     )
 
 
-def moe_spec(config: dict[str, Any]) -> MoESpec:
+def num_main_moe_layers(config: dict[str, Any]) -> int:
+    return sum(is_moe_layer(config, i) for i in range(config["num_hidden_layers"]))
+
+
+def moe_spec(config: dict[str, Any], mtp_layers: int = 0) -> MoESpec:
+    """The MoE shape; `mtp_layers` MTP layers built as well add one MoE layer each (after the main ones)."""
     _check_supported(config)
     return MoESpec(
-        num_moe_layers=sum(is_moe_layer(config, i) for i in range(config["num_hidden_layers"])),
+        num_moe_layers=num_main_moe_layers(config) + (mtp_layers if config.get("n_routed_experts") else 0),
         num_experts=config["n_routed_experts"],
         top_k=config["num_experts_per_tok"],
         hidden_size=config["hidden_size"],
@@ -163,7 +170,10 @@ def _shared_experts(config: dict[str, Any], runtime: MoERuntime) -> SiluMLP | No
 
 
 class DeepseekV3ForCausalLM(MoECausalLM):
-    def __init__(self, config: dict[str, Any], runtime: MoERuntime):
+    """The main model; with `mtp_layers` > 0 also the checkpoint's first MTP layers as `self.mtp_layers`
+    (models/mtp.py), their KV shapes in `mtp_kv_shapes()`."""
+
+    def __init__(self, config: dict[str, Any], runtime: MoERuntime, mtp_layers: int = 0):
         super().__init__()
         _check_supported(config)
         self.num_hidden_layers = config["num_hidden_layers"]
@@ -174,12 +184,30 @@ class DeepseekV3ForCausalLM(MoECausalLM):
             mlp = self._mlp(config, layer, runtime, moe_index)
             layers.append(DecoderLayer(layer, MLAttention(config, runtime.attn_tp), mlp, hidden, eps))
         self.build_stack(config, layers)
+        self.mtp_layers = nn.ModuleList(self._mtp_layer(config, runtime, i) for i in range(mtp_layers))
+        self.requires_grad_(False)
+
+    def _mtp_layer(self, config: dict[str, Any], runtime: MoERuntime, index: int) -> MTPLayer:
+        layer_id = self.num_hidden_layers + index
+        if config.get("n_routed_experts"):  # always an MoE layer, as the main model's MoE layers are
+            mlp = self._moe(config, runtime, num_main_moe_layers(config) + index)
+        else:
+            mlp = SiluMLP(config["hidden_size"], config["intermediate_size"], tp=runtime.attn_tp)
+        return MTPLayer(
+            layer_id, MLAttention(config, runtime.attn_tp), mlp, config["hidden_size"], config["rms_norm_eps"],
+            self.model.embed_tokens, self.lm_head, self.model.norm,
+        )
 
     @staticmethod
     def _mlp(config: dict[str, Any], layer: int, runtime: MoERuntime, moe_index: int) -> nn.Module:
         hidden = config["hidden_size"]
         if not is_moe_layer(config, layer):
             return SiluMLP(hidden, config["intermediate_size"], tp=runtime.attn_tp)
+        return DeepseekV3ForCausalLM._moe(config, runtime, moe_index)
+
+    @staticmethod
+    def _moe(config: dict[str, Any], runtime: MoERuntime, moe_index: int) -> MoELayer:
+        hidden = config["hidden_size"]
         return MoELayer(
             moe_index,
             hidden,
@@ -192,11 +220,26 @@ class DeepseekV3ForCausalLM(MoECausalLM):
     def kv_shapes(self) -> list[list[tuple[int, ...]]]:
         return [[(layer.self_attn.cache_width,)] for layer in self.model.layers]
 
+    def mtp_kv_shapes(self) -> list[list[tuple[int, ...]]]:
+        """Per MTP layer built, its per-token KV shapes: the KV pool's layers after the main ones (pool layer
+        num_hidden_layers + i for MTP layer i, its `layer_id`), when the pool is built from
+        kv_shapes() + mtp_kv_shapes()."""
+        return [[(layer.self_attn.cache_width,)] for layer in self.mtp_layers]
+
+    def weight_targets(self):
+        return {checkpoint_name(name, self.num_hidden_layers): t for name, t in super().weight_targets().items()}
+
+    def fp8_weight_names(self) -> set[str]:
+        # eh_proj stays in floating point, as in DeepSeek's fp8 release
+        names = {checkpoint_name(name, self.num_hidden_layers) for name in super().fp8_weight_names()}
+        return {name for name in names if not name.endswith(".eh_proj.weight")}
+
     def ignores_tensor(self, name: str) -> bool:
-        # layers from num_hidden_layers on are the multi-token-prediction modules, unused for serving
         match = _LAYER_NAME.match(name)
         if match and int(match.group(1)) >= self.num_hidden_layers:
-            return True
+            if int(match.group(1)) >= self.num_hidden_layers + len(self.mtp_layers):
+                return True  # an MTP layer not built (no drafter uses it)
+            return name.endswith(SHARED_COPIES)  # the MTP layer reads the main model's embedding and head
         return super().ignores_tensor(name)
 
 

@@ -82,12 +82,15 @@ def write_checkpoint(
     config_only: bool = False,
     fp8: bool = False,
     show_progress: bool = False,
+    mtp: int = 0,
 ) -> str:
     """Write config, generation config, tokenizer and random safetensors weights of `arch`/`preset` to `folder`.
 
     `overrides` replace config fields (e.g. num_hidden_layers); `config_only` writes no weights,
     for folders run with --load-format dummy; `fp8` writes a DeepSeek-V3 style fp8 checkpoint (every
-    linear projection but lm_head in float8_e4m3fn with `weight_scale_inv` block scales).
+    linear projection but lm_head in float8_e4m3fn with `weight_scale_inv` block scales); `mtp` writes
+    that many multi-token-prediction layers (deepseek_v3; config.json's num_nextn_predict_layers says how
+    many the folder holds, 0 without them).
     """
     from ..selection import resolve  # deferred: selection reads the plugin registry
     from .setup import build_model
@@ -104,6 +107,10 @@ def write_checkpoint(
         )
     config = {**module.PRESETS[preset], **(overrides or {})}
     check_overrides(config, overrides or {}, module.PRESETS["tiny"])
+    if mtp < 0 or (mtp and not getattr(module, "HAS_MTP", False)):
+        raise ValueError(f"--mtp {mtp}: multi-token-prediction layers exist for deepseek_v3 only, 0 or more")
+    if getattr(module, "HAS_MTP", False):
+        config["num_nextn_predict_layers"] = mtp
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise NotADirectoryError(f"{folder} is a file; make-model writes a folder there")
     os.makedirs(folder, exist_ok=True)
@@ -116,7 +123,7 @@ def write_checkpoint(
     if config_only:
         return folder
     engine_config = EngineConfig(model=folder, show_progress=False)
-    model = build_model(folder, engine_config, resolve(engine_config))
+    model = build_model(folder, engine_config, resolve(engine_config), mtp=mtp > 0)
     targets = progress(model.weight_targets().items(), desc="making random weights", unit="tensor", enabled=show_progress)
     tensors = {name: named_random_tensor(name, t.shape, seed).contiguous() for name, t in targets}
     if fp8:

@@ -20,6 +20,7 @@ from . import architecture
 from .base import MoECausalLM, MoESpec, read_config
 from .expert_format import expert_weight_format
 from .loader import CheckpointReader, load_checkpoint
+from .mtp import mtp_layer_count, require_mtp_weights
 from .random_weights import named_random_tensor
 
 log = logging.getLogger(__name__)
@@ -70,13 +71,34 @@ def dispatch_tokens_per_rank(config, caps) -> int:
     return config.max_running_requests if caps.other_layouts else config.max_batched_tokens
 
 
-def build_model(folder: str, config, selection, parallel: ParallelState | None = None, hooks=None) -> MoECausalLM:
-    """An empty model of `folder`'s architecture wired to the selected plugins (weights not loaded)."""
+def mtp_layers_to_build(arch, hf_config, mtp: bool) -> int:
+    """How many MTP (NextN) layers to build: none unless asked; all that config.json declares when asked."""
+    if not mtp:
+        return 0
+    count = mtp_layer_count(hf_config) if getattr(arch, "HAS_MTP", False) else 0
+    if count == 0:
+        raise ValueError(
+            f"{getattr(hf_config, 'path', 'config.json')} declares no multi-token-prediction (MTP) layer "
+            f"(num_nextn_predict_layers); MTP layers exist for deepseek_v3 checkpoints that declare them"
+        )
+    return count
+
+
+def build_model(
+    folder: str, config, selection, parallel: ParallelState | None = None, hooks=None, mtp: bool = False
+) -> MoECausalLM:
+    """An empty model of `folder`'s architecture wired to the selected plugins (weights not loaded).
+
+    `mtp`: also build the checkpoint's MTP layers (`model.mtp_layers`, see models/mtp.py), for the
+    `nextn` drafter; without it they are not built and their tensors are ignored.
+    """
     parallel = parallel if parallel is not None else ParallelState(ParallelConfig())
     ep = parallel.ep
     hf_config = read_config(folder)
     arch = architecture(hf_config)
-    spec = arch.moe_spec(hf_config)
+    mtp_layers = mtp_layers_to_build(arch, hf_config, mtp)
+    extra = {"mtp_layers": mtp_layers} if mtp_layers else {}  # only architectures with MTP take the argument
+    spec = arch.moe_spec(hf_config, **extra)
     shape = placement_shape(spec, config, parallel)
     placement = initial_placement(shape, config, selection.balancer())
     if spec.intermediate_size % parallel.moe_tp.size:
@@ -109,7 +131,7 @@ def build_model(folder: str, config, selection, parallel: ParallelState | None =
         expert_format=expert_weight_format(hf_config, config, selection.moe_kernel, ctx.intermediate_size),
     )
     with device, default_dtype(config.torch_dtype):
-        model = arch.MODEL_CLASS(hf_config, runtime)
+        model = arch.MODEL_CLASS(hf_config, runtime, **extra)
     model.hf_config = hf_config
     model.moe_runtime = runtime
     model.set_attention_backend(make_attention_backend(config.attention_backend, device, config.torch_dtype))
@@ -137,9 +159,15 @@ def init_dummy_weights(model: MoECausalLM, seed: int, show_progress: bool = Fals
             target.copy(tensor)
 
 
-def load_model(folder: str, config, selection, parallel: ParallelState | None = None, hooks=None) -> MoECausalLM:
-    """`build_model`, then this rank's weights (read from safetensors, or random ones) and prepared experts."""
-    model = build_model(folder, config, selection, parallel, hooks)
+def load_model(
+    folder: str, config, selection, parallel: ParallelState | None = None, hooks=None, mtp: bool = False
+) -> MoECausalLM:
+    """`build_model`, then this rank's weights (read from safetensors, or random ones) and prepared experts.
+
+    `mtp`: build and load the MTP layers too (refused when the checkpoint holds none)."""
+    if mtp and config.load_format != "dummy" and mtp_layer_count(read_config(folder)):
+        require_mtp_weights(folder, CheckpointReader(folder).names(), read_config(folder))
+    model = build_model(folder, config, selection, parallel, hooks, mtp=mtp)
     first = parallel is None or parallel.rank == 0  # one bar and one log line, not one per rank
     show = config.show_progress and first
     started = time.monotonic()
