@@ -27,6 +27,7 @@ from .hooks import make_plugin_manager
 from .json_file import read_json_object
 from .kv_cache import KVPool
 from .model_runner import ModelRunner
+from .models.base import read_config
 from .models.setup import load_model
 from .moe.rebalance import ExpertBalancing, RebalanceReport
 from .parallel import ParallelState
@@ -36,9 +37,8 @@ from .request import FinishReason, Request, check_prompt
 from .sampler import FAILED, Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .speculation.setup import make_drafter
+from .speculation.setup import check_drafter, drafter_context
 from .speculation.step import SpeculativeDecoding
-from .interfaces import DrafterContext
 from .selection import resolve
 from .tokenizer import Detokenizer, load_tokenizer
 from .transfer import to_device
@@ -86,8 +86,10 @@ class Engine:
         self.parallel = parallel if parallel is not None else ParallelState(config.parallel)
         self.hooks = hooks if hooks is not None else make_plugin_manager()
         selection = resolve(config, ep_size=self.parallel.ep.size)
-        self.model = load_model(config.model, config, selection, self.parallel, hooks=self.hooks)
-        drafter = make_drafter(config, selection, self.model)
+        drafter_cls = check_drafter(config, selection, read_config(config.model))
+        mtp = drafter_cls is not None and drafter_cls.caps.needs_weights  # the drafter runs the MTP layers
+        self.model = load_model(config.model, config, selection, self.parallel, hooks=self.hooks, mtp=mtp)
+        drafter = drafter_cls(config.speculative_num_steps) if drafter_cls is not None else None
         self.balancing = ExpertBalancing(
             self.model.moe_runtime, self.model.moe_layers(), selection.balancer(), config, self.parallel, self.hooks
         )
@@ -108,7 +110,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs)
         self.speculation = None if drafter is None else SpeculativeDecoding(drafter, self.kv, self.model.hf_config["vocab_size"])
         if self.speculation is not None:
-            drafter.bind(DrafterContext(self.model, self.kv, config, self.device, range(len(shapes), len(self.kv.buffers))))
+            drafter.bind(drafter_context(self.model, self.kv, config, self.device, range(len(shapes), len(self.kv.buffers))))
             self.scheduler.lookahead = self.speculation.lookahead
         # speculative steps run without the overlap schedule: a step's drafts need the tokens accepted before it
         self.overlap_schedule = _overlap_schedule(config, self.device, self.parallel.config.world_size) and drafter is None

@@ -15,7 +15,7 @@ included), and `finished` when a request ends or is preempted.
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import attrs
 import torch
@@ -61,14 +61,16 @@ class TargetStep:
 
 @attrs.frozen
 class DrafterContext:
-    """What `bind` gives: the target model (embedding, lm_head, MTP layers), the KV pool, the config, and the
-    pool layer ids of the drafter's own KV (as many as `kv_layers` returned)."""
+    """What `bind` gives: the target model (embedding, lm_head, MTP layers), the KV pool, the config, the
+    pool layer ids of the drafter's own KV (as many as `kv_layers` returned), and `batch_of`, which makes the
+    ForwardBatch of [(new token ids, prefix length, page table), ...] over the pool (a drafter's own forward)."""
 
     model: Any
     kv: Any
     config: Any
     device: torch.device
     kv_layer_ids: Sequence[int] = ()
+    batch_of: Callable[[Sequence[tuple[Sequence[int], int, Sequence[int]]]], Any] | None = None
 
 
 class Drafter(abc.ABC):

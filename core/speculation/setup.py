@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from ..interfaces import Drafter
+import torch
+
+from ..batch_builder import ScheduledSeq, build_forward_batch
+from ..interfaces import DrafterContext, ForwardBatch
+from ..kv_cache import KVPool
 from ..models.setup import dispatch_tokens_per_rank
 from .checks import check_model, check_speculation
 
@@ -19,6 +23,8 @@ def check_drafter(config, selection, hf_config) -> type | None:
     return cls
 
 
-def make_drafter(config, selection, model) -> Drafter | None:
-    cls = check_drafter(config, selection, model.hf_config)
-    return None if cls is None else cls(config.speculative_num_steps)
+def drafter_context(model, kv: KVPool, config, device: torch.device, kv_layer_ids) -> DrafterContext:
+    def batch_of(seqs) -> ForwardBatch:
+        return build_forward_batch([ScheduledSeq(list(ids), start, pages) for ids, start, pages in seqs], kv, device)
+
+    return DrafterContext(model, kv, config, device, tuple(kv_layer_ids), batch_of)
