@@ -84,3 +84,18 @@ def test_nextn_without_mtp_weights_is_refused(tiny_model_dir):
         engine(tiny_model_dir("deepseek_v3"), speculative_algorithm="nextn")
     with pytest.raises(PluginError, match="supports deepseek_v3 models"):
         engine(tiny_model_dir("qwen3_moe"), speculative_algorithm="nextn")
+
+
+@pytest.mark.slow
+def test_nextn_over_ranks_changes_no_token(mtp_folder, plain):
+    """tp2 with the experts (the MTP layer's too) over 2 ranks through the naive all-to-all."""
+    import parallel_ranks
+    from moeplex.parallel import ParallelConfig
+    from moeplex.ranks.launcher import launch
+    from test_parallel import LAYOUTS, free_address
+
+    parallel = ParallelConfig(dist_init_addr=free_address(), timeout_s=120, **LAYOUTS["ep2"])
+    spec = {"speculative_algorithm": "nextn", "speculative_num_steps": 2, "dtype": "fp32"}
+    results = launch(parallel_ranks.generate_with_settings, parallel, parallel, [mtp_folder], PROMPTS,
+                     [GREEDY] * len(PROMPTS), spec)
+    assert [r["output_ids"] for r in results[mtp_folder]] == plain
