@@ -198,7 +198,10 @@ class Engine:
 
     def _speculative_step(self, work) -> list[Request]:
         drafts = self.speculation.draft(work)
-        batch = self._agree(self.runner.prepare(work, drafts=drafts))
+        batch = self.runner.prepare(work, drafts=drafts)
+        if any(drafts):  # micro-batches would cut between a request's verify rows, which read each other's KV
+            batch = attrs.evolve(batch, overlap_split=False)
+        batch = self._agree(batch)
         if batch is None:
             return []
         self.hooks.hook.moeplex_batch_scheduled(batch=batch)
@@ -264,7 +267,7 @@ class Engine:
         """
         if self.parallel.config.dp_size == 1:
             return batch if batch.num_tokens else None
-        can_split = self.runner.strategy.cuts(BatchMeta(batch.mode, batch.extend_lens)) is not None
+        can_split = batch.overlap_split is not False and self.runner.strategy.cuts(BatchMeta(batch.mode, batch.extend_lens)) is not None
         everyone = self.parallel.world.all_gather_ints([batch.num_tokens, int(batch.mode.is_extend), int(can_split)])
         counts = tuple(row[0] for row in everyone)
         if not any(counts):

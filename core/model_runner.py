@@ -26,15 +26,21 @@ class ModelRunner:
 
     def prepare(self, work: Sequence[ScheduledWork], in_flight: InFlight | None = None,
                 drafts: Sequence[Sequence[int]] | None = None) -> ForwardBatch:
-        """The batch of the scheduled work (each item followed by its drafts, when speculating); tokens still in
-        flight are read on the device from `in_flight`."""
+        """The batch of the scheduled work; tokens still in flight are read on the device from `in_flight`.
+
+        A speculating request's last token and drafts become one decode row each (row j at position
+        num_cached + j, reading the cache up to itself, where the rows before it wrote their KV in the same
+        layer): a verify step is a decode batch of requests x (drafts + 1) rows, so it runs the decode
+        attention kernels and replays the decode CUDA graphs like any decode step."""
         drafts = drafts if drafts is not None else [()] * len(work)
-        seqs = [
-            ScheduledSeq(
-                [*w.request.token_ids(w.request.num_cached, w.num_tokens), *draft], w.request.num_cached, w.request.pages
-            )
-            for w, draft in zip(work, drafts)
-        ]
+        seqs = []
+        for w, draft in zip(work, drafts):
+            request, start = w.request, w.request.num_cached
+            if draft:
+                tokens = [*request.token_ids(start, 1), *draft]
+                seqs += [ScheduledSeq([t], start + j, request.pages) for j, t in enumerate(tokens)]
+            else:
+                seqs.append(ScheduledSeq(request.token_ids(start, w.num_tokens), start, request.pages))
         batch = build_forward_batch(seqs, self.kv, self.device)
         if in_flight is not None and any(w.request.pending_rows for w in work):
             batch = attrs.evolve(batch, input_ids=fill_placeholders(batch.input_ids, in_flight.tokens))
@@ -54,9 +60,9 @@ class ModelRunner:
     @torch.inference_mode()
     def verify_forward(self, batch: ForwardBatch, rows: torch.Tensor, with_hidden: bool):
         """(logits of the token rows `rows`, every token's pre-norm hidden state or None): a speculative step.
-        A step without drafts is a plain decode batch and replays its graph where it can."""
+        Its decode batches (verify rows included: every token row is then a request row) replay graphs."""
         hidden = None
-        if not with_hidden and self.graphs is not None and self.graphs.can_run(batch):
+        if not with_hidden and len(rows) == batch.num_tokens and self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)
         elif with_hidden:
             logits, hidden = self.model(batch, self.kv, self.strategy, logits_at=rows, return_hidden=True)

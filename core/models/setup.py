@@ -64,11 +64,12 @@ def initial_placement(shape: PlacementShape, config, balancer) -> Placement:
 
 
 def dispatch_tokens_per_rank(config, caps) -> int:
-    """What a fixed dispatch buffer must hold: the flag, else a decode batch where the dispatcher
-    has another mode for bigger steps, else any step's tokens."""
+    """What a fixed dispatch buffer must hold: the flag, else a decode batch (a speculative verify step's:
+    one row per request and draft) where the dispatcher has another mode for bigger steps, else any step's."""
     if config.max_dispatch_tokens_per_rank:
         return config.max_dispatch_tokens_per_rank
-    return config.max_running_requests if caps.other_layouts else config.max_batched_tokens
+    decode = config.max_running_requests * getattr(config, "tokens_per_decode", 1)
+    return decode if caps.other_layouts else max(config.max_batched_tokens, decode)
 
 
 def mtp_layers_to_build(arch, hf_config, mtp: bool) -> int:

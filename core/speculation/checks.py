@@ -21,7 +21,7 @@ def drafter_class(config) -> type | None:
 
 def check_speculation(config, dispatcher_caps, dispatch_tokens: int) -> type | None:
     """What the flags alone can refuse: an unknown drafter, the overlap schedule asked for, a fixed dispatch
-    buffer smaller than a verify step of every running request."""
+    buffer smaller than a verify step of every running request (its decode buffer, for deepep-auto)."""
     cls = drafter_class(config)
     if cls is None:
         return None
@@ -31,7 +31,7 @@ def check_speculation(config, dispatcher_caps, dispatch_tokens: int) -> type | N
             "step before accepted); leave the overlap schedule to its default"
         )
     need = config.max_running_requests * config.tokens_per_decode
-    if dispatcher_caps.fixed_max_tokens and not dispatcher_caps.other_layouts and dispatch_tokens < need:
+    if dispatcher_caps.fixed_max_tokens and dispatch_tokens < need:  # verify steps are decode steps (deepep-auto: LL)
         raise PluginError(
             f"dispatcher '{config.dispatcher}' holds {dispatch_tokens} tokens per rank, but a verify step of "
             f"--max-running-requests {config.max_running_requests} x --speculative-num-draft-tokens "
