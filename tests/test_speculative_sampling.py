@@ -7,6 +7,7 @@ import io
 from contextlib import redirect_stdout
 from types import SimpleNamespace
 
+import attrs
 import pytest
 import torch
 
@@ -117,6 +118,13 @@ def test_a_fixed_dispatch_buffer_must_hold_a_verify_step_of_every_request():
         check_speculation(config, caps, 64)
     assert one_sentence(str(err.value))
     assert check_speculation(config, caps, 128) is not None
+    # deepep-auto's verify steps are decode steps, in its low-latency mode: its decode buffer must hold them
+    auto = DispatcherCaps(layout="standard", multi_rank=True, fixed_max_tokens=True, other_layouts=frozenset({MASKED}))
+    with pytest.raises(PluginError, match="sends 128"):
+        check_speculation(attrs.evolve(config, dispatcher="deepep-auto"), auto, 32)
+    from moeplex.models.setup import dispatch_tokens_per_rank
+
+    assert dispatch_tokens_per_rank(config, auto) == 128  # the default buffer is sized for them
 
 
 class NeedsMTP(Drafter):
