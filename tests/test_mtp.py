@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+import mtp_ranks
 from model_helpers import assert_matches, no_overlap, scattered_pages, token_sequence
 from moeplex.batch_builder import ScheduledSeq, build_forward_batch
 from moeplex.cli import main
@@ -29,13 +30,11 @@ from moeplex.kv_cache import KVPool
 from moeplex.models.loader import SCALE_SUFFIX
 from moeplex.models.mtp import target_hidden_and_logits
 from moeplex.models.setup import load_model
-from moeplex.parallel import ParallelConfig
+from moeplex.parallel import ParallelConfig, ParallelState
 from moeplex.ranks.launcher import launch
 from moeplex.quant import FP8, dequantize_blocks
 from moeplex.selection import resolve
 from moeplex.targets import CheckpointError
-
-import mtp_ranks  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf  # noqa: E402
@@ -146,6 +145,7 @@ def test_layer_and_its_kv(ours):
     assert ours.mtp_kv_shapes() == [[(32 + 8,)]] and ours.kv_shapes() == [[(32 + 8,)]] * N
     assert layer.mlp.moe_index == len(ours.moe_layers()) - 1 == 2
     assert layer.eh_proj.weight.shape == (64, 128)
+    assert layer.self_attn.backend is ours.attention_backend, "the MTP layer attends through the model's backend"
     assert not any(name.startswith("mtp_layers") for name in ours.weight_targets())
 
 
@@ -335,3 +335,82 @@ def test_two_mtp_layers_each_with_its_own_kv_layer(tmp_path):
     mtp_step(model, kv, [ScheduledSeq(tokens[2:], 0, pages)], first[:-1], layer=1)
     written = kv.buffers[N + 1][0][build_forward_batch([ScheduledSeq(tokens[2:], 0, pages)], kv, "cpu").out_cache_loc]
     assert written.abs().sum() > 0
+
+
+def test_released_shapes_build_on_the_meta_device(tmp_path):
+    """What the GPU benchmark runs (--config-only --mtp 1, --load-format dummy): DeepSeek-V3's MTP layer shapes."""
+    from moeplex.models.setup import build_model
+
+    folder = make(str(tmp_path / "v3"), "--preset", "v3", "--config-only", "--mtp", "1", "--set", "num_hidden_layers=4")
+    config = EngineConfig(model=folder, device="meta", load_format="dummy", show_progress=False)
+    model = build_model(folder, config, resolve(config), mtp=True)
+    [layer] = model.mtp_layers
+    assert layer.layer_id == 4 and layer.eh_proj.weight.shape == (7168, 2 * 7168)
+    assert layer.mlp.w13.shape == (256, 2 * 2048, 7168) and model.mtp_kv_shapes() == [[(512 + 64,)]]
+    assert sum(p.numel() for p in layer.parameters()) / 1e9 == pytest.approx(11.6, abs=0.1)
+
+
+def drafts_from_scratch(reference: Reference, seq: list[int], k: int) -> list[int]:
+    """k greedy chained drafts after `seq` (its last token not yet through the target), from whole sequences:
+    rows 0..p-1 from the target's hidden states, then one row per draft from the row before's new hidden."""
+    hidden, ids, drafts = reference.target_hidden(seq[:-1]), list(seq[1:]), []
+    for _ in range(k):
+        new, logits = reference.mtp(hidden, ids)
+        drafts.append(int(logits[-1].argmax()))
+        hidden, ids = torch.cat((hidden, new[-1:])), ids + drafts[-1:]
+    return drafts
+
+
+@pytest.mark.slow
+def test_draft_rounds_as_documented_equal_drafting_from_scratch(ours, reference):
+    """The protocol of models/mtp.py's docstring over two rounds: chain k drafts, verify, write the kept
+    positions' MTP rows again from the target's hidden states; each round's drafts equal those computed from
+    the whole sequence. The target verifies its own greedy continuation (all k accepted), so the rewrite
+    covers k rows; without it the second round's drafts would read rows written from draft hidden states."""
+    k, seq = 3, token_sequence(9, seed=9)
+    kv = pool(ours)
+    pages = kv.allocate(8)
+    hidden, logits = target_step(ours, kv, [ScheduledSeq(seq, 0, pages)])
+    mtp_step(ours, kv, [ScheduledSeq(seq[1:], 0, pages)], hidden[:-1])  # the prompt's MTP rows
+    seq = seq + [int(logits[-1].argmax())]
+    last_hidden = hidden[-1:]
+    for round_ in range(2):
+        p = len(seq) - 1  # the last token, not yet through the target
+        drafts, h = [], last_hidden
+        for j in range(k):
+            h, step_logits = mtp_step(ours, kv, [ScheduledSeq([seq[-1], *drafts][-1:], p - 1 + j, pages)], h)
+            drafts.append(int(step_logits[0].argmax()))
+        assert drafts == drafts_from_scratch(reference, seq, k), f"round {round_}"
+        with torch.no_grad():
+            continuation = reference.main.generate(torch.tensor([seq]), max_new_tokens=k + 1, do_sample=False,
+                                                   eos_token_id=None, pad_token_id=258)[0, len(seq):].tolist()
+        verified_hidden, verify_logits = target_step(ours, kv, [ScheduledSeq([seq[-1], *continuation[:k]], p, pages)])
+        assert verify_logits.argmax(-1).tolist() == continuation  # all k accepted, plus the bonus token
+        mtp_step(ours, kv, [ScheduledSeq(continuation[:k], p, pages)], verified_hidden[:k])  # rows p .. p+k-1 again
+        seq, last_hidden = seq + continuation, verified_hidden[k:]
+
+
+def test_rebalancing_moves_the_mtp_layers_experts_too(folder):
+    """The MTP MoE layer is the placement's last row: EPLB gives its hot experts replicas, the logits stay."""
+    from moeplex.hooks import make_plugin_manager
+    from moeplex.moe.rebalance import ExpertBalancing
+
+    model = load(folder, balancer="eplb", ep_num_redundant_experts=4)
+    assert [layer.moe_index for layer in model.moe_layers()] == [0, 1, 2]
+    tokens = token_sequence(8, seed=11)
+
+    def mtp_logits():
+        kv = pool(model)
+        pages = kv.allocate(2)
+        hidden, _ = target_step(model, kv, [ScheduledSeq(tokens, 0, pages)])
+        return mtp_step(model, kv, [ScheduledSeq(tokens[1:], 0, pages)], hidden[:-1])[1]
+
+    before = mtp_logits()
+    config = EngineConfig(model=folder, dtype="fp32", balancer="eplb", ep_num_redundant_experts=4)
+    balancing = ExpertBalancing(model.moe_runtime, model.moe_layers(), resolve(config).balancer(), config,
+                                ParallelState(ParallelConfig()), make_plugin_manager())
+    load_ = torch.ones(3, 16)
+    load_[2, 5] = 1000  # only the MTP layer's expert 5 is hot
+    report = balancing.rebalance(load=load_)
+    assert 2 in report.layers_changed and report.placement.logcnt[2, 5] > 1
+    assert_matches(mtp_logits(), before, "MTP logits after rebalancing")

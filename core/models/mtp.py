@@ -60,8 +60,9 @@ p + 1; step j > 1 runs position p + j - 2 with (new_hidden of step j - 1, d_{j-1
 the target verifies, the MTP rows of the positions it kept must be written again from the target's own
 hidden states (one extend over them, as in a prompt): rows written from a draft's hidden differ.
 
-The main model's embed_tokens and lm_head are used by reference (not parameters of the layer). Under
-attention TP / DP attention the layer behaves like any main layer (eh_proj is replicated on every rank).
+The main model's embed_tokens, final norm and lm_head are used by reference (not parameters of the layer).
+Under attention TP and EP the layer runs like a main layer (eh_proj is replicated on every rank; tested
+over tp2 ep2 ranks); its MoE layer's collectives mean every rank of a step must run it, as for any layer.
 """
 
 from __future__ import annotations

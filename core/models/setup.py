@@ -166,8 +166,10 @@ def load_model(
     """`build_model`, then this rank's weights (read from safetensors, or random ones) and prepared experts.
 
     `mtp`: build and load the MTP layers too (refused when the checkpoint holds none)."""
-    if mtp and config.load_format != "dummy" and mtp_layer_count(read_config(folder)):
-        require_mtp_weights(folder, CheckpointReader(folder).names(), read_config(folder))
+    if mtp and config.load_format != "dummy":
+        hf_config = read_config(folder)
+        if mtp_layer_count(hf_config):  # none declared: build_model says so
+            require_mtp_weights(folder, CheckpointReader(folder).names(), hf_config)
     model = build_model(folder, config, selection, parallel, hooks, mtp=mtp)
     first = parallel is None or parallel.rank == 0  # one bar and one log line, not one per rank
     show = config.show_progress and first
