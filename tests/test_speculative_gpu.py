@@ -1,5 +1,5 @@
-"""Speculative decoding on a GPU: triton attention over verify extends (MLA's latent and GQA), CUDA-graph decode
-for the steps without drafts, eager verify steps; output equal to the GPU engine without speculation."""
+"""Speculative decoding on a GPU: verify steps as decode rows through triton attention (MLA's latent and GQA)
+replaying the decode CUDA graphs; output equal to the GPU engine without speculation."""
 
 from __future__ import annotations
 
@@ -30,9 +30,14 @@ def test_on_gpu_speculation_changes_no_token(tiny_model_dir, script_distribution
     want = [r.output_ids for r in plain.generate(PROMPTS, GREEDY)]
     scripted(PROMPTS, want)
     spec = gpu_engine(folder, speculative_algorithm=drafter, speculative_num_steps=3)
-    assert spec.runner.graphs is not None and not spec.overlap_schedule
+    graphs = spec.runner.graphs
+    assert graphs is not None and not spec.overlap_schedule and max(graphs.sizes) == 16
+    replayed, run = [], graphs.run
+    graphs.run = lambda batch: replayed.append(batch.batch_size) or run(batch)
     got = spec.generate(PROMPTS, GREEDY)
     assert [r.output_ids for r in got] == want
+    if drafter == "test-oracle":  # every decode step verified drafts: 3 requests x 4 rows, from the graphs
+        assert max(replayed) == 12
     assert conserved(spec)
 
 
