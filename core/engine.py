@@ -108,7 +108,9 @@ class Engine:
             self.prefix_cache,
         )
         self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs)
-        self.speculation = None if drafter is None else SpeculativeDecoding(drafter, self.kv, self.model.hf_config["vocab_size"])
+        self.speculation = None if drafter is None else SpeculativeDecoding(
+            drafter, self.kv, self.model.hf_config["vocab_size"], decode_rows=self.model.attention_backend.graph_safe
+        )
         if self.speculation is not None:
             drafter.bind(drafter_context(self.model, self.kv, config, self.device, range(len(shapes), len(self.kv.buffers))))
             self.scheduler.lookahead = self.speculation.lookahead
@@ -198,7 +200,7 @@ class Engine:
 
     def _speculative_step(self, work) -> list[Request]:
         drafts = self.speculation.draft(work)
-        batch = self.runner.prepare(work, drafts=drafts)
+        batch = self.runner.prepare(work, drafts=drafts, decode_rows=self.speculation.decode_rows)
         if any(drafts):  # micro-batches would cut between a request's verify rows, which read each other's KV
             batch = attrs.evolve(batch, overlap_split=False)
         batch = self._agree(batch)

@@ -25,18 +25,20 @@ class ModelRunner:
         self.graphs = graphs  # captured decode steps, replayed for the decode batches they hold
 
     def prepare(self, work: Sequence[ScheduledWork], in_flight: InFlight | None = None,
-                drafts: Sequence[Sequence[int]] | None = None) -> ForwardBatch:
+                drafts: Sequence[Sequence[int]] | None = None, decode_rows: bool = False) -> ForwardBatch:
         """The batch of the scheduled work; tokens still in flight are read on the device from `in_flight`.
 
-        A speculating request's last token and drafts become one decode row each (row j at position
-        num_cached + j, reading the cache up to itself, where the rows before it wrote their KV in the same
-        layer): a verify step is a decode batch of requests x (drafts + 1) rows, so it runs the decode
-        attention kernels and replays the decode CUDA graphs like any decode step."""
+        A speculating request's last token and drafts are a short extend of 1 + m positions, or with
+        `decode_rows` one decode row each (row j at position num_cached + j, reading the cache up to itself,
+        where the rows before it wrote their KV in the same layer): a verify step is then a decode batch of
+        requests x (drafts + 1) rows, which runs the paged decode kernels and replays the decode CUDA graphs."""
         drafts = drafts if drafts is not None else [()] * len(work)
         seqs = []
         for w, draft in zip(work, drafts):
             request, start = w.request, w.request.num_cached
-            if draft:
+            if draft and not decode_rows:
+                seqs.append(ScheduledSeq([*request.token_ids(start, w.num_tokens), *draft], start, request.pages))
+            elif draft:
                 tokens = [*request.token_ids(start, 1), *draft]
                 seqs += [ScheduledSeq([t], start + j, request.pages) for j, t in enumerate(tokens)]
             else:

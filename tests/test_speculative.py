@@ -195,3 +195,22 @@ def test_ngram_over_ranks_changes_no_token(tiny_model_dir, layout):
     results = launch(parallel_ranks.generate_with_settings, parallel, parallel, [folder], PROMPTS,
                      [GREEDY] * len(PROMPTS), spec)
     assert [r["output_ids"] for r in results[folder]] == single[folder]
+
+
+@pytest.mark.parametrize("drafter", ["test-oracle", "test-adversary"])
+def test_verify_as_decode_rows_changes_no_token(tiny_model_dir, plain, script_distribution, drafter):
+    """The GPU's form of a verify step (one decode row per request and draft, as with triton attention and
+    CUDA graphs), here through the torch backend's paged decode, with a prompt chunk sharing some steps."""
+    folder = tiny_model_dir("deepseek_v3")
+    scripted(PROMPTS, plain["deepseek_v3"])
+    engine = Engine(EngineConfig(**settings(folder, speculative_algorithm=drafter, speculative_num_steps=3,
+                                            chunked_prefill_size=8, mixed_chunk=True)))
+    engine.speculation.decode_rows = True
+    requests = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
+    for _ in range(3):
+        engine.step()
+    requests.append(engine.add_request(PROMPTS[2], GREEDY))  # its chunks share steps with verify rows
+    while engine.has_work:
+        engine.step()
+    assert [r.output_ids for r in requests] == plain["deepseek_v3"]
+    assert conserved(engine)

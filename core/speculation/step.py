@@ -1,8 +1,8 @@
 """One engine step with speculation: draft, one target forward, verify, append, release the rejected KV.
 
 A decoding request (one uncached token, at least one output) gets up to num_steps drafts from the
-drafter; the step computes its last token and the drafts at 1 + m positions through the paged cache, one
-decode row each (ModelRunner.prepare; the scheduler reserved pages for them). The accepted drafts and the target's own next
+drafter; the step computes its last token and the drafts at 1 + m positions through the paged cache, as a
+short extend or one decode row each (ModelRunner.prepare; the scheduler reserved pages for them). The accepted drafts and the target's own next
 token are appended one at a time, so a stop token, stop string or max_new_tokens inside an accepted run
 ends the request exactly there. num_cached then counts only the accepted positions, so the prefix cache
 never stores a rejected one; their slots are overwritten by later steps, and whole pages beyond the
@@ -33,10 +33,14 @@ def is_decoding(item: ScheduledWork) -> bool:
 
 
 class SpeculativeDecoding:
-    def __init__(self, drafter: Drafter, kv: KVPool, vocab_size: int):
+    def __init__(self, drafter: Drafter, kv: KVPool, vocab_size: int, decode_rows: bool = False):
         self.drafter = drafter
         self.kv = kv
         self.vocab_size = vocab_size
+        # verify steps as decode rows (ModelRunner.prepare): where the attention backend's paged decode reads
+        # only fixed-size tensors (triton), so those batches replay the decode CUDA graphs; else as extends
+        # (the torch backend's per-request SDPA over a prefix is the cheaper of its two paths)
+        self.decode_rows = decode_rows
 
     @property
     def lookahead(self) -> int:
