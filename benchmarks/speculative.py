@@ -56,7 +56,9 @@ def engine_for(folder: str, args, drafter: str) -> Engine:
     if args.device == "cpu":
         settings.update(dtype="fp32")
     else:
-        settings.update(dtype="bf16", load_format="dummy", moe_kernel="triton", cuda_graph_max_bs=max(args.batches))
+        # verify steps replay the decode graphs with one row per request and draft
+        settings.update(dtype="bf16", load_format="dummy", moe_kernel="triton",
+                        cuda_graph_max_bs=max(args.batches) * (args.steps + 1))
     if drafter != "none":
         settings.update(speculative_algorithm=drafter, speculative_num_steps=args.steps)
     return Engine(EngineConfig(**settings))

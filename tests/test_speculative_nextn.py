@@ -99,3 +99,16 @@ def test_nextn_over_ranks_changes_no_token(mtp_folder, plain):
     results = launch(parallel_ranks.generate_with_settings, parallel, parallel, [mtp_folder], PROMPTS,
                      [GREEDY] * len(PROMPTS), spec)
     assert [r["output_ids"] for r in results[mtp_folder]] == plain
+
+
+def test_nextn_under_preemption_and_the_prefix_cache(mtp_folder):
+    """A small pool preempts requests between verify steps; resumed ones restart from cached pages (whose MTP
+    rows came from their first run) and observe again: output unchanged, pages conserved."""
+    prompts = [[256] + list(range(k, k + 9)) for k in range(0, 40, 10)]
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    want = [r.output_ids for r in engine(mtp_folder).generate(prompts, params)]
+    spec = engine(mtp_folder, max_total_tokens=14 * PAGE, speculative_algorithm="nextn", speculative_num_steps=3)
+    got = spec.generate(prompts, params)
+    assert [r.output_ids for r in got] == want
+    assert sum(r.num_preemptions for r in got) > 0
+    assert spec.kv.num_free_pages + spec.prefix_cache.num_pages == spec.kv.num_pages
