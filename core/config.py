@@ -86,6 +86,11 @@ class EngineConfig:
     eplb_window_size: int = attrs.field(default=1000, validator=_positive)  # steps of load a rebalance uses
     eplb_rebalance_num_iterations: int = attrs.field(default=0, validator=_not_negative)  # 0: only when asked
     eplb_rebalance_layers_per_chunk: int = attrs.field(default=4, validator=_positive)  # layers moved at once
+    # speculative decoding: a drafter's name (or none), the tokens it drafts per step, and the tokens a
+    # request verifies per step (its last token + the drafts; SGLang's name and meaning, with chain drafts)
+    speculative_algorithm: str = "none"
+    speculative_num_steps: int = attrs.field(default=3, validator=_positive)
+    speculative_num_draft_tokens: int | None = attrs.field(default=None, validator=_positive)
 
     def __attrs_post_init__(self):
         if self.max_batched_tokens < self.max_running_requests:
@@ -94,8 +99,23 @@ class EngineConfig:
                 f"max_batched_tokens ({self.max_batched_tokens}) must be >= max_running_requests "
                 f"({self.max_running_requests})"
             )
+        draft = self.speculative_num_draft_tokens
+        if draft is not None and draft != self.speculative_num_steps + 1:
+            raise ValueError(
+                f"--speculative-num-draft-tokens {draft} must be --speculative-num-steps + 1 "
+                f"({self.speculative_num_steps + 1}): drafts form one chain, verified with the request's last token"
+            )
         if self.eplb_rebalance_num_iterations and not self.enable_eplb:
             raise ValueError("--eplb-rebalance-num-iterations needs --enable-eplb, which records the load it balances")
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculative_algorithm != "none"
+
+    @property
+    def tokens_per_decode(self) -> int:
+        """Tokens a decoding request adds to one step: 1, or its last token + drafts when speculating."""
+        return self.speculative_num_steps + 1 if self.speculative else 1
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -229,7 +229,9 @@ def decode_graphs(config, model, kv: KVPool, strategy, selection, world_size: in
     reason = why_no_graphs(config, device, selection, model.attention_backend, world_size)
     if not reason and model.moe_runtime.records_load:
         reason = "expert load is recorded every step (--enable-eplb, or a hook observes it)"
-    sizes = [] if reason else graph_batch_sizes(min(config.cuda_graph_max_bs, config.max_running_requests), strategy)
+    # a speculative verify step is a decode batch of one row per request and draft
+    rows = config.max_running_requests * config.tokens_per_decode
+    sizes = [] if reason else graph_batch_sizes(min(config.cuda_graph_max_bs, rows), strategy)
     if not reason and not sizes:
         reason = f"overlap '{config.overlap}' splits every decode batch into micro-batches"
     if reason:

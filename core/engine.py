@@ -27,6 +27,7 @@ from .hooks import make_plugin_manager
 from .json_file import read_json_object
 from .kv_cache import KVPool
 from .model_runner import ModelRunner
+from .models.base import read_config
 from .models.setup import load_model
 from .moe.rebalance import ExpertBalancing, RebalanceReport
 from .parallel import ParallelState
@@ -36,6 +37,8 @@ from .request import FinishReason, Request, check_prompt
 from .sampler import FAILED, Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .speculation.setup import check_drafter, drafter_context
+from .speculation.step import SpeculativeDecoding
 from .selection import resolve
 from .tokenizer import Detokenizer, load_tokenizer
 from .transfer import to_device
@@ -83,13 +86,19 @@ class Engine:
         self.parallel = parallel if parallel is not None else ParallelState(config.parallel)
         self.hooks = hooks if hooks is not None else make_plugin_manager()
         selection = resolve(config, ep_size=self.parallel.ep.size)
-        self.model = load_model(config.model, config, selection, self.parallel, hooks=self.hooks)
+        drafter_cls = check_drafter(config, selection, read_config(config.model))
+        mtp = drafter_cls is not None and drafter_cls.caps.needs_weights  # the drafter runs the MTP layers
+        self.model = load_model(config.model, config, selection, self.parallel, hooks=self.hooks, mtp=mtp)
+        drafter = drafter_cls(config.speculative_num_steps) if drafter_cls is not None else None
         self.balancing = ExpertBalancing(
             self.model.moe_runtime, self.model.moe_layers(), selection.balancer(), config, self.parallel, self.hooks
         )
         shapes = self.model.kv_shapes()
-        tokens = _kv_tokens(config, KVPool.bytes_per_token(shapes, config.torch_dtype), self.device)
-        self.kv = KVPool(-(-tokens // config.page_size), config.page_size, shapes, config.torch_dtype, self.device)
+        draft_shapes = drafter.kv_layers(self.model) if drafter is not None else []
+        tokens = _kv_tokens(config, KVPool.bytes_per_token(shapes + draft_shapes, config.torch_dtype), self.device)
+        self.kv = KVPool(
+            -(-tokens // config.page_size), config.page_size, shapes + draft_shapes, config.torch_dtype, self.device
+        )
         strategy = selection.overlap(min_tokens=config.overlap_min_tokens)
         graphs = decode_graphs(config, self.model, self.kv, strategy, selection, self.parallel.config.world_size)
         mixed = config.mixed_chunk if config.mixed_chunk is not None else graphs is None
@@ -99,7 +108,14 @@ class Engine:
             self.prefix_cache,
         )
         self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs)
-        self.overlap_schedule = _overlap_schedule(config, self.device, self.parallel.config.world_size)
+        self.speculation = None if drafter is None else SpeculativeDecoding(
+            drafter, self.kv, self.model.hf_config["vocab_size"], decode_rows=self.model.attention_backend.graph_safe
+        )
+        if self.speculation is not None:
+            drafter.bind(drafter_context(self.model, self.kv, config, self.device, range(len(shapes), len(self.kv.buffers))))
+            self.scheduler.lookahead = self.speculation.lookahead
+        # speculative steps run without the overlap schedule: a step's drafts need the tokens accepted before it
+        self.overlap_schedule = _overlap_schedule(config, self.device, self.parallel.config.world_size) and drafter is None
         self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet
         self.sampler = Sampler()
         self.tokenizer = load_tokenizer(config.model)
@@ -174,11 +190,32 @@ class Engine:
         tokens of the step before, read now, finished them)."""
         work = self.scheduler.schedule()
         finished = self._drain_dropped()
+        if self.speculation is not None:
+            return finished + self._speculative_step(work)
         batch = self._agree(self.runner.prepare(work, self.in_flight))
         launched = self._launch(work, batch) if batch is not None else None
         if self.overlap_schedule:
             launched, self.in_flight = self.in_flight, launched
         return finished + self._complete(launched)
+
+    def _speculative_step(self, work) -> list[Request]:
+        drafts = self.speculation.draft(work)
+        batch = self.runner.prepare(work, drafts=drafts, decode_rows=self.speculation.decode_rows)
+        if any(drafts):  # micro-batches would cut between a request's verify rows, which read each other's KV
+            batch = attrs.evolve(batch, overlap_split=False)
+        batch = self._agree(batch)
+        if batch is None:
+            return []
+        self.hooks.hook.moeplex_batch_scheduled(batch=batch)
+        finished = self.speculation.run(
+            work, batch, drafts, self.runner.verify_forward, self.scheduler, self._append, self._fail, self.sampler,
+        )
+        self.balancing.after_forward()
+        return finished
+
+    def _fail(self, request: Request) -> None:
+        request.finish(FinishReason.ABORT, error=SAMPLING_FAILED)
+        self._retire(request)
 
     def _launch(self, work, batch: ForwardBatch) -> InFlight | None:
         """Run the batch and sample on the device; the requests due a token hold a place for it."""
@@ -232,7 +269,7 @@ class Engine:
         """
         if self.parallel.config.dp_size == 1:
             return batch if batch.num_tokens else None
-        can_split = self.runner.strategy.cuts(BatchMeta(batch.mode, batch.extend_lens)) is not None
+        can_split = batch.overlap_split is not False and self.runner.strategy.cuts(BatchMeta(batch.mode, batch.extend_lens)) is not None
         everyone = self.parallel.world.all_gather_ints([batch.num_tokens, int(batch.mode.is_extend), int(can_split)])
         counts = tuple(row[0] for row in everyone)
         if not any(counts):
@@ -286,6 +323,8 @@ class Engine:
     def _retire(self, request: Request) -> None:
         request.pending_rows.clear()  # a token still in flight comes too late
         self.scheduler.finish(request)
+        if self.speculation is not None:
+            self.speculation.finished(request)
         self._requests.pop(request.rid, None)
         detok = self._detok.pop(request.rid, None)
         if detok is not None and request.finish_reason != FinishReason.STOP:

@@ -71,9 +71,11 @@ class RequestUpdate:
     stop_reason: Any = None
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens the prefix cache gave it
+    spec_counts: tuple[int, int, int] = (0, 0, 0)  # speculative decoding so far (Request.spec_counts)
 
     def apply(self, request: Request) -> None:
         request.cached_tokens = self.cached_tokens
+        request.spec_verify_steps, request.spec_draft_tokens, request.spec_accepted_tokens = self.spec_counts
         request.output_ids.extend(self.new_ids)
         request.logprobs.extend(self.new_logprobs)
         request.text = request.text[: self.text_from] + self.text

@@ -24,12 +24,25 @@ class ModelRunner:
         self.hooks = hooks
         self.graphs = graphs  # captured decode steps, replayed for the decode batches they hold
 
-    def prepare(self, work: Sequence[ScheduledWork], in_flight: InFlight | None = None) -> ForwardBatch:
-        """The batch of the scheduled work; tokens still in flight are read on the device from `in_flight`."""
-        seqs = [
-            ScheduledSeq(w.request.token_ids(w.request.num_cached, w.num_tokens), w.request.num_cached, w.request.pages)
-            for w in work
-        ]
+    def prepare(self, work: Sequence[ScheduledWork], in_flight: InFlight | None = None,
+                drafts: Sequence[Sequence[int]] | None = None, decode_rows: bool = False) -> ForwardBatch:
+        """The batch of the scheduled work; tokens still in flight are read on the device from `in_flight`.
+
+        A speculating request's last token and drafts are a short extend of 1 + m positions, or with
+        `decode_rows` one decode row each (row j at position num_cached + j, reading the cache up to itself,
+        where the rows before it wrote their KV in the same layer): a verify step is then a decode batch of
+        requests x (drafts + 1) rows, which runs the paged decode kernels and replays the decode CUDA graphs."""
+        drafts = drafts if drafts is not None else [()] * len(work)
+        seqs = []
+        for w, draft in zip(work, drafts):
+            request, start = w.request, w.request.num_cached
+            if draft and not decode_rows:
+                seqs.append(ScheduledSeq([*request.token_ids(start, w.num_tokens), *draft], start, request.pages))
+            elif draft:
+                tokens = [*request.token_ids(start, 1), *draft]
+                seqs += [ScheduledSeq([t], start + j, request.pages) for j, t in enumerate(tokens)]
+            else:
+                seqs.append(ScheduledSeq(request.token_ids(start, w.num_tokens), start, request.pages))
         batch = build_forward_batch(seqs, self.kv, self.device)
         if in_flight is not None and any(w.request.pending_rows for w in work):
             batch = attrs.evolve(batch, input_ids=fill_placeholders(batch.input_ids, in_flight.tokens))
@@ -45,3 +58,18 @@ class ModelRunner:
         if self.hooks is not None:
             self.hooks.hook.moeplex_forward_done(batch=batch, logits=logits)
         return logits
+
+    @torch.inference_mode()
+    def verify_forward(self, batch: ForwardBatch, rows: torch.Tensor, with_hidden: bool):
+        """(logits of the token rows `rows`, every token's pre-norm hidden state or None): a speculative step.
+        Its decode batches (verify rows included: every token row is then a request row) replay graphs."""
+        hidden = None
+        if not with_hidden and len(rows) == batch.num_tokens and self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.run(batch)
+        elif with_hidden:
+            logits, hidden = self.model(batch, self.kv, self.strategy, logits_at=rows, return_hidden=True)
+        else:
+            logits = self.model(batch, self.kv, self.strategy, logits_at=rows)
+        if self.hooks is not None:
+            self.hooks.hook.moeplex_forward_done(batch=batch, logits=logits)
+        return logits, hidden

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from .interfaces import Balancer, Dispatcher, KVTransfer, MoEKernel, OverlapStrategy, PluginError
+from .interfaces import Balancer, Dispatcher, Drafter, KVTransfer, MoEKernel, OverlapStrategy, PluginError
 
 KINDS = {
     "dispatcher": ("moeplex.dispatchers", Dispatcher),
@@ -19,6 +19,7 @@ KINDS = {
     "balancer": ("moeplex.balancers", Balancer),
     "overlap": ("moeplex.overlap", OverlapStrategy),
     "kv_transfer": ("moeplex.kv_transfer", KVTransfer),
+    "drafter": ("moeplex.drafters", Drafter),
 }
 
 

@@ -24,6 +24,18 @@ def check_prompt(prompt_ids: Sequence[int], vocab_size: int, capacity_tokens: in
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds at most {capacity_tokens}")
 
 
+def accept_length(spec_counts: tuple[int, int, int]) -> float | None:
+    """Tokens gained per verify step that carried drafts (accepted drafts + the target's own token)."""
+    steps, _, accepted = spec_counts
+    return (accepted + steps) / steps if steps else None
+
+
+def accept_rate(spec_counts: tuple[int, int, int]) -> float | None:
+    """Share of the drafted tokens the target accepted."""
+    _, drafted, accepted = spec_counts
+    return accepted / drafted if drafted else None
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # an eos token, a stop token id or a stop string
     LENGTH = "length"  # max_new_tokens reached
@@ -65,6 +77,10 @@ class Request:
     num_shared_pages: int = 0
     cache_node: Any = None
     cached_tokens: int = 0
+    # speculative decoding: verify steps that carried drafts, the drafts they carried, the drafts accepted
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def awaiting_final_token(self) -> bool:
@@ -92,6 +108,19 @@ class Request:
     @property
     def num_uncached(self) -> int:
         return self.num_tokens - self.num_cached
+
+    @property
+    def spec_counts(self) -> tuple[int, int, int]:
+        """(verify steps with drafts, drafted tokens, accepted drafts): how speculation went for it."""
+        return self.spec_verify_steps, self.spec_draft_tokens, self.spec_accepted_tokens
+
+    @property
+    def spec_accept_length(self) -> float | None:
+        return accept_length(self.spec_counts)
+
+    @property
+    def spec_accept_rate(self) -> float | None:
+        return accept_rate(self.spec_counts)
 
     @property
     def finished(self) -> bool:

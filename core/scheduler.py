@@ -51,6 +51,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.dropped: list[Request] = []  # aborted by the scheduler; the engine reports them
+        self.lookahead = 0  # speculative decoding: positions a decoding request may add beyond its next token
 
     @property
     def has_work(self) -> bool:
@@ -83,6 +84,7 @@ class Scheduler:
             n = self._chunk(request, budget)
             if not self._reserve(request, n, preempt=preempt):
                 continue
+            self._reserve_drafts(request, n)
             work.append(ScheduledWork(request, n))
             budget -= n
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_running:
@@ -97,6 +99,16 @@ class Scheduler:
             work.append(ScheduledWork(request, n))
             budget -= n
         return work
+
+    def _reserve_drafts(self, request: Request, n: int) -> None:
+        """Pages for the drafts a decoding request may verify with its next token, where free pages allow
+        (drafts never preempt or evict; fewer pages only mean fewer drafts)."""
+        if not self.lookahead or n != 1 or request.num_uncached != 1 or not request.output_ids:
+            return
+        room = max(0, min(self.lookahead, request.params.max_new_tokens - len(request.output_ids) - 1))
+        missing = self.kv.pages_for(request.num_cached + n + room) - len(request.pages)
+        pages = self.kv.allocate(min(missing, self.kv.num_free_pages)) if missing > 0 else None
+        request.pages.extend(pages or [])
 
     def _chunk(self, request: Request, budget: int) -> int:
         n = min(request.num_uncached, budget)

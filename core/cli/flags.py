@@ -168,6 +168,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         dest="timeout_s", metavar="SECONDS",
     )
     add_balancing_flags(parser)
+    add_speculative_flags(parser)
     flag(parser, "--seed", "global random seed (default: %(default)s)")
 
 
@@ -211,6 +212,23 @@ def add_balancing_flags(parser: argparse.ArgumentParser) -> None:
         eplb, "--eplb-rebalance-layers-per-chunk",
         "MoE layers whose expert weights move at once, bounding the memory a rebalance borrows (default: %(default)s)",
         metavar="LAYERS",
+    )
+
+
+def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
+    spec = parser.add_argument_group("speculative decoding (see docs/speculative.md)")
+    flag(
+        spec, "--speculative-algorithm",
+        "who drafts tokens for the model to verify: none, nextn (DeepSeek's MTP layers, from the checkpoint), "
+        "ngram (the request's own earlier tokens), or any installed drafter (`moeplex plugins`); output is the "
+        "same as without speculation (default: %(default)s)",
+        metavar="NAME",
+    )
+    flag(spec, "--speculative-num-steps", "tokens drafted per request per decode step (default: %(default)s)", metavar="N")
+    flag(
+        spec, "--speculative-num-draft-tokens",
+        "tokens a request verifies per step: its last token and the drafts, so --speculative-num-steps + 1 "
+        "(the default; drafts form one chain)", type=int, metavar="N",
     )
 
 

@@ -8,11 +8,12 @@ from .. import registry
 
 
 TITLES = {"dispatcher": "dispatchers", "moe_kernel": "MoE kernels", "balancer": "balancers", "overlap": "overlap strategies",
-          "kv_transfer": "KV transfer backends"}
+          "kv_transfer": "KV transfer backends", "drafter": "drafters"}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plugins", help="list installed dispatchers, MoE kernels, balancers, overlap strategies and KV transfer backends")
+    p = sub.add_parser("plugins", help="list installed dispatchers, MoE kernels, balancers, overlap strategies, KV transfer "
+                       "backends and drafters")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.set_defaults(run=run)
 

@@ -12,7 +12,7 @@ from ..forward_batch import ForwardBatch, ForwardMode
 from .balancer import Balancer, BalancerCaps, Placement
 from .context import MoEContext
 from .dispatcher import Dispatcher, DispatcherCaps
-from .drafter import DraftRequest, Drafter, DrafterCaps, Drafts
+from .drafter import DraftRequest, Drafter, DrafterCaps, DrafterContext, Drafts, TargetStep
 from .errors import PluginError
 from .kv_transfer import KVRegion, KVTransfer, KVTransferCaps, TransferStatus, kv_regions, page_runs
 from .layouts import (

@@ -1,16 +1,21 @@
 """Drafter contract: how speculative decoding proposes tokens for the target model to verify.
 
-Each decode step the engine asks the drafter for up to `num_draft_tokens` tokens per request, runs one
+Each decode step the engine asks the drafter for up to `num_steps` tokens per decoding request, runs one
 target forward over (last token + drafts) per request through the paged cache, accepts the longest
 prefix the target agrees with (greedy) or passes rejection sampling (temperature > 0), and tells the
-drafter what was accepted. Output equals non-speculative decoding whatever the drafter proposes;
+drafter what it kept (`observe`). Output equals non-speculative decoding whatever the drafter proposes;
 a good drafter only makes it faster.
+
+The engine calls, in this order: `kv_layers` (once, before it sizes the KV pool: extra per-token KV
+the drafter keeps in the same pages as the target), `bind` (once, with a DrafterContext), then per
+step `propose` for the decoding requests and `observe` after every target forward (prefill chunks
+included), and `finished` when a request ends or is preempted.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import attrs
 import torch
@@ -19,7 +24,7 @@ import torch
 @attrs.frozen
 class DrafterCaps:
     needs_weights: bool = False  # uses the checkpoint's MTP (NextN) layers
-    needs_hidden: bool = False  # reads the target's last hidden states (MTP chains do)
+    needs_hidden: bool = False  # reads the target's hidden states (before the final norm) in `observe`
     gives_probs: bool = False  # returns draft probabilities (rejection sampling with q); else drafts are point masses
     architectures: frozenset[str] | None = None  # model_type values it supports; None: every architecture
 
@@ -30,31 +35,63 @@ class DraftRequest:
 
     rid: str
     token_ids: Sequence[int]  # prompt + accepted output, the last one not yet through the target
-    num_cached: int
+    num_cached: int  # positions with target KV (len(token_ids) - 1 for a decoding request)
+    pages: Sequence[int] = ()  # the request's KV page table; pages cover num_cached + 1 + num_steps positions
 
 
 @attrs.define
 class Drafts:
-    tokens: list[list[int]]  # per request, 0..num_draft_tokens proposed ids
-    probs: torch.Tensor | None = None  # [requests, num_draft_tokens, vocab] draft distributions (gives_probs)
+    tokens: list[list[int]]  # per request, 0..num_steps proposed ids
+    probs: torch.Tensor | None = None  # [requests, num_steps, vocab] draft distributions (gives_probs)
+
+
+@attrs.frozen
+class TargetStep:
+    """What one target forward kept, per request (`observe`): positions start .. start+len(next_ids)-1 of the
+    request now hold valid target KV, and next_ids[i] is the token at position start+i+1 (prompt tokens inside
+    a prompt, then the tokens the engine accepted; the last of a request whose next token was sampled is that
+    token). Rejected draft positions are not in it."""
+
+    rids: Sequence[str]
+    starts: Sequence[int]
+    next_ids: Sequence[Sequence[int]]
+    pages: Sequence[Sequence[int]]
+    hidden: torch.Tensor | None = None  # [sum(len(next_ids[i])), H] pre-final-norm hidden states (needs_hidden)
+
+
+@attrs.frozen
+class DrafterContext:
+    """What `bind` gives: the target model (embedding, lm_head, MTP layers), the KV pool, the config, the
+    pool layer ids of the drafter's own KV (as many as `kv_layers` returned), and `batch_of`, which makes the
+    ForwardBatch of [(new token ids, prefix length, page table), ...] over the pool (a drafter's own forward)."""
+
+    model: Any
+    kv: Any
+    config: Any
+    device: torch.device
+    kv_layer_ids: Sequence[int] = ()
+    batch_of: Callable[[Sequence[tuple[Sequence[int], int, Sequence[int]]]], Any] | None = None
 
 
 class Drafter(abc.ABC):
     caps: ClassVar[DrafterCaps]
 
-    def __init__(self, num_steps: int, num_draft_tokens: int):
+    def __init__(self, num_steps: int):
         self.num_steps = num_steps
-        self.num_draft_tokens = num_draft_tokens
 
-    def bind(self, engine_view: Any) -> None:
-        """Called once at start-up with the engine's model, KV pool and config (weights, own KV)."""
+    def kv_layers(self, model: Any) -> list[list[tuple[int, ...]]]:
+        """Per extra KV layer the drafter keeps in the pool, the per-token shapes (like model.kv_shapes())."""
+        return []
+
+    def bind(self, context: DrafterContext) -> None:
+        """Called once at start-up, before any step (weights, own KV)."""
 
     @abc.abstractmethod
-    def propose(self, requests: Sequence[DraftRequest], hidden: torch.Tensor | None = None) -> Drafts:
+    def propose(self, requests: Sequence[DraftRequest]) -> Drafts:
         """Draft tokens for each request (fewer, or none, where it has nothing good to say)."""
 
-    def accepted(self, rid: str, num_accepted: int) -> None:
-        """How many of the request's drafts the target accepted this step (before the bonus token)."""
+    def observe(self, step: TargetStep) -> None:
+        """After every target forward: the positions the target kept and the tokens that followed them."""
 
     def finished(self, rid: str) -> None:
         """The request ended or was preempted: drop anything kept for it."""

@@ -233,11 +233,14 @@ class MoECausalLM(nn.Module, abc.ABC):
         for layer in self.model.layers:
             yield from layer.program(state)
 
-    def forward(self, batch: ForwardBatch, kv: KVPool, strategy, logits_at: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 logits [B, vocab] of each request's last new token (or of the token rows `logits_at`)."""
+    def forward(self, batch: ForwardBatch, kv: KVPool, strategy, logits_at: torch.Tensor | None = None,
+                return_hidden: bool = False):
+        """fp32 logits [B, vocab] of each request's last new token (or of the token rows `logits_at`); with
+        `return_hidden`, also every token's hidden state before the final norm ([T, H], what MTP drafters read)."""
         hidden = run_layers(self, batch, kv, strategy)
         rows = batch.last_token_index if logits_at is None else logits_at
-        return self.lm_head(self.model.norm(hidden[rows])).float()
+        logits = self.lm_head(self.model.norm(hidden[rows])).float()
+        return (logits, hidden) if return_hidden else logits
 
     def moe_layers(self) -> list[MoELayer]:
         return [m for m in self.modules() if isinstance(m, MoELayer)]

@@ -64,11 +64,12 @@ def initial_placement(shape: PlacementShape, config, balancer) -> Placement:
 
 
 def dispatch_tokens_per_rank(config, caps) -> int:
-    """What a fixed dispatch buffer must hold: the flag, else a decode batch where the dispatcher
-    has another mode for bigger steps, else any step's tokens."""
+    """What a fixed dispatch buffer must hold: the flag, else a decode batch (a speculative verify step's:
+    one row per request and draft) where the dispatcher has another mode for bigger steps, else any step's."""
     if config.max_dispatch_tokens_per_rank:
         return config.max_dispatch_tokens_per_rank
-    return config.max_running_requests if caps.other_layouts else config.max_batched_tokens
+    decode = config.max_running_requests * getattr(config, "tokens_per_decode", 1)
+    return decode if caps.other_layouts else max(config.max_batched_tokens, decode)
 
 
 def mtp_layers_to_build(arch, hf_config, mtp: bool) -> int:
@@ -197,6 +198,9 @@ def check_before_start(config) -> None:
     layout = config.parallel
     rank0 = ParallelState(layout, 0, Group(0, layout.attn_tp_size), Group(0, layout.world_size))
     selection = resolve(config, ep_size=rank0.ep.size)  # on the real device: GPU needs are checked there
+    from ..speculation.setup import check_drafter  # deferred: it imports this module
+
+    check_drafter(config, selection, read_config(config.model))
     try:
         build_model(config.model, attrs.evolve(config, device="meta"), selection, rank0)
     except (ValueError, OSError, PluginError):

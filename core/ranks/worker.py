@@ -54,7 +54,7 @@ class _Reported:
             return None
         update = RequestUpdate(
             r.rid, tuple(r.output_ids[self.ids :]), tuple(r.logprobs[self.logprobs :]), text_from, r.text[text_from:],
-            r.finish_reason, r.stop_reason, r.error, r.cached_tokens,
+            r.finish_reason, r.stop_reason, r.error, r.cached_tokens, r.spec_counts,
         )
         self.ids, self.logprobs, self.text = len(r.output_ids), len(r.logprobs), len(r.text)
         return update

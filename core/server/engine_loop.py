@@ -264,6 +264,7 @@ class EngineLoop:
         if output.finished:
             self.metrics.finished.labels("error" if output.error else output.finish_reason).inc()
             self.metrics.e2e.observe(now - progress.ticket.submitted_at)
+            self.metrics.speculation_finished(output.spec_counts)
 
 
 def _lead(leader: Leader) -> None:

@@ -7,8 +7,12 @@ from typing import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
+from ..request import accept_length, accept_rate
+
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+ACCEPT_LENGTH_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 2.75, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
+ACCEPT_RATE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -43,6 +47,14 @@ class ServerMetrics:
         self.e2e = Histogram(
             "moeplex_e2e_request_latency_seconds", "From the HTTP request to its last token", buckets=E2E_BUCKETS, registry=r
         )
+        self.spec_accept_length = Histogram(
+            "moeplex_spec_accept_length", "Per finished request: tokens gained per speculative verify step "
+            "(accepted drafts + 1)", buckets=ACCEPT_LENGTH_BUCKETS, registry=r,
+        )
+        self.spec_accept_rate = Histogram(
+            "moeplex_spec_accept_rate", "Per finished request: share of its drafted tokens the target accepted",
+            buckets=ACCEPT_RATE_BUCKETS, registry=r,
+        )
         self.running = Gauge("moeplex_num_running_requests", "Requests the scheduler is running", registry=r)
         self.queued = Gauge("moeplex_num_queued_requests", "Requests waiting for admission", registry=r)
         self.kv_pages_total = Gauge("moeplex_kv_pages_total", "Pages of the KV cache", registry=r)
@@ -70,6 +82,14 @@ class ServerMetrics:
         else:
             for _ in range(count):
                 self.itl.observe(since_previous / count)
+
+    def speculation_finished(self, spec_counts: tuple[int, int, int]) -> None:
+        """A finished request's accept length and rate (requests that verified no drafts are not counted)."""
+        length, rate = accept_length(spec_counts), accept_rate(spec_counts)
+        if length is not None:
+            self.spec_accept_length.observe(length)
+        if rate is not None:
+            self.spec_accept_rate.observe(rate)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -14,6 +14,7 @@ from .endpoint import MAX_SEED, MAX_TOP_LOGPROBS, Plan, expand, choice_params
 from .errors import bad_request
 from .group import RequestGroup
 from .openai_common import MAX_N, STOP, TOKEN_IDS
+from ..request import accept_length, accept_rate
 from .outputs import Completion
 from .schema import BOOLEAN, INTEGER, NUMBER, STRING, AnyOf, Field, ListOf, ObjectOf
 from .served_model import ServedModel
@@ -106,6 +107,9 @@ class GenerateEndpoint:
             "cached_tokens": c.cached_tokens,
             "e2e_latency": time.monotonic() - group.submitted_at,
         }
+        if c.spec_counts[0]:  # speculative decoding verified drafts for it (SGLang's names)
+            meta.update(spec_verify_ct=c.spec_counts[0], spec_accept_length=accept_length(c.spec_counts),
+                        spec_accept_rate=accept_rate(c.spec_counts))
         if plan.options["return_logprob"]:
             meta.update(self._logprobs(plan, c.logprobs))
         return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}

@@ -35,6 +35,7 @@ class Output:
     error: str | None = None
     status: int = 200  # the HTTP status of the failure, when error is set
     cached_tokens: int = 0  # of the prompt, reused from the prefix cache
+    spec_counts: tuple[int, int, int] = (0, 0, 0)  # speculative decoding so far (Request.spec_counts)
 
     @property
     def finished(self) -> bool:
@@ -59,9 +60,11 @@ class Completion:
     error: str | None = None
     status: int = 200
     cached_tokens: int = 0
+    spec_counts: tuple[int, int, int] = (0, 0, 0)
 
     def add(self, output: Output) -> None:
         self.num_prompt_tokens = output.num_prompt_tokens
+        self.spec_counts = output.spec_counts
         self.cached_tokens = max(self.cached_tokens, output.cached_tokens)
         self.text += output.text
         self.token_ids.extend(output.token_ids)

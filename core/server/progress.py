@@ -65,4 +65,5 @@ class Progress:
             error=request.error,
             status=500 if request.error else 200,
             cached_tokens=request.cached_tokens,
+            spec_counts=request.spec_counts,
         )

@@ -1,0 +1,170 @@
+"""Speculative decoding: decode tokens/s with each drafter against no speculation, in one process.
+
+    .venv/bin/python benchmarks/speculative.py --runs 3                         CPU, tiny DeepSeek-V3 (+ 1 MTP layer)
+    python benchmarks/speculative.py --device cuda --runs 3                     H200: Qwen3-30B-A3B and DeepSeek-V3
+                                                                                shapes (4 layers + MTP), dummy weights
+
+Drafters, every one greedy with ignore_eos (so every run does the same work and gives the same tokens):
+- none: plain decoding, the reference of the ratio column;
+- ngram: prompt lookup, on a repetitive workload: each prompt is a random 24-token phrase said 4 times, so the
+  phrase's tokens are what ngram proposes; random weights do not repeat the phrase, so acceptance is whatever
+  the model's own loops give (reported as the accept length column);
+- oracle: proposes the continuation that `none` produced (tests/script_drafters.py, registered through an
+  entry point): every draft accepted, the mechanism's ceiling at accept length steps + 1;
+- adversary: proposes a wrong token at every draft: accept length 1, the price of speculation that never pays;
+- nextn (DeepSeek-V3 only): the checkpoint's MTP layer, random, so it accepts about nothing: its cost.
+Decode tokens/s counts the tokens generated after every request's first one (the prompts' step excluded),
+over the wall time of those steps; median of --runs runs (each on a fresh engine), min-max beside it.
+SGLang's reported numbers for DeepSeek-V3 with its MTP layer on H200 (1.8x at batch 1, 1.5x at batch 32,
+accept length 2.2-2.4) are printed beside the oracle and ngram rows: a trained MTP layer's ceiling vs ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from moeplex.config import EngineConfig
+from moeplex.engine import Engine
+from moeplex.models.make_model import write_checkpoint
+from moeplex.sampling import SamplingParams
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import script_drafters  # noqa: E402  (the test-only oracle and adversary)
+
+SGLANG = {1: "1.8x", 32: "1.5x"}  # SGLang, DeepSeek-V3 + MTP (EAGLE), H200, as reported in its docs / blog
+PHRASE, REPEATS = 24, 4
+
+
+def workload(batch: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[256] + [rng.randrange(256) for _ in range(PHRASE)] * REPEATS for _ in range(batch)]
+
+
+def engine_for(folder: str, args, drafter: str) -> Engine:
+    settings = dict(model=folder, device=args.device, show_progress=False, max_running_requests=max(args.batches),
+                    max_batched_tokens=max(args.batches) * (PHRASE * REPEATS + 1), chunked_prefill_size=4096,
+                    max_total_tokens=max(args.batches) * (PHRASE * REPEATS + args.output_len + 16) + 1024)
+    if args.device == "cpu":
+        settings.update(dtype="fp32")
+    else:
+        # verify steps replay the decode graphs with one row per request and draft
+        settings.update(dtype="bf16", load_format="dummy", moe_kernel="triton",
+                        cuda_graph_max_bs=max(args.batches) * (args.steps + 1))
+    if drafter != "none":
+        settings.update(speculative_algorithm=drafter, speculative_num_steps=args.steps)
+    return Engine(EngineConfig(**settings))
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def decode_rate(engine: Engine, prompts, params, device: str) -> tuple[float, list]:
+    """(decode tokens/s, the finished requests): the clock starts once every request has its first token."""
+    requests = [engine.add_request(p, params) for p in prompts]
+    while any(not r.output_ids for r in requests):
+        engine.step()
+    sync(device)
+    start, first = time.perf_counter(), sum(len(r.output_ids) for r in requests)
+    while engine.has_work:
+        engine.step()
+    sync(device)
+    return (sum(len(r.output_ids) for r in requests) - first) / (time.perf_counter() - start), requests
+
+
+def rows_for(name: str, folder: str, drafters: list[str], args) -> list[str]:
+    params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    engines = {d: engine_for(folder, args, d) for d in drafters}
+    for engine in engines.values():  # warm-up: allocator, Triton compiles, graphs
+        decode_rate(engine, workload(2, 99), SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), args.device)
+    lines = []
+    for batch in args.batches:
+        prompts = workload(batch, seed=batch)
+        rates: dict[str, list[float]] = {}
+        accept: dict[str, float | None] = {}
+        reference = None
+        for run in range(args.runs):
+            for drafter in drafters:
+                if drafter in ("test-oracle", "test-adversary"):
+                    script_drafters.SCRIPT[:] = [p + out for p, out in zip(prompts, reference)]
+                rate, done = decode_rate(engines[drafter], prompts, params, args.device)
+                outputs = [r.output_ids for r in done]
+                if drafter == "none":
+                    reference = outputs
+                elif outputs != reference and args.device == "cpu":  # bf16 GPU runs may differ in near-ties
+                    raise AssertionError(f"{drafter} changed the output at batch {batch}")
+                rates.setdefault(drafter, []).append(rate)
+                steps = sum(r.spec_verify_steps for r in done)
+                accept[drafter] = (sum(r.spec_accepted_tokens for r in done) + steps) / steps if steps else None
+        base = statistics.median(rates["none"])
+        for drafter in drafters:
+            r = rates[drafter]
+            med = statistics.median(r)
+            length = f"{accept[drafter]:.2f}" if accept[drafter] is not None else "-"
+            sglang = SGLANG.get(batch, "") if drafter in ("test-oracle", "ngram", "nextn") else ""
+            label = drafter.removeprefix("test-")
+            lines.append(f"| {name} | {batch} | {label} | {med:.1f} | {min(r):.1f}-{max(r):.1f} | {med / base:.2f}x "
+                         f"| {length} | {sglang} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
+def register_script_drafters() -> None:
+    folder = tempfile.mkdtemp()
+    from pathlib import Path
+
+    script_drafters.write_distribution(Path(folder))
+    sys.path.insert(0, folder)
+    importlib.invalidate_caches()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--steps", type=int, default=3, help="--speculative-num-steps (default: %(default)s)")
+    parser.add_argument("--output-len", type=int, default=None, help="tokens per request (default: 32 CPU, 128 GPU)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--only", choices=("qwen", "dsv3"), help="GPU: one model instead of both")
+    parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads (default: %(default)s; shared "
+                        "cores make more threads wait on each other)")
+    parser.add_argument("--out", help="also write the table to this file")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    args.output_len = args.output_len or (32 if args.device == "cpu" else 128)
+    register_script_drafters()
+    plain = ["none", "ngram", "test-oracle", "test-adversary"]
+    lines = [f"steps {args.steps}, {args.output_len} tokens per request, prompts of {PHRASE} tokens x {REPEATS}", "",
+             "| model | batch | drafter | decode tok/s (median) | min-max | vs none | accept length | SGLang H200 (reported) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    if args.device == "cpu":
+        folder = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "tiny", seed=0, mtp=1)
+        lines += rows_for("tiny DeepSeek-V3 + MTP, fp32", folder, plain + ["nextn"], args)
+    else:
+        if args.only != "dsv3":
+            qwen = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True)
+            lines += rows_for("Qwen3-30B-A3B shapes, bf16", qwen, plain, args)
+        if args.only != "qwen":
+            dsv3 = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4},
+                                    config_only=True, mtp=1)
+            lines += rows_for("DeepSeek-V3 shapes, 4 layers + MTP, bf16", dsv3, plain + ["nextn"], args)
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""The engine's drafter: checked against the flags, the plugins and the model, then made."""
+
+from __future__ import annotations
+
+import torch
+
+from ..batch_builder import ScheduledSeq, build_forward_batch
+from ..interfaces import DrafterContext, ForwardBatch
+from ..kv_cache import KVPool
+from ..models.setup import dispatch_tokens_per_rank
+from .checks import check_model, check_speculation
+
+
+def has_mtp_layers(hf_config) -> bool:
+    return bool(hf_config.get("num_nextn_predict_layers") or 0)
+
+
+def check_drafter(config, selection, hf_config) -> type | None:
+    """The drafter class --speculative-algorithm names (None for none), or one sentence saying why it cannot run."""
+    dcaps = selection.dispatcher.caps
+    cls = check_speculation(config, dcaps, dispatch_tokens_per_rank(config, dcaps))
+    check_model(config, cls, hf_config, has_mtp_layers(hf_config))
+    return cls
+
+
+def drafter_context(model, kv: KVPool, config, device: torch.device, kv_layer_ids) -> DrafterContext:
+    def batch_of(seqs) -> ForwardBatch:
+        return build_forward_batch([ScheduledSeq(list(ids), start, pages) for ids, start, pages in seqs], kv, device)
+
+    return DrafterContext(model, kv, config, device, tuple(kv_layer_ids), batch_of)

@@ -1,0 +1,100 @@
+"""Which drafts the target accepts, and the token it adds after them.
+
+A request with m drafts has m + 1 verify rows of logits: row k is the target's distribution p_k of the
+token after draft k (row 0: after its last accepted token). Greedy keeps the drafts equal to argmax p_k
+and then adds argmax p_j at the first mismatch (or after the last draft): the tokens plain greedy decoding
+gives. Sampling (Leviathan et al. 2023, Chen et al. 2023) accepts draft d_k with probability
+min(1, p_k(d_k) / q_k(d_k)) (q_k(d_k) = 1 for a drafter of point masses), on rejection draws from the
+normalized max(p_k - q_k, 0) and stops, and after m acceptances draws a bonus token from p_m: every
+emitted token is distributed as the target's own. p_k is filtered (temperature, top-k, top-p, min-p) by
+the same function as the non-speculative sampler; a request with a seed draws all of this from its own
+random stream, so the same seed gives the same output.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..request import Request
+from ..sampler import FAILED, Sampler, _generator, filtered_probs
+
+
+def verify(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[Sequence[int]],
+           draft_probs: Sequence[torch.Tensor | None] | None = None) -> list[list[int]]:
+    """Per request, the accepted drafts followed by the target's token (FAILED in its place where a row's
+    logits are not finite). `logits` holds len(drafts[i]) + 1 rows per request, in request order."""
+    starts, at = [], 0
+    for draft in drafts:
+        starts.append(at)
+        at += len(draft) + 1
+    out: list[list[int] | None] = [None] * len(requests)
+    plain = [i for i, d in enumerate(drafts) if not d]  # no drafts: exactly the non-speculative sampler
+    if plain:
+        rows = torch.tensor([starts[i] for i in plain], device=logits.device)
+        for i, token in zip(plain, Sampler.draw(logits[rows], [requests[i] for i in plain]).tolist()):
+            out[i] = [token]
+    greedy = [i for i, d in enumerate(drafts) if d and requests[i].params.greedy]
+    if greedy:
+        best, finite = _argmax(logits)
+        for i in greedy:
+            out[i] = accept_greedy(drafts[i], best[starts[i] : starts[i] + len(drafts[i]) + 1],
+                                   finite[starts[i] : starts[i] + len(drafts[i]) + 1])
+    sampled = [i for i, d in enumerate(drafts) if d and not requests[i].params.greedy]
+    for i in sampled:
+        span = logits[starts[i] : starts[i] + len(drafts[i]) + 1]
+        probs = filtered_probs(span, [requests[i].params] * span.shape[0])
+        q = draft_probs[i] if draft_probs is not None else None
+        out[i] = accept_sampled(probs, drafts[i], _generator(requests[i], logits.device), q)
+    return out
+
+
+def _argmax(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    best = torch.argmax(logits, dim=-1)
+    finite = torch.isfinite(logits.gather(-1, best[:, None])[:, 0])
+    return best.tolist(), finite.tolist()
+
+
+def accept_greedy(draft: Sequence[int], best: Sequence[int], finite: Sequence[bool]) -> list[int]:
+    out = []
+    for k, token in enumerate(best):
+        if not finite[k]:
+            return out + [FAILED]
+        if k == len(draft) or draft[k] != token:
+            return out + [token]
+        out.append(token)
+    raise AssertionError("a verify span has one row more than its drafts")
+
+
+def accept_sampled(probs: torch.Tensor, draft: Sequence[int], generator: torch.Generator | None,
+                   draft_probs: torch.Tensor | None = None) -> list[int]:
+    """Rejection sampling over `probs` [m + 1, V] (filtered target distributions) for the m drafts; `draft_probs`
+    [m, V] the drafter's distributions, or None for point masses."""
+    mass = probs.sum(-1, keepdim=True)
+    ok = torch.isfinite(mass) & (mass > 0)
+    drawable = ok[:, 0].tolist()
+    probs = torch.where(ok, probs / torch.where(ok, mass, 1.0), 0.0)  # top-p and min-p leave rows unnormalized
+    out = []
+    for k, d in enumerate(draft):
+        if not drawable[k]:
+            return out + [FAILED]
+        p = probs[k]
+        q = None if draft_probs is None else draft_probs[k]
+        q_d = 1.0 if q is None else float(q[d])
+        u = float(torch.rand(1, generator=generator, device=probs.device))
+        if u * q_d < float(p[d]):
+            out.append(d)
+            continue
+        residual = p.clone()
+        if q is None:
+            residual[d] = 0.0
+        else:
+            residual = (p - q).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p(d) rounds to q(d): nothing else to draw, d stands
+            out.append(d)
+            continue
+        return out + [int(torch.multinomial(residual, 1, generator=generator))]
+    if not drawable[len(draft)]:
+        return out + [FAILED]
+    return out + [int(torch.multinomial(probs[len(draft)], 1, generator=generator))]

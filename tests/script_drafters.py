@@ -1,0 +1,56 @@
+"""Test-only drafters, registered through a real dist-info folder on sys.path (write_distribution).
+
+Both read the continuation they are told to expect (SCRIPT: whole sequences, prompt + the output that
+non-speculative greedy decoding gives): the oracle proposes exactly it (every draft accepted), the
+adversary a token that differs from it at every draft (none accepted). Output must not change either way.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from moeplex.interfaces import DraftRequest, Drafter, DrafterCaps, Drafts
+
+SCRIPT: list[list[int]] = []  # set by the test before it generates
+VOCAB = 512  # of the tiny models; the adversary's wrong tokens stay inside it
+
+
+def expected(ids: Sequence[int], count: int) -> list[int]:
+    ids = list(ids)
+    for sequence in SCRIPT:
+        if sequence[: len(ids)] == ids:
+            return sequence[len(ids) : len(ids) + count]
+    return []
+
+
+class OracleDrafter(Drafter):
+    caps = DrafterCaps()
+
+    def propose(self, requests: Sequence[DraftRequest]) -> Drafts:
+        return Drafts([expected(r.token_ids, self.num_steps) for r in requests])
+
+
+class AdversaryDrafter(Drafter):
+    caps = DrafterCaps()
+
+    def propose(self, requests: Sequence[DraftRequest]) -> Drafts:
+        tokens = []
+        for r in requests:
+            right = expected(r.token_ids, self.num_steps)
+            tokens.append([(t + 1) % VOCAB for t in right] if right else [7] * self.num_steps)
+        return Drafts(tokens)
+
+
+ENTRY_POINTS = {"moeplex.drafters": {"test-oracle": "script_drafters:OracleDrafter",
+                                     "test-adversary": "script_drafters:AdversaryDrafter"}}
+
+
+def write_distribution(folder) -> None:
+    info = folder / "script_drafters-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: script-drafters\nVersion: 0.1\n")
+    lines = []
+    for group, entries in ENTRY_POINTS.items():
+        lines.append(f"[{group}]")
+        lines += [f"{name} = {target}" for name, target in entries.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")

@@ -1,0 +1,52 @@
+"""Speculative decoding on a GPU: verify steps as decode rows through triton attention (MLA's latent and GQA)
+replaying the decode CUDA graphs; output equal to the GPU engine without speculation."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeplex.config import EngineConfig
+from moeplex.engine import Engine
+from moeplex.models.make_model import write_checkpoint
+from moeplex.sampling import SamplingParams
+
+from test_speculative import PROMPTS, conserved, scripted, script_distribution  # noqa: F401 (a fixture)
+
+GPU = dict(device="cuda", dtype="fp32", moe_kernel="triton", attention_backend="triton", cuda_graph_max_bs=16,
+           max_running_requests=16, show_progress=False, max_total_tokens=4096, page_size=16)
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def gpu_engine(folder: str, **overrides) -> Engine:
+    return Engine(EngineConfig(model=folder, **{**GPU, **overrides}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+@pytest.mark.parametrize("drafter", ["ngram", "test-oracle", "test-adversary"])
+def test_on_gpu_speculation_changes_no_token(tiny_model_dir, script_distribution, arch, drafter):  # noqa: F811
+    folder = tiny_model_dir(arch)
+    plain = gpu_engine(folder)
+    want = [r.output_ids for r in plain.generate(PROMPTS, GREEDY)]
+    scripted(PROMPTS, want)
+    spec = gpu_engine(folder, speculative_algorithm=drafter, speculative_num_steps=3)
+    graphs = spec.runner.graphs
+    assert graphs is not None and not spec.overlap_schedule and max(graphs.sizes) == 16
+    replayed, run = [], graphs.run
+    graphs.run = lambda batch: replayed.append(batch.batch_size) or run(batch)
+    got = spec.generate(PROMPTS, GREEDY)
+    assert [r.output_ids for r in got] == want
+    if drafter == "test-oracle":  # every decode step verified drafts: 3 requests x 4 rows, from the graphs
+        assert max(replayed) == 12
+    assert conserved(spec)
+
+
+@pytest.mark.gpu
+def test_on_gpu_nextn_changes_no_token(tmp_path):
+    folder = write_checkpoint(str(tmp_path), "deepseek_v3", "tiny", seed=0, mtp=1)
+    want = [r.output_ids for r in gpu_engine(folder).generate(PROMPTS, GREEDY)]
+    spec = gpu_engine(folder, speculative_algorithm="nextn", speculative_num_steps=3)
+    got = spec.generate(PROMPTS, GREEDY)
+    assert [r.output_ids for r in got] == want
+    assert all(r.spec_verify_steps > 0 for r in got)
+    assert conserved(spec)

@@ -1,0 +1,114 @@
+"""The nextn drafter: DeepSeek-V3's MTP layer drafts, output unchanged for 1..3 steps, its own KV kept right
+through prompts, chunks, verify steps and rejections; refused where the checkpoint has no MTP layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeplex.batch_builder import ScheduledSeq, build_forward_batch
+from moeplex.config import EngineConfig
+from moeplex.engine import Engine
+from moeplex.interfaces import PluginError
+from moeplex.kv_cache import KVPool
+from moeplex.models.make_model import write_checkpoint
+from moeplex.models.mtp import target_hidden_and_logits
+from moeplex.sampling import SamplingParams
+
+PAGE = 4
+PROMPTS = [[256] + list(range(10, 20)) * 3, [256, 5, 6, 7, 5, 6, 7, 5, 6], [256] + list(range(40, 75))]
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mtp_folder(tmp_path_factory):
+    return write_checkpoint(str(tmp_path_factory.mktemp("mtp")), "deepseek_v3", "tiny", seed=0, mtp=1)
+
+
+def engine(folder: str, **overrides) -> Engine:
+    settings = dict(model=folder, dtype="fp32", show_progress=False, max_total_tokens=2048, page_size=PAGE)
+    return Engine(EngineConfig(**{**settings, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def plain(mtp_folder):
+    return [r.output_ids for r in engine(mtp_folder).generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_nextn_changes_no_token(mtp_folder, plain, steps):
+    spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=steps, chunked_prefill_size=16)
+    got = spec.generate(PROMPTS, GREEDY)
+    assert [r.output_ids for r in got] == plain
+    # every decode step but the last (no room left under max_new_tokens) carried a full chain of drafts
+    assert all(r.spec_verify_steps == GREEDY.max_new_tokens - 2 for r in got)
+    assert all(r.spec_draft_tokens > (steps - 1) * r.spec_verify_steps for r in got)
+    assert spec.kv.num_free_pages + spec.prefix_cache.num_pages == spec.kv.num_pages
+    assert not spec.speculation.drafter.starts  # every request's chain state dropped when it ended
+
+
+def reference_chain_start(model, ids: list[int]) -> torch.Tensor:
+    """The MTP layer's hidden at the last position of `ids[:-1]`, computed over the whole sequence at once in
+    a fresh pool: target hidden of positions 0..L-2, then the MTP layer with the tokens at 1..L-1."""
+    kv = KVPool(64, PAGE, model.kv_shapes() + model.mtp_kv_shapes()[:1], torch.float32, "cpu")
+    pages = kv.allocate(kv.pages_for(len(ids)))
+    batch = build_forward_batch([ScheduledSeq(ids[:-1], 0, pages)], kv, "cpu")
+    from moeplex.registry import lookup
+
+    strategy = lookup("overlap", "none")()
+    with torch.inference_mode():
+        normed, _ = target_hidden_and_logits(model, batch, kv, strategy)
+        layer = model.mtp_layers[0]
+        hidden, _ = layer(normed, batch, kv, input_ids=torch.tensor(ids[1:]))
+    return hidden[-1]
+
+
+def test_the_mtp_kv_built_step_by_step_equals_the_whole_sequence_at_once(mtp_folder):
+    """After a chunked prompt and several verify steps with rejected drafts, the MTP layer's state at a
+    request's last position equals the one computed from scratch: its KV rows were written at the right
+    slots from the target's hidden states, and the rows of rejected drafts were overwritten."""
+    spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3, chunked_prefill_size=8)
+    request = spec.add_request(PROMPTS[2], SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True))
+    for _ in range(12):
+        spec.step()
+    assert request.spec_verify_steps > 3 and not request.finished
+    start = spec.speculation.drafter.starts[request.rid]
+    assert start.position == request.num_cached - 1
+    want = reference_chain_start(spec.model, request.all_ids)
+    torch.testing.assert_close(start.hidden, want, atol=1e-4, rtol=1e-4)
+    spec.abort(request.rid)
+
+
+def test_nextn_without_mtp_weights_is_refused(tiny_model_dir):
+    with pytest.raises(PluginError, match="has none"):
+        engine(tiny_model_dir("deepseek_v3"), speculative_algorithm="nextn")
+    with pytest.raises(PluginError, match="supports deepseek_v3 models"):
+        engine(tiny_model_dir("qwen3_moe"), speculative_algorithm="nextn")
+
+
+@pytest.mark.slow
+def test_nextn_over_ranks_changes_no_token(mtp_folder, plain):
+    """tp2 with the experts (the MTP layer's too) over 2 ranks through the naive all-to-all."""
+    import parallel_ranks
+    from moeplex.parallel import ParallelConfig
+    from moeplex.ranks.launcher import launch
+    from test_parallel import LAYOUTS, free_address
+
+    parallel = ParallelConfig(dist_init_addr=free_address(), timeout_s=120, **LAYOUTS["ep2"])
+    spec = {"speculative_algorithm": "nextn", "speculative_num_steps": 2, "dtype": "fp32"}
+    results = launch(parallel_ranks.generate_with_settings, parallel, parallel, [mtp_folder], PROMPTS,
+                     [GREEDY] * len(PROMPTS), spec)
+    assert [r["output_ids"] for r in results[mtp_folder]] == plain
+
+
+def test_nextn_under_preemption_and_the_prefix_cache(mtp_folder):
+    """A small pool preempts requests between verify steps; resumed ones restart from cached pages (whose MTP
+    rows came from their first run) and observe again: output unchanged, pages conserved."""
+    prompts = [[256] + list(range(k, k + 9)) for k in range(0, 40, 10)]
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    want = [r.output_ids for r in engine(mtp_folder).generate(prompts, params)]
+    spec = engine(mtp_folder, max_total_tokens=14 * PAGE, speculative_algorithm="nextn", speculative_num_steps=3)
+    got = spec.generate(prompts, params)
+    assert [r.output_ids for r in got] == want
+    assert sum(r.num_preemptions for r in got) > 0
+    assert spec.kv.num_free_pages + spec.prefix_cache.num_pages == spec.kv.num_pages
