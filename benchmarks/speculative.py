@@ -22,6 +22,7 @@ accept length 2.2-2.4) are printed beside the oracle and ngram rows: a trained M
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import random
@@ -83,34 +84,42 @@ def decode_rate(engine: Engine, prompts, params, device: str) -> tuple[float, li
 
 
 def rows_for(name: str, folder: str, drafters: list[str], args) -> list[str]:
+    """One engine at a time (on a GPU several real-shaped engines would not fit together), `none` first: its
+    outputs are what the oracle proposes and what every drafter must reproduce."""
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    engines = {d: engine_for(folder, args, d) for d in drafters}
-    for engine in engines.values():  # warm-up: allocator, Triton compiles, graphs
-        decode_rate(engine, workload(2, 99), SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), args.device)
-    lines = []
-    for batch in args.batches:
-        prompts = workload(batch, seed=batch)
-        rates: dict[str, list[float]] = {}
-        accept: dict[str, float | None] = {}
-        reference = None
-        for run in range(args.runs):
-            for drafter in drafters:
-                if drafter in ("test-oracle", "test-adversary"):
-                    script_drafters.SCRIPT[:] = [p + out for p, out in zip(prompts, reference)]
-                rate, done = decode_rate(engines[drafter], prompts, params, args.device)
+    workloads = {batch: workload(batch, seed=batch) for batch in args.batches}
+    rates: dict[tuple[str, int], list[float]] = {}
+    accept: dict[tuple[str, int], float | None] = {}
+    reference: dict[int, list] = {}
+    for drafter in drafters:
+        engine = engine_for(folder, args, drafter)
+        # warm-up: allocator, Triton compiles, graphs
+        decode_rate(engine, workload(2, 99), SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
+                    args.device)
+        for batch, prompts in workloads.items():
+            if drafter in ("test-oracle", "test-adversary"):
+                script_drafters.SCRIPT[:] = [p + out for p, out in zip(prompts, reference[batch])]
+            for _ in range(args.runs):
+                rate, done = decode_rate(engine, prompts, params, args.device)
                 outputs = [r.output_ids for r in done]
                 if drafter == "none":
-                    reference = outputs
-                elif outputs != reference and args.device == "cpu":  # bf16 GPU runs may differ in near-ties
+                    reference.setdefault(batch, outputs)
+                elif outputs != reference[batch] and args.device == "cpu":  # bf16 GPU runs may differ in near-ties
                     raise AssertionError(f"{drafter} changed the output at batch {batch}")
-                rates.setdefault(drafter, []).append(rate)
+                rates.setdefault((drafter, batch), []).append(rate)
                 steps = sum(r.spec_verify_steps for r in done)
-                accept[drafter] = (sum(r.spec_accepted_tokens for r in done) + steps) / steps if steps else None
-        base = statistics.median(rates["none"])
+                accept[drafter, batch] = (sum(r.spec_accepted_tokens for r in done) + steps) / steps if steps else None
+        del engine
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    lines = []
+    for batch in args.batches:
+        base = statistics.median(rates["none", batch])
         for drafter in drafters:
-            r = rates[drafter]
+            r = rates[drafter, batch]
             med = statistics.median(r)
-            length = f"{accept[drafter]:.2f}" if accept[drafter] is not None else "-"
+            length = f"{accept[drafter, batch]:.2f}" if accept[drafter, batch] is not None else "-"
             sglang = SGLANG.get(batch, "") if drafter in ("test-oracle", "ngram", "nextn") else ""
             label = drafter.removeprefix("test-")
             lines.append(f"| {name} | {batch} | {label} | {med:.1f} | {min(r):.1f}-{max(r):.1f} | {med / base:.2f}x "
@@ -136,6 +145,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=None, help="tokens per request (default: 32 CPU, 128 GPU)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--only", choices=("qwen", "dsv3"), help="GPU: one model instead of both")
+    parser.add_argument("--qwen-layers", type=int, default=48,
+                        help="GPU: Qwen3-30B-A3B's decoder layers to build (default: all %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads (default: %(default)s; shared "
                         "cores make more threads wait on each other)")
     parser.add_argument("--out", help="also write the table to this file")
@@ -153,8 +164,9 @@ def main() -> None:
         lines += rows_for("tiny DeepSeek-V3 + MTP, fp32", folder, plain + ["nextn"], args)
     else:
         if args.only != "dsv3":
-            qwen = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True)
-            lines += rows_for("Qwen3-30B-A3B shapes, bf16", qwen, plain, args)
+            qwen = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True,
+                                    overrides={"num_hidden_layers": args.qwen_layers})
+            lines += rows_for(f"Qwen3-30B-A3B shapes ({args.qwen_layers} layers), bf16", qwen, plain, args)
         if args.only != "qwen":
             dsv3 = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4},
                                     config_only=True, mtp=1)
