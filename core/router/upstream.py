@@ -25,6 +25,8 @@ RETRYABLE_STATUS = frozenset({502, 503, 504})
 DROPPED_REQUEST_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
                                      "authorization", "proxy-authorization"})
 DROPPED_RESPONSE_HEADERS = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding", "date", "server"})
+DROPPED_RAW_RESPONSE_HEADERS = frozenset(name.encode() for name in DROPPED_RESPONSE_HEADERS)
+DROPPED_RAW_REQUEST_HEADERS = frozenset(name.encode() for name in DROPPED_REQUEST_HEADERS)
 # a worker that cannot be reached, breaks the connection or goes silent past the read timeout
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
@@ -59,8 +61,7 @@ class Upstream:
 
     def raw_headers(self) -> list[tuple[bytes, bytes]]:
         """The worker's response headers as ASGI sends them, less those the router's server writes."""
-        return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.response.headers.items()
-                if k.lower() not in DROPPED_RESPONSE_HEADERS]
+        return [(k.lower(), v) for k, v in self.response.raw_headers if k.lower() not in DROPPED_RAW_RESPONSE_HEADERS]
 
     def to_response(self, on_close: Callable[[bool], None]) -> Response:
         """The client's response; `on_close(failed)` runs once the worker is done with it."""
