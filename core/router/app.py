@@ -23,6 +23,7 @@ from .policies import make_policy
 from .proxy import Forwarder
 from .request_text import TEXT_OF, routing_text
 from .settings import RouterSettings
+from .http1 import Pool
 from .upstream import forwarded_headers, worker_session
 from .workers import HEALTHY, OUT, STARTING, WorkerRegistry, normalize_url
 
@@ -45,7 +46,7 @@ class Router:
         self.forwarder: Forwarder | None = None
         self.health: HealthChecker | None = None
 
-    def open(self, session: aiohttp.ClientSession, probes: aiohttp.ClientSession) -> None:
+    def open(self, session: Pool, probes: aiohttp.ClientSession) -> None:
         """Start forwarding through `session` and health checks through `probes` (a pool of their own)."""
         self.forwarder = Forwarder(session, self.registry, self.policy, self.metrics, self.settings)
         self.health = HealthChecker(probes, self.registry, self.metrics, self.settings.health_check_timeout_secs,
