@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from .access import RouterAccess, WorkerUrlRule, error_response
 from .bodies import MANAGEMENT_BODY_BYTES, BodyRefused, ClientLeft, read_asgi_body, read_body
+from .deadlines import Deadlines
 from .health import HealthChecker, probe
 from .metrics import RouterMetrics
 from .policies import make_policy
@@ -44,6 +45,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.metrics.watch(self.registry.all, self.policy.tree_size)
         self.forwarder: Forwarder | None = None
+        self.deadlines = Deadlines()  # body and worker read timeouts, checked by one task
         self.health: HealthChecker | None = None
 
     def open(self, session: Pool, probes: aiohttp.ClientSession) -> None:
@@ -70,7 +72,8 @@ class Router:
         """A POST to a generation route, in raw ASGI: the router's hot path, with no Request, routing or
         middleware objects per request (they cost about as much CPU as the forward itself)."""
         try:
-            body = await read_asgi_body(scope, receive, self.settings.max_request_bytes, self.settings.body_timeout_secs)
+            body = await read_asgi_body(scope, receive, self.settings.max_request_bytes, self.settings.body_timeout_secs,
+                                        self.deadlines)
         except BodyRefused as exc:
             response = error_response(exc.status, exc.args[0])
             response.headers["Connection"] = "close"  # the rest of the body is never read
@@ -261,7 +264,8 @@ def build_router_app(settings: RouterSettings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        session = worker_session(settings.max_connections, settings.request_timeout_secs, settings.connect_timeout_secs)
+        session = worker_session(settings.max_connections, settings.request_timeout_secs, settings.connect_timeout_secs,
+                                 router.deadlines)
         async with session, aiohttp.ClientSession() as probes:
             router.open(session, probes)
             await router.health.check_all_once()
@@ -269,6 +273,7 @@ def build_router_app(settings: RouterSettings) -> Starlette:
             try:
                 yield
             finally:
+                router.deadlines.close()
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)

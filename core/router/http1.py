@@ -17,6 +17,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from .deadlines import Deadlines
+
 
 class UpstreamError(Exception):
     """The worker could not be reached, or broke the connection before its answer ended."""
@@ -63,6 +65,7 @@ class _Connection(asyncio.Protocol):
         response = self.response
         response.status = self.parser.get_status_code()
         response.keep_alive = self.parser.should_keep_alive()
+        response._progress()
         if not response.head.done():
             response.head.set_result(None)
 
@@ -88,6 +91,7 @@ class Response:
         self.error: Exception | None = None
         self.waiter: asyncio.Future | None = None
         self.closed = False
+        self.deadline = pool.deadlines.add(read_timeout, self._silent)  # renewed by every piece that arrives
 
     def header(self, name: bytes) -> bytes:
         """The first value of header `name` (lower case), or b""."""
@@ -99,16 +103,27 @@ class Response:
     # fed by the connection
     def _piece(self, body: bytes) -> None:
         self.pieces.append(body)
+        self._progress()
         self._wake()
 
     def _complete(self) -> None:
         self.complete = True
+        self.pool.deadlines.remove(self.deadline)
         self._wake()
+
+    def _progress(self) -> None:
+        self.pool.deadlines.renew(self.deadline, self.read_timeout)
+
+    def _silent(self) -> None:
+        """The read timeout passed with nothing from the worker."""
+        self._failed(asyncio.TimeoutError(f"{self.url} sent nothing for {self.read_timeout:g} s"))
+        self.connection.transport.close()
 
     def _failed(self, error: Exception) -> None:
         if self.complete:
             return
         self.error = error
+        self.pool.deadlines.remove(self.deadline)
         if not self.head.done():
             self.head.set_exception(error)
         self._wake()
@@ -120,8 +135,7 @@ class Response:
     async def _wait(self) -> None:
         self.waiter = asyncio.get_running_loop().create_future()
         try:
-            async with asyncio.timeout(self.read_timeout):
-                await self.waiter
+            await self.waiter
         finally:
             self.waiter = None
 
@@ -158,6 +172,7 @@ class Response:
             return
         self.closed = True
         self.pool._slots.release()
+        self.pool.deadlines.remove(self.deadline)
         connection = self.connection
         connection.response = None
         if self.at_eof() and self.keep_alive and not connection.lost and not connection.transport.is_closing():
@@ -171,6 +186,7 @@ class Response:
             self.closed = True
             if give_back:
                 self.pool._slots.release()
+            self.pool.deadlines.remove(self.deadline)
             self.connection.response = None
             self.connection.transport.close()
 
@@ -178,7 +194,8 @@ class Response:
 class Pool:
     """Keep-alive connections per worker (host, port), opened on demand, at most `limit` in all."""
 
-    def __init__(self, limit: int, read_timeout: float, connect_timeout: float):
+    def __init__(self, limit: int, read_timeout: float, connect_timeout: float, deadlines: Deadlines):
+        self.deadlines = deadlines
         self.read_timeout = read_timeout
         self.connect_timeout = connect_timeout
         self._slots = asyncio.Semaphore(limit)
@@ -248,8 +265,7 @@ class Pool:
         connection.response = response
         connection.transport.write(message)
         try:
-            async with asyncio.timeout(self.read_timeout):
-                await response.head
+            await response.head
         except BaseException:
             response.close(give_back=False)
             raise

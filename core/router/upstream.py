@@ -16,6 +16,7 @@ import aiohttp
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from .deadlines import Deadlines
 from .http1 import Pool, Response as WorkerResponse, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -33,11 +34,11 @@ DROPPED_RAW_REQUEST_HEADERS = frozenset(name.encode() for name in DROPPED_REQUES
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, UpstreamError)
 
 
-def worker_session(max_connections: int, read_timeout: float, connect_timeout: float) -> Pool:
+def worker_session(max_connections: int, read_timeout: float, connect_timeout: float, deadlines: Deadlines) -> Pool:
     """The pooled client every forward goes through (keep-alive connections per worker; bodies passed
     through as they are, compressed or not): http1.Pool, a fraction of aiohttp's CPU per exchange
     (benchmarks/results/router_vs_sglang.md)."""
-    return Pool(max_connections, read_timeout, connect_timeout)
+    return Pool(max_connections, read_timeout, connect_timeout, deadlines)
 
 
 class WorkerUnavailable(Exception):
