@@ -4,7 +4,9 @@ The forward is the router's hot path, and aiohttp's client spent more CPU per ex
 of the router together (request and response objects, payload wrappers, cookie and trace hooks). This
 client does only what a forward needs: one write of head and body, the response's status, headers and
 body (or its chunks as they arrive, for a stream), a read timeout between pieces, and the connection
-back to its worker's pool when the answer was read to the end.
+back to its worker's pool when the answer was read to the end. Answers are framed by Content-Length
+or chunked encoding, as every uvicorn-served worker sends them; one that ends only with the connection
+counts as cut. A stream's pieces are buffered as they arrive (no backpressure towards the worker).
 """
 
 from __future__ import annotations
@@ -51,11 +53,7 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def eof_received(self):
-        try:
-            self.parser.feed_data(b"")  # a body delimited by the connection's end ends here
-        except httptools.HttpParserError:
-            pass
-        return False
+        return False  # close; an answer not yet complete fails in connection_lost
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
