@@ -20,10 +20,12 @@ import argparse
 import asyncio
 import importlib.util
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,12 +52,21 @@ def start_sglang_router(workers: list[str], extra: list[str]) -> tuple[subproces
     return proc, url
 
 
-def measured(start, items, concurrency, time_limit, grace) -> Run:
+def measured(start, items, concurrency, time_limit, grace, profile: str | None = None) -> Run:
+    """One run through a fresh router; with `profile`, py-spy records the router meanwhile (raw stacks)."""
     proc, url = start()
+    spy = None
+    if profile:
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "-o", profile, "-f", "raw", "-r", "200",
+                                "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1)  # attached before the load starts
     try:
         before = cpu_seconds(proc.pid)
         run = asyncio.run(run_level([url], items, concurrency, time_limit, grace))
         after = cpu_seconds(proc.pid)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its file and exits
+            spy.wait(30)
         if before is not None and after is not None:
             run.router_cpu = after - before
     finally:
@@ -86,6 +97,23 @@ def spread(values: list[float], fmt: str) -> str:
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
+def print_hot_frames(path: str, count: int = 15) -> None:
+    """The frames py-spy sampled most, by their own samples (leaf) and with their callees (inclusive)."""
+    own, inclusive, total = Counter(), Counter(), 0
+    with open(path) as f:
+        for line in f:
+            stack, _, n = line.rstrip().rpartition(" ")
+            frames, n = stack.split(";"), int(n)
+            total += n
+            own[frames[-1]] += n
+            for frame in set(frames):
+                inclusive[frame] += n
+    for title, counts in (("own samples", own), ("inclusive", inclusive)):
+        print(f"\n`moeplex router`, py-spy, {title} ({total} samples):\n")
+        for frame, n in counts.most_common(count):
+            print(f"- {100 * n / total:4.1f}% {frame}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3, help="rounds of direct + both routers (default: 3)")
@@ -101,6 +129,8 @@ def main() -> None:
     p.add_argument("--grace", type=float, default=30.0, help="a run is cancelled this long after its time limit")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
     p.add_argument("--ours-only", action="store_true", help="skip SGLang's router (also when it is not installed)")
+    p.add_argument("--py-spy", metavar="FILE", help="record `moeplex router` with py-spy during round 1 into FILE "
+                   "(raw collapsed stacks; `pip install py-spy`) and print its hottest frames")
     p.add_argument("--router-args", nargs="*", default=[], help="further flags for `moeplex router`")
     args = p.parse_args()
     from router import workload
@@ -123,7 +153,8 @@ def main() -> None:
             print(lines[-1], file=sys.stderr, flush=True)
             order = list(starters) if r % 2 == 0 else list(reversed(starters))
             for name in order:
-                run = measured(starters[name], items, args.concurrency, args.time_limit, args.grace)
+                profile = args.py_spy if name == OURS and r == 0 else None
+                run = measured(starters[name], items, args.concurrency, args.time_limit, args.grace, profile)
                 results[name].append(run)
                 lines.append(line(r + 1, name, run, direct))
                 print(lines[-1], file=sys.stderr, flush=True)
@@ -142,6 +173,8 @@ def main() -> None:
         sticky = min(stickiness(run.served)[0] for run in runs)
         print(f"| {name} | {spread([rate(run) for run in runs], '.1f')} | "
               f"{spread(cpu, '.3f') if cpu else '–'} | {sticky:.4f} |")
+    if args.py_spy:
+        print_hot_frames(args.py_spy)
     if with_sglang:
         ratios = [rate(o) / rate(s) for o, s in zip(results[OURS], results[SGLANG])]
         print(f"\nours / SGLang requests/s, per round: {', '.join(f'{x:.3f}' for x in ratios)}; "
