@@ -11,14 +11,13 @@ import asyncio
 import logging
 import random
 
-import aiohttp
 from starlette.responses import Response
 
 from .access import error_response
+from .http1 import Pool
 from .metrics import RouterMetrics
 from .policies import Choice, Policy, least_loaded
 from .settings import RouterSettings
-from .http1 import Pool
 from .upstream import TRANSPORT_ERRORS, Upstream, WorkerUnavailable, open_upstream
 from .workers import Worker, WorkerRegistry
 
