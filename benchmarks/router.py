@@ -93,7 +93,7 @@ def cpu_seconds(pid: int) -> float | None:
 async def _one(http: aiohttp.ClientSession, url: str, group: int, text: str, run: Run) -> None:
     began = time.perf_counter()
     try:
-        async with http.post(f"{url}/v1/completions", json={"prompt": text, "max_tokens": 8}) as response:
+        async with http.post(f"{url}/v1/completions", json={"model": "fake", "prompt": text, "max_tokens": 8}) as response:
             if response.status != 200:
                 run.failed += 1
                 return
@@ -107,7 +107,7 @@ async def _one(http: aiohttp.ClientSession, url: str, group: int, text: str, run
 
 async def _warm_up(http: aiohttp.ClientSession, urls: list[str], concurrency: int) -> None:
     """Open the connections of both hops with texts that share nothing with the workload."""
-    bodies = [{"prompt": f"warm-up {i} " + "#" * 40, "max_tokens": 1} for i in range(2 * concurrency)]
+    bodies = [{"model": "fake", "prompt": f"warm-up {i} " + "#" * 40, "max_tokens": 1} for i in range(2 * concurrency)]
 
     async def post(url: str, body: dict) -> None:
         async with http.post(f"{url}/v1/completions", json=body) as response:

@@ -13,15 +13,18 @@ from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from .access import RouterAccess, WorkerUrlRule, error_response
-from .bodies import MANAGEMENT_BODY_BYTES, BodyRefused, read_body
+from .bodies import MANAGEMENT_BODY_BYTES, BodyRefused, ClientLeft, read_asgi_body, read_body
+from .deadlines import Deadlines
 from .health import HealthChecker, probe
 from .metrics import RouterMetrics
 from .policies import make_policy
 from .proxy import Forwarder
 from .request_text import TEXT_OF, routing_text
 from .settings import RouterSettings
+from .http1 import Pool
 from .upstream import forwarded_headers, worker_session
 from .workers import HEALTHY, OUT, STARTING, WorkerRegistry, normalize_url
 
@@ -42,15 +45,17 @@ class Router:
         self.metrics = RouterMetrics()
         self.metrics.watch(self.registry.all, self.policy.tree_size)
         self.forwarder: Forwarder | None = None
+        self.deadlines = Deadlines()  # body and worker read timeouts, checked by one task
         self.health: HealthChecker | None = None
 
-    def open(self, session: aiohttp.ClientSession, probes: aiohttp.ClientSession) -> None:
+    def open(self, session: Pool, probes: aiohttp.ClientSession) -> None:
         """Start forwarding through `session` and health checks through `probes` (a pool of their own)."""
         self.forwarder = Forwarder(session, self.registry, self.policy, self.metrics, self.settings)
         self.health = HealthChecker(probes, self.registry, self.metrics, self.settings.health_check_timeout_secs,
                                     self.settings.health_check_interval_secs)
 
     def routes(self) -> list[Route]:
+        # POSTs to these paths go straight to `forwarded` (RouterApp); the routes answer anything else on them (405)
         forwarded = [Route(path, self.generate, methods=["POST"]) for path in TEXT_OF]
         return forwarded + [
             Route("/v1/models", self.models, methods=["GET"]),
@@ -62,6 +67,26 @@ class Router:
         ]
 
     # --- forwarded -------------------------------------------------------------------------------
+
+    async def forwarded(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A POST to a generation route, in raw ASGI: the router's hot path, with no Request, routing or
+        middleware objects per request (they cost about as much CPU as the forward itself)."""
+        try:
+            body = await read_asgi_body(scope, receive, self.settings.max_request_bytes, self.settings.body_timeout_secs,
+                                        self.deadlines)
+        except BodyRefused as exc:
+            response = error_response(exc.status, exc.args[0])
+            response.headers["Connection"] = "close"  # the rest of the body is never read
+            return await response(scope, receive, send)
+        except ClientLeft:
+            return await Response(status_code=CLIENT_CLOSED)(scope, receive, send)
+        path = scope["path"]
+        query = scope.get("query_string")
+        target = f"{path}?{query.decode('latin-1')}" if query else path
+        headers = forwarded_headers(scope["headers"], self.settings.worker_api_key)
+        response = await forward_until_disconnected(
+            receive, self.forwarder.forward("POST", target, headers, body, routing_text(path, body)))
+        await (Response(status_code=CLIENT_CLOSED) if response is None else response)(scope, receive, send)
 
     async def generate(self, http: Request) -> Response:
         body = await self._body(http, self.settings.max_request_bytes)
@@ -180,9 +205,57 @@ async def until_disconnected(http: Request, work) -> Response | None:
     return None
 
 
+async def forward_until_disconnected(receive: Receive, work) -> Response | None:
+    """Await `work` in this task, unless the client disconnects first: then cancel it (closing the
+    worker's connection) and answer None. One watcher task per request, no asyncio.wait."""
+    task = asyncio.current_task()
+    state = {"working": True, "left": False}
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if state["working"]:
+            state["left"] = True
+            task.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        response = await work
+        state["working"] = False
+        return response
+    except asyncio.CancelledError:
+        if state["left"] and task.uncancel() == 0:
+            return None
+        raise
+    finally:
+        state["working"] = False
+        watcher.cancel()
+
+
 async def wait_for_disconnect(http: Request) -> None:
     while (await http.receive())["type"] != "http.disconnect":
         pass
+
+
+class RouterApp(Starlette):
+    """Starlette, but a POST to a generation route skips routing and middleware objects: the access
+    check runs as a plain call, then Router.forwarded."""
+
+    def __init__(self, router: Router, access: RouterAccess, **kwargs):
+        super().__init__(**kwargs)
+        self.router_state = router
+        self.access = access
+        self.fast_paths = frozenset(TEXT_OF)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.fast_paths:
+            return await super().__call__(scope, receive, send)
+        refusal = self.access.refusal(scope)
+        if refusal is not None:
+            refusal.headers["Connection"] = "close"
+            return await refusal(scope, receive, send)
+        # an exception here reaches the server, which answers 500 if nothing was sent yet
+        await self.router_state.forwarded(scope, receive, send)
 
 
 def build_router_app(settings: RouterSettings) -> Starlette:
@@ -191,7 +264,8 @@ def build_router_app(settings: RouterSettings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        session = worker_session(settings.max_connections, settings.request_timeout_secs, settings.connect_timeout_secs)
+        session = worker_session(settings.max_connections, settings.request_timeout_secs, settings.connect_timeout_secs,
+                                 router.deadlines)
         async with session, aiohttp.ClientSession() as probes:
             router.open(session, probes)
             await router.health.check_all_once()
@@ -199,11 +273,13 @@ def build_router_app(settings: RouterSettings) -> Starlette:
             try:
                 yield
             finally:
+                router.deadlines.close()
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    access = Middleware(RouterAccess, api_key=settings.api_key, admin_api_key=settings.admin_api_key, host=settings.host)
-    app = Starlette(routes=router.routes(), lifespan=lifespan, middleware=[access])
+    keys = dict(api_key=settings.api_key, admin_api_key=settings.admin_api_key, host=settings.host)
+    access = Middleware(RouterAccess, **keys)
+    app = RouterApp(router, RouterAccess(None, **keys), routes=router.routes(), lifespan=lifespan, middleware=[access])
     app.state.router = router
     return app

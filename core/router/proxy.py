@@ -11,10 +11,10 @@ import asyncio
 import logging
 import random
 
-import aiohttp
 from starlette.responses import Response
 
 from .access import error_response
+from .http1 import Pool
 from .metrics import RouterMetrics
 from .policies import Choice, Policy, least_loaded
 from .settings import RouterSettings
@@ -27,7 +27,7 @@ FORWARD_FAILURES = (*TRANSPORT_ERRORS, WorkerUnavailable)
 
 
 class Forwarder:
-    def __init__(self, session: aiohttp.ClientSession, registry: WorkerRegistry, policy: Policy,
+    def __init__(self, session: Pool, registry: WorkerRegistry, policy: Policy,
                  metrics: RouterMetrics, settings: RouterSettings):
         self.session = session
         self.registry = registry
@@ -35,6 +35,14 @@ class Forwarder:
         self.metrics = metrics
         self.settings = settings
         self._random = random.Random(settings.seed)
+        self._counted: dict[tuple[str, str], object] = {}  # (metric, label) -> its counter: labels() costs a lock
+
+    def _count(self, metric, label: str) -> None:
+        key = (metric._name, label)
+        counter = self._counted.get(key)
+        if counter is None:
+            counter = self._counted[key] = metric.labels(label)
+        counter.inc()
 
     async def forward(self, method: str, path: str, headers: list, body: bytes, text: str | None) -> Response:
         """Forward to the worker the policy picks for `text` (None: any worker, the least loaded)."""
@@ -85,20 +93,20 @@ class Forwarder:
         if text is None:
             return Choice(least_loaded(untried, attempt), "least_loaded")
         choice = self.policy.select(text, untried)
-        self.metrics.decisions.labels(choice.reason).inc()
+        self._count(self.metrics.decisions, choice.reason)
         return choice
 
     async def _attempt(self, worker: Worker, method: str, path: str, headers: list, body: bytes) -> Upstream:
         self.registry.sent(worker)  # load counts from the moment of the decision
         try:
-            upstream = await open_upstream(self.session, worker.url + path, method, headers, body)
+            upstream = await open_upstream(self.session, worker.url, path, method, headers, body)
         except BaseException as exc:
             self.registry.finished(worker)
             if isinstance(exc, FORWARD_FAILURES):
                 self._failed(worker, exc)
             raise
         self.registry.succeeded(worker)
-        self.metrics.requests.labels(worker.url).inc()
+        self._count(self.metrics.requests, worker.url)
         return upstream
 
     def _finished(self, worker: Worker, failed: bool) -> None:

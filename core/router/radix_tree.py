@@ -176,7 +176,8 @@ class RadixTree:
 
     @staticmethod
     def _seen_by(node: Node, allowed: Collection[str] | None) -> bool:
-        return bool(node.seen) if allowed is None else any(w in allowed for w in node.seen)
+        # map over a bound method: no generator object per node (this runs for every node a match passes)
+        return bool(node.seen) if allowed is None else any(map(allowed.__contains__, node.seen))
 
     @staticmethod
     def _is_leaf_of(node: Node, worker: str) -> bool:

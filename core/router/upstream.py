@@ -16,6 +16,9 @@ import aiohttp
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from .deadlines import Deadlines
+from .http1 import Pool, Response as WorkerResponse, UpstreamError
+
 log = logging.getLogger(__name__)
 
 # the worker cannot serve now (overloaded, draining, or a proxy in front of it says it is gone)
@@ -25,20 +28,17 @@ RETRYABLE_STATUS = frozenset({502, 503, 504})
 DROPPED_REQUEST_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
                                      "authorization", "proxy-authorization"})
 DROPPED_RESPONSE_HEADERS = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding", "date", "server"})
+DROPPED_RAW_RESPONSE_HEADERS = frozenset(name.encode() for name in DROPPED_RESPONSE_HEADERS)
+DROPPED_RAW_REQUEST_HEADERS = frozenset(name.encode() for name in DROPPED_REQUEST_HEADERS)
 # a worker that cannot be reached, breaks the connection or goes silent past the read timeout
-TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, UpstreamError)
 
 
-def worker_session(max_connections: int, read_timeout: float, connect_timeout: float) -> aiohttp.ClientSession:
+def worker_session(max_connections: int, read_timeout: float, connect_timeout: float, deadlines: Deadlines) -> Pool:
     """The pooled client every forward goes through (keep-alive connections per worker; bodies passed
-    through as they are, compressed or not). aiohttp costs ~0.1 ms of CPU per exchange where httpx
-    cost ~0.5 ms (measured on loopback on the CPU machine)."""
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=max_connections),
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=read_timeout),
-        auto_decompress=False,
-        skip_auto_headers=("User-Agent",),
-    )
+    through as they are, compressed or not): http1.Pool, a fraction of aiohttp's CPU per exchange
+    (benchmarks/results/router_vs_sglang.md)."""
+    return Pool(max_connections, read_timeout, connect_timeout, deadlines)
 
 
 class WorkerUnavailable(Exception):
@@ -52,35 +52,51 @@ class WorkerUnavailable(Exception):
 class Upstream:
     """An opened worker response: status, headers, and either the whole body or the first chunk of a stream."""
 
-    def __init__(self, response: aiohttp.ClientResponse, body: bytes, chunks: AsyncIterator[bytes] | None):
+    def __init__(self, response: WorkerResponse, body: bytes, chunks: AsyncIterator[bytes] | None):
         self.response = response
         self.body = body  # the whole body, or the first chunk of a stream
         self.chunks = chunks  # the rest of a stream; None when buffered
 
     def raw_headers(self) -> list[tuple[bytes, bytes]]:
         """The worker's response headers as ASGI sends them, less those the router's server writes."""
-        return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.response.headers.items()
-                if k.lower() not in DROPPED_RESPONSE_HEADERS]
+        kept = []
+        for name, value in self.response.raw_headers:
+            name = name.lower()
+            if name not in DROPPED_RAW_RESPONSE_HEADERS:
+                kept.append((name, value))
+        return kept
 
     def to_response(self, on_close: Callable[[bool], None]) -> Response:
         """The client's response; `on_close(failed)` runs once the worker is done with it."""
         if self.chunks is None:
             on_close(False)
-            response = Response(self.body, status_code=self.response.status)
-            response.raw_headers += self.raw_headers()
-            return response
+            return Buffered(self.response.status, self.raw_headers(), self.body)
         return PassThrough(self, on_close)
 
 
-async def open_upstream(session: aiohttp.ClientSession, url: str, method: str, headers: list, body: bytes) -> Upstream:
-    """Send one request and read up to the client's first byte; raise on a failure before it."""
-    response = await session.request(method, url, headers=headers, data=body, allow_redirects=False)
+class Buffered(Response):
+    """A whole answer, sent as two ASGI messages with no header rebuilding (the router's hot path)."""
+
+    def __init__(self, status: int, raw_headers: list[tuple[bytes, bytes]], body: bytes):
+        self.status_code = status
+        self.body = body
+        self.background = None
+        self.raw_headers = [(b"content-length", b"%d" % len(body)), *raw_headers]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+async def open_upstream(pool: Pool, base: str, path: str, method: str, headers: list, body: bytes) -> Upstream:
+    """Send one request to the worker at `base` and read up to the client's first byte; raise on a failure before it."""
+    response = await pool.request(base, method, path, headers, body)
     try:
         if response.status in RETRYABLE_STATUS:
-            raise WorkerUnavailable(url, response.status)
-        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            raise WorkerUnavailable(base + path, response.status)
+        if not response.header(b"content-type").startswith(b"text/event-stream"):
             return Upstream(response, await response.read(), None)
-        chunks = response.content.iter_any()
+        chunks = response.iter_any()
         first = await anext(chunks, b"")
         return Upstream(response, first, chunks)
     except BaseException:
@@ -146,7 +162,7 @@ class PassThrough(StreamingResponse):
         finally:
             failed = self.failed
             self.on_close(failed)
-            if response.content.at_eof() and not failed:
+            if response.at_eof() and not failed:
                 response.release()  # the connection goes back to the pool
             else:
                 response.close()  # a stream cut short: the worker sees the connection close and aborts
