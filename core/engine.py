@@ -96,7 +96,7 @@ class Engine:
         self.prefix_cache = None if config.disable_prefix_cache else PrefixCache(self.kv)
         self.scheduler = Scheduler(
             self.kv, config.max_running_requests, config.max_batched_tokens, config.chunked_prefill_size, mixed,
-            self.prefix_cache,
+            self.prefix_cache, config.schedule_policy,
         )
         self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs)
         self.overlap_schedule = _overlap_schedule(config, self.device, self.parallel.config.world_size)
