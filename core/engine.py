@@ -131,10 +131,13 @@ class Engine:
         """Empty the prefix cache (its pages back to the free list) unless a running request reads from it."""
         return self.prefix_cache.flush() if self.prefix_cache is not None else True
 
-    def reset_prefix_cache(self) -> None:
-        """Flush the idle cache and zero its counters (after the warm-up, whose prompts are nobody's prefix)."""
+    def reset_prefix_cache(self) -> bool:
+        """Flush the idle cache and zero its counters (after the warm-up, whose prompts are nobody's prefix);
+        whether it was flushed."""
         if self.prefix_cache is not None and self.flush_cache():
             self.prefix_cache.reset_counters()
+            return True
+        return False
 
     def abort(self, rid: str) -> None:
         request = self._requests.get(rid)
