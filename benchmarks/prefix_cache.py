@@ -36,12 +36,18 @@ def tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(256) for _ in range(n)]
 
 
-def shared_prefix(engine: Engine, args, rng: random.Random) -> tuple[int, int, int]:
+def shared_prefix_prompts(groups: int, per_group: int, system_len: int, question_len: int, rng: random.Random) -> list[list[int]]:
+    """groups x per_group prompts: a system prompt of its group and a question of its own, in a random order."""
     prompts = []
-    for _ in range(args.groups):
-        system = [256] + tokens(rng, args.system_len - 1)
-        prompts += [system + tokens(rng, args.question_len) for _ in range(args.prompts_per_group)]
+    for _ in range(groups):
+        system = [256] + tokens(rng, system_len - 1)
+        prompts += [system + tokens(rng, question_len) for _ in range(per_group)]
     rng.shuffle(prompts)
+    return prompts
+
+
+def shared_prefix(engine: Engine, args, rng: random.Random) -> tuple[int, int, int]:
+    prompts = shared_prefix_prompts(args.groups, args.prompts_per_group, args.system_len, args.question_len, rng)
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     done = engine.generate(prompts, params, progress=False)
     return sum(map(len, prompts)), sum(len(r.output_ids) for r in done), sum(r.cached_tokens for r in done)
