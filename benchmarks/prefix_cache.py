@@ -26,24 +26,12 @@ import time
 
 import torch
 
+from workload import multi_turn_openings, no_reuse_prompts, shared_prefix_prompts, tokens
+
 from moeplex.config import SCHEDULE_POLICIES, EngineConfig
 from moeplex.engine import Engine
 from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
-
-
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(256) for _ in range(n)]
-
-
-def shared_prefix_prompts(groups: int, per_group: int, system_len: int, question_len: int, rng: random.Random) -> list[list[int]]:
-    """groups x per_group prompts: a system prompt of its group and a question of its own, in a random order."""
-    prompts = []
-    for _ in range(groups):
-        system = [256] + tokens(rng, system_len - 1)
-        prompts += [system + tokens(rng, question_len) for _ in range(per_group)]
-    rng.shuffle(prompts)
-    return prompts
 
 
 def shared_prefix(engine: Engine, args, rng: random.Random) -> tuple[int, int, int]:
@@ -54,7 +42,7 @@ def shared_prefix(engine: Engine, args, rng: random.Random) -> tuple[int, int, i
 
 
 def multi_turn(engine: Engine, args, rng: random.Random) -> tuple[int, int, int]:
-    conversations = [[256] + tokens(rng, args.question_len) for _ in range(args.clients)]
+    conversations = multi_turn_openings(args.clients, args.question_len + 1, rng)
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     prompt_tokens = output_tokens = cached = 0
     for _ in range(args.rounds):
@@ -67,7 +55,7 @@ def multi_turn(engine: Engine, args, rng: random.Random) -> tuple[int, int, int]
 
 
 def no_reuse(engine: Engine, args, rng: random.Random) -> tuple[int, int, int]:
-    prompts = [[256] + tokens(rng, args.system_len + args.question_len - 1) for _ in range(args.groups * args.prompts_per_group)]
+    prompts = no_reuse_prompts(args.groups * args.prompts_per_group, args.system_len + args.question_len, rng)
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     done = engine.generate(prompts, params, progress=False)
     return sum(map(len, prompts)), sum(len(r.output_ids) for r in done), sum(r.cached_tokens for r in done)

@@ -39,7 +39,7 @@ import urllib.request
 
 import aiohttp
 
-from prefix_cache import shared_prefix_prompts, tokens
+from workload import shared_prefix_prompts, tokens
 from router import _answers, free_port, start_router, stop
 
 from moeplex.models.make_model import write_checkpoint
