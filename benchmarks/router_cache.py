@@ -2,7 +2,8 @@
 `moeplex router`, cache_aware versus round_robin, on prompts that share prefixes.
 
     python benchmarks/router_cache.py --workers 2 --runs 3                        # CPU, tiny qwen3_moe
-    python benchmarks/router_cache.py --device cuda --workers 4 --kv-memory-fraction 0.2 --preset small --runs 3
+    python benchmarks/router_cache.py --device cuda --dtype bf16 --workers 4 --preset small --runs 3 \
+        --groups 64 --concurrency 32 --max-total-tokens 16384                      # 4 workers sharing one GPU
 
 Workloads (token ids sent to /v1/completions, greedy with ignore_eos, so every policy does the same work):
 - shared-prefix: --groups system prompts x --prompts-per-group questions, in a seeded random order, with
@@ -19,8 +20,10 @@ Per run: a fresh router per policy; every worker's cache is flushed first, and t
 the hit rate is the workers' own. Throughput counts prompt + output tokens over the run's wall time. The
 table gives the median of --runs runs (min-max) and the ratio cache_aware / round_robin per run.
 
-With --device cuda several workers share one GPU: each takes --kv-memory-fraction of the free memory for its
-KV cache (give --max-total-tokens 0 to size the cache that way).
+With --device cuda several workers share one GPU: keep --max-total-tokens small enough that a worker holds
+only part of all the prefixes (that is what routing is for) and the workers' KV caches fit together; with
+--max-total-tokens 0 each sizes its KV cache as --kv-memory-fraction of the free memory it sees at start-up
+(they start together, so give each at most 1 / --workers of what the weights leave).
 """
 
 from __future__ import annotations
@@ -81,10 +84,10 @@ def http_json(url: str, data: dict | None = None) -> dict:
         return json.loads(response.read())
 
 
-def counters(urls: list[str]) -> tuple[int, int]:
-    """Prompt tokens the workers looked up in their prefix caches and found there, summed."""
+def counters(urls: list[str]) -> tuple[list[int], list[int]]:
+    """Per worker: prompt tokens it looked up in its prefix cache, and found there."""
     infos = [http_json(f"{url}/get_server_info")["prefix_cache"] for url in urls]
-    return sum(i["queried_tokens"] for i in infos), sum(i["hit_tokens"] for i in infos)
+    return [i["queried_tokens"] for i in infos], [i["hit_tokens"] for i in infos]
 
 
 def flush(urls: list[str]) -> None:
@@ -143,8 +146,8 @@ async def drive(workload, url: str, args) -> tuple[int, float]:
         return processed, time.perf_counter() - start
 
 
-def one_run(name: str, policy: str, workers: list[str], args) -> tuple[float, float]:
-    """(tokens/s, the workers' hit rate) of one run through a fresh router."""
+def one_run(name: str, policy: str, workers: list[str], args) -> tuple[float, float, str]:
+    """(tokens/s, the workers' hit rate, each worker's share of the prompt tokens) of one run through a fresh router."""
     flush(workers)
     queried, hit = counters(workers)
     router, url = start_router(policy, workers, ["--cache-threshold", str(args.cache_threshold)])
@@ -153,7 +156,10 @@ def one_run(name: str, policy: str, workers: list[str], args) -> tuple[float, fl
     finally:
         stop(router)
     queried_after, hit_after = counters(workers)
-    return processed / seconds, (hit_after - hit) / max(queried_after - queried, 1)
+    queried = [a - b for a, b in zip(queried_after, queried)]
+    hit = sum(hit_after) - sum(hit)
+    shares = "/".join(f"{q / max(sum(queried), 1):.0%}" for q in queried)
+    return processed / seconds, hit / max(sum(queried), 1), shares
 
 
 def summary(values: list[float], fmt: str) -> str:
@@ -196,19 +202,23 @@ def main() -> None:
         for name in args.workloads:
             speed = {policy: [] for policy in POLICIES}
             hits = {policy: [] for policy in POLICIES}
+            split = {policy: [] for policy in POLICIES}
             one_run(name, "round_robin", list(workers), args)  # warm-up: connections, allocator, first shapes
             for _ in range(args.runs):  # alternate, so drift in the machine's load hits both alike
                 for policy in POLICIES:
-                    s, h = one_run(name, policy, list(workers), args)
+                    s, h, shares = one_run(name, policy, list(workers), args)
                     speed[policy].append(s)
                     hits[policy].append(h)
-                    print(f"{name} {policy}: {s:.0f} tok/s, hit rate {h:.1%}", file=sys.stderr, flush=True)
+                    split[policy].append(shares)
+                    print(f"{name} {policy}: {s:.0f} tok/s, hit rate {h:.1%}, prompt tokens per worker {shares}",
+                          file=sys.stderr, flush=True)
             for policy in POLICIES:
-                rows.append(f"| {name} | {policy} | {summary(speed[policy], '.0f')} | {summary([h * 100 for h in hits[policy]], '.1f')} |")
+                rows.append(f"| {name} | {policy} | {summary(speed[policy], '.0f')} | "
+                            f"{summary([h * 100 for h in hits[policy]], '.1f')} | {', '.join(split[policy])} |")
             speed_ratio = [a / b for a, b in zip(speed["cache_aware"], speed["round_robin"])]
             rr_hits = statistics.median(hits["round_robin"])
             hit_ratio = f"{statistics.median(hits['cache_aware']) / rr_hits:.2f}x (of the medians)" if rr_hits else "n/a (round robin hit nothing)"
-            rows.append(f"| {name} | **cache_aware / round_robin** | {summary(speed_ratio, '.2f')}x | {hit_ratio} |")
+            rows.append(f"| {name} | **cache_aware / round_robin** | {summary(speed_ratio, '.2f')}x | {hit_ratio} | |")
     finally:
         for proc in procs:
             stop(proc)
@@ -216,8 +226,8 @@ def main() -> None:
           f"{args.max_total_tokens or 'by memory fraction'} tokens each, --schedule-policy {args.schedule_policy}) behind "
           f"`moeplex router`; {args.runs} runs per policy, median (min-max); tokens/s = (prompt + output tokens) / wall time; "
           f"hit rate = the workers' cached prompt tokens / prompt tokens\n")
-    print("| workload | policy | tokens/s | worker hit rate % |")
-    print("|---|---|---|---|")
+    print("| workload | policy | tokens/s | worker hit rate % | prompt tokens per worker, each run |")
+    print("|---|---|---|---|---|")
     print("\n".join(rows))
     print(f"\n{SGLANG_CLAIM}")
 
