@@ -1,6 +1,6 @@
 """Prefix cache on CPU: the same workloads with the cache and with --disable-prefix-cache, in one process.
 
-    .venv/bin/python benchmarks/prefix_cache.py --arch qwen3_moe --preset tiny --runs 3
+    .venv/bin/python benchmarks/prefix_cache.py --arch qwen3_moe --preset tiny --runs 3 --policies fcfs lpm
 
 Workloads (sizes scaled to a 2-core CPU; every output greedy with ignore_eos, so both runs do the same work):
 - shared-prefix: like SGLang's generated-shared-prefix: groups x prompts per group, each prompt a long
@@ -9,9 +9,9 @@ Workloads (sizes scaled to a 2-core CPU; every output greedy with ignore_eos, so
   (the clients of one round run as one batch, rounds one after another);
 - no-reuse: random prompts that share nothing: the cost of the cache when it never hits.
 
-For each it prints tokens per second (prompt + output tokens processed, over wall time) with the cache and
-without, the median of --runs runs with min-max, the ratio, and the hit rate (cached prompt tokens / prompt
-tokens).
+For each it prints tokens per second (prompt + output tokens processed, over wall time) with the cache under
+each --policies schedule policy (fcfs, lpm) and without the cache, the median of --runs runs with min-max,
+the ratio to the run without, and the hit rate (cached prompt tokens / prompt tokens).
 """
 
 from __future__ import annotations
@@ -24,29 +24,25 @@ import sys
 import tempfile
 import time
 
-from moeplex.config import EngineConfig
+import torch
+
+from workload import multi_turn_openings, no_reuse_prompts, shared_prefix_prompts, tokens
+
+from moeplex.config import SCHEDULE_POLICIES, EngineConfig
 from moeplex.engine import Engine
 from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
 
 
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(256) for _ in range(n)]
-
-
 def shared_prefix(engine: Engine, args, rng: random.Random) -> tuple[int, int, int]:
-    prompts = []
-    for _ in range(args.groups):
-        system = [256] + tokens(rng, args.system_len - 1)
-        prompts += [system + tokens(rng, args.question_len) for _ in range(args.prompts_per_group)]
-    rng.shuffle(prompts)
+    prompts = shared_prefix_prompts(args.groups, args.prompts_per_group, args.system_len, args.question_len, rng)
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     done = engine.generate(prompts, params, progress=False)
     return sum(map(len, prompts)), sum(len(r.output_ids) for r in done), sum(r.cached_tokens for r in done)
 
 
 def multi_turn(engine: Engine, args, rng: random.Random) -> tuple[int, int, int]:
-    conversations = [[256] + tokens(rng, args.question_len) for _ in range(args.clients)]
+    conversations = multi_turn_openings(args.clients, args.question_len + 1, rng)
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     prompt_tokens = output_tokens = cached = 0
     for _ in range(args.rounds):
@@ -59,7 +55,7 @@ def multi_turn(engine: Engine, args, rng: random.Random) -> tuple[int, int, int]
 
 
 def no_reuse(engine: Engine, args, rng: random.Random) -> tuple[int, int, int]:
-    prompts = [[256] + tokens(rng, args.system_len + args.question_len - 1) for _ in range(args.groups * args.prompts_per_group)]
+    prompts = no_reuse_prompts(args.groups * args.prompts_per_group, args.system_len + args.question_len, rng)
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     done = engine.generate(prompts, params, progress=False)
     return sum(map(len, prompts)), sum(len(r.output_ids) for r in done), sum(r.cached_tokens for r in done)
@@ -68,11 +64,12 @@ def no_reuse(engine: Engine, args, rng: random.Random) -> tuple[int, int, int]:
 WORKLOADS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "no-reuse": no_reuse}
 
 
-def measure(folder: str, workload, args, cache: bool) -> tuple[float, float]:
-    """(tokens/s, hit rate) of one run on a fresh engine."""
+def measure(folder: str, workload, args, policy: str | None) -> tuple[float, float]:
+    """(tokens/s, hit rate) of one run on a fresh engine; policy None: without the cache."""
     engine = Engine(EngineConfig(
         model=folder, dtype="fp32", show_progress=False, max_total_tokens=args.kv_tokens, page_size=16,
-        max_running_requests=args.max_running, max_batched_tokens=2048, disable_prefix_cache=not cache,
+        max_running_requests=args.max_running, max_batched_tokens=2048, disable_prefix_cache=policy is None,
+        schedule_policy=policy or "fcfs",
     ))
     start = time.perf_counter()
     prompt_tokens, output_tokens, cached = workload(engine, args, random.Random(args.seed))
@@ -99,26 +96,35 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="multi-turn: rounds per conversation (default: 6)")
     parser.add_argument("--max-running", type=int, default=16, help="requests decoding at once (default: 16)")
     parser.add_argument("--kv-tokens", type=int, default=65536, help="KV cache size in tokens (default: 65536)")
+    parser.add_argument("--policies", nargs="+", default=["fcfs", "lpm"], choices=SCHEDULE_POLICIES,
+                        help="schedule policies to run with the cache (default: fcfs lpm)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's own); 1 is steadier on cores shared with other work")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     folder = write_checkpoint(os.path.join(tempfile.mkdtemp(prefix="moeplex-prefix-"), args.preset), args.arch, args.preset)
-    print(f"{args.arch} {args.preset}, fp32, {os.cpu_count()} CPU cores, {args.runs} runs each; tokens/s = (prompt + output "
+    print(f"{args.arch} {args.preset}, fp32, {os.cpu_count()} CPU cores, {torch.get_num_threads()} torch threads, {args.runs} runs each; tokens/s = (prompt + output "
           "tokens) / wall time, median (min-max)\n")
-    print("| workload | with cache tok/s | without tok/s | ratio | hit rate |")
-    print("|---|---|---|---|---|")
+    print("| workload | policy | with cache tok/s | without tok/s | ratio | hit rate |")
+    print("|---|---|---|---|---|---|")
     for name in args.workloads:
         workload = WORKLOADS[name]
-        measure(folder, workload, args, cache=True)  # warm the process (allocator, kernels) before timing
-        on, off, hits = [], [], []
-        for _ in range(args.runs):  # alternate, so drift in the machine's load hits both alike
-            speed, hit = measure(folder, workload, args, cache=True)
-            on.append(speed)
-            hits.append(hit)
-            off.append(measure(folder, workload, args, cache=False)[0])
-        ratios = sorted(a / b for a, b in zip(on, off))
-        print(f"| {name} | {summary(on)} | {summary(off)} | {statistics.median(ratios):.2f}x "
-              f"({ratios[0]:.2f}-{ratios[-1]:.2f}) | {statistics.median(hits):.0%} |", flush=True)
-
+        measure(folder, workload, args, policy=args.policies[0])  # warm the process (allocator, kernels) before timing
+        on = {policy: [] for policy in args.policies}
+        hits = {policy: [] for policy in args.policies}
+        off = []
+        for _ in range(args.runs):  # alternate, so drift in the machine's load hits every setting alike
+            for policy in args.policies:
+                speed, hit = measure(folder, workload, args, policy)
+                on[policy].append(speed)
+                hits[policy].append(hit)
+            off.append(measure(folder, workload, args, None)[0])
+        for policy in args.policies:
+            ratios = sorted(a / b for a, b in zip(on[policy], off))
+            print(f"| {name} | {policy} | {summary(on[policy])} | {summary(off)} | {statistics.median(ratios):.2f}x "
+                  f"({ratios[0]:.2f}-{ratios[-1]:.2f}) | {statistics.median(hits[policy]):.0%} |", flush=True)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,6 +11,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANTIZE_EXPERTS = ("none", "fp8")  # --quantize-experts
 AUTO = "auto"
 ATTENTION_BACKENDS = (AUTO, "torch", "triton")  # --attention-backend
+SCHEDULE_POLICIES = ("fcfs", "lpm")  # --schedule-policy: arrival order, or longest cached prefix first
 OFF, STAT, PER_STEP = "off", "stat", "per-step"  # expert-load recording modes
 STATIC, SPREAD = "static", "spread"  # --ep-dispatch-algorithm: which replica a routed token uses
 DISPATCH_ALGORITHMS = (STATIC, SPREAD)
@@ -71,6 +72,8 @@ class EngineConfig:
     page_size: int = attrs.field(default=16, validator=_positive)
     max_total_tokens: int | None = attrs.field(default=None, validator=_positive)  # KV pool size in tokens
     disable_prefix_cache: bool = False  # every prompt computed from its first token (no radix tree of cached pages)
+    # the order waiting requests are admitted in: arrival (fcfs) or longest cached prefix first (lpm)
+    schedule_policy: str = attrs.field(default="fcfs", validator=_one_of(SCHEDULE_POLICIES))
     kv_memory_fraction: float = attrs.field(default=0.25, validator=_fraction)  # of free memory, without max_total_tokens
     show_progress: bool = True
     load_format: str = attrs.field(default="auto", validator=_one_of(("auto", "dummy")))

@@ -105,7 +105,7 @@ class Engine:
         self.prefix_cache = None if config.disable_prefix_cache else PrefixCache(self.kv)
         self.scheduler = Scheduler(
             self.kv, config.max_running_requests, config.max_batched_tokens, config.chunked_prefill_size, mixed,
-            self.prefix_cache,
+            self.prefix_cache, config.schedule_policy,
         )
         self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs)
         self.speculation = None if drafter is None else SpeculativeDecoding(
@@ -147,10 +147,13 @@ class Engine:
         """Empty the prefix cache (its pages back to the free list) unless a running request reads from it."""
         return self.prefix_cache.flush() if self.prefix_cache is not None else True
 
-    def reset_prefix_cache(self) -> None:
-        """Flush the idle cache and zero its counters (after the warm-up, whose prompts are nobody's prefix)."""
+    def reset_prefix_cache(self) -> bool:
+        """Flush the idle cache and zero its counters (after the warm-up, whose prompts are nobody's prefix);
+        whether it was flushed."""
         if self.prefix_cache is not None and self.flush_cache():
             self.prefix_cache.reset_counters()
+            return True
+        return False
 
     def abort(self, rid: str) -> None:
         request = self._requests.get(rid)

@@ -87,11 +87,33 @@ class PrefixCache:
         Callers pass max_tokens = len(prompt) - 1 so that at least one token is computed. An edge
         matched part way is split, so that the returned node covers exactly the matched pages.
         """
-        usable = max(0, min(len(token_ids), max_tokens)) // self.page_size * self.page_size
-        node, pages = self._walk(tuple(token_ids[:usable]))
-        self.queried_tokens += len(token_ids)
-        self.hit_tokens += len(pages) * self.page_size
+        node, pages = self._walk(tuple(token_ids[: self._usable(token_ids, max_tokens)]))
         return Match(pages, len(pages) * self.page_size, node)
+
+    def peek(self, token_ids: Sequence[int], max_tokens: int) -> int:
+        """How many tokens `match` would find, without splitting an edge or touching a node's access time
+        (so a scheduler may rank the queue by it: looking is not using)."""
+        P = self.page_size
+        tokens = tuple(token_ids[: self._usable(token_ids, max_tokens)])
+        node, matched = self.root, 0
+        while matched < len(tokens):
+            child = node.children.get(tokens[matched : matched + P])
+            if child is None:
+                break
+            common = self._common_pages(child, tokens, matched)
+            matched += common * P
+            if common < len(child.pages):
+                break
+            node = child
+        return matched
+
+    def record_lookup(self, queried: int, hit: int) -> None:
+        """Count one request's admission: `queried` prompt tokens looked up, `hit` of them found.
+
+        The scheduler calls this once per request, when it is admitted for the first time, so a request
+        retried for want of pages or resumed after preemption is not counted twice."""
+        self.queried_tokens += queried
+        self.hit_tokens += hit
 
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> Insert:
         """Cache the full pages of token_ids; pages[i] holds tokens [i * page_size, (i + 1) * page_size).
@@ -171,8 +193,12 @@ class PrefixCache:
         return True
 
     def reset_counters(self) -> None:
-        """Zero the counters metrics read: tokens looked up and found by `match`, pages freed by `evict`."""
+        """Zero the counters metrics read: tokens looked up and found (`record_lookup`), pages freed by `evict`."""
         self.queried_tokens = self.hit_tokens = self.evicted_pages = 0
+
+    def _usable(self, token_ids: Sequence[int], max_tokens: int) -> int:
+        """The page-aligned length a lookup may match: at most max_tokens and the whole of token_ids."""
+        return max(0, min(len(token_ids), max_tokens)) // self.page_size * self.page_size
 
     def _walk(self, tokens: tuple[int, ...]) -> tuple[_Node, list[int]]:
         """Follow tokens (whole pages) down the tree, touching every node passed; the deepest node reached

@@ -6,6 +6,7 @@ from collections import deque
 
 import attrs
 
+from .admission import admission_order
 from .kv_cache import KVPool
 from .prefix_cache import PrefixCache
 from .request import FinishReason, Request
@@ -25,7 +26,8 @@ class Scheduler:
     budget, the running-request limit and the KV pool allow. Long prompts are cut
     into chunks. When a running request needs a page and none is free, the newest
     running request is preempted: its pages are freed and it waits at the front
-    of the queue to recompute its KV later.
+    of the queue to recompute its KV later. Waiting requests are tried in the order of
+    the schedule policy: arrival (fcfs) or longest cached prefix first (lpm, admission.py).
 
     With a prefix cache, an admitted request starts at its longest cached prefix (at least one prompt
     token is computed, so its logits exist) and the budget counts only the tokens it computes; its KV
@@ -40,10 +42,11 @@ class Scheduler:
 
     def __init__(
         self, kv: KVPool, max_running: int, token_budget: int, chunk_size: int, mixed: bool = True,
-        cache: PrefixCache | None = None,
+        cache: PrefixCache | None = None, policy: str = "fcfs",
     ):
         self.kv = kv
         self.cache = cache
+        self.policy = policy  # the order of admission: fcfs or lpm (see admission.py)
         self.max_running = max_running
         self.token_budget = token_budget
         self.chunk_size = chunk_size
@@ -87,15 +90,17 @@ class Scheduler:
             self._reserve_drafts(request, n)
             work.append(ScheduledWork(request, n))
             budget -= n
-        while admit and self.waiting and budget > 0 and len(self.running) < self.max_running:
-            request = self.waiting[0]
+        if not (admit and self.waiting and budget > 0 and len(self.running) < self.max_running):
+            return work
+        for request in admission_order(self.policy, self.waiting, self.running, self.cache):
+            if budget == 0 or len(self.running) >= self.max_running:
+                break
             self._reuse_prefix(request)
             n = self._chunk(request, budget)
             if not self._reserve(request, n, preempt=False):
                 self._release(request, keep=False)  # it waits without holding cached pages
                 break
-            self.waiting.popleft()
-            self.running.append(request)
+            self._admitted(request)
             work.append(ScheduledWork(request, n))
             budget -= n
         return work
@@ -109,6 +114,16 @@ class Scheduler:
         missing = self.kv.pages_for(request.num_cached + n + room) - len(request.pages)
         pages = self.kv.allocate(min(missing, self.kv.num_free_pages)) if missing > 0 else None
         request.pages.extend(pages or [])
+
+    def _admitted(self, request: Request) -> None:
+        if self.waiting[0] is request:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(request)
+        self.running.append(request)
+        if self.cache is not None and request.num_preemptions == 0:  # its first admission: count it once
+            request.cached_tokens = request.num_cached
+            self.cache.record_lookup(request.num_tokens, request.num_cached)
 
     def _chunk(self, request: Request, budget: int) -> int:
         n = min(request.num_uncached, budget)
@@ -166,8 +181,6 @@ class Scheduler:
         self.cache.lock(match.node)
         request.pages, request.num_cached = list(match.pages), match.num_tokens
         request.num_shared_pages, request.cache_node = len(match.pages), match.node
-        if request.num_preemptions == 0:
-            request.cached_tokens = match.num_tokens
 
     def _insert(self, request: Request) -> None:
         """The request's full pages of computed KV into the tree; from then on it reads the tree's pages."""

@@ -28,7 +28,8 @@ def test_empty_tree_matches_nothing():
     kv, cache = make_cache()
     m = cache.match([1, 2, 3, 4, 5], 4)
     assert (m.pages, m.num_tokens, m.node) == ([], 0, cache.root)
-    assert (cache.queried_tokens, cache.hit_tokens, cache.num_pages) == (5, 0, 0)
+    assert cache.peek([1, 2, 3, 4, 5], 4) == 0
+    assert (cache.queried_tokens, cache.hit_tokens, cache.num_pages) == (0, 0, 0)  # the scheduler counts admissions
 
 
 def test_match_is_page_aligned_and_bounded_by_max_tokens():
@@ -41,7 +42,27 @@ def test_match_is_page_aligned_and_bounded_by_max_tokens():
     assert cache.match([1, 2, 3, 4, 5, 6], 1).num_tokens == 0
     assert cache.match([1, 2, 3, 9, 5, 6], 6).num_tokens == 2  # diverges inside the second page
     assert cache.match([1, 2, 3, 4, 5, 6], -1).num_tokens == 0
-    assert (cache.queried_tokens, cache.hit_tokens) == (7 + 6 + 6 + 6 + 6, 6 + 4 + 0 + 2 + 0)
+
+
+def test_peek_finds_what_match_finds_without_splitting_or_touching():
+    kv, cache = make_cache(page_size=2)
+    a = cached(kv, cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    b = cached(kv, cache, [9, 9, 1, 1])
+    before = [(n.id, n.tokens, n.last_access) for n in cache._nodes()]
+    for tokens, limit in [([1, 2, 3, 4, 5, 0], 5), ([1, 2, 3, 9], 4), ([1, 2, 3, 4, 5, 6, 7, 8, 0], 8), ([9, 9, 1], 2), ([4], 1)]:
+        assert cache.peek(tokens, limit) == {5: 4, 4: 2, 8: 8, 2: 2, 1: 0}[limit]
+    assert [(n.id, n.tokens, n.last_access) for n in cache._nodes()] == before  # no split, no access time
+    assert cache.match([1, 2, 3, 4, 5, 0], 5).pages == a.pages[:2]  # match does split
+    assert len(list(cache._nodes())) == len(before) + 1 and cache.peek([9, 9, 1, 1, 0], 4) == 4 == len(b.pages) * 2
+
+
+def test_record_lookup_counts_what_the_scheduler_reports_and_reset_zeroes_it():
+    kv, cache = make_cache()
+    cache.record_lookup(10, 4)
+    cache.record_lookup(6, 0)
+    assert (cache.queried_tokens, cache.hit_tokens) == (16, 4)
+    cache.reset_counters()
+    assert (cache.queried_tokens, cache.hit_tokens, cache.evicted_pages) == (0, 0, 0)
 
 
 def test_partial_overlap_splits_the_edge():
@@ -258,7 +279,11 @@ class Requests(RuleBasedStateMachine):
     @rule(data=st.data(), max_tokens=st.integers(-1, 12), hold=st.booleans())
     def match(self, data, max_tokens, hold):
         tokens = self.draw_tokens(data)
+        shape = [(n.id, n.tokens, n.last_access) for n in self.cache._nodes()]
+        peeked = self.cache.peek(tokens, max_tokens)
+        assert [(n.id, n.tokens, n.last_access) for n in self.cache._nodes()] == shape, "peek changed the tree"
         m = self.cache.match(tokens, max_tokens)
+        assert peeked == m.num_tokens
         self.check_match(tokens, max_tokens, m)
         if hold:
             self.cache.lock(m.node)

@@ -254,7 +254,8 @@ def test_dp2_abort_frees_the_pages_of_the_group_that_held_the_request(dp2):
         kept_events = _events(kept)
         next(kept_events)  # both groups were idle: the tie goes to group 0
         admitted = dp2.groups()[1]["requests_admitted"]
-        with httpx.Client(base_url=dp2.url, timeout=30) as other, other.stream("POST", "/v1/completions", json=body) as left:
+        other_body = {**body, "prompt": "A different prompt, so that no cached prefix draws it to group 0."}
+        with httpx.Client(base_url=dp2.url, timeout=30) as other, other.stream("POST", "/v1/completions", json=other_body) as left:
             next(_events(left))
             busy = dp2.groups()[1]
             assert busy["requests_admitted"] == admitted + 1 and busy["kv_pages_free"] < busy["kv_pages_total"]
@@ -303,3 +304,27 @@ def test_one_rank_runs_apart_from_the_http_process_and_its_death_stops_the_serve
         os.kill(one.rank_pids[0], signal.SIGKILL)
         assert one.proc.wait(timeout=30) == 2
         assert "rank 0 died" in one.proc.stderr.read()
+
+
+def test_dp2_a_request_sharing_a_long_prefix_follows_the_first_to_its_group(dp2, reference):
+    """Group 0 is busy when the first request comes, so it goes to group 1; once both are idle, least-loaded
+    alone would send the second to group 0, but it shares 64 tokens with the first: it goes to group 1 and hits."""
+    wait_until_idle(dp2.client)
+    prefix = [256] + [(37 * i + 11) % 256 for i in range(63)]
+    first, second = prefix + [1, 2, 3, 4], prefix + [9, 8, 7]
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    busy = {"prompt": "Keep group 0 busy.", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    outputs = []
+    with httpx.Client(base_url=dp2.url, timeout=30) as http, http.stream("POST", "/v1/completions", json=busy) as kept:
+        kept_events = _events(kept)  # held: a generator dropped here would close the stream
+        next(kept_events)
+        before = dp2.groups()
+        outputs.append(http.post("/v1/completions", json={**body, "prompt": first}).json()["choices"][0]["token_ids"])
+        assert [g["requests_admitted"] - b["requests_admitted"] for g, b in zip(dp2.groups(), before)] == [0, 1]
+    wait_until_idle(dp2.client)
+    outputs.append(dp2.client.post("/v1/completions", json={**body, "prompt": second}).json()["choices"][0]["token_ids"])
+    after = dp2.groups()
+    assert [g["requests_admitted"] - b["requests_admitted"] for g, b in zip(after, before)] == [0, 2]
+    assert after[1]["cache_hit_tokens"] - before[1]["cache_hit_tokens"] == 64
+    assert after[0]["cache_hit_tokens"] == before[0]["cache_hit_tokens"]
+    assert outputs == greedy_ids(reference, [first, second], 6)

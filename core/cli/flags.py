@@ -12,7 +12,9 @@ import argparse
 import attrs
 import torch
 
-from ..config import ATTENTION_BACKENDS, DISPATCH_ALGORITHMS, DTYPES, PER_STEP, QUANTIZE_EXPERTS, STAT, EngineConfig
+from ..config import (
+    ATTENTION_BACKENDS, DISPATCH_ALGORITHMS, DTYPES, PER_STEP, QUANTIZE_EXPERTS, SCHEDULE_POLICIES, STAT, EngineConfig,
+)
 from ..models.base import check_model_folder
 from ..models.make_model import default_model
 from ..models.setup import check_before_start
@@ -139,6 +141,13 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         sched, "--disable-prefix-cache",
         "compute every prompt from its first token; by default a radix tree keeps the KV pages of earlier "
         "prompts and answers, and a request starts at its longest cached prefix (RadixAttention)",
+    )
+    flag(
+        sched, "--schedule-policy",
+        "order in which waiting requests are admitted: fcfs (arrival) or lpm (longest cached prefix first; a "
+        "request sharing a prefix with one being prefilled waits for it to be cached; arrival order again "
+        "beyond 128 waiting requests) (default: %(default)s)",
+        choices=SCHEDULE_POLICIES,
     )
     flag(
         sched, "--kv-memory-fraction",

@@ -1,7 +1,8 @@
 """One engine over every rank, driven from rank 0 one round at a time (what `moeplex serve` runs).
 
-Rank 0 queues commands between rounds: a new request goes to the least-loaded DP group (fewest tokens
-of unfinished requests, ties to the lowest group); aborts and engine calls follow in arrival order.
+Rank 0 queues commands between rounds: a new request goes to the DP group whose prefix cache likely
+holds most of it, or to the least-loaded group (see dp_dispatch.py); aborts and engine calls follow in
+arrival order.
 step() runs a round on every rank (see worker.py) and returns each DP group's report, whose
 RequestUpdates the leader passes on: the request itself lives on its ranks only, and the front end keeps
 the one copy its clients are served from. With one rank the same code runs without a collective, so a
@@ -16,7 +17,10 @@ from ..engine import Engine
 from ..messages import Abort, Admit, Call, GroupReport, GroupStats, Round
 from ..request import check_prompt
 from ..sampling import SamplingParams
+from .dp_dispatch import DPDispatch
 from .worker import Channel, RankWorker, rank_info
+
+CACHE_FLUSHES = ("flush_cache", "reset_prefix_cache")  # engine calls that empty every group's cache when they return True
 
 
 class EngineGroup:
@@ -31,7 +35,8 @@ class EngineGroup:
         self.stats = [self._initial_stats(dp) for dp in range(self.dp_size)]
         self.admitted = [0] * self.dp_size  # requests each DP group was given, since start-up
         self.has_work = False  # whether any rank still had requests after the last round
-        self._unfinished: dict[str, tuple[int, int]] = {}  # rid -> (DP group, tokens so far), for the load
+        self._unfinished: dict[str, tuple[int, list[int]]] = {}  # rid -> (DP group, token ids so far)
+        self.dispatch = DPDispatch(self.dp_size, self.capacity_tokens, not engine.config.disable_prefix_cache)
         self._queued: list = []
         self._call_done: list[Callable[[Any], None]] = []  # one per queued Call
 
@@ -63,8 +68,9 @@ class EngineGroup:
         """Queue the request for its DP group's next round; ValueError if some group could not hold it."""
         prompt_ids = tuple(prompt_ids)
         check_prompt(prompt_ids, self.engine.vocab_size, self.capacity_tokens)
-        dp_rank = self._least_loaded()
-        self._unfinished[rid] = (dp_rank, len(prompt_ids))
+        dp_rank = self.dispatch.choose(prompt_ids, *self._loads())
+        self.dispatch.will_cache(dp_rank, prompt_ids)
+        self._unfinished[rid] = (dp_rank, list(prompt_ids))
         self._queued.append(Admit(rid, prompt_ids, params, dp_rank))
         self.admitted[dp_rank] += 1
 
@@ -76,8 +82,17 @@ class EngineGroup:
 
     def call(self, method: str, args: tuple, done: Callable[[Any], None]) -> None:
         """engine.<method>(*args) on every rank in the next round; done(rank 0's result or exception)."""
+        if method in CACHE_FLUSHES:
+            done = self._forgetting_on_flush(done)
         self._queued.append(Call(method, tuple(args)))
         self._call_done.append(done)
+
+    def _forgetting_on_flush(self, done: Callable[[Any], None]) -> Callable[[Any], None]:
+        def settle(outcome: Any) -> None:
+            if outcome is True:  # the caches are empty: so is what rank 0 guesses of them
+                self.dispatch.forget()
+            done(outcome)
+        return settle
 
     def drop_queued_calls(self, error: Exception) -> None:
         """No round will run them (the loop is stopping): each queued Call is answered with `error`."""
@@ -116,17 +131,19 @@ class EngineGroup:
                 entry = self._unfinished.get(update.rid)
                 if entry is None:  # aborted meanwhile
                     continue
+                entry[1].extend(update.new_ids)
                 if update.finish_reason is not None:
                     del self._unfinished[update.rid]
-                else:
-                    self._unfinished[update.rid] = (entry[0], entry[1] + len(update.new_ids))
+                    self.dispatch.will_cache(entry[0], entry[1])  # a finished request's KV joins its group's cache
         self.has_work = any(report.has_work for report in reports)
 
-    def _least_loaded(self) -> int:
-        load = [0] * self.dp_size
-        for dp_rank, tokens in self._unfinished.values():
-            load[dp_rank] += tokens
-        return min(range(self.dp_size), key=lambda dp: (load[dp], dp))
+    def _loads(self) -> tuple[list[int], list[int]]:
+        """Each DP group's unfinished requests and their tokens so far."""
+        requests, tokens = [0] * self.dp_size, [0] * self.dp_size
+        for dp_rank, ids in self._unfinished.values():
+            requests[dp_rank] += 1
+            tokens[dp_rank] += len(ids)
+        return requests, tokens
 
     def _initial_stats(self, dp_rank: int) -> GroupStats:
         info = self.ranks[self.group_ranks(dp_rank)[0]]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Collection, Iterator
+from typing import Collection, Iterator, Sequence
 
 import attrs
 
@@ -43,6 +43,12 @@ class Match:
 
     length: int
     workers: dict[str, int]  # worker -> when it last saw the deepest matched node
+
+
+def token_text(token_ids: Sequence[int]) -> str:
+    """Token ids as text of one character each (ids are below 0x110000), so this tree serves token
+    sequences too: the match length is then a number of tokens."""
+    return "".join(map(chr, token_ids))
 
 
 def shared_length(edge: str, text: str, start: int) -> int:
