@@ -14,6 +14,7 @@ ATTENTION_BACKENDS = (AUTO, "torch", "triton")  # --attention-backend
 OFF, STAT, PER_STEP = "off", "stat", "per-step"  # expert-load recording modes
 STATIC, SPREAD = "static", "spread"  # --ep-dispatch-algorithm: which replica a routed token uses
 DISPATCH_ALGORITHMS = (STATIC, SPREAD)
+DISAGGREGATION_MODES = ("none", "prefill", "decode")  # --disaggregation-mode
 
 
 def _positive(instance, attribute, value):
@@ -86,6 +87,13 @@ class EngineConfig:
     eplb_window_size: int = attrs.field(default=1000, validator=_positive)  # steps of load a rebalance uses
     eplb_rebalance_num_iterations: int = attrs.field(default=0, validator=_not_negative)  # 0: only when asked
     eplb_rebalance_layers_per_chunk: int = attrs.field(default=4, validator=_positive)  # layers moved at once
+    # prefill/decode disaggregation (docs/pd.md): this server's role, how KV pages move, and the deadlines
+    disaggregation_mode: str = attrs.field(default="none", validator=_one_of(DISAGGREGATION_MODES))
+    disaggregation_transfer_backend: str = "zmq"
+    disaggregation_bootstrap_port: int = attrs.field(default=8998, validator=_positive)
+    disaggregation_bootstrap_timeout: float = attrs.field(default=30.0, validator=_positive)
+    disaggregation_transfer_timeout: float = attrs.field(default=30.0, validator=_positive)
+    disaggregation_lease: float = attrs.field(default=60.0, validator=_positive)
 
     def __attrs_post_init__(self):
         if self.max_batched_tokens < self.max_running_requests:

@@ -141,6 +141,14 @@ class Scheduler:
             self.waiting.remove(request)
         self._release(request, keep=request.error is None)
 
+    def detach(self, request: Request) -> None:
+        """Take a finished request off the queues with its pages (a prefill server holds them for a transfer);
+        finish() releases them later."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
     # --- the prefix cache ---------------------------------------------------------------------------
     def cache_progress(self, request: Request) -> None:
         """After a prompt chunk: the pages it filled join the cache, so a request arriving meanwhile shares them."""

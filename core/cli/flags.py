@@ -12,7 +12,7 @@ import argparse
 import attrs
 import torch
 
-from ..config import ATTENTION_BACKENDS, DISPATCH_ALGORITHMS, DTYPES, PER_STEP, QUANTIZE_EXPERTS, STAT, EngineConfig
+from ..config import ATTENTION_BACKENDS, DISAGGREGATION_MODES, DISPATCH_ALGORITHMS, DTYPES, PER_STEP, QUANTIZE_EXPERTS, STAT, EngineConfig
 from ..models.base import check_model_folder
 from ..models.make_model import default_model
 from ..models.setup import check_before_start
@@ -168,6 +168,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         dest="timeout_s", metavar="SECONDS",
     )
     add_balancing_flags(parser)
+    add_disaggregation_flags(parser)
     flag(parser, "--seed", "global random seed (default: %(default)s)")
 
 
@@ -211,6 +212,37 @@ def add_balancing_flags(parser: argparse.ArgumentParser) -> None:
         eplb, "--eplb-rebalance-layers-per-chunk",
         "MoE layers whose expert weights move at once, bounding the memory a rebalance borrows (default: %(default)s)",
         metavar="LAYERS",
+    )
+
+
+def add_disaggregation_flags(parser: argparse.ArgumentParser) -> None:
+    pd = parser.add_argument_group("prefill/decode disaggregation (docs/pd.md; `moeplex router --pd` pairs the roles)")
+    flag(
+        pd, "--disaggregation-mode",
+        "none: prefill and decode in this server; prefill: compute prompts and send their KV pages to a decode "
+        "server; decode: receive the KV pages of prompts and generate (default: %(default)s)",
+        choices=DISAGGREGATION_MODES,
+    )
+    flag(pd, "--disaggregation-transfer-backend", "kv_transfer plugin that moves the KV pages (default: %(default)s)")
+    flag(
+        pd, "--disaggregation-bootstrap-port",
+        "prefill: the port of its bootstrap HTTP endpoint (each rank's transfer endpoint, the KV layout, the rooms "
+        "decode servers register) (default: %(default)s)", metavar="PORT",
+    )
+    flag(
+        pd, "--disaggregation-bootstrap-timeout",
+        "seconds a request may wait for its peer: prefill for the decode server's destination pages, decode for "
+        "free pages and its registration with the prefill server (default: %(default)s)", metavar="SECONDS",
+    )
+    flag(
+        pd, "--disaggregation-transfer-timeout",
+        "decode: seconds from registering a request's destination pages until its KV has landed; past it the room "
+        "is closed, late bytes are dropped and the request fails (default: %(default)s)", metavar="SECONDS",
+    )
+    flag(
+        pd, "--disaggregation-lease",
+        "prefill: seconds the source pages of a request stay reserved for its transfer once it has started; past it "
+        "they are freed and a late acknowledgement fails the transfer (default: %(default)s)", metavar="SECONDS",
     )
 
 
