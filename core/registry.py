@@ -11,13 +11,14 @@ from typing import Any
 
 import attrs
 
-from .interfaces import Balancer, Dispatcher, MoEKernel, OverlapStrategy, PluginError
+from .interfaces import Balancer, Dispatcher, KVTransfer, MoEKernel, OverlapStrategy, PluginError
 
 KINDS = {
     "dispatcher": ("moeplex.dispatchers", Dispatcher),
     "moe_kernel": ("moeplex.moe_kernels", MoEKernel),
     "balancer": ("moeplex.balancers", Balancer),
     "overlap": ("moeplex.overlap", OverlapStrategy),
+    "kv_transfer": ("moeplex.kv_transfer", KVTransfer),
 }
 
 

@@ -146,7 +146,9 @@ def describe(config) -> str:
     """The selected plugins with the distributions they come from, for the start-up log."""
     chosen = []
     for kind in registry.KINDS:
-        name = getattr(config, kind)
+        name = getattr(config, kind, None)
+        if name is None:  # a kind the engine does not select by a flag of this name (kv_transfer)
+            continue
         info = registry.discover(kind)[name]
         chosen.append(f"{kind} {name} ({info.distribution} {info.version})")
     return ", ".join(chosen)

@@ -7,11 +7,12 @@ import json
 from .. import registry
 
 
-TITLES = {"dispatcher": "dispatchers", "moe_kernel": "MoE kernels", "balancer": "balancers", "overlap": "overlap strategies"}
+TITLES = {"dispatcher": "dispatchers", "moe_kernel": "MoE kernels", "balancer": "balancers", "overlap": "overlap strategies",
+          "kv_transfer": "KV transfer backends"}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plugins", help="list installed dispatchers, MoE kernels, balancers and overlap strategies")
+    p = sub.add_parser("plugins", help="list installed dispatchers, MoE kernels, balancers, overlap strategies and KV transfer backends")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.set_defaults(run=run)
 

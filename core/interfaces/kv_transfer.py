@@ -3,11 +3,19 @@
 A backend registers one rank's KV buffers once (`KVPool.buffers`: per layer, per cached quantity, one
 tensor whose page p is the contiguous byte range [p * page_bytes, (p + 1) * page_bytes)), describes itself
 as endpoint bytes a peer can connect to, and moves (source pages -> destination pages) plus one small
-metadata row per room. Every call returns at once: `start` launches, `poll` reports, `abort` ends.
+metadata row per room. Every call returns at once: `start` launches, `poll` reports, `abort` ends
+(`abort` may wait for one page run being copied, so that no byte moves after it returns).
+
+Who calls what: the receiver (decode) registers, `expect`s each room's destination pages and hands its
+`endpoint()` to the sender; the sender (prefill) `connect`s to that endpoint and `start`s. Whichever side
+moves the bytes (the sender pushes in zmq and nixl, the receiver pulls in cuda-ipc), the calls are the same.
 
 Ownership (docs/pd.md): the receiver owns its destination pages and frees them only once no more bytes can
 land; `poll` returning DONE on either side promises that every byte of the transfer is in the receiver's
 buffers. A backend that reports DONE before the bytes land is wrong; the conformance suite catches it.
+The sender's source pages may be reused once its `poll` says DONE or FAILED, or once `abort` returned.
+Bytes for a room the receiver does not expect (never expected, aborted, released) are dropped, and the
+sender's `poll` turns FAILED. docs/kv_transfer.md has the per-backend details.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ class TransferStatus(str, enum.Enum):
 class KVTransferCaps:
     devices: frozenset[str] = frozenset({"cpu"})  # device types whose buffers it can register
     cross_host: bool = True  # peers may be on another host (cuda-ipc: False)
+    cross_process: bool = True  # peers may be other processes (loopback: False, its peers share one process)
     needs_extra: str | None = None  # the pip extra that brings its library, for the start-up sentence
 
 
@@ -78,7 +87,9 @@ class KVTransfer(abc.ABC):
 
     @abc.abstractmethod
     def connect(self, peer: bytes) -> str:
-        """Connect to a peer's endpoint; returns a peer id. Raises PluginError naming what does not match."""
+        """Sender: connect to a receiver's endpoint; returns a peer id for `start`.
+
+        Raises PluginError naming what does not match (region count or page sizes, backend)."""
 
     @abc.abstractmethod
     def expect(self, room: int, dst_pages: Sequence[int]) -> None:
@@ -88,15 +99,17 @@ class KVTransfer(abc.ABC):
     def start(self, room: int, peer: str, src_pages: Sequence[int], dst_pages: Sequence[int], metadata: bytes) -> None:
         """Sender: launch the copy of src_pages (every region) to the peer's dst_pages, then the metadata row.
 
-        Never blocks; runs of consecutive pages move as one range."""
+        Never blocks; runs of consecutive pages move as one range. Raises ValueError at once for a metadata row
+        longer than the registered `metadata_bytes`, a page list of unequal lengths or a page out of range."""
 
     @abc.abstractmethod
     def poll(self, room: int) -> TransferStatus:
-        """Either side: the state of a room's transfer (receiver: DONE once bytes and metadata landed)."""
+        """Either side: the state of a room's transfer (receiver: DONE once bytes and metadata landed;
+        sender: DONE once the receiver said so). A room this side does not know is FAILED."""
 
     @abc.abstractmethod
     def metadata(self, room: int) -> bytes:
-        """Receiver, after DONE: the metadata row the sender attached (first token, logprobs, ...)."""
+        """Receiver, after DONE: the metadata row the sender attached, exactly the bytes passed to `start`."""
 
     @abc.abstractmethod
     def abort(self, room: int) -> None:

@@ -1,0 +1,1 @@
+"""Built-in KV transfer backends, registered through moeplex's entry points like any third-party plugin."""

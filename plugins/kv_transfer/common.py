@@ -1,0 +1,133 @@
+"""What every built-in KV transfer backend shares: the layout in an endpoint, page checks, room states, fault injection."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from typing import Sequence
+
+import attrs
+import torch
+
+from moeplex.interfaces import KVRegion, PluginError, TransferStatus, page_runs
+
+PENDING, DONE, FAILED = TransferStatus.PENDING, TransferStatus.DONE, TransferStatus.FAILED
+
+
+@attrs.frozen
+class Layout:
+    """The shape of one rank's registration: (page_bytes, pages) per region, and the metadata row's size."""
+
+    regions: tuple[tuple[int, int], ...]
+    metadata_bytes: int
+
+    @classmethod
+    def of(cls, regions: Sequence[KVRegion], metadata_bytes: int) -> "Layout":
+        shapes = []
+        for i, region in enumerate(regions):
+            nbytes = region.tensor.numel() * region.tensor.element_size()
+            if not region.tensor.is_contiguous() or region.page_bytes <= 0 or nbytes % region.page_bytes:
+                raise ValueError(f"region {i} is not a contiguous whole number of {region.page_bytes}-byte pages")
+            shapes.append((region.page_bytes, nbytes // region.page_bytes))
+        return cls(tuple(shapes), metadata_bytes)
+
+    @property
+    def num_pages(self) -> int:
+        return min((pages for _, pages in self.regions), default=0)
+
+    def to_json(self) -> dict:
+        return {"regions": [list(r) for r in self.regions], "metadata_bytes": self.metadata_bytes}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Layout":
+        return cls(tuple(tuple(r) for r in data["regions"]), data["metadata_bytes"])
+
+    def check_peer(self, peer: "Layout", backend: str) -> None:
+        """A sender's check at connect time: the same regions page for page, or one sentence naming both sides."""
+        mine = [b for b, _ in self.regions]
+        theirs = [b for b, _ in peer.regions]
+        if mine != theirs:
+            raise PluginError(
+                f"{backend}: this rank registered {len(mine)} KV regions of {sorted(set(mine))} bytes per page, "
+                f"the peer {len(theirs)} of {sorted(set(theirs))}; both sides need the same KV layout."
+            )
+        if peer.metadata_bytes < self.metadata_bytes:
+            raise PluginError(
+                f"{backend}: the peer holds {peer.metadata_bytes}-byte metadata rows, this rank sends up to "
+                f"{self.metadata_bytes}."
+            )
+
+
+def encode_endpoint(backend: str, layout: Layout, **fields) -> bytes:
+    return json.dumps({"backend": backend, **layout.to_json(), **fields}).encode()
+
+
+def decode_endpoint(peer: bytes, backend: str) -> tuple[dict, Layout]:
+    try:
+        data = json.loads(peer)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PluginError(f"{backend}: the peer endpoint is not a {backend} endpoint ({exc}).") from None
+    if not isinstance(data, dict) or data.get("backend") != backend:
+        found = data.get("backend") if isinstance(data, dict) else None
+        raise PluginError(f"{backend}: the peer endpoint belongs to kv_transfer '{found}', not '{backend}'.")
+    return data, Layout.from_json(data)
+
+
+def check_transfer(layout: Layout, peer: Layout, src: Sequence[int], dst: Sequence[int], metadata: bytes) -> list:
+    """The runs of a transfer (page_runs), after the checks `start` makes before launching anything."""
+    if len(metadata) > layout.metadata_bytes:
+        raise ValueError(f"a {len(metadata)}-byte metadata row; {layout.metadata_bytes} bytes were registered")
+    check_pages(src, layout.num_pages, "source")
+    check_pages(dst, peer.num_pages, "destination")
+    return page_runs(src, dst)
+
+
+def check_pages(pages: Sequence[int], num_pages: int, what: str) -> None:
+    bad = [p for p in pages if not 0 <= p < num_pages]
+    if bad:
+        raise ValueError(f"{what} page {bad[0]} is outside the {num_pages} registered pages")
+
+
+def flat(region: KVRegion) -> torch.Tensor:
+    """A region as one row of bytes: page p is [p * page_bytes, (p + 1) * page_bytes)."""
+    return region.tensor.view(-1).view(torch.uint8)
+
+
+def page_slice(region: KVRegion, start: int, count: int) -> torch.Tensor:
+    return flat(region)[start * region.page_bytes : (start + count) * region.page_bytes]
+
+
+class Faults:
+    """Injected faults for tests: each started transfer fails with probability `fail_rate` (both sides see FAILED)."""
+
+    def __init__(self, fail_rate: float = 0.0, seed: int = 0):
+        if not 0.0 <= fail_rate <= 1.0:
+            raise ValueError(f"fail_rate {fail_rate} is not a probability")
+        self.fail_rate = fail_rate
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def fail_next(self) -> bool:
+        with self._lock:
+            return self.fail_rate > 0 and self._rng.random() < self.fail_rate
+
+
+class Rooms:
+    """Room -> state for one side, with the bookkeeping `release` forgets."""
+
+    def __init__(self):
+        self.state: dict[int, TransferStatus] = {}
+        self.reason: dict[int, str] = {}
+
+    def fail(self, room: int, reason: str) -> None:
+        if self.state.get(room) is not DONE:
+            self.state[room] = FAILED
+            self.reason.setdefault(room, reason)
+
+    def poll(self, room: int) -> TransferStatus | None:
+        return self.state.get(room)
+
+    def forget(self, room: int) -> None:
+        self.state.pop(room, None)
+        self.reason.pop(room, None)
