@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import attrs
 import torch
 
@@ -30,6 +32,15 @@ def _fraction(instance, attribute, value):
 def _not_negative(instance, attribute, value):
     if value < 0:
         raise ValueError(f"{attribute.name} must not be negative, got {value}")
+
+
+def _json_object(instance, attribute, value):
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"{attribute.name} must be a JSON object, got {value!r} ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{attribute.name} must be a JSON object, got {value!r}")
 
 
 def _one_of(choices):
@@ -90,6 +101,7 @@ class EngineConfig:
     # prefill/decode disaggregation (docs/pd.md): this server's role, how KV pages move, and the deadlines
     disaggregation_mode: str = attrs.field(default="none", validator=_one_of(DISAGGREGATION_MODES))
     disaggregation_transfer_backend: str = "zmq"
+    disaggregation_transfer_config: str = attrs.field(default="{}", validator=_json_object)  # the backend's options
     disaggregation_bootstrap_port: int = attrs.field(default=8998, validator=_positive)
     disaggregation_bootstrap_timeout: float = attrs.field(default=30.0, validator=_positive)
     disaggregation_transfer_timeout: float = attrs.field(default=30.0, validator=_positive)

@@ -225,6 +225,11 @@ def add_disaggregation_flags(parser: argparse.ArgumentParser) -> None:
     )
     flag(pd, "--disaggregation-transfer-backend", "kv_transfer plugin that moves the KV pages (default: %(default)s)")
     flag(
+        pd, "--disaggregation-transfer-config",
+        "the backend's options as a JSON object of its constructor arguments, e.g. '{\"host\": \"10.0.0.5\"}' for "
+        "zmq across hosts (see docs/kv_transfer.md) (default: %(default)s)", metavar="JSON",
+    )
+    flag(
         pd, "--disaggregation-bootstrap-port",
         "prefill: the port of its bootstrap HTTP endpoint (each rank's transfer endpoint, the KV layout, the rooms "
         "decode servers register) (default: %(default)s)", metavar="PORT",

@@ -51,7 +51,21 @@ class RankTransfers:
 
     @classmethod
     def create(cls, engine) -> "RankTransfers":
-        backend = lookup("kv_transfer", engine.config.disaggregation_transfer_backend)()
+        config = engine.config
+        name = config.disaggregation_transfer_backend
+        backend_class = lookup("kv_transfer", name)
+        caps = backend_class.caps
+        if not getattr(caps, "cross_process", True):
+            raise ValueError(f"kv_transfer '{name}' moves pages within one process only; a prefill and a decode server "
+                             "are separate processes: choose a backend with cross_process (see `moeplex plugins`)")
+        if engine.device.type not in caps.devices:
+            raise ValueError(f"kv_transfer '{name}' registers {', '.join(sorted(caps.devices))} buffers, and this "
+                             f"engine's KV cache is on {engine.device.type}")
+        options = json.loads(config.disaggregation_transfer_config)
+        try:
+            backend = backend_class(**options)
+        except TypeError as exc:
+            raise ValueError(f"--disaggregation-transfer-config {config.disaggregation_transfer_config}: {exc}") from None
         return cls(engine, backend)
 
     def endpoint(self) -> bytes:

@@ -1,0 +1,77 @@
+"""A prefill server, a decode server and `moeplex router --pd`, each its own process on loopback ports (zmq)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from test_server_parallel import RankedServer, _answers, _running, free_port
+
+MAIN = ("-c", "import sys; from moeplex.cli import main; sys.exit(main())")
+
+
+class RoleServer(RankedServer):
+    """`moeplex serve` in one role (prefill, decode or none), with its own plugin and parallel flags."""
+
+    def __init__(self, folder: str, mode: str, *flags: str):
+        self.bootstrap_port = free_port()
+        pd = ("--disaggregation-mode", mode, "--disaggregation-bootstrap-port", str(self.bootstrap_port)) if mode != "none" else ()
+        super().__init__(folder, *pd, *flags)
+        self.mode = mode
+
+    def kv(self) -> dict:
+        return self.info()["kv_cache"]
+
+    def idle(self) -> bool:
+        """No request running, queued or moving KV, and every page free or in the prefix cache."""
+        info = self.info()
+        kv, moving = info["kv_cache"], info["disaggregation"].get("states", {})
+        return (info["num_running_requests"] == info["num_queued_requests"] == 0 and not any(moving.values())
+                and kv["free_pages"] + kv["cached_pages"] == kv["num_pages"])
+
+    def flush(self) -> None:
+        self.client.post("/flush_cache")
+
+    def kill(self) -> None:
+        for pid in [*self.rank_pids, self.proc.pid]:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+class PDRouter:
+    def __init__(self, prefill: list[RoleServer], decode: list[RoleServer], *flags: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.command = [
+            sys.executable, *MAIN, "router", "--pd", "--port", str(self.port), "--log-level", "warning",
+            "--prefill", *[f"{p.url},{p.bootstrap_port}" for p in prefill], "--decode", *[d.url for d in decode],
+            "--health-check-interval-secs", "1", *flags,
+        ]
+
+    def __enter__(self):
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while not _answers(f"{self.url}/health"):
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            assert time.monotonic() < deadline, "moeplex router --pd did not come up"
+            time.sleep(0.1)
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+        return self
+
+    def __exit__(self, *exc):
+        self.client.close()
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def wait_idle(*servers: RoleServer, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    for server in servers:
+        while not server.idle():
+            assert time.monotonic() < deadline, f"{server.mode} server did not go idle: {server.info()}"
+            time.sleep(0.05)
