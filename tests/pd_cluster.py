@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -24,6 +25,26 @@ class RoleServer(RankedServer):
         super().__init__(folder, *pd, *flags)
         self.mode = mode
 
+    def start(self) -> "RoleServer":
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
+        return self
+
+    def wait(self) -> "RoleServer":
+        deadline = time.monotonic() + 180
+        while not _answers(f"{self.url}/health"):
+            assert self.proc.poll() is None, self.proc.stderr.read()
+            assert time.monotonic() < deadline, "moeplex serve did not come up"
+            time.sleep(0.2)
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+        self.rank_pids = [r["pid"] for r in self.info()["parallel"]["ranks"]]
+        return self
+
+    def __enter__(self):
+        if not hasattr(self, "proc"):
+            self.start()
+        return self.wait()
+
     def kv(self) -> dict:
         return self.info()["kv_cache"]
 
@@ -41,6 +62,13 @@ class RoleServer(RankedServer):
         for pid in [*self.rank_pids, self.proc.pid]:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            super().__exit__(*exc)
+        else:
+            self.client.close()
 
 
 class PDRouter:
@@ -67,6 +95,17 @@ class PDRouter:
         self.client.close()
         self.proc.kill()
         self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def running(*servers: RoleServer):
+    """Start every server at once (their start-ups overlap), then wait for each; stop them all at the end."""
+    with contextlib.ExitStack() as stack:
+        for server in servers:
+            server.start()
+        for server in servers:
+            stack.enter_context(server)
+        yield servers
 
 
 def wait_idle(*servers: RoleServer, timeout: float = 20.0) -> None:

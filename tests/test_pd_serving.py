@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from pd_cluster import PDRouter, RoleServer, wait_idle
+from pd_cluster import PDRouter, RoleServer, running, wait_idle
 
 FLAGS = ("--chunked-prefill-size", "16", "--page-size", "16")
 PROMPTS = {
@@ -27,7 +27,7 @@ def cluster(folder: str):
 @pytest.fixture(scope="module", params=["deepseek_v3", "qwen3_moe"])
 def servers(request, tiny_model_dir):
     co, prefill, decode = cluster(tiny_model_dir(request.param))
-    with co, prefill, decode, PDRouter([prefill], [decode]) as router:
+    with running(co, prefill, decode), PDRouter([prefill], [decode]) as router:
         yield co, prefill, decode, router
 
 
