@@ -188,7 +188,7 @@ class DecodeSide:
             peer = self.peers[boot.address] = PrefillPeer(info, mismatch)
         if peer.mismatch is not None:
             self._spawn(self._abort_at_prefill(boot, f"the decode server refused the room: {peer.mismatch}"))
-            raise ApiError(502, peer.mismatch)
+            raise ApiError(409, peer.mismatch)
 
     def submitted(self, rid: str, boot: Bootstrap) -> None:
         self.rooms[rid] = boot
