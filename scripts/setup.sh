@@ -11,4 +11,6 @@ if ! (command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1); then
     "${PIP[@]}" "torch==2.13.0"
 fi
 "${PIP[@]}" -e ".[test]" -e examples/moeplex-example-plugins
+# NVIDIA NIXL for the nixl kv_transfer backend (the extra moeplex[nixl]); --no-deps, or pip swaps in a CUDA torch
+"${PIP[@]}" --no-deps "nixl-cu12>=0.5" || echo "NIXL (nixl-cu12) did not install here: the nixl kv_transfer tests skip"
 echo "moeplex is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -47,3 +47,11 @@ def test_overlap_on_cpu_ranks(tmp_path):
     rows = table_rows(out, "2")
     assert [(row[1], row[2]) for row in rows] == [("naive", "decode"), ("naive", "prefill")], out
     assert all(float(cell) > 0 for row in rows for cell in row[4:7]), out
+
+
+def test_pd_transfer_on_cpu(tmp_path):
+    out = run("pd.py", tmp_path / "pd.md", "transfer", "--backends", "loopback", "zmq", "--pages", "4", "16", "--runs", "1",
+              "--layers", "1", timeout=300)
+    rows = table_rows(out, "loopback") + table_rows(out, "zmq")
+    assert [(row[0], row[1]) for row in rows] == [("loopback", "4"), ("loopback", "16"), ("zmq", "4"), ("zmq", "16")], out
+    assert all(float(row[3].split()[0]) > 0 and float(row[5]) > 0 for row in rows), out

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from moeplex import registry
 from moeplex.cli import main
 
 
@@ -59,7 +60,8 @@ def test_bad_input_ids_are_refused(tiny_model_dir, capsys):
 def test_plugins_json_lists_every_kind_with_distribution_and_caps(capsys):
     code, out, _ = run(capsys, "plugins", "--json")
     listing = json.loads(out)
-    assert code == 0 and set(listing) == {"dispatcher", "moe_kernel", "balancer", "overlap"}
+    assert code == 0 and set(listing) == set(registry.KINDS)
+    assert {"dispatcher", "moe_kernel", "balancer", "overlap", "kv_transfer"} <= set(listing)
     local = next(p for p in listing["dispatcher"] if p["name"] == "local")
     assert local["distribution"] == "moeplex" and local["capabilities"]["layout"] == "standard"
     torch_kernel = next(p for p in listing["moe_kernel"] if p["name"] == "torch")

@@ -39,7 +39,8 @@ class KVTransferCaps:
     devices: frozenset[str] = frozenset({"cpu"})  # device types whose buffers it can register
     cross_host: bool = True  # peers may be on another host (cuda-ipc: False)
     cross_process: bool = True  # peers may be other processes (loopback: False, its peers share one process)
-    needs_extra: str | None = None  # the pip extra that brings its library, for the start-up sentence
+    needs_extra: str | None = None  # the pip extra that brings its library; without it the constructor raises
+    # PluginError saying "install moeplex[<extra>]"
 
 
 @attrs.frozen

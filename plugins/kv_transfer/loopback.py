@@ -47,7 +47,6 @@ class LoopbackTransfer(KVTransfer):
     def __init__(self, delay_s: float = 0.0, fail_rate: float = 0.0, drop_rate: float = 0.0, seed: int = 0):
         self.delay_s = delay_s
         self.faults = Faults(fail_rate, seed)
-        self.drop_rate = drop_rate
         self._drops = Faults(drop_rate, seed + 1)
         self.id = uuid.uuid4().hex
         self.regions: list[KVRegion] = []
@@ -70,6 +69,14 @@ class LoopbackTransfer(KVTransfer):
     @fail_rate.setter
     def fail_rate(self, value: float) -> None:
         self.faults.fail_rate = value
+
+    @property
+    def drop_rate(self) -> float:
+        return self._drops.fail_rate
+
+    @drop_rate.setter
+    def drop_rate(self, value: float) -> None:
+        self._drops.fail_rate = value
 
     # --- the contract ---------------------------------------------------------------------------------
     def register(self, regions: Sequence[KVRegion], metadata_bytes: int) -> None:

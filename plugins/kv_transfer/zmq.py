@@ -28,6 +28,7 @@ both sides with that probability, for fault tests).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import threading
@@ -49,7 +50,7 @@ class _Out:
     def __init__(self, room: int, peer: str, chunks: list, metadata: bytes, ready):
         self.room, self.peer, self.chunks, self.metadata, self.ready = room, peer, chunks, metadata, ready
         self.next = 0
-        self.pages = sum(n for _, _, n in chunks)
+        self.pages = sum(n for chunk in chunks for _, _, n in chunk)
         self.finished_sending = False
 
 
@@ -136,7 +137,10 @@ class ZmqTransfer(KVTransfer):
         self._command(("start", _Out(room, peer, self._chunks(runs), bytes(metadata), ready)))
 
     def poll(self, room: int) -> TransferStatus:
-        return self._in.poll(room) or self._out.poll(room) or FAILED  # dict reads only: never waits for a copy
+        status = self._in.poll(room) or self._out.poll(room) or FAILED
+        if status is PENDING and not self._thread.is_alive():
+            return FAILED  # the I/O thread ended (closed, or broke): nothing will move any more
+        return status  # dict reads only: never waits for a copy
 
     def metadata(self, room: int) -> bytes:
         if self._in.poll(room) is not DONE:
@@ -177,15 +181,22 @@ class ZmqTransfer(KVTransfer):
         return self.layout
 
     def _command(self, command: tuple) -> None:
-        if self._thread is None or self._closing:
+        if self._thread is None or self._closing or not self._thread.is_alive():
             raise RuntimeError("zmq: the backend is not running (register first; not after close)")
         self._commands.put(command)
         os.write(self._wake_w, b"x")
 
-    def _chunks(self, runs: list) -> list:
-        per_page = sum(r.page_bytes for r in self.regions)
-        step = max(1, self.chunk_bytes // max(per_page, 1))
-        return [(s + i, d + i, min(step, n - i)) for s, d, n in runs for i in range(0, n, step)]
+    def _chunks(self, runs: list) -> list[list[tuple[int, int, int]]]:
+        """Messages of at most `chunk_bytes`: a long run is cut, short runs share one message."""
+        step = max(1, self.chunk_bytes // max(sum(r.page_bytes for r in self.regions), 1))
+        pieces = [(s + i, d + i, min(step, n - i)) for s, d, n in runs for i in range(0, n, step)]
+        chunks: list[list[tuple[int, int, int]]] = []
+        for piece in pieces:
+            if chunks and sum(n for _, _, n in chunks[-1]) + piece[2] <= step:
+                chunks[-1].append(piece)
+            else:
+                chunks.append([piece])
+        return chunks
 
     # --- the I/O thread ------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -197,7 +208,7 @@ class ZmqTransfer(KVTransfer):
         poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._closing:
-                busy = any(o.next < len(o.chunks) or not o.finished_sending for o in self._sending.values())
+                busy = any(not o.finished_sending and not self._peers[o.peer].outbox for o in self._sending.values())
                 for peer in self._peers.values():
                     poller.register(peer.sock, zmq.POLLIN | (zmq.POLLOUT if peer.outbox else 0))
                 events = dict(poller.poll(0 if busy else int(self.heartbeat_s * 1000)))
@@ -205,10 +216,11 @@ class ZmqTransfer(KVTransfer):
                     os.read(self._wake_r, 4096)
                     self._drain_commands()
                 while self._router.poll(0):
-                    self._on_receiver_message(self._router.recv_multipart(copy=False))
+                    _guarded(self._on_receiver_message, self._router.recv_multipart(copy=False))
                 for peer in self._peers.values():
                     while peer.sock.poll(0):
-                        self._on_sender_message(peer, peer.sock.recv_multipart())
+                        _guarded(self._on_sender_message, peer, peer.sock.recv_multipart())
+                    self._flush(peer)
                 self._send_chunks()
                 self._check_liveness()
         finally:
@@ -263,25 +275,33 @@ class ZmqTransfer(KVTransfer):
             self._post(peer, message)
 
     def _read_chunk(self, out: _Out) -> list | None:
-        src, dst, n = out.chunks[out.next]
+        pieces = out.chunks[out.next]
         with self._lock:
             if self._out.poll(out.room) is not PENDING:
                 return None  # aborted: not one more byte is read
             if self._stream is None:
-                frames = [page_slice(r, src, n).clone().numpy() for r in self.regions]
+                frames = [torch.cat([page_slice(r, s, n) for s, _, n in pieces]).numpy() for r in self.regions]
             else:
                 with torch.cuda.stream(self._stream):
                     if out.ready is not None:
                         self._stream.wait_event(out.ready)
-                    staged = [torch.empty(r.page_bytes * n, dtype=torch.uint8, pin_memory=True) for r in self.regions]
+                    total = sum(n for _, _, n in pieces)
+                    staged = [torch.empty(r.page_bytes * total, dtype=torch.uint8, pin_memory=True) for r in self.regions]
                     for buf, r in zip(staged, self.regions):
-                        buf.copy_(page_slice(r, src, n), non_blocking=True)
+                        at = 0
+                        for s, _, n in pieces:
+                            buf[at : at + n * r.page_bytes].copy_(page_slice(r, s, n), non_blocking=True)
+                            at += n * r.page_bytes
                 self._stream.synchronize()
                 frames = [buf.numpy() for buf in staged]
-        return [b"P", json.dumps({"room": out.room, "dst": dst, "n": n}).encode(), *frames]
+        runs = [[d, n] for _, d, n in pieces]
+        return [b"P", json.dumps({"room": out.room, "runs": runs}).encode(), *frames]
 
     def _post(self, peer: _Peer, message: list) -> None:
         peer.outbox.append(message)
+        self._flush(peer)
+
+    def _flush(self, peer: _Peer) -> None:
         while peer.outbox:
             try:
                 peer.sock.send_multipart(peer.outbox[0], flags=zmq.NOBLOCK, copy=False)
@@ -322,17 +342,21 @@ class ZmqTransfer(KVTransfer):
             self._answer(sender, [b"F", _room(room), refusal.encode()])
 
     def _write_chunk(self, sender: bytes, room: int, header: dict, frames: list) -> str | None:
-        dst, n = header["dst"], header["n"]
+        runs = header["runs"]
+        pages = {d + i for d, n in runs for i in range(n)}
         with self._lock:
             if self._in.poll(room) is not PENDING:
                 return f"the receiver does not expect room {room}"
-            if not set(range(dst, dst + n)) <= self._expected[room] or len(frames) != len(self.regions):
+            if not pages <= self._expected[room] or len(frames) != len(self.regions):
                 self._in.fail(room, "pages outside the room")
-                return f"pages {dst}..{dst + n - 1} are not all destination pages of room {room}"
+                return f"pages {sorted(pages - self._expected[room])} are not destination pages of room {room}"
             self._senders[room] = sender
             for frame, region in zip(frames, self.regions):
-                page_slice(region, dst, n).copy_(torch.frombuffer(frame.buffer, dtype=torch.uint8))
-            self._landed[room] += n
+                data, at = torch.frombuffer(frame.buffer, dtype=torch.uint8), 0
+                for dst, n in runs:
+                    page_slice(region, dst, n).copy_(data[at : at + n * region.page_bytes])
+                    at += n * region.page_bytes
+            self._landed[room] += sum(n for _, n in runs)
         return None
 
     def _finish(self, room: int, header: dict, metadata) -> str:
@@ -388,3 +412,11 @@ class ZmqTransfer(KVTransfer):
 
 def _room(room: int) -> bytes:
     return str(room).encode()
+
+
+def _guarded(handle, *args) -> None:
+    """A malformed message (a stray client on the port) is dropped and logged; it never stops the I/O thread."""
+    try:
+        handle(*args)
+    except Exception:
+        logging.getLogger(__name__).exception("zmq kv_transfer: dropped a message it could not read")
