@@ -109,3 +109,15 @@ def test_a_request_that_fails_on_its_ranks_leaves_the_book():
     b.admitted("r", 0, room=1, prompt_len=4)
     b.absorb([report([finished("r", error="sampling failed")])])
     assert not b.pending and b.stats().outcomes == {"failed": 1}
+
+
+@pytest.mark.parametrize("backend, why", [
+    ("loopback", "kv_transfer 'loopback' moves pages within one process only"),
+    ("cuda-ipc", "kv_transfer 'cuda-ipc' registers cuda buffers, and this engine's KV cache is on cpu"),
+])
+def test_a_backend_that_cannot_serve_the_role_is_refused_before_start(backend, why):
+    from moeplex.disagg.rank import transfer_backend
+
+    config = EngineConfig(model="unused", disaggregation_mode="decode", disaggregation_transfer_backend=backend)
+    with pytest.raises(ValueError, match=why):
+        transfer_backend(config)

@@ -13,6 +13,7 @@ import attrs
 import torch
 
 from ..config import ATTENTION_BACKENDS, DISAGGREGATION_MODES, DISPATCH_ALGORITHMS, DTYPES, PER_STEP, QUANTIZE_EXPERTS, STAT, EngineConfig
+from ..disagg.rank import transfer_backend
 from ..models.base import check_model_folder
 from ..models.make_model import default_model
 from ..models.setup import check_before_start
@@ -279,5 +280,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     settings.update(overrides)  # a command's own choices win over the shared flags
     config = EngineConfig(**settings)
     resolve(config, announce=True)  # refuse an impossible selection before any rank starts, and name the choice
+    if config.disaggregation_mode != "none":
+        transfer_backend(config)  # likewise a kv_transfer backend that cannot serve this role
     check_before_start(config)  # the checkpoint's headers and rank 0's model on the meta device, likewise
     return config

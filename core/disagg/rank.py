@@ -29,6 +29,21 @@ def first_token_row(request: Request) -> bytes:
     return data
 
 
+def transfer_backend(config) -> type[KVTransfer]:
+    """The configured kv_transfer class, or ValueError / PluginError in one sentence when it cannot serve this role."""
+    name = config.disaggregation_transfer_backend
+    backend_class = lookup("kv_transfer", name)
+    caps = backend_class.caps
+    if not caps.cross_process:
+        raise ValueError(f"kv_transfer '{name}' moves pages within one process only; a prefill and a decode server are "
+                         "separate processes: choose a backend with cross_process (see `moeplex plugins`)")
+    device = str(config.device).split(":")[0]
+    if device not in caps.devices:
+        raise ValueError(f"kv_transfer '{name}' registers {', '.join(sorted(caps.devices))} buffers, and this engine's "
+                         f"KV cache is on {device}")
+    return backend_class
+
+
 class RankTransfers:
     def __init__(self, engine, backend: KVTransfer):
         self.engine = engine
@@ -52,15 +67,7 @@ class RankTransfers:
     @classmethod
     def create(cls, engine) -> "RankTransfers":
         config = engine.config
-        name = config.disaggregation_transfer_backend
-        backend_class = lookup("kv_transfer", name)
-        caps = backend_class.caps
-        if not getattr(caps, "cross_process", True):
-            raise ValueError(f"kv_transfer '{name}' moves pages within one process only; a prefill and a decode server "
-                             "are separate processes: choose a backend with cross_process (see `moeplex plugins`)")
-        if engine.device.type not in caps.devices:
-            raise ValueError(f"kv_transfer '{name}' registers {', '.join(sorted(caps.devices))} buffers, and this "
-                             f"engine's KV cache is on {engine.device.type}")
+        backend_class = transfer_backend(config)
         options = json.loads(config.disaggregation_transfer_config)
         try:
             backend = backend_class(**options)
