@@ -165,7 +165,7 @@ class Engine:
         if logprob is not None:
             request.logprobs.append(logprob)
         if not self._append(request, token):
-            self.scheduler.add(request)  # its pages hold the prompt: admission reserves nothing more
+            self.scheduler.add_decoding(request)
 
     @property
     def has_work(self) -> bool:
