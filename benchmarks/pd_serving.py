@@ -2,8 +2,9 @@
 at a fixed request rate (Poisson arrivals), with long prompts arriving while short-prompt requests decode.
 
     .venv/bin/python benchmarks/pd_serving.py --runs 3                         # CPU: tiny DeepSeek-V3, zmq
-    .venv/bin/python benchmarks/pd_serving.py --device cuda --model DIR --load-format dummy \
-        --backend cuda-ipc --rate 4 --long-prompt 8192 --runs 3                  # one H200: P and D on one GPU
+    .venv/bin/python benchmarks/pd_serving.py --device cuda --model DIR --load-format dummy --serve-flag=--dtype \
+        --serve-flag=bf16 --kv-memory-fraction 0.3 --backend cuda-ipc --rate 4 --long-prompt 8192 --chunk 8192 \
+        --decode-tokens 256 --runs 3                                             # one H200: P and D on one GPU
 
 Setups (each started once, then --runs measured runs, the prefix cache flushed before each):
 - co-located: one `moeplex serve`;
@@ -61,6 +62,7 @@ class Fleet:
                   "--max-running-requests", str(a.max_running)]
         engine += ["--load-format", a.load_format] + (["--max-total-tokens", str(a.max_total_tokens)] if a.max_total_tokens else [])
         engine += ["--kv-memory-fraction", str(a.kv_memory_fraction)] if a.kv_memory_fraction else []
+        engine += a.serve_flag
         self.procs.append(subprocess.Popen([*MAIN, "serve", *engine, *flags]))
         return f"http://127.0.0.1:{port}"
 
@@ -186,6 +188,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-running", type=int, default=64, help="--max-running-requests (default: 64)")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size of each server")
     p.add_argument("--kv-memory-fraction", type=float, default=None, help="each server's share of free memory for KV")
+    p.add_argument("--serve-flag", action="append", default=[], metavar="FLAG",
+                   help="a further `moeplex serve` flag for every server, repeated per word, e.g. --serve-flag=--dtype "
+                   "--serve-flag=bf16")
     p.add_argument("--runs", type=int, default=3)
     return p.parse_args()
 

@@ -31,7 +31,7 @@ class RoleServer(RankedServer):
         return self
 
     def wait(self) -> "RoleServer":
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300  # a loaded CI machine (start-ups overlap)
         while not _answers(f"{self.url}/health"):
             assert self.proc.poll() is None, self.proc.stderr.read()
             assert time.monotonic() < deadline, "moeplex serve did not come up"
@@ -57,6 +57,20 @@ class RoleServer(RankedServer):
 
     def flush(self) -> None:
         self.client.post("/flush_cache")
+
+    def stop(self) -> None:
+        if not hasattr(self, "rank_pids") and self.proc.poll() is None:  # its ranks unknown: let it halt them
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in [*getattr(self, "rank_pids", []), self.proc.pid]:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(10)
+        if hasattr(self, "client"):
+            self.client.close()
 
     def kill(self) -> None:
         for pid in [*self.rank_pids, self.proc.pid]:
@@ -103,8 +117,9 @@ def running(*servers: RoleServer):
     with contextlib.ExitStack() as stack:
         for server in servers:
             server.start()
+            stack.callback(server.stop)  # also those that never came up, or a later one's failure would leak them
         for server in servers:
-            stack.enter_context(server)
+            server.wait()
         yield servers
 
 
