@@ -6,7 +6,7 @@ at a fixed request rate (Poisson arrivals), with long prompts arriving while sho
         --serve-flag=bf16 --kv-memory-fraction 0.3 --backend cuda-ipc --rate 4 --long-prompt 8192 --chunk 8192 \
         --decode-tokens 256 --runs 3                                             # one H200: P and D on one GPU
 
-Setups (each started once, then --runs measured runs, the prefix cache flushed before each):
+Setups (both started once, then --runs measured runs of each, alternating, the prefix cache flushed before each):
 - co-located: one `moeplex serve`;
 - PD: `serve --disaggregation-mode prefill`, `serve --disaggregation-mode decode` and `moeplex router --pd`, every
   one its own process (on one GPU, P and D share it: each takes --kv-memory-fraction of what it finds free).
@@ -147,20 +147,26 @@ async def run_once(url: str, work) -> dict:
     return out
 
 
-def measure(args, pd: bool) -> list[dict]:
-    """--runs runs of one setup; each a row of the table's numbers (ms)."""
-    rows = []
-    with Fleet(args, pd) as fleet:
-        asyncio.run(run_once(fleet.url, workload(args, seed=99)[:4]))  # warm-up
+def measure(args) -> tuple[list[dict], list[dict]]:
+    """--runs runs of each setup, co-located and PD alternating (a shared machine's load changes under both alike);
+    each run a row of the table's numbers (seconds)."""
+    rows: tuple[list[dict], list[dict]] = ([], [])
+    with Fleet(args, pd=False) as co, Fleet(args, pd=True) as pd:
+        for fleet in (co, pd):
+            asyncio.run(run_once(fleet.url, workload(args, seed=99)[:4]))  # warm-up
         for run in range(args.runs):
-            fleet.flush()
-            got = asyncio.run(run_once(fleet.url, workload(args, seed=run)))
-            rows.append({
-                "TTFT decode p50": percentile(got["decode"]["ttft"], 50), "TTFT decode p99": percentile(got["decode"]["ttft"], 99),
-                "TTFT long p50": percentile(got["long"]["ttft"], 50), "TTFT long p99": percentile(got["long"]["ttft"], 99),
-                "ITL decode p50": percentile(got["decode"]["itl"], 50), "ITL decode p99": percentile(got["decode"]["itl"], 99),
-            })
+            for fleet, out in zip((co, pd), rows):
+                fleet.flush()
+                out.append(row(asyncio.run(run_once(fleet.url, workload(args, seed=run)))))
     return rows
+
+
+def row(got: dict) -> dict:
+    return {
+        "TTFT decode p50": percentile(got["decode"]["ttft"], 50), "TTFT decode p99": percentile(got["decode"]["ttft"], 99),
+        "TTFT long p50": percentile(got["long"]["ttft"], 50), "TTFT long p99": percentile(got["long"]["ttft"], 99),
+        "ITL decode p50": percentile(got["decode"]["itl"], 50), "ITL decode p99": percentile(got["decode"]["itl"], 99),
+    }
 
 
 def table(co: list[dict], pd: list[dict]) -> str:
@@ -202,8 +208,7 @@ def main() -> None:
 
         args.model = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "tiny", seed=0)
         args.max_total_tokens = args.max_total_tokens or 16384
-    co = measure(args, pd=False)
-    pd = measure(args, pd=True)
+    co, pd = measure(args)
     print(f"rate {args.rate}/s for {args.duration:g} s, one in {args.long_every} a {args.long_prompt}-token prompt; "
           f"device {args.device}, PD backend {args.backend}, {args.runs} runs")
     print(table(co, pd))
