@@ -226,3 +226,34 @@ def test_cuda_ipc_handles_travel_as_json():
             4096, 512, False, b"/torch_123_ref", 7, b"\x00event", True)
     back = _ipc_args(json.loads(json.dumps(_ipc_fields(args))))
     assert back == args
+
+
+@pytest.mark.parametrize("cls", [LoopbackTransfer, ZmqTransfer], ids=["loopback", "zmq"])
+def test_failed_rooms_say_why(cls):
+    sender, receiver, _, _ = pair(cls)
+    peer = sender.connect(receiver.endpoint())
+    sender.start(1, peer, [0], [0], b"")  # never expected
+    assert wait_while_pending(sender, 1) is FAILED and "does not expect" in sender.reason(1)
+    receiver.expect(2, [1])
+    receiver.abort(2)
+    assert receiver.reason(2) == "aborted"
+    sender.faults.fail_rate = 1.0
+    receiver.expect(3, [1])
+    sender.start(3, peer, [1], [1], b"")
+    assert wait_while_pending(sender, 3) is FAILED and sender.reason(3) == "injected failure"
+    sender.release(3)
+    assert sender.reason(3) == ""
+    sender.close(), receiver.close()
+
+
+def test_zmq_sender_abort_reaches_the_receiver_at_once():
+    """Not after the 30 s silence deadline: the receiver hears X and fails the room (or it had already landed)."""
+    sender, receiver, _, _ = pair(ZmqTransfer, chunk_bytes=1)  # one page a message
+    peer = sender.connect(receiver.endpoint())
+    for room in range(10):
+        receiver.expect(room, list(range(16)))
+        sender.start(room, peer, list(range(16)), list(range(16)), b"")
+        sender.abort(room)
+        assert sender.poll(room) is FAILED
+        assert wait_while_pending(receiver, room, limit_s=3.0) in (FAILED, DONE)
+    sender.close(), receiver.close()

@@ -8,7 +8,8 @@ metadata row per room. Every call returns at once: `start` launches, `poll` repo
 
 Who calls what: the receiver (decode) registers, `expect`s each room's destination pages and hands its
 `endpoint()` to the sender; the sender (prefill) `connect`s to that endpoint and `start`s. Whichever side
-moves the bytes (the sender pushes in zmq and nixl, the receiver pulls in cuda-ipc), the calls are the same.
+moves the bytes (the sender pushes in zmq and loopback, the receiver pulls in nixl and cuda-ipc),
+the calls are the same.
 
 Ownership (docs/pd.md): the receiver owns its destination pages and frees them only once no more bytes can
 land; `poll` returning DONE on either side promises that every byte of the transfer is in the receiver's
@@ -115,6 +116,11 @@ class KVTransfer(abc.ABC):
     @abc.abstractmethod
     def abort(self, room: int) -> None:
         """Either side: end the room; later bytes for it are dropped and `poll` says FAILED. Idempotent."""
+
+    def reason(self, room: int) -> str:
+        """Either side, after FAILED: why, in a few words ("aborted", "the receiver did not answer for 30 s",
+        "injected failure"), for the error the client sees; "" when the backend does not say."""
+        return ""
 
     def release(self, room: int) -> None:
         """Forget a finished room's bookkeeping (after DONE or FAILED has been acted on)."""

@@ -168,6 +168,9 @@ class CudaIpcTransfer(KVTransfer):
         if sent is not None:
             self._command(("send", sent[0], [b"X", _room(room)]))
 
+    def reason(self, room: int) -> str:
+        return self._in.reason.get(room) or self._out.reason.get(room) or ""
+
     def release(self, room: int) -> None:
         with self._lock:
             self._in.forget(room)

@@ -128,6 +128,9 @@ class LoopbackTransfer(KVTransfer):
                     side.reason.setdefault(room, "aborted")
             self._expected.pop(room, None)
 
+    def reason(self, room: int) -> str:
+        return self._in.reason.get(room) or self._out.reason.get(room) or ""
+
     def release(self, room: int) -> None:
         with _HUB.lock:
             self._in.forget(room)

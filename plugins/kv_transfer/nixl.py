@@ -146,6 +146,9 @@ class NixlTransfer(KVTransfer):
         if sent is not None:
             self._notify(sent[0], b"X", room)
 
+    def reason(self, room: int) -> str:
+        return self._in.reason.get(room) or self._out.reason.get(room) or ""
+
     def release(self, room: int) -> None:
         with self._lock:
             self._in.forget(room)

@@ -81,6 +81,7 @@ class ZmqTransfer(KVTransfer):
         self._heard_senders: dict[bytes, float] = {}  # routing id -> when the receiver last heard from it
         self._metadata: dict[int, bytes] = {}
         self._layouts: dict[str, Layout] = {}  # peer id -> its layout
+        self._peer_of: dict[int, str] = {}  # room -> the peer it was started to
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
@@ -134,6 +135,7 @@ class ZmqTransfer(KVTransfer):
             ready.record()
         with self._lock:
             self._out.state[room] = PENDING
+            self._peer_of[room] = peer
         self._command(("start", _Out(room, peer, self._chunks(runs), bytes(metadata), ready)))
 
     def poll(self, room: int) -> TransferStatus:
@@ -149,20 +151,23 @@ class ZmqTransfer(KVTransfer):
 
     def abort(self, room: int) -> None:
         with self._lock:  # waits for at most the one chunk being read or written
-            sending = self._out.state.get(room) is PENDING
+            sending = self._peer_of.get(room) if self._out.state.get(room) is PENDING else None
             for side in (self._in, self._out):
                 if room in side.state:
                     side.state[room] = FAILED
                     side.reason.setdefault(room, "aborted")
             self._expected.pop(room, None)
-        if sending:
-            self._command(("abort", room))
+        if sending is not None:
+            self._command(("abort", room, sending))
+
+    def reason(self, room: int) -> str:
+        return self._in.reason.get(room) or self._out.reason.get(room) or ""
 
     def release(self, room: int) -> None:
         with self._lock:
             self._in.forget(room)
             self._out.forget(room)
-            for book in (self._expected, self._landed, self._senders, self._metadata):
+            for book in (self._expected, self._landed, self._senders, self._metadata, self._peer_of):
                 book.pop(room, None)
 
     def close(self) -> None:
@@ -251,10 +256,9 @@ class ZmqTransfer(KVTransfer):
                 peer = self._peers[out.peer]
                 if not any(o.peer == out.peer for o in self._sending.values() if o is not out):
                     peer.heard = time.monotonic()  # silence is counted from when we start waiting on it
-            elif kind == "abort":
-                out = self._sending.pop(command[1], None)
-                if out is not None:
-                    self._post(self._peers[out.peer], [b"X", _room(out.room)])
+            elif kind == "abort":  # the receiver hears of it, whatever this thread had already seen
+                self._sending.pop(command[1], None)
+                self._post(self._peers[command[2]], [b"X", _room(command[1])])
 
     def _send_chunks(self) -> None:
         for out in list(self._sending.values()):
