@@ -77,9 +77,9 @@ def test_decode_needs_every_receiving_rank_done_and_fails_on_any():
         b.admitted(rid, 0, room=1, prompt_len=4)
     assert b.absorb([report(reserved=[("a", (3, 4)), ("b", (5, 6))])]) == [("a", 0, (3, 4)), ("b", 0, (5, 6))]
     assert b.stats().states["waiting"] == 2
-    b.absorb_polls([{"a": "done", "b": "done"}, {"a": "pending", "b": "failed"}])
+    b.absorb_polls([{"a": "done", "b": "done"}, {"a": "pending", "b": "failed: injected failure"}])
     [end_b] = b.decide()
-    assert (end_b.rid, end_b.ok) == ("b", False) and "backend reported" in end_b.reason
+    assert (end_b.rid, end_b.ok) == ("b", False) and end_b.reason == "the KV transfer failed (injected failure)"
     b.absorb_polls([{"a": "done"}, {"a": "done"}])
     [end_a] = b.decide()
     assert (end_a.rid, end_a.ok) == ("a", True)

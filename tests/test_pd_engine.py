@@ -69,6 +69,9 @@ class Copier(KVTransfer):
         self.expected.pop(room, None)
         self.status[room] = TransferStatus.FAILED
 
+    def reason(self, room):
+        return "aborted"
+
 
 @pytest.fixture
 def engines(tiny_model_dir, monkeypatch):

@@ -116,8 +116,9 @@ class TransferBook:
                 entry = self.entries.get(rid)
                 if entry is None:
                     continue
-                if status == FAILED:
-                    self._end(rid, entry, False, FAILED, "the KV transfer failed (the transfer backend reported it)")
+                if status.startswith(FAILED):
+                    why = status.partition(": ")[2] or "the transfer backend reported it"
+                    self._end(rid, entry, False, FAILED, f"the KV transfer failed ({why})")
                 elif status == DONE:
                     done[rid] += 1
         for rid, count in done.items():

@@ -134,9 +134,16 @@ class RankTransfers:
 
     # --- the leader's decisions ---------------------------------------------------------------------------
     def polls(self) -> dict[str, str]:
-        """This rank's view of each transfer it takes part in (the leader combines the group's)."""
+        """This rank's view of each transfer it takes part in (the leader combines the group's): pending, done, or
+        failed with the backend's reason ("failed: injected failure")."""
         rids = self.sending if self.prefill else self.expecting
-        return {rid: self.backend.poll(self.rooms[rid]).value for rid in rids}
+        polls = {}
+        for rid in rids:
+            status = self.backend.poll(self.rooms[rid])
+            polls[rid] = status.value
+            if status == TransferStatus.FAILED:
+                polls[rid] += f": {self.backend.reason(self.rooms[rid])}"
+        return polls
 
     def end(self, command: EndTransfer) -> None:
         rid = command.rid
