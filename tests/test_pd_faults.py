@@ -138,7 +138,10 @@ def test_a_late_ack_after_the_decode_deadline_fails_the_request(fleet, reference
     p1, d3 = fleet["p1"], fleet["d3"]
     with PDRouter([p1], [d3]) as router:
         results = asyncio.run(load(router.url, 4, concurrency=2))
-    assert all(status >= 500 and "did not finish within 0.001 s" in value for status, value in results.values())
+    # never a 200: the deadline failed each (P1's injected failures may fail one first, with their own reason)
+    assert all(status >= 500 for status, _ in results.values())
+    assert all("did not finish within 0.001 s" in value or "transfer failed" in value for _, value in results.values())
+    assert any("did not finish within 0.001 s" in value for _, value in results.values())
     wait_idle(p1, d3)  # the room was closed before freeing: the late bytes were dropped, P's pages came back too
 
 
