@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import attrs
 import torch
 
@@ -15,6 +17,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")  # --schedule-policy: arrival order, or long
 OFF, STAT, PER_STEP = "off", "stat", "per-step"  # expert-load recording modes
 STATIC, SPREAD = "static", "spread"  # --ep-dispatch-algorithm: which replica a routed token uses
 DISPATCH_ALGORITHMS = (STATIC, SPREAD)
+DISAGGREGATION_MODES = ("none", "prefill", "decode")  # --disaggregation-mode
 
 
 def _positive(instance, attribute, value):
@@ -30,6 +33,15 @@ def _fraction(instance, attribute, value):
 def _not_negative(instance, attribute, value):
     if value < 0:
         raise ValueError(f"{attribute.name} must not be negative, got {value}")
+
+
+def _json_object(instance, attribute, value):
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"{attribute.name} must be a JSON object, got {value!r} ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{attribute.name} must be a JSON object, got {value!r}")
 
 
 def _one_of(choices):
@@ -94,6 +106,14 @@ class EngineConfig:
     speculative_algorithm: str = "none"
     speculative_num_steps: int = attrs.field(default=3, validator=_positive)
     speculative_num_draft_tokens: int | None = attrs.field(default=None, validator=_positive)
+    # prefill/decode disaggregation (docs/pd.md): this server's role, how KV pages move, and the deadlines
+    disaggregation_mode: str = attrs.field(default="none", validator=_one_of(DISAGGREGATION_MODES))
+    disaggregation_transfer_backend: str = "zmq"
+    disaggregation_transfer_config: str = attrs.field(default="{}", validator=_json_object)  # the backend's options
+    disaggregation_bootstrap_port: int = attrs.field(default=8998, validator=_positive)
+    disaggregation_bootstrap_timeout: float = attrs.field(default=30.0, validator=_positive)
+    disaggregation_transfer_timeout: float = attrs.field(default=30.0, validator=_positive)
+    disaggregation_lease: float = attrs.field(default=60.0, validator=_positive)
 
     def __attrs_post_init__(self):
         if self.max_batched_tokens < self.max_running_requests:

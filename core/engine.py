@@ -32,6 +32,7 @@ from .models.setup import load_model
 from .moe.rebalance import ExpertBalancing, RebalanceReport
 from .parallel import ParallelState
 from .prefix_cache import PrefixCache
+from .disagg.rank import RankTransfers
 from .progress import progress as progress_bar
 from .request import FinishReason, Request, check_prompt
 from .sampler import FAILED, Sampler
@@ -116,6 +117,8 @@ class Engine:
             self.scheduler.lookahead = self.speculation.lookahead
         # speculative steps run without the overlap schedule: a step's drafts need the tokens accepted before it
         self.overlap_schedule = _overlap_schedule(config, self.device, self.parallel.config.world_size) and drafter is None
+        # prefill/decode disaggregation: this rank's transfer backend and the pages it holds or expects
+        self.pd = RankTransfers.create(self) if config.disaggregation_mode != "none" else None
         self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet
         self.sampler = Sampler()
         self.tokenizer = load_tokenizer(config.model)
@@ -128,11 +131,17 @@ class Engine:
         self.hooks.hook.moeplex_engine_started(engine=self)
 
     # --- requests -------------------------------------------------------------------------------
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None) -> Request:
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None, room: int | None = None
+    ) -> Request:
+        """Queue a request; `room`: its KV pages move under this bootstrap room (a prefill or decode engine)."""
         prompt_ids = list(prompt_ids)
         check_prompt(prompt_ids, self.vocab_size, self.kv.capacity_tokens)
+        if room is not None and self.pd is None:
+            raise ValueError("a bootstrap room needs --disaggregation-mode prefill or decode")
         request = Request(rid if rid is not None else str(next(self._ids)), prompt_ids, params)
-        self.scheduler.add(request)
+        if room is None or self.pd.add(request, room):
+            self.scheduler.add(request)
         self._requests[request.rid] = request
         if self.tokenizer is not None:
             self._detok[request.rid] = Detokenizer(self.tokenizer)
@@ -160,10 +169,26 @@ class Engine:
         if request is not None and not request.finished:
             request.finish(FinishReason.ABORT)
             self._retire(request)
+        elif self.pd is not None and rid in self.pd.held:  # prefilled, its pages held for a transfer
+            self.pd.abort_held(rid)
+
+    def fail(self, request: Request, reason: str | None) -> None:
+        """End a request with an error the client is told (a KV transfer that failed)."""
+        if not request.finished:
+            request.finish(FinishReason.ABORT, error=reason or "the request failed")
+            self._retire(request)
+
+    def admit_transferred(self, request: Request, token: int, logprob: dict | None) -> None:
+        """Decode: a request whose prompt KV has landed in its pages (num_cached set) gets its first token from the
+        prefill server and then decodes like any other."""
+        if logprob is not None:
+            request.logprobs.append(logprob)
+        if not self._append(request, token):
+            self.scheduler.add_decoding(request)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self.in_flight is not None
+        return self.scheduler.has_work or self.in_flight is not None or (self.pd is not None and self.pd.has_work)
 
     def any_rank_has_work(self) -> bool:
         """Under DP attention, whether any rank still has requests (all ranks must keep stepping)."""
@@ -191,6 +216,8 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one scheduled step; return the requests that finished (under the overlap schedule: whose
         tokens of the step before, read now, finished them)."""
+        if self.pd is not None:
+            self.pd.before_step()
         work = self.scheduler.schedule()
         finished = self._drain_dropped()
         if self.speculation is not None:
@@ -325,7 +352,8 @@ class Engine:
 
     def _retire(self, request: Request) -> None:
         request.pending_rows.clear()  # a token still in flight comes too late
-        self.scheduler.finish(request)
+        if self.pd is None or not self.pd.on_retire(request):  # a prefilled request may keep its pages for a transfer
+            self.scheduler.finish(request)
         if self.speculation is not None:
             self.speculation.finished(request)
         self._requests.pop(request.rid, None)

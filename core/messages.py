@@ -26,6 +26,7 @@ class Admit:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     dp_rank: int | None = None  # the DP group that runs it (the leader's choice)
+    room: int | None = None  # prefill/decode disaggregation: the bootstrap room its KV pages travel under
 
 
 @attrs.frozen
@@ -44,6 +45,29 @@ class Call:
     method: str
     args: tuple = ()
     id: int = 0
+
+
+@attrs.frozen
+class SendKV:
+    """Prefill: where request `rid`'s KV pages go (the decode group's pages and its ranks' transfer endpoints)."""
+
+    rid: str
+    dst_pages: tuple[int, ...]
+    peers: tuple[bytes, ...]  # one per decode attention-TP rank: prefill rank i of the group sends to peers[i]
+    dp_rank: int | None = None
+
+
+@attrs.frozen
+class EndTransfer:
+    """The leader's decision on a request's transfer, applied by every rank of its group in the same round.
+
+    Prefill: free the source pages (ok or not). Decode: ok admits the request with its first token, else it fails
+    with `reason` after its room is closed (no byte lands afterwards) and its pages are freed."""
+
+    rid: str
+    ok: bool
+    reason: str | None = None
+    dp_rank: int | None = None
 
 
 @attrs.frozen
@@ -106,6 +130,7 @@ class GroupReport:
     updates: tuple[RequestUpdate, ...]
     has_work: bool
     stats: GroupStats
+    reserved: tuple[tuple[str, tuple[int, ...]], ...] = ()  # decode: (rid, destination pages) reserved this round
 
 
 @attrs.frozen
@@ -167,6 +192,8 @@ class RoundReport:
     failures: tuple[Failure, ...]
     outcomes: tuple[tuple[int, Any], ...]  # (call id, rank 0's result or exception)
     stats: LoopStats
+    reserved: tuple[tuple[str, int, tuple[int, ...]], ...] = ()  # decode: (rid, DP group, pages) to register with P
+    transfers: Any = None  # prefill/decode: the TransferStats of the leader's book (disagg/book.py)
 
 
 @attrs.frozen

@@ -168,6 +168,22 @@ class Scheduler:
             self.waiting.remove(request)
         self._release(request, keep=request.error is None)
 
+    def add_decoding(self, request: Request) -> None:
+        """A request whose prompt KV is already in its pages (a decode server's, after the transfer): it joins the
+        decoding requests at once when there is room, so it never needs a prefill step (nor stalls the decodes)."""
+        if len(self.running) < self.max_running:
+            self.running.append(request)
+        else:
+            self.waiting.append(request)  # its pages cover the prompt: admission reserves nothing more
+
+    def detach(self, request: Request) -> None:
+        """Take a finished request off the queues with its pages (a prefill server holds them for a transfer);
+        finish() releases them later."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
     # --- the prefix cache ---------------------------------------------------------------------------
     def cache_progress(self, request: Request) -> None:
         """After a prompt chunk: the pages it filled join the cache, so a request arriving meanwhile shares them."""

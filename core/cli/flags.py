@@ -13,8 +13,10 @@ import attrs
 import torch
 
 from ..config import (
-    ATTENTION_BACKENDS, DISPATCH_ALGORITHMS, DTYPES, PER_STEP, QUANTIZE_EXPERTS, SCHEDULE_POLICIES, STAT, EngineConfig,
+    ATTENTION_BACKENDS, DISAGGREGATION_MODES, DISPATCH_ALGORITHMS, DTYPES, PER_STEP, QUANTIZE_EXPERTS, SCHEDULE_POLICIES,
+    STAT, EngineConfig,
 )
+from ..disagg.rank import transfer_backend
 from ..models.base import check_model_folder
 from ..models.make_model import default_model
 from ..models.setup import check_before_start
@@ -178,6 +180,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     add_balancing_flags(parser)
     add_speculative_flags(parser)
+    add_disaggregation_flags(parser)
     flag(parser, "--seed", "global random seed (default: %(default)s)")
 
 
@@ -241,6 +244,42 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_disaggregation_flags(parser: argparse.ArgumentParser) -> None:
+    pd = parser.add_argument_group("prefill/decode disaggregation (docs/pd.md; `moeplex router --pd` pairs the roles)")
+    flag(
+        pd, "--disaggregation-mode",
+        "none: prefill and decode in this server; prefill: compute prompts and send their KV pages to a decode "
+        "server; decode: receive the KV pages of prompts and generate (default: %(default)s)",
+        choices=DISAGGREGATION_MODES,
+    )
+    flag(pd, "--disaggregation-transfer-backend", "kv_transfer plugin that moves the KV pages (default: %(default)s)")
+    flag(
+        pd, "--disaggregation-transfer-config",
+        "the backend's options as a JSON object of its constructor arguments, e.g. '{\"host\": \"10.0.0.5\"}' for "
+        "zmq across hosts (see docs/kv_transfer.md) (default: %(default)s)", metavar="JSON",
+    )
+    flag(
+        pd, "--disaggregation-bootstrap-port",
+        "prefill: the port of its bootstrap HTTP endpoint (each rank's transfer endpoint, the KV layout, the rooms "
+        "decode servers register) (default: %(default)s)", metavar="PORT",
+    )
+    flag(
+        pd, "--disaggregation-bootstrap-timeout",
+        "seconds a request may wait for its peer: prefill for the decode server's destination pages, decode for "
+        "free pages and its registration with the prefill server (default: %(default)s)", metavar="SECONDS",
+    )
+    flag(
+        pd, "--disaggregation-transfer-timeout",
+        "decode: seconds from registering a request's destination pages until its KV has landed; past it the room "
+        "is closed, late bytes are dropped and the request fails (default: %(default)s)", metavar="SECONDS",
+    )
+    flag(
+        pd, "--disaggregation-lease",
+        "prefill: seconds the source pages of a request stay reserved for its transfer once it has started; past it "
+        "they are freed and a late acknowledgement fails the transfer (default: %(default)s)", metavar="SECONDS",
+    )
+
+
 def _values(config, args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in attrs.fields(config) if hasattr(args, f.name)}
 
@@ -269,5 +308,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     settings.update(overrides)  # a command's own choices win over the shared flags
     config = EngineConfig(**settings)
     resolve(config, announce=True)  # refuse an impossible selection before any rank starts, and name the choice
+    if config.disaggregation_mode != "none":
+        transfer_backend(config)  # likewise a kv_transfer backend that cannot serve this role
     check_before_start(config)  # the checkpoint's headers and rank 0's model on the meta device, likewise
     return config

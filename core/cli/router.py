@@ -23,6 +23,13 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=30000, help="port to bind (default: 30000)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default: info)")
     p.add_argument("--access-log", action="store_true", help="log every request (costs CPU under load; default: off)")
+    pd = p.add_argument_group("prefill/decode disaggregation (docs/pd.md)")
+    pd.add_argument("--pd", action="store_true",
+                    help="pair a prefill and a decode server per request (`serve --disaggregation-mode prefill|decode`): "
+                    "the --policy chooses among the prefill servers, the least loaded decode server decodes")
+    pd.add_argument("--prefill", nargs="+", metavar="URL[,BOOTSTRAP_PORT]", default=[],
+                    help="prefill servers, each with the port of its bootstrap endpoint (default port: 8998)")
+    pd.add_argument("--decode", nargs="+", metavar="URL", default=[], help="decode servers")
     _add_cache_aware_flags(p)
     _add_health_flags(p)
     _add_forwarding_flags(p)
@@ -114,8 +121,9 @@ def run(args) -> int:
     settings = settings_from(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ..router.app import build_router_app  # here: every other command runs without the router's HTTP client
+    from ..router.pd import build_pd_router_app
 
-    app = build_router_app(settings)
+    app = build_pd_router_app(settings) if settings.pd else build_router_app(settings)
     # the process carries every module the CLI imported (torch among them); frozen, the collector never walks them
     # again, and a larger first generation collects less often on the per-request garbage (a tenth of the router's
     # CPU went to collections before; the tree's nodes still are collected, being cyclic)

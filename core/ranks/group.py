@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from ..disagg.book import TransferBook
 from ..engine import Engine
-from ..messages import Abort, Admit, Call, GroupReport, GroupStats, Round
+from ..kv_cache import KVPool
+from ..messages import Abort, Admit, Call, GroupReport, GroupStats, Round, SendKV
 from ..request import check_prompt
 from ..sampling import SamplingParams
 from .dp_dispatch import DPDispatch
@@ -39,6 +41,10 @@ class EngineGroup:
         self.dispatch = DPDispatch(self.dp_size, self.capacity_tokens, not engine.config.disable_prefix_cache)
         self._queued: list = []
         self._call_done: list[Callable[[Any], None]] = []  # one per queued Call
+        # prefill/decode disaggregation: the state and deadline of every request that moves KV
+        self.book = self._transfer_book(engine) if engine.pd is not None else None
+        self.reserved: list[tuple[str, int, tuple[int, ...]]] = []  # decode pages reserved in the last round
+        self.quiet = False  # the last round changed no request (only transfers were waited on)
 
     # --- the shape of the group ------------------------------------------------------------------
     @property
@@ -62,23 +68,44 @@ class EngineGroup:
     # --- between rounds ---------------------------------------------------------------------------
     @property
     def needs_round(self) -> bool:
-        return self.has_work or bool(self._queued)
+        return self.has_work or bool(self._queued) or (self.book is not None and self.book.pending)
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str) -> None:
+    @property
+    def transfer_wait_s(self) -> float:
+        """How long the leader may wait for a command before a round that would only poll transfers."""
+        return 0.002 if self.quiet and self.book is not None and self.book.pending else 0.0
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str, room: int | None = None) -> None:
         """Queue the request for its DP group's next round; ValueError if some group could not hold it."""
         prompt_ids = tuple(prompt_ids)
         check_prompt(prompt_ids, self.engine.vocab_size, self.capacity_tokens)
+        if room is not None and self.book is None:
+            raise ValueError("a bootstrap room needs --disaggregation-mode prefill or decode")
         dp_rank = self.dispatch.choose(prompt_ids, *self._loads())
         self.dispatch.will_cache(dp_rank, prompt_ids)
         self._unfinished[rid] = (dp_rank, list(prompt_ids))
-        self._queued.append(Admit(rid, prompt_ids, params, dp_rank))
+        self._queued.append(Admit(rid, prompt_ids, params, dp_rank, room))
         self.admitted[dp_rank] += 1
+        if room is not None:
+            self.book.admitted(rid, dp_rank, room, len(prompt_ids))
 
     def abort(self, rid: str) -> None:
-        """Drop the request (its pages are freed in the next round); nothing more is reported of it."""
+        """Drop the request (its pages are freed in the next round); nothing more is reported of it.
+        A prefilled request whose pages are held for a transfer is dropped too (its transfer ends)."""
         entry = self._unfinished.pop(rid, None)
+        moving = self.book.drop(rid) if self.book is not None else None
         if entry is not None:
             self._queued.append(Abort(rid, entry[0]))
+        elif moving is not None:
+            self._queued.append(Abort(rid, moving.dp_rank))
+
+    def send_kv(self, command: SendKV) -> bool:
+        """Prefill: the decode side's destination for a request; False if the request is not (or no longer) here."""
+        entry = self.book.entries.get(command.rid) if self.book is not None else None
+        if entry is None or not self.book.destination(command.rid, len(command.peers)):
+            return False
+        self._queued.append(SendKV(command.rid, command.dst_pages, command.peers, entry.dp_rank))
+        return True
 
     def call(self, method: str, args: tuple, done: Callable[[Any], None]) -> None:
         """engine.<method>(*args) on every rank in the next round; done(rank 0's result or exception)."""
@@ -104,6 +131,9 @@ class EngineGroup:
     # --- rounds ----------------------------------------------------------------------------------
     def step(self) -> list[GroupReport]:
         """One round on every rank: the queued commands, one engine step; the DP groups' progress (also absorbed)."""
+        self.reserved = []
+        if self.book is not None:
+            self._queued.extend(self.book.decide())
         round_ = Round(tuple(self._queued))
         done, self._queued, self._call_done = self._call_done, [], []
         self.channel.share(round_)
@@ -112,6 +142,11 @@ class EngineGroup:
         self.worker.step()
         reports = self.channel.collect(self.worker.report())
         self._absorb(reports)
+        if self.book is not None:
+            self.reserved = self.book.absorb(reports)
+            polls = self.worker.polls()
+            self.book.absorb_polls(self.channel.collect_polls(polls) if self.size > 1 else [polls])
+            self.quiet = not (round_.commands or self.reserved or any(r.updates for r in reports))
         return reports
 
     def halt(self) -> None:
@@ -144,6 +179,10 @@ class EngineGroup:
             requests[dp_rank] += 1
             tokens[dp_rank] += len(ids)
         return requests, tokens
+
+    def _transfer_book(self, engine: Engine) -> TransferBook:
+        page_bytes = KVPool.bytes_per_token(engine.model.kv_shapes(), engine.config.torch_dtype) * engine.kv.page_size
+        return TransferBook(engine.config, page_bytes, self.parallel.config.attn_tp_size)
 
     def _initial_stats(self, dp_rank: int) -> GroupStats:
         info = self.ranks[self.group_ranks(dp_rank)[0]]

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import attrs
 
 from ..config import EngineConfig
-from ..messages import Abort, Admit, Call, Failure, Halted, LoopStats, Round, RoundReport
+from ..messages import Abort, Admit, Call, Failure, Halted, LoopStats, Round, RoundReport, SendKV
 from .group import EngineGroup
 
 log = logging.getLogger("moeplex.server")
@@ -66,7 +66,7 @@ class Leader:
         """Rounds until the front end halts them; raises (after telling the front end) if they cannot go on."""
         try:
             while not self._halted:
-                self._take_commands(block=not self.group.needs_round)
+                self._take_commands(block=not self.group.needs_round, wait=self.group.transfer_wait_s)
                 # with several ranks an idle round is the keep-alive that the followers wait for
                 if not self._halted and (self.group.needs_round or self.group.size > 1):
                     self._round()
@@ -76,8 +76,11 @@ class Leader:
             raise
         self._tell(Halted())
 
-    def _take_commands(self, block: bool) -> None:
+    def _take_commands(self, block: bool, wait: float = 0.0) -> None:
+        """`wait`: with only transfers to poll, a moment for a command before the next round (no busy loop)."""
         if block and not self.connection.poll(self.group.keepalive_s):
+            return
+        if not block and wait and not self.connection.poll(wait):
             return
         while not self._halted and self.connection.poll(0):
             try:
@@ -92,11 +95,13 @@ class Leader:
     def _handle(self, command) -> None:
         if isinstance(command, Admit):
             try:
-                self.group.add_request(command.prompt_ids, command.params, rid=command.rid)
+                self.group.add_request(command.prompt_ids, command.params, rid=command.rid, room=command.room)
             except ValueError as exc:  # the front end checks first; the engine's own checks have the last word
                 self._failures.append(Failure(command.rid, 400, str(exc)))
         elif isinstance(command, Abort):
             self.group.abort(command.rid)
+        elif isinstance(command, SendKV):
+            self.group.send_kv(command)
         elif isinstance(command, Call):
             self.group.call(command.method, command.args, lambda outcome, id=command.id: self._outcomes.append((id, outcome)))
 
@@ -118,7 +123,11 @@ class Leader:
         self.on_round()
         updates = tuple(update for report in reports for update in report.updates)
         stats = LoopStats(tuple(self.group.stats), tuple(self.group.admitted), self._steps, self._failed_steps)
-        self.connection.send(RoundReport(updates, tuple(self._failures), tuple(self._outcomes), stats))
+        book = self.group.book
+        transfers = book.stats() if book is not None else None
+        self.connection.send(
+            RoundReport(updates, tuple(self._failures), tuple(self._outcomes), stats, tuple(self.group.reserved), transfers)
+        )
         self._failures, self._outcomes = [], []
 
     def _tell(self, message: Halted) -> None:

@@ -11,6 +11,7 @@ group itself, so nothing is gathered.
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 from typing import Callable
@@ -18,9 +19,10 @@ from typing import Callable
 import attrs
 import torch.distributed as dist
 
+from ..disagg.layout import KVLayout
 from ..engine import Engine
 from ..memory import memory_report
-from ..messages import Abort, Admit, Call, GroupReport, GroupStats, RequestUpdate, Round
+from ..messages import Abort, Admit, Call, EndTransfer, GroupReport, GroupStats, RequestUpdate, Round, SendKV
 from ..parallel import ParallelState
 from ..request import FinishReason, Request
 
@@ -85,7 +87,19 @@ class RankWorker:
             elif isinstance(command, Abort):
                 self.engine.abort(command.rid)
                 self._reported.pop(command.rid, None)
+            elif isinstance(command, SendKV):
+                self.engine.pd.send_to(command)
+            elif isinstance(command, EndTransfer):
+                self.engine.pd.end(command)
         return outcomes
+
+    @property
+    def moves_kv(self) -> bool:
+        """Whether this engine is one role of a disaggregated pair (its ranks' transfer polls reach the leader)."""
+        return self.engine.pd is not None
+
+    def polls(self) -> dict[str, str]:
+        return self.engine.pd.polls() if self.engine.pd is not None else {}
 
     def step(self) -> None:
         self.engine.step()
@@ -100,11 +114,12 @@ class RankWorker:
                 updates.append(update)
             if reported.request.finished:
                 del self._reported[rid]
-        return GroupReport(self.parallel.dp_rank, tuple(updates), self.engine.has_work, group_stats(self.engine))
+        reserved = self.engine.pd.take_reserved() if self.engine.pd is not None else ()
+        return GroupReport(self.parallel.dp_rank, tuple(updates), self.engine.has_work, group_stats(self.engine), reserved)
 
     def _admit(self, command: Admit) -> None:
         try:
-            request = self.engine.add_request(command.prompt_ids, command.params, rid=command.rid)
+            request = self.engine.add_request(command.prompt_ids, command.params, rid=command.rid, room=command.room)
         except ValueError as exc:  # rank 0 checks first, so a refusal here is a fault: fail the request
             self._refused.append(RequestUpdate(command.rid, finish_reason=FinishReason.ABORT, error=str(exc)))
             return
@@ -119,8 +134,12 @@ class RankWorker:
 
 
 def rank_info(engine: Engine) -> dict:
-    """This rank's place and memory, as /get_server_info shows it."""
-    return {**memory_report(engine), "dp_rank": engine.parallel.dp_rank, "pid": os.getpid()}
+    """This rank's place and memory, as /get_server_info shows it (and its transfer endpoint, disaggregated)."""
+    info = {**memory_report(engine), "dp_rank": engine.parallel.dp_rank, "pid": os.getpid()}
+    if engine.pd is not None:
+        info["kv_transfer_endpoint"] = base64.b64encode(engine.pd.endpoint()).decode()
+        info["kv_layout"] = KVLayout.of(engine).to_json()
+    return info
 
 
 class Channel:
@@ -143,6 +162,10 @@ class Channel:
         if self.parallel.config.dp_size == 1:
             return [report] if report is not None else []
         return [r for r in self.gather(report) if r is not None]
+
+    def collect_polls(self, polls: dict[str, str]) -> list[dict[str, str]]:
+        """Every rank's transfer polls, on rank 0 (a disaggregated engine gathers them after each round)."""
+        return self.gather(polls)
 
     def gather(self, item) -> list:
         """Every rank's item, on rank 0 (an empty list elsewhere)."""
@@ -174,4 +197,6 @@ class Follower:
                     log.debug("engine call refused on this rank: %s", outcome)
             self.worker.step()
             self.channel.collect(self.worker.report())
+            if self.worker.moves_kv:
+                self.channel.collect_polls(self.worker.polls())
             self.on_round()

@@ -18,7 +18,7 @@ def _worker_url(instance, attribute, urls):
 
 @attrs.frozen
 class RouterSettings:
-    worker_urls: tuple[str, ...] = attrs.field(converter=tuple, validator=_worker_url)
+    worker_urls: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_worker_url)
     policy: str = attrs.field(default="cache_aware", validator=attrs.validators.in_(POLICIES))
     host: str = "127.0.0.1"
     port: int = attrs.field(default=30000, validator=[ge(0), le(65535)])
@@ -49,10 +49,19 @@ class RouterSettings:
     admin_api_key: str | None = attrs.field(default=None, repr=False)  # management; None: loopback binding only
     worker_api_key: str | None = attrs.field(default=None, repr=False)  # the bearer key the router sends workers
     worker_url_allow: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # URL patterns; empty: any
+    # prefill/decode disaggregation: pairs of a prefill server (URL[,BOOTSTRAP_PORT]) and a decode server per request
+    pd: bool = False
+    prefill: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    decode: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self):
+        if self.pd and (not self.prefill or not self.decode or self.worker_urls):
+            raise ValueError("--pd takes --prefill URL[,BOOTSTRAP_PORT] ... and --decode URL ... (and no --worker-urls)")
+        if not self.pd and (self.prefill or self.decode):
+            raise ValueError("--prefill and --decode need --pd")
+        _worker_url(self, None, [spec.partition(",")[0] for spec in self.prefill] + list(self.decode))
         rule = WorkerUrlRule(self.worker_url_allow)
-        for url in self.worker_urls:
+        for url in self.worker_urls + tuple(spec.partition(",")[0] for spec in self.prefill) + self.decode:
             refusal = rule.refusal(url)
             if refusal:
                 raise ValueError(refusal)

@@ -12,6 +12,8 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
+from ..disagg.bootstrap import BootstrapServer
+from ..disagg.frontend import PrefillSide, pd_side
 from ..engine import Engine
 from ..ranks.group import EngineGroup
 from ..ranks.leader import EngineFacts, Leader
@@ -60,6 +62,8 @@ def build_app(
         loop = EngineLoop(here, EngineFacts.of(group), metrics, on_engine_stopped, Leader(group, there), watchdog)
     metrics.watch(lambda: loop.stats)
     facts = loop.facts
+    loop.pd = pd_side(loop, facts)
+    metrics.watch_transfers(lambda: loop.transfers)
     model = ServedModel(facts, settings.served_model_name or facts.config.model, load_tokenizer(facts.config.model))
     endpoints = [CompletionsEndpoint(model), ChatEndpoint(model), GenerateEndpoint(model)]
     info = InfoRoutes(model, loop, metrics, settings, endpoints)
@@ -71,10 +75,19 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         loop.start(asyncio.get_running_loop())
+        bootstrap = None
+        if isinstance(loop.pd, PrefillSide):
+            port = facts.config.disaggregation_bootstrap_port
+            bootstrap = BootstrapServer(loop.pd, asyncio.get_running_loop(), settings.host, port)
+            bootstrap.start()
         try:
             yield
         finally:
             await loop.stop()
+            if bootstrap is not None:
+                await bootstrap.stop()
+            if loop.pd is not None:
+                await loop.pd.close()
 
     app = Starlette(
         routes=routes,

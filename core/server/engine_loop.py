@@ -69,6 +69,8 @@ class EngineLoop:
         self._running = False
         self._halting = False
         self._halted: asyncio.Future | None = None
+        self.pd = None  # the front end's side of disaggregation (disagg/frontend.py), set by the app
+        self.transfers = None  # the leader's TransferStats, as of its last round
 
     @property
     def engine(self) -> Engine | None:
@@ -150,13 +152,27 @@ class EngineLoop:
             self.watchdog.reported()  # idle until now: no round was due
         self._progress[ticket.rid] = Progress(mirror, ticket)
         self.metrics.prompt_tokens.inc(len(ticket.prompt_ids))
-        self._command(Admit(ticket.rid, tuple(ticket.prompt_ids), ticket.params))
+        boot = ticket.bootstrap
+        self._command(Admit(ticket.rid, tuple(ticket.prompt_ids), ticket.params, room=boot.room if boot else None))
+        if boot is not None and self.pd is not None:
+            self.pd.submitted(ticket.rid, boot)
 
     def abort(self, rid: str) -> None:
         """The client has gone: drop the request and its KV pages; nobody is left to tell."""
         if self._progress.pop(rid, None) is not None:
             self._command(Abort(rid))
             self.metrics.finished.labels("abort").inc()
+            if self.pd is not None:
+                self.pd.aborted(rid)
+
+    def drop(self, rid: str, status: int, message: str) -> None:
+        """Fail a request with `message` and drop it from the engine (its peer in disaggregation gave up)."""
+        self._fail(Failure(rid, status, message))
+        self._command(Abort(rid))
+
+    def command(self, item) -> None:
+        """Queue a command for the leader (the disaggregation side's SendKV)."""
+        self._command(item)
 
     def call(self, method: str, *args) -> asyncio.Future:
         """A future of engine.<method>(*args), run on every rank between two steps (expert-load endpoints)."""
@@ -204,7 +220,10 @@ class EngineLoop:
     # --- back on the event loop ---------------------------------------------------------------------
     def _absorb(self, report: RoundReport) -> None:
         self.stats = report.stats
+        self.transfers = report.transfers
         self.watchdog.reported()
+        if report.reserved and self.pd is not None:
+            self.pd.reserved(report.reserved)
         for update in report.updates:
             progress = self._progress.get(update.rid)
             if progress is not None:  # else aborted meanwhile
@@ -240,6 +259,8 @@ class EngineLoop:
 
     def _fail(self, failure: Failure) -> None:
         progress = self._progress.pop(failure.rid, None)
+        if progress is not None and self.pd is not None:
+            self.pd.ended(failure.rid, failure.message)
         if progress is not None:
             self.metrics.finished.labels("rejected" if failure.status == 400 else "error").inc()
             progress.ticket.queue.put_nowait(Output.failure(progress.ticket, failure.status, failure.message))
@@ -254,6 +275,8 @@ class EngineLoop:
             progress.ticket.queue.put_nowait(output)
             if output.finished:
                 del self._progress[rid]
+                if self.pd is not None:
+                    self.pd.ended(rid, output.error)
 
     def _observe(self, progress: Progress, output: Output, now: float) -> None:
         if output.token_ids:

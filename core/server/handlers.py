@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from typing import Awaitable, Callable
 
+import attrs
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
+from ..disagg.frontend import take_bootstrap
 from .body import CLIENT_CLOSED, BodyReader, parse_json
 from .endpoint import Endpoint
 from .engine_loop import EngineLoop
+from .errors import bad_request
 from .group import RequestGroup
 from .schema import parse
 from .sse import EventStream
@@ -20,10 +23,21 @@ def generation_route(endpoint: Endpoint, loop: EngineLoop, bodies: BodyReader) -
     async def handle(http: HttpRequest) -> Response:
         body = await bodies.read(http)
         # JSON, validation, chat templates and tokenization are CPU work: in a thread, so /health and streams keep going
-        plan = await run_in_threadpool(lambda: endpoint.plan(parse(parse_json(body), endpoint.fields)))
+        values = await run_in_threadpool(parse_json, body)
+        side = loop.pd  # a prefill or decode server takes the router's bootstrap fields
+        boot = take_bootstrap(values, side.role) if side is not None and isinstance(values, dict) else None
+        plan = await run_in_threadpool(lambda: endpoint.plan(parse(values, endpoint.fields)))
+        requests = plan.requests
+        if boot is not None:
+            if len(requests) != 1:
+                raise bad_request(f"a disaggregated request carries one prompt and n=1; this one makes {len(requests)} sequences", "n")
+            if side.role == "prefill":  # the first token only: the decode server generates the rest
+                requests = [(requests[0][0], attrs.evolve(requests[0][1], max_new_tokens=1))]
+            else:
+                await side.connect(boot)  # refuses a prefill server whose KV layout differs, and tells it
         group = RequestGroup(loop)
-        for prompt_ids, params in plan.requests:
-            group.add(prompt_ids, params)
+        for prompt_ids, params in requests:
+            group.add(prompt_ids, params, boot)
         if plan.stream:
             return EventStream(endpoint.stream(plan, group), on_close=group.abort)
         completions = await group.collect_while_connected(http)

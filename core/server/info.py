@@ -124,8 +124,22 @@ class InfoRoutes:
                 "steps": stats.steps,
                 "failed_steps": stats.failed_steps,
                 "parallel": self._parallel(),
+                "disaggregation": self._disaggregation(),
             }
         )
+
+    def _disaggregation(self) -> dict:
+        """The role, its transfer backend and peers, and the leader's transfer counts."""
+        side, transfers = self.loop.pd, self.loop.transfers
+        if side is None:
+            return {"role": "none"}
+        info = side.info()
+        info.pop("layout", None)
+        info["ranks"] = len(self.loop.facts.ranks)
+        if transfers is not None:
+            info.update(states=transfers.states, transfers=transfers.outcomes, bytes=transfers.bytes,
+                        gb_per_second=transfers.bytes / transfers.seconds / 1e9 if transfers.seconds else 0.0)
+        return info
 
     def _prefix_cache(self, stats) -> dict:
         queried, hit = stats.cache_total("queried_tokens"), stats.cache_total("hit_tokens")

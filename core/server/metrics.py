@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..request import accept_length, accept_rate
 
@@ -74,6 +74,10 @@ class ServerMetrics:
         self.kv_pages_cached.set_function(lambda: stats().kv_pages_cached)
         self.registry.register(PrefixCacheCounters(stats))
 
+    def watch_transfers(self, transfers: Callable[[], object]) -> None:
+        """Disaggregation: the leader's TransferStats (None on a co-located server) at scrape time."""
+        self.registry.register(TransferMetrics(transfers))
+
     def tokens_generated(self, count: int, since_previous: float, first: bool) -> None:
         """`count` new tokens of one request, `since_previous` seconds after its submission or previous token."""
         self.generation_tokens.inc(count)
@@ -113,3 +117,31 @@ class PrefixCacheCounters:
             family = CounterMetricFamily(name, documentation)
             family.add_metric([], stats.cache_total(counter))
             yield family
+
+
+class TransferMetrics:
+    """KV transfers of a prefill or decode server: by outcome, bytes, rate, and the requests in each state."""
+
+    def __init__(self, transfers: Callable[[], object]):
+        self.transfers = transfers
+
+    def collect(self):
+        stats = self.transfers()
+        if stats is None:
+            return
+        ended = CounterMetricFamily("moeplex_kv_transfers", "KV transfers ended, by outcome (done, failed, timeout)",
+                                    labels=["role", "outcome"])
+        for outcome in ("done", "failed", "timeout"):
+            ended.add_metric([stats.role, outcome], stats.outcomes.get(outcome, 0))
+        yield ended
+        moved = CounterMetricFamily("moeplex_kv_transfer_bytes", "Bytes of KV moved by finished transfers", labels=["role"])
+        moved.add_metric([stats.role], stats.bytes)
+        yield moved
+        rate = GaugeMetricFamily("moeplex_kv_transfer_gb_per_second",
+                                 "Bytes of finished transfers over their summed duration, in GB/s", labels=["role"])
+        rate.add_metric([stats.role], stats.bytes / stats.seconds / 1e9 if stats.seconds else 0.0)
+        yield rate
+        states = GaugeMetricFamily("moeplex_kv_transfer_requests", "Requests moving KV, by state", labels=["role", "state"])
+        for state, count in stats.states.items():
+            states.add_metric([stats.role, state], count)
+        yield states

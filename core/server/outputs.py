@@ -19,6 +19,7 @@ class Ticket:
     params: SamplingParams
     queue: Any  # the asyncio.Queue of the HTTP call, filled from the engine thread
     submitted_at: float  # time.monotonic() when the HTTP request asked for it
+    bootstrap: Any = None  # prefill/decode disaggregation: its room (and the prefill server, on a decode server)
 
 
 @attrs.frozen
