@@ -58,9 +58,11 @@ def expected(reference, i: int) -> list[int]:
     return reference.generate([prompt(i)], params)[0].output_ids
 
 
-async def load(url: str, count: int, concurrency: int = 4, stream: bool = False, cut_after: float | None = None) -> dict:
-    """`count` requests, `concurrency` at a time: index -> (status, token ids or the error); None if cut by us."""
-    results: dict[int, tuple] = {}
+async def load(url: str, count: int, concurrency: int = 4, stream: bool = False, cut_after: float | None = None,
+               results: dict | None = None) -> dict:
+    """`count` requests, `concurrency` at a time: index -> (status, token ids or the error); None if cut by us.
+    `results`, when given, fills as answers arrive."""
+    results = {} if results is None else results
     gate = asyncio.Semaphore(concurrency)
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
@@ -95,7 +97,8 @@ async def _ask(client: httpx.AsyncClient, body: dict, stream: bool) -> tuple:
 
 
 def check_answers(results: dict, reference) -> int:
-    """Every answer is either the right tokens or an error with a reason; the number of errors."""
+    """Every answer is either the right tokens or an error with a reason; the number of errors. (p1 fails 5% of its
+    transfers by injection, so any test on it may see one.)"""
     errors = 0
     for i, result in results.items():
         if result is None:
@@ -103,8 +106,8 @@ def check_answers(results: dict, reference) -> int:
         status, value = result
         if status == 200 and isinstance(value, list):
             assert value == expected(reference, i), f"request {i} answered from KV that is not its own"
-        else:
-            assert status >= 500 and isinstance(value, str) and value, result
+        else:  # an error status, or (a stream that had begun: status 200) an error event, with its reason
+            assert (status >= 500 or status == 200) and isinstance(value, str) and value, result
             errors += 1
     return errors
 
@@ -139,23 +142,27 @@ def test_a_late_ack_after_the_decode_deadline_fails_the_request(fleet, reference
     with PDRouter([p1], [d3]) as router:
         results = asyncio.run(load(router.url, 4, concurrency=2))
     # never a 200: the deadline failed each (P1's injected failures may fail one first, with their own reason)
-    assert all(status >= 500 for status, _ in results.values())
+    assert all(status >= 500 for status, _ in results.values()), results
     assert all("did not finish within 0.001 s" in value or "transfer failed" in value for _, value in results.values())
     assert any("did not finish within 0.001 s" in value for _, value in results.values())
     wait_idle(p1, d3)  # the room was closed before freeing: the late bytes were dropped, P's pages came back too
 
 
+async def kill_after_first_answers(url: str, server: RoleServer) -> dict:
+    """16 requests, 4 at a time; the server is killed once 2 have answered (12 or more are still to come)."""
+    results: dict = {}
+    work = asyncio.ensure_future(load(url, 16, concurrency=4, results=results))
+    while len(results) < 2 and not work.done():
+        await asyncio.sleep(0.01)
+    server.kill()
+    return await work
+
+
 def test_decode_killed_mid_transfer(fleet, reference):
     p2, d2 = fleet["p2"], fleet["d2"]
     with PDRouter([p2], [d2], "--max-retries", "0") as router:
-        async def scenario():
-            work = asyncio.ensure_future(load(router.url, 8, concurrency=4))
-            await asyncio.sleep(1.0)
-            d2.kill()
-            return await work
-
-        results = asyncio.run(scenario())
-    assert check_answers(results, reference) >= 1 and len(results) == 8  # the kill caught requests in flight
+        results = asyncio.run(kill_after_first_answers(router.url, d2))
+    assert check_answers(results, reference) >= 1 and len(results) == 16  # the kill caught requests in flight
     wait_idle(p2, timeout=30)  # P frees its source pages: the peer went silent, or the lease ran out
     assert p2.client.get("/health").status_code == 200
 
@@ -164,13 +171,7 @@ def test_prefill_killed_mid_transfer(fleet, reference):
     p2, d1 = fleet["p2"], fleet["d1"]
     assert p2.proc.poll() is None  # it survived the decode server's death
     with PDRouter([p2], [d1], "--max-retries", "0") as router:
-        async def scenario():
-            work = asyncio.ensure_future(load(router.url, 8, concurrency=4))
-            await asyncio.sleep(1.0)
-            p2.kill()
-            return await work
-
-        results = asyncio.run(scenario())
-    assert check_answers(results, reference) >= 1 and len(results) == 8  # the kill caught requests in flight
+        results = asyncio.run(kill_after_first_answers(router.url, p2))
+    assert check_answers(results, reference) >= 1 and len(results) == 16  # the kill caught requests in flight
     wait_idle(d1, timeout=30)  # D closes the rooms of the dead peer and frees their pages
     assert d1.client.get("/health").status_code == 200

@@ -27,6 +27,8 @@ from starlette.routing import Route
 
 from .access import error_response
 from .bodies import BodyRefused, read_body
+from .deadlines import Deadlines
+from .http1 import Pool
 from .app import CLIENT_CLOSED, until_disconnected
 from .health import HealthChecker
 from .metrics import RouterMetrics
@@ -76,10 +78,11 @@ class PDRouter:
         self.metrics = RouterMetrics()
         self.metrics.watch(lambda: self.prefill.all() + self.decode.all(), self.policy.tree_size)
         self.rooms = Rooms()
-        self.session: aiohttp.ClientSession | None = None
+        self.session: Pool | None = None  # the HTTP/1.1 client to the servers
+        self.deadlines = Deadlines()  # its read timeouts, checked by one task
         self.health: list[HealthChecker] = []
 
-    def open(self, session: aiohttp.ClientSession, probes: aiohttp.ClientSession) -> None:
+    def open(self, session: Pool, probes: aiohttp.ClientSession) -> None:
         self.session = session
         s = self.settings
         self.health = [HealthChecker(probes, registry, self.metrics, s.health_check_timeout_secs, s.health_check_interval_secs)
@@ -140,8 +143,8 @@ class PDRouter:
                            "bootstrap_room": room}).encode()
         self.prefill.sent(prefill)
         self.decode.sent(decode)
-        p_task = asyncio.ensure_future(self._drain(open_upstream(self.session, prefill.url + path, "POST", headers, body)))
-        d_task = asyncio.ensure_future(open_upstream(self.session, decode.url + path, "POST", headers, body))
+        p_task = asyncio.ensure_future(self._drain(open_upstream(self.session, prefill.url, path, "POST", headers, body)))
+        d_task = asyncio.ensure_future(open_upstream(self.session, decode.url, path, "POST", headers, body))
         p_task.add_done_callback(lambda task: self._settled(self.prefill, prefill, task))
         try:
             pending = {p_task, d_task}
@@ -246,7 +249,8 @@ def build_pd_router_app(settings: RouterSettings):
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        session = worker_session(settings.max_connections, settings.request_timeout_secs, settings.connect_timeout_secs)
+        session = worker_session(settings.max_connections, settings.request_timeout_secs, settings.connect_timeout_secs,
+                                 router.deadlines)
         async with session, aiohttp.ClientSession() as probes:
             router.open(session, probes)
             await asyncio.gather(*(h.check_all_once() for h in router.health))
@@ -254,6 +258,7 @@ def build_pd_router_app(settings: RouterSettings):
             try:
                 yield
             finally:
+                router.deadlines.close()
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
