@@ -7,11 +7,18 @@ prompts 32-256 tokens, 16-256 new greedy tokens) through moeplex and through tra
 (one left-padded batch generating the longest output, counting only the tokens each request
 asked for), and prints a Markdown table with tokens/s, the ratio, and the scheduler's CPU time
 per decode step outside the model forward.
+
+    python benchmarks/offline_throughput.py --model DIR --num-requests 48 --skip-transformers --output-ids ids.jsonl
+
+runs an existing checkpoint folder instead (e.g. one written with `moeplex make-model --set ...`), and
+writes every request's prompt and greedy output ids as JSON lines (the format of
+benchmarks/vllm_cpu_reference.py's --output-ids, for comparing the two engines or two builds).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -60,8 +67,7 @@ def run_moeplex(folder: str, work, dtype: str) -> dict:
     engine = Engine(EngineConfig(model=folder, dtype=dtype, show_progress=False, max_running_requests=64, max_batched_tokens=4096, chunked_prefill_size=1024))
     engine.generate([work[0][0]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     timer = StepTimer(engine)
-    for prompt, n in work:
-        engine.add_request(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+    requests = [engine.add_request(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)) for p, n in work]
     start = time.perf_counter()
     while engine.has_work:
         timer.step()
@@ -71,6 +77,7 @@ def run_moeplex(folder: str, work, dtype: str) -> dict:
         "tokens": sum(n for _, n in work),
         "sched_ms_per_decode_step": 1e3 * timer.outside_s / max(timer.decode_steps, 1),
         "model_ms_per_decode_step": 1e3 * timer.model_s / max(timer.decode_steps, 1),
+        "output_ids": [list(r.output_ids) for r in requests],
     }
 
 
@@ -99,6 +106,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="qwen3_moe", choices=("deepseek_v3", "qwen3_moe", "mixtral"))
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--model", metavar="DIR", help="run this checkpoint folder instead of writing --presets")
+    parser.add_argument("--output-ids", metavar="FILE", help="write each request's prompt and output ids as JSON lines")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--skip-transformers", action="store_true", help="time moeplex only")
@@ -109,14 +118,19 @@ def main() -> None:
     torch.manual_seed(0)
     work = mixed_workload(args.num_requests)
     rows = []
-    for preset in args.presets:
-        folder = os.path.join(args.keep_model, f"{args.arch}-{preset}") if args.keep_model else tempfile.mkdtemp()
+    for preset in [os.path.basename(os.path.normpath(args.model))] if args.model else args.presets:
+        folder = args.model or (os.path.join(args.keep_model, f"{args.arch}-{preset}") if args.keep_model else tempfile.mkdtemp())
         if not os.path.exists(os.path.join(folder, "model.safetensors")):
             write_checkpoint(folder, args.arch, preset, seed=0)
         ours = run_moeplex(folder, work, args.dtype)
+        if args.output_ids:
+            with open(args.output_ids, "w") as f:
+                for i, ((prompt, n), ids) in enumerate(zip(work, ours["output_ids"])):
+                    f.write(json.dumps({"index": i, "prompt_ids": prompt, "max_new_tokens": n, "output_ids": ids}) + "\n")
         theirs = None if args.skip_transformers else run_transformers(folder, work, args.dtype)
         rows.append((preset, ours, theirs))
-    print(f"\n{args.arch}, {args.num_requests} requests, prompts 32-256, outputs 16-256 greedy, {args.dtype}, "
+    arch = json.load(open(os.path.join(args.model, "config.json")))["model_type"] if args.model else args.arch
+    print(f"\n{arch}, {args.num_requests} requests, prompts 32-256, outputs 16-256 greedy, {args.dtype}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     print("| preset | moeplex tok/s | transformers tok/s | ratio | sched ms / decode step | model ms / decode step |")
     print("|---|---|---|---|---|---|")

@@ -1,8 +1,12 @@
 """Attention over the paged KV cache in plain torch (the `torch` backend, and every backend's extend path).
 
 Extend: every request's keys and values are gathered from its KV slots (ForwardBatch.kv_indices)
-and attended with causal masking offset by the request's cached prefix. Decode: all requests at
-once, their KV gathered into a [B, longest, ...] block with the padding masked out.
+and attended with causal masking offset by the request's cached prefix. Decode on CPU: request by
+request, each gathering only its own slots and attending with two matmuls, the query heads of a KV
+head grouped by a reshape (no padding, no KV repeated per head: on 2 cores this is 2-40x faster
+than one padded SDPA call, whose GQA and masked cases fall to the math path). Decode elsewhere:
+all requests at once, their KV gathered into a [B, longest, ...] block with the padding masked out
+(one launch instead of B).
 """
 
 from __future__ import annotations
@@ -44,10 +48,51 @@ def _attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: tor
     return out.squeeze(2)
 
 
+def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One request: q [Hq, D] against k [L, Hkv, D], v [L, Hkv, Dv] -> [Hq, Dv]."""
+    groups = q.shape[0] // k.shape[1]
+    q = q.view(k.shape[1], groups, q.shape[1])  # the query heads sharing a KV head, side by side
+    weights = torch.matmul(q, k.permute(1, 2, 0)).mul_(scale).softmax(-1)  # [Hkv, groups, L]
+    return torch.matmul(weights, v.transpose(0, 1)).view(-1, v.shape[-1])
+
+
+def _shares_keys(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether the values are the keys' leading columns (MLA's latent), so one gather serves both."""
+    return (
+        value_cache.data_ptr() == key_cache.data_ptr()
+        and value_cache.shape[:-1] == key_cache.shape[:-1]
+        and all(a == b for a, b, n in zip(value_cache.stride(), key_cache.stride(), key_cache.shape) if n > 1)
+    )
+
+
+def decode_per_request(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
+    """Decode request by request, gathering only each request's own slots."""
+    out = q.new_empty(q.shape[0], q.shape[1], value_cache.shape[-1])
+    indptr = batch.kv_indptr.tolist()
+    shared = _shares_keys(key_cache, value_cache)
+    for i in range(q.shape[0]):
+        slots = batch.kv_indices[indptr[i] : indptr[i + 1]]
+        k = key_cache.index_select(0, slots)
+        v = k[..., : value_cache.shape[-1]] if shared else value_cache.index_select(0, slots)
+        out[i] = _attend_one(q[i], k, v, scale)
+    return out
+
+
 def paged_decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
-    """Decode straight from the cache buffers: one gather per buffer into the padded block."""
+    """Decode straight from the cache buffers: per request on CPU, else one gather per buffer into the padded block."""
+    if q.device.type == "cpu":
+        return decode_per_request(q, key_cache, value_cache, batch, scale)
+    return decode_padded(q, key_cache, value_cache, batch, scale)
+
+
+def decode_padded(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
+    """Decode in one SDPA call over every request's KV gathered into a padded [B, longest, ...] block."""
     rows, valid = padded_rows(batch)
     slots = batch.kv_indices.index_select(0, rows)
     k = key_cache.index_select(0, slots).view(*valid.shape, *key_cache.shape[1:])
@@ -59,6 +104,12 @@ def ragged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
     """q [T, Hq, D]; k [S, Hkv, D], v [S, Hkv, Dv] in kv_indices order -> [T, Hq, Dv]."""
+    if batch.mode == ForwardMode.DECODE and q.device.type == "cpu":
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        indptr = batch.kv_indptr.tolist()
+        for i in range(q.shape[0]):
+            out[i] = _attend_one(q[i], k[indptr[i] : indptr[i + 1]], v[indptr[i] : indptr[i + 1]], scale)
+        return out
     if batch.mode == ForwardMode.DECODE:
         rows, valid = padded_rows(batch)
         k = k.index_select(0, rows).view(*valid.shape, *k.shape[1:])

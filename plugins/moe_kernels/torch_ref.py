@@ -1,4 +1,10 @@
-"""`torch`: the reference MoE kernel, a loop over experts in plain torch, for every layout and weight format."""
+"""`torch`: the reference MoE kernel in plain torch, for every layout and weight format.
+
+The standard layout (the one-rank CPU path) sorts its (token, expert) pairs by expert once and runs
+the experts as grouped GEMMs over the sorted rows: one `torch._grouped_mm` call per projection on
+CPU (1.3-2x faster than a loop of small GEMMs at decode sizes), a loop over the experts that got
+rows elsewhere.
+"""
 
 from __future__ import annotations
 
@@ -54,16 +60,34 @@ class TorchMoEKernel(MoEKernel):
         raise TypeError(f"unknown layout {type(layout).__name__}")
 
     def _standard(self, layout: StandardLayout, hidden: torch.Tensor, weights) -> ExpertOutput:
-        out = torch.zeros(hidden.shape[0], weights[1].shape[1], dtype=torch.float32, device=hidden.device)
-        for expert in torch.unique(layout.topk_ids[layout.topk_ids >= 0]).tolist():
-            token, k = (layout.topk_ids == expert).nonzero(as_tuple=True)
-            y = _expert(hidden[token], weights, expert).float() * layout.topk_weights[token, k, None].float()
-            out.index_add_(0, token, y)
-        return ExpertOutput(out.to(hidden.dtype), weights_applied=True, summed=True)
+        ids = layout.topk_ids.flatten()
+        counts = torch.bincount(ids + 1, minlength=layout.num_local_experts + 1).tolist()  # bin 0: other ranks'
+        pairs = ids.argsort(stable=True)[counts[0] :]  # this rank's pairs, expert by expert
+        token = pairs // layout.topk_ids.shape[1]
+        y = _grouped_experts(hidden.index_select(0, token), counts[1:], weights)
+        y = y.float() * layout.topk_weights.flatten()[pairs, None].float()
+        out = torch.zeros(hidden.shape[0], y.shape[1], dtype=torch.float32, device=hidden.device)
+        return ExpertOutput(out.index_add_(0, token, y).to(hidden.dtype), weights_applied=True, summed=True)
 
 
 def _activations(hidden: torch.Tensor, fp8: Fp8Payload | None) -> torch.Tensor:
     return hidden if fp8 is None else dequantize_activations(fp8).to(hidden.dtype)
+
+
+def _grouped_experts(x: torch.Tensor, counts: list[int], weights) -> torch.Tensor:
+    """Rows x [sum(counts), H] sorted by expert, counts[e] of them for expert e -> [sum(counts), H_out]."""
+    w13, w2 = weights
+    if _use_grouped_mm(x, weights):
+        offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    rows = [_expert(group, weights, e) for e, group in enumerate(x.split(counts)) if group.shape[0]]
+    return torch.cat(rows) if rows else x.new_empty(0, w2.shape[1])
+
+
+def _use_grouped_mm(x: torch.Tensor, weights) -> bool:
+    # on CPU torch._grouped_mm takes any dtype and strides; on GPUs it wants bf16 and aligned strides
+    return x.device.type == "cpu" and all(w.dtype == x.dtype for w in weights)
 
 
 def _expert(x: torch.Tensor, weights, expert: int) -> torch.Tensor:

@@ -1,0 +1,108 @@
+"""The `torch` backend's CPU decode (request by request, only each request's own slots) equals the
+padded path it replaced and a fp64 reference: on scattered pages, for MHA, GQA and MLA's shared
+latent, and in whole models (the same logits within fp32 rounding and the same greedy tokens)."""
+
+import pytest
+import torch
+
+from moeplex.attention import TorchAttention
+from moeplex.attention.torch_ref import decode_padded, decode_per_request, gather_kv, ragged_attention
+from moeplex.batch_builder import ScheduledSeq, build_forward_batch
+from moeplex.config import EngineConfig
+from moeplex.forward_batch import ForwardMode
+from moeplex.kv_cache import KVPool
+from moeplex.models.setup import load_model
+from moeplex.registry import lookup
+from moeplex.selection import resolve
+
+PAGE = 4
+
+
+def reference_decode(q, key_cache, value_cache, batch, scale):
+    """Softmax attention written out per request in fp64, the KV heads repeated for their query heads."""
+    out = []
+    indptr = batch.kv_indptr.tolist()
+    for b in range(q.shape[0]):
+        slots = batch.kv_indices[indptr[b] : indptr[b + 1]]
+        group = q.shape[1] // key_cache.shape[1]
+        k = key_cache[slots].double().repeat_interleave(group, dim=1)
+        v = value_cache[slots].double().repeat_interleave(group, dim=1)
+        weights = (torch.einsum("hd,nhd->hn", q[b].double(), k) * scale).softmax(-1)
+        out.append(torch.einsum("hn,nhd->hd", weights, v))
+    return torch.stack(out)
+
+
+def decode_batch(kv: KVPool, lengths):
+    """Decode over scattered pages: the free list reversed, so every request's pages run backwards."""
+    everything = kv.allocate(kv.num_free_pages)
+    kv.release(everything[::-1])
+    seqs = [ScheduledSeq([1], n - 1, kv.allocate(kv.pages_for(n))) for n in lengths]
+    return build_forward_batch(seqs, kv, "cpu")
+
+
+CASES = {
+    # name: (q heads, kv heads, key dim, value dim, values are the keys' leading columns)
+    "mha": (3, 3, 16, 16, False),
+    "gqa-4": (8, 2, 24, 24, False),
+    "mla-latent": (5, 1, 40, 32, True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_per_request_decode_matches_reference_and_padded_path(case):
+    q_heads, kv_heads, dk, dv, shared = CASES[case]
+    shapes = [[(kv_heads, dk)]] if shared else [[(kv_heads, dk), (kv_heads, dv)]]
+    kv = KVPool(40, PAGE, shapes, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    for buffer in kv.layer(0):
+        buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    keys = kv.layer(0)[0]
+    values = keys[..., :dv] if shared else kv.layer(0)[1]
+    batch = decode_batch(kv, [2, 9, 23, 4, 16])
+    assert batch.mode == ForwardMode.DECODE
+    q = torch.randn(5, q_heads, dk, generator=gen)
+    ours = decode_per_request(q, keys, values, batch, 0.2)
+    reference = reference_decode(q, keys, values, batch, 0.2)
+    assert (ours.double() - reference).abs().max() <= 1e-5 * reference.abs().max()
+    torch.testing.assert_close(ours, decode_padded(q, keys, values, batch, 0.2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(TorchAttention().decode(q, keys, values, batch, 0.2), ours, rtol=0, atol=0)
+    # the extend entry point given a decode batch (keys already gathered) takes the same path
+    gathered = ragged_attention(q, gather_kv(keys, batch), gather_kv(values, batch), batch, 0.2)
+    torch.testing.assert_close(gathered, ours, rtol=1e-6, atol=1e-6)
+
+
+class PaddedDecode(TorchAttention):
+    """The decode path before per-request decode: one padded block for all requests."""
+
+    def decode(self, q, key_cache, value_cache, batch, scale):
+        return decode_padded(q, key_cache, value_cache, batch, scale)
+
+
+def run_steps(model, backend, prompts, decode_steps):
+    """Prefill the prompts in one step, then decode greedily: every step's logits, and the tokens."""
+    model.set_attention_backend(backend)
+    overlap = lookup("overlap", "none")()
+    kv = KVPool(32, PAGE, model.kv_shapes(), torch.float32, "cpu")
+    pages = [kv.allocate(kv.pages_for(len(p) + decode_steps)) for p in prompts]
+    seqs = [list(p) for p in prompts]
+    batch = build_forward_batch([ScheduledSeq(s, 0, p) for s, p in zip(seqs, pages)], kv, "cpu")
+    logits_per_step = []
+    for _ in range(decode_steps + 1):
+        with torch.inference_mode():
+            logits = model(batch, kv, overlap)
+        logits_per_step.append(logits)
+        for seq, token in zip(seqs, logits.argmax(-1).tolist()):
+            seq.append(token)
+        batch = build_forward_batch([ScheduledSeq(s[-1:], len(s) - 1, p) for s, p in zip(seqs, pages)], kv, "cpu")
+    return logits_per_step, seqs
+
+
+def test_models_decode_as_with_the_padded_path(tiny_model_dir, arch):
+    config = EngineConfig(model=tiny_model_dir(arch), dtype="fp32", show_progress=False)
+    model = load_model(config.model, config, resolve(config))
+    prompts = [[256, 7, 9, 11, 13, 2], [256, 40, 41], [256] + list(range(60, 73))]
+    reference, reference_tokens = run_steps(model, PaddedDecode(), prompts, decode_steps=4)
+    ours, tokens = run_steps(model, TorchAttention(), prompts, decode_steps=4)
+    for mine, theirs in zip(ours, reference):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert tokens == reference_tokens

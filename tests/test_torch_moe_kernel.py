@@ -1,0 +1,67 @@
+"""The `torch` MoE kernel's standard layout (pairs sorted by expert once, grouped GEMMs) equals the
+per-expert loop it replaced, and both equal every pair written out in fp64: on the conformance
+routings (ids of -1, idle experts, one expert taking everything, no tokens), at decode and prefill
+sizes, in each dtype, and on CPU both through `torch._grouped_mm` and through the loop other
+devices take."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeplex.conformance.routing import ROUTINGS, make_hidden, make_routing
+from moeplex.interfaces import MoEContext, StandardLayout
+from moeplex.plugins.moe_kernels import torch_ref
+from moeplex.plugins.moe_kernels.torch_ref import TorchMoEKernel
+
+HIDDEN, INTERMEDIATE = 64, 32
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def per_pair_reference(hidden, topk_ids, topk_weights, w13, w2):
+    """sum over a token's pairs of weight * expert(token), each pair on its own, in fp64."""
+    out = torch.zeros(hidden.shape[0], w2.shape[1], dtype=torch.float64)
+    for t, k in (topk_ids >= 0).nonzero().tolist():
+        e = topk_ids[t, k]
+        gate, up = F.linear(hidden[t].double(), w13[e].double()).chunk(2)
+        out[t] += topk_weights[t, k].double() * F.linear(F.silu(gate) * up, w2[e].double())
+    return out
+
+
+def per_expert_loop(hidden, topk_ids, topk_weights, w13, w2):
+    """The kernel's former standard path: one small GEMM pair per expert that received tokens."""
+    out = torch.zeros(hidden.shape[0], w2.shape[1], dtype=torch.float32)
+    for expert in torch.unique(topk_ids[topk_ids >= 0]).tolist():
+        token, k = (topk_ids == expert).nonzero(as_tuple=True)
+        y = torch_ref._expert(hidden[token], (w13, w2), expert).float() * topk_weights[token, k, None].float()
+        out.index_add_(0, token, y)
+    return out.to(hidden.dtype)
+
+
+def case(routing, tokens, experts, top_k, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(experts, 2 * INTERMEDIATE, HIDDEN, generator=gen) * HIDDEN**-0.5).to(dtype)
+    w2 = (torch.randn(experts, HIDDEN, INTERMEDIATE, generator=gen) * INTERMEDIATE**-0.5).to(dtype)
+    route = make_routing(routing, tokens, experts, top_k, seed)
+    return make_hidden(tokens, HIDDEN, seed).to(dtype), route, w13, w2
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "routing,tokens,experts,top_k",
+    [(name, 48, 16, 4) for name in ROUTINGS] + [("random", 0, 8, 2), ("random", 1, 8, 1), ("random", 120, 32, 8)],
+)
+def test_standard_layout_matches_the_loop_and_every_pair(routing, tokens, experts, top_k, dtype, grouped, monkeypatch):
+    hidden, route, w13, w2 = case(routing, tokens, experts, top_k, dtype)
+    if not grouped:  # the loop over experts that GPUs (and weights in another dtype than the activations) take
+        monkeypatch.setattr(torch_ref, "_use_grouped_mm", lambda x, weights: False)
+    layout = StandardLayout(hidden, route.topk_ids, route.topk_weights, experts)
+    ctx = MoEContext(HIDDEN, INTERMEDIATE, experts, top_k, dtype, torch.device("cpu"))
+    result = TorchMoEKernel(ctx).apply(layout, (w13, w2))
+    assert result.weights_applied and result.summed and result.hidden.dtype == dtype
+    reference = per_pair_reference(hidden, route.topk_ids, route.topk_weights, w13, w2)
+    assert result.hidden.shape == reference.shape
+    scale = max(reference.abs().max().item() if tokens else 0.0, 1.0)
+    torch.testing.assert_close(result.hidden.double(), reference, rtol=0, atol=TOLERANCE[dtype] * scale)
+    former = per_expert_loop(hidden, route.topk_ids, route.topk_weights, w13, w2)
+    torch.testing.assert_close(result.hidden, former, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * scale)
