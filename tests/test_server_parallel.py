@@ -286,26 +286,6 @@ def test_dp2_idle_ranks_outlive_the_collective_timeout_without_spinning(dp2):
     assert dp2.client.post("/v1/completions", json=body).status_code == 200
 
 
-def test_a_dead_rank_stops_the_server_with_an_error_naming_it(dp2):
-    os.kill(dp2.rank_pids[1], signal.SIGKILL)
-    assert dp2.proc.wait(timeout=45) == 2
-    assert "rank 1 died" in dp2.proc.stderr.read()
-
-
-# --- one rank: the engine in a process of its own -------------------------------------------------------
-
-
-def test_one_rank_runs_apart_from_the_http_process_and_its_death_stops_the_server(folder, reference):
-    with RankedServer(folder) as one:
-        assert len(one.rank_pids) == 1 and one.rank_pids[0] != one.proc.pid
-        [expected] = greedy_ids(reference, [reference.encode(PROMPT)], 6)
-        body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-        assert one.client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == expected
-        os.kill(one.rank_pids[0], signal.SIGKILL)
-        assert one.proc.wait(timeout=30) == 2
-        assert "rank 0 died" in one.proc.stderr.read()
-
-
 def test_dp2_a_request_sharing_a_long_prefix_follows_the_first_to_its_group(dp2, reference):
     """Group 0 is busy when the first request comes, so it goes to group 1; once both are idle, least-loaded
     alone would send the second to group 0, but it shares 64 tokens with the first: it goes to group 1 and hits."""
@@ -328,3 +308,23 @@ def test_dp2_a_request_sharing_a_long_prefix_follows_the_first_to_its_group(dp2,
     assert after[1]["cache_hit_tokens"] - before[1]["cache_hit_tokens"] == 64
     assert after[0]["cache_hit_tokens"] == before[0]["cache_hit_tokens"]
     assert outputs == greedy_ids(reference, [first, second], 6)
+
+
+def test_a_dead_rank_stops_the_server_with_an_error_naming_it(dp2):
+    os.kill(dp2.rank_pids[1], signal.SIGKILL)
+    assert dp2.proc.wait(timeout=45) == 2
+    assert "rank 1 died" in dp2.proc.stderr.read()
+
+
+# --- one rank: the engine in a process of its own -------------------------------------------------------
+
+
+def test_one_rank_runs_apart_from_the_http_process_and_its_death_stops_the_server(folder, reference):
+    with RankedServer(folder) as one:
+        assert len(one.rank_pids) == 1 and one.rank_pids[0] != one.proc.pid
+        [expected] = greedy_ids(reference, [reference.encode(PROMPT)], 6)
+        body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        assert one.client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == expected
+        os.kill(one.rank_pids[0], signal.SIGKILL)
+        assert one.proc.wait(timeout=30) == 2
+        assert "rank 0 died" in one.proc.stderr.read()
