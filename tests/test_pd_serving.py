@@ -7,6 +7,9 @@ import httpx
 import openai
 import pytest
 
+from moeplex.interfaces import PluginError
+from moeplex.plugins.kv_transfer.nixl import load_nixl
+
 from pd_cluster import PDRouter, RoleServer, running, wait_idle
 
 FLAGS = ("--chunked-prefill-size", "16", "--page-size", "16")
@@ -28,7 +31,10 @@ def cluster(folder: str, backend: str):
 def servers(request, tiny_model_dir):
     arch, backend = request.param
     if backend == "nixl":
-        pytest.importorskip("nixl", reason="the nixl backend needs NIXL (pip install moeplex[nixl]); not installed here")
+        try:
+            load_nixl()
+        except PluginError as exc:
+            pytest.skip(str(exc))
     co, prefill, decode = cluster(tiny_model_dir(arch), backend)
     with running(co, prefill, decode), PDRouter([prefill], [decode]) as router:
         yield co, prefill, decode, router
