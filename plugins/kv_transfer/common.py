@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import random
 import threading
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import attrs
 import torch
 
-from moeplex.interfaces import KVRegion, PluginError, TransferStatus, page_runs
+from moeplex.interfaces import KVRegion, KVTransfer, PluginError, TransferStatus, page_runs
 
 PENDING, DONE, FAILED = TransferStatus.PENDING, TransferStatus.DONE, TransferStatus.FAILED
 
@@ -140,3 +140,26 @@ class Rooms:
     def forget(self, room: int) -> None:
         self.state.pop(room, None)
         self.reason.pop(room, None)
+
+
+class RoomBackend(KVTransfer):
+    """What every built-in backend keeps: each side's Rooms (`_in`, `_out`) under `_lock`, per-room dicts named in
+    `room_books`, and the registered `layout`; `label` names the backend in messages."""
+
+    label: ClassVar[str]
+    room_books: ClassVar[tuple[str, ...]] = ()
+
+    def reason(self, room: int) -> str:
+        return self._in.reason.get(room) or self._out.reason.get(room) or ""
+
+    def release(self, room: int) -> None:
+        with self._lock:
+            self._in.forget(room)
+            self._out.forget(room)
+            for name in self.room_books:
+                getattr(self, name).pop(room, None)
+
+    def _registered(self) -> Layout:
+        if self.layout is None:
+            raise RuntimeError(f"{self.label}: register the KV regions first")
+        return self.layout

@@ -37,10 +37,10 @@ import torch
 import zmq
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from moeplex.interfaces import KVRegion, KVTransfer, KVTransferCaps, PluginError, TransferStatus
+from moeplex.interfaces import KVRegion, KVTransferCaps, PluginError, TransferStatus
 
 from .common import (
-    DONE, FAILED, PENDING, Layout, Rooms, check_pages, check_transfer, decode_endpoint, encode_endpoint, page_rows, page_slice,
+    DONE, FAILED, PENDING, Layout, RoomBackend, Rooms, check_pages, check_transfer, decode_endpoint, encode_endpoint, page_rows, page_slice,
 )
 
 
@@ -70,7 +70,9 @@ class _Copy:
         self.sender_aborted = False
 
 
-class CudaIpcTransfer(KVTransfer):
+class CudaIpcTransfer(RoomBackend):
+    label = "cuda-ipc"
+    room_books = ("_expected", "_metadata", "_sent")  # per-room dicts that release() clears
     caps = KVTransferCaps(devices=frozenset({"cuda"}), cross_host=False)
     name = "cuda-ipc"
 
@@ -168,15 +170,6 @@ class CudaIpcTransfer(KVTransfer):
         if sent is not None:
             self._command(("send", sent[0], [b"X", _room(room)]))
 
-    def reason(self, room: int) -> str:
-        return self._in.reason.get(room) or self._out.reason.get(room) or ""
-
-    def release(self, room: int) -> None:
-        with self._lock:
-            self._in.forget(room)
-            self._out.forget(room)
-            for book in (self._expected, self._metadata, self._sent):
-                book.pop(room, None)
 
     def close(self) -> None:
         if self._thread is None or self._closing:
@@ -188,11 +181,6 @@ class CudaIpcTransfer(KVTransfer):
         os.close(self._wake_w)
 
     # --- helpers ------------------------------------------------------------------------------------------
-    def _registered(self) -> Layout:
-        if self.layout is None:
-            raise RuntimeError(f"{self.name}: register the KV regions first")
-        return self.layout
-
     def _command(self, command: tuple) -> None:
         if self._thread is None or self._closing or not self._thread.is_alive():
             raise RuntimeError(f"{self.name}: the backend is not running (register first; not after close)")

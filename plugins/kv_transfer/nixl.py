@@ -32,9 +32,9 @@ import time
 import uuid
 from typing import Sequence
 
-from moeplex.interfaces import KVRegion, KVTransfer, KVTransferCaps, PluginError, TransferStatus
+from moeplex.interfaces import KVRegion, KVTransferCaps, PluginError, TransferStatus
 
-from .common import DONE, FAILED, PENDING, Layout, Rooms, check_pages, check_transfer, decode_endpoint, encode_endpoint
+from .common import DONE, FAILED, PENDING, Layout, RoomBackend, Rooms, check_pages, check_transfer, decode_endpoint, encode_endpoint
 
 NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")  # the meta-package's name, then the CUDA-specific wheels
 
@@ -58,7 +58,9 @@ class _Read:
         self.sender_aborted = False
 
 
-class NixlTransfer(KVTransfer):
+class NixlTransfer(RoomBackend):
+    label = "nixl"
+    room_books = ("_expected", "_metadata", "_sent")  # per-room dicts that release() clears
     caps = KVTransferCaps(devices=frozenset({"cpu", "cuda"}), cross_host=True, needs_extra="nixl")
 
     def __init__(self, timeout_s: float = 30.0, backends: Sequence[str] = ("UCX",)):
@@ -146,15 +148,6 @@ class NixlTransfer(KVTransfer):
         if sent is not None:
             self._notify(sent[0], b"X", room)
 
-    def reason(self, room: int) -> str:
-        return self._in.reason.get(room) or self._out.reason.get(room) or ""
-
-    def release(self, room: int) -> None:
-        with self._lock:
-            self._in.forget(room)
-            self._out.forget(room)
-            for book in (self._expected, self._metadata, self._sent):
-                book.pop(room, None)
 
     def close(self) -> None:
         if self._thread is None or self._closing:
@@ -176,11 +169,6 @@ class NixlTransfer(KVTransfer):
         self.agent.deregister_memory(self._registered_descs)
 
     # --- helpers ------------------------------------------------------------------------------------------
-    def _registered(self) -> Layout:
-        if self.layout is None:
-            raise RuntimeError("nixl: register the KV regions first")
-        return self.layout
-
     def _identity(self) -> dict:
         metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
         return {"metadata": metadata, "addrs": [r.tensor.data_ptr() for r in self.regions], "mem": self._mem,

@@ -39,9 +39,9 @@ from typing import Sequence
 import torch
 import zmq
 
-from moeplex.interfaces import KVRegion, KVTransfer, KVTransferCaps, PluginError, TransferStatus
+from moeplex.interfaces import KVRegion, KVTransferCaps, PluginError, TransferStatus
 
-from .common import DONE, FAILED, PENDING, Faults, Layout, Rooms, check_pages, check_transfer, decode_endpoint, encode_endpoint, page_slice
+from .common import DONE, FAILED, PENDING, Faults, Layout, RoomBackend, Rooms, check_pages, check_transfer, decode_endpoint, encode_endpoint, page_slice
 
 
 class _Out:
@@ -62,7 +62,9 @@ class _Peer:
         self.pinged = 0.0
 
 
-class ZmqTransfer(KVTransfer):
+class ZmqTransfer(RoomBackend):
+    label = "zmq"
+    room_books = ("_expected", "_landed", "_senders", "_metadata", "_peer_of")  # per-room dicts that release() clears
     caps = KVTransferCaps(devices=frozenset({"cpu", "cuda"}), cross_host=True)
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0, heartbeat_s: float = 0.5,
@@ -160,15 +162,6 @@ class ZmqTransfer(KVTransfer):
         if sending is not None:
             self._command(("abort", room, sending))
 
-    def reason(self, room: int) -> str:
-        return self._in.reason.get(room) or self._out.reason.get(room) or ""
-
-    def release(self, room: int) -> None:
-        with self._lock:
-            self._in.forget(room)
-            self._out.forget(room)
-            for book in (self._expected, self._landed, self._senders, self._metadata, self._peer_of):
-                book.pop(room, None)
 
     def close(self) -> None:
         if self._thread is None or self._closing:
@@ -180,11 +173,6 @@ class ZmqTransfer(KVTransfer):
         os.close(self._wake_w)
 
     # --- caller side helpers ----------------------------------------------------------------------------
-    def _registered(self) -> Layout:
-        if self.layout is None:
-            raise RuntimeError("zmq: register the KV regions first")
-        return self.layout
-
     def _command(self, command: tuple) -> None:
         if self._thread is None or self._closing or not self._thread.is_alive():
             raise RuntimeError("zmq: the backend is not running (register first; not after close)")
