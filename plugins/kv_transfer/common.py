@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 from typing import ClassVar, Sequence
@@ -159,7 +160,38 @@ class RoomBackend(KVTransfer):
             for name in self.room_books:
                 getattr(self, name).pop(room, None)
 
+    def expect(self, room: int, dst_pages: Sequence[int]) -> None:
+        check_pages(dst_pages, self._registered().num_pages, "destination")
+        with self._lock:
+            self._in.state[room] = PENDING
+            self._expected[room] = frozenset(dst_pages)
+
     def _registered(self) -> Layout:
         if self.layout is None:
             raise RuntimeError(f"{self.label}: register the KV regions first")
         return self.layout
+
+    def _runs_to(self, peer: str, src_pages: Sequence[int], dst_pages: Sequence[int], metadata: bytes) -> list:
+        """A start's page runs, once the peer is known and the transfer fits both layouts."""
+        if peer not in self._layouts:
+            raise PluginError(f"{self.label}: peer '{peer}' is not connected; call connect with its endpoint first.")
+        return check_transfer(self._registered(), self._layouts[peer], src_pages, dst_pages, metadata)
+
+
+class PipedBackend(RoomBackend):
+    """A backend whose control thread takes commands from `_commands` and wakes on a byte in its pipe."""
+
+    def close(self) -> None:
+        if self._thread is None or self._closing:
+            return
+        self._closing = True
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=10)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _command(self, command: tuple) -> None:
+        if self._thread is None or self._closing or not self._thread.is_alive():
+            raise RuntimeError(f"{self.label}: the backend is not running (register first; not after close)")
+        self._commands.put(command)
+        os.write(self._wake_w, b"x")

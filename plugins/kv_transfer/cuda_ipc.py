@@ -40,7 +40,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 from moeplex.interfaces import KVRegion, KVTransferCaps, PluginError, TransferStatus
 
 from .common import (
-    DONE, FAILED, PENDING, Layout, RoomBackend, Rooms, check_pages, check_transfer, decode_endpoint, encode_endpoint, page_rows, page_slice,
+    DONE, FAILED, PENDING, Layout, PipedBackend, Rooms, decode_endpoint, encode_endpoint, page_rows, page_slice,
 )
 
 
@@ -70,7 +70,7 @@ class _Copy:
         self.sender_aborted = False
 
 
-class CudaIpcTransfer(RoomBackend):
+class CudaIpcTransfer(PipedBackend):
     label = "cuda-ipc"
     room_books = ("_expected", "_metadata", "_sent")  # per-room dicts that release() clears
     caps = KVTransferCaps(devices=frozenset({"cuda"}), cross_host=False)
@@ -127,16 +127,8 @@ class CudaIpcTransfer(RoomBackend):
             self._command(("connect", peer_id, data["address"]))
         return peer_id
 
-    def expect(self, room: int, dst_pages: Sequence[int]) -> None:
-        check_pages(dst_pages, self._registered().num_pages, "destination")
-        with self._lock:
-            self._in.state[room] = PENDING
-            self._expected[room] = frozenset(dst_pages)
-
     def start(self, room: int, peer: str, src_pages: Sequence[int], dst_pages: Sequence[int], metadata: bytes) -> None:
-        if peer not in self._layouts:
-            raise PluginError(f"{self.name}: peer '{peer}' is not connected; call connect with its endpoint first.")
-        runs = check_transfer(self._registered(), self._layouts[peer], src_pages, dst_pages, metadata)
+        runs = self._runs_to(peer, src_pages, dst_pages, metadata)
         written = self._mark_written()
         with self._lock:
             self._out.state[room] = PENDING
@@ -170,23 +162,7 @@ class CudaIpcTransfer(RoomBackend):
         if sent is not None:
             self._command(("send", sent[0], [b"X", _room(room)]))
 
-
-    def close(self) -> None:
-        if self._thread is None or self._closing:
-            return
-        self._closing = True
-        os.write(self._wake_w, b"x")
-        self._thread.join(timeout=10)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-
     # --- helpers ------------------------------------------------------------------------------------------
-    def _command(self, command: tuple) -> None:
-        if self._thread is None or self._closing or not self._thread.is_alive():
-            raise RuntimeError(f"{self.name}: the backend is not running (register first; not after close)")
-        self._commands.put(command)
-        os.write(self._wake_w, b"x")
-
     # --- the control thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
         self._start_thread()

@@ -34,7 +34,7 @@ from typing import Sequence
 
 from moeplex.interfaces import KVRegion, KVTransferCaps, PluginError, TransferStatus
 
-from .common import DONE, FAILED, PENDING, Layout, RoomBackend, Rooms, check_pages, check_transfer, decode_endpoint, encode_endpoint
+from .common import DONE, FAILED, PENDING, Layout, RoomBackend, Rooms, decode_endpoint, encode_endpoint
 
 NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")  # the meta-package's name, then the CUDA-specific wheels
 
@@ -109,16 +109,8 @@ class NixlTransfer(RoomBackend):
             self.agent.send_notif(name, b"H" + json.dumps(self._identity()).encode())
         return name
 
-    def expect(self, room: int, dst_pages: Sequence[int]) -> None:
-        check_pages(dst_pages, self._registered().num_pages, "destination")
-        with self._lock:
-            self._in.state[room] = PENDING
-            self._expected[room] = frozenset(dst_pages)
-
     def start(self, room: int, peer: str, src_pages: Sequence[int], dst_pages: Sequence[int], metadata: bytes) -> None:
-        if peer not in self._layouts:
-            raise PluginError(f"nixl: peer '{peer}' is not connected; call connect with its endpoint first.")
-        runs = check_transfer(self._registered(), self._layouts[peer], src_pages, dst_pages, metadata)
+        runs = self._runs_to(peer, src_pages, dst_pages, metadata)
         with self._lock:
             self._out.state[room] = PENDING
             self._sent[room] = (peer, time.monotonic())
@@ -147,7 +139,6 @@ class NixlTransfer(RoomBackend):
             self._expected.pop(room, None)
         if sent is not None:
             self._notify(sent[0], b"X", room)
-
 
     def close(self) -> None:
         if self._thread is None or self._closing:

@@ -39,9 +39,9 @@ from typing import Sequence
 import torch
 import zmq
 
-from moeplex.interfaces import KVRegion, KVTransferCaps, PluginError, TransferStatus
+from moeplex.interfaces import KVRegion, KVTransferCaps, TransferStatus
 
-from .common import DONE, FAILED, PENDING, Faults, Layout, RoomBackend, Rooms, check_pages, check_transfer, decode_endpoint, encode_endpoint, page_slice
+from .common import DONE, FAILED, PENDING, Faults, Layout, PipedBackend, Rooms, decode_endpoint, encode_endpoint, page_slice
 
 
 class _Out:
@@ -62,7 +62,7 @@ class _Peer:
         self.pinged = 0.0
 
 
-class ZmqTransfer(RoomBackend):
+class ZmqTransfer(PipedBackend):
     label = "zmq"
     room_books = ("_expected", "_landed", "_senders", "_metadata", "_peer_of")  # per-room dicts that release() clears
     caps = KVTransferCaps(devices=frozenset({"cpu", "cuda"}), cross_host=True)
@@ -121,16 +121,11 @@ class ZmqTransfer(RoomBackend):
         return peer_id
 
     def expect(self, room: int, dst_pages: Sequence[int]) -> None:
-        check_pages(dst_pages, self._registered().num_pages, "destination")
-        with self._lock:
-            self._in.state[room] = PENDING
-            self._expected[room] = frozenset(dst_pages)
-            self._landed[room] = 0
+        self._landed[room] = 0  # before the room is expected: the receiver counts into it from then on
+        super().expect(room, dst_pages)
 
     def start(self, room: int, peer: str, src_pages: Sequence[int], dst_pages: Sequence[int], metadata: bytes) -> None:
-        if peer not in self._layouts:
-            raise PluginError(f"zmq: peer '{peer}' is not connected; call connect with its endpoint first.")
-        runs = check_transfer(self._registered(), self._layouts[peer], src_pages, dst_pages, metadata)
+        runs = self._runs_to(peer, src_pages, dst_pages, metadata)
         ready = None
         if self._cuda:  # the caller's KV writes, queued on its stream, come before our copies
             ready = torch.cuda.Event()
@@ -162,23 +157,7 @@ class ZmqTransfer(RoomBackend):
         if sending is not None:
             self._command(("abort", room, sending))
 
-
-    def close(self) -> None:
-        if self._thread is None or self._closing:
-            return
-        self._closing = True
-        os.write(self._wake_w, b"x")
-        self._thread.join(timeout=10)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-
     # --- caller side helpers ----------------------------------------------------------------------------
-    def _command(self, command: tuple) -> None:
-        if self._thread is None or self._closing or not self._thread.is_alive():
-            raise RuntimeError("zmq: the backend is not running (register first; not after close)")
-        self._commands.put(command)
-        os.write(self._wake_w, b"x")
-
     def _chunks(self, runs: list) -> list[list[tuple[int, int, int]]]:
         """Messages of at most `chunk_bytes`: a long run is cut, short runs share one message."""
         step = max(1, self.chunk_bytes // max(sum(r.page_bytes for r in self.regions), 1))
