@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from typing import Callable
 
 import aiohttp
 from starlette.applications import Starlette
@@ -258,18 +259,18 @@ class RouterApp(Starlette):
         await self.router_state.forwarded(scope, receive, send)
 
 
-def build_router_app(settings: RouterSettings) -> Starlette:
-    """The router's app; its HTTP client and health checks start and stop with the app's lifespan."""
-    router = Router(settings)
+def worker_lifespan(router, settings: RouterSettings, checkers: Callable[[], list]):
+    """A router app's lifespan: the pooled client to the workers (router.open), the health checks `checkers()`
+    returns once it is open, and the deadline task, all stopped with the app."""
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
+    async def lifespan(app):
         session = worker_session(settings.max_connections, settings.request_timeout_secs, settings.connect_timeout_secs,
                                  router.deadlines)
         async with session, aiohttp.ClientSession() as probes:
             router.open(session, probes)
-            await router.health.check_all_once()
-            tasks = [asyncio.create_task(router.health.run())]
+            await asyncio.gather(*(checker.check_all_once() for checker in checkers()))
+            tasks = [asyncio.create_task(checker.run()) for checker in checkers()]
             try:
                 yield
             finally:
@@ -278,6 +279,14 @@ def build_router_app(settings: RouterSettings) -> Starlette:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
 
+    return lifespan
+
+
+def build_router_app(settings: RouterSettings) -> Starlette:
+    """The router's app; its HTTP client and health checks start and stop with the app's lifespan."""
+    router = Router(settings)
+
+    lifespan = worker_lifespan(router, settings, lambda: [router.health])
     keys = dict(api_key=settings.api_key, admin_api_key=settings.admin_api_key, host=settings.host)
     access = Middleware(RouterAccess, **keys)
     app = RouterApp(router, RouterAccess(None, **keys), routes=router.routes(), lifespan=lifespan, middleware=[access])

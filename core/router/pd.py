@@ -13,7 +13,6 @@ The engine computes no prompt logprobs (logprob_start_len is -1 only), so there 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
@@ -29,7 +28,7 @@ from .access import error_response
 from .bodies import BodyRefused, read_body
 from .deadlines import Deadlines
 from .http1 import Pool
-from .app import CLIENT_CLOSED, until_disconnected
+from .app import CLIENT_CLOSED, until_disconnected, worker_lifespan
 from .health import HealthChecker
 from .metrics import RouterMetrics
 from .policies import Choice, least_loaded, make_policy
@@ -243,25 +242,10 @@ def build_pd_router_app(settings: RouterSettings):
     from starlette.middleware import Middleware
 
     from .access import RouterAccess
-    from .upstream import worker_session
 
     router = PDRouter(settings)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        session = worker_session(settings.max_connections, settings.request_timeout_secs, settings.connect_timeout_secs,
-                                 router.deadlines)
-        async with session, aiohttp.ClientSession() as probes:
-            router.open(session, probes)
-            await asyncio.gather(*(h.check_all_once() for h in router.health))
-            tasks = [asyncio.create_task(h.run()) for h in router.health]
-            try:
-                yield
-            finally:
-                router.deadlines.close()
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+    lifespan = worker_lifespan(router, settings, lambda: router.health)
 
     access = Middleware(RouterAccess, api_key=settings.api_key, admin_api_key=settings.admin_api_key, host=settings.host)
     app = Starlette(routes=router.routes(), lifespan=lifespan, middleware=[access])
