@@ -10,8 +10,13 @@ Drafters, every one greedy with ignore_eos (so every run does the same work and 
   phrase's tokens are what ngram proposes; random weights do not repeat the phrase, so acceptance is whatever
   the model's own loops give (reported as the accept length column);
 - oracle: proposes the continuation that `none` produced (tests/script_drafters.py, registered through an
-  entry point): every draft accepted, the mechanism's ceiling at accept length steps + 1;
-- adversary: proposes a wrong token at every draft: accept length 1, the price of speculation that never pays;
+  entry point): every draft accepted, the mechanism's ceiling at accept length steps + 1. On a GPU, bf16 logits
+  of random weights are nearly flat and a verify batch of other shape flips near-ties, so a script from the
+  plain run stops matching after a few tokens; there the oracle's verify step is forced to accept its drafts
+  (the real verification still runs and is paid for: every step does the work of full acceptance);
+- adversary: proposes a wrong token at every draft: accept length 1, the price of speculation that never pays,
+  with backoff (the default: a request whose drafts keep missing pauses drafting) and without it
+  (--disable-speculative-backoff: a verify step every step);
 - nextn (DeepSeek-V3 only): the checkpoint's MTP layer, random, so it accepts about nothing: its cost.
 Decode tokens/s counts the tokens generated after every request's first one (the prompts' step excluded),
 over the wall time of those steps; median of --runs runs (each on a fresh engine), min-max beside it.
@@ -22,6 +27,7 @@ accept length 2.2-2.4) are printed beside the oracle and ngram rows: a trained M
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import os
@@ -37,6 +43,7 @@ from moeplex.config import EngineConfig
 from moeplex.engine import Engine
 from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
+from moeplex.speculation import step as spec_step
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import script_drafters  # noqa: E402  (the test-only oracle and adversary)
@@ -50,6 +57,9 @@ def workload(batch: int, seed: int) -> list[list[int]]:
     return [[256] + [rng.randrange(256) for _ in range(PHRASE)] * REPEATS for _ in range(batch)]
 
 
+NO_BACKOFF = "/no-backoff"  # a drafter name with this suffix runs with --disable-speculative-backoff
+
+
 def engine_for(folder: str, args, drafter: str) -> Engine:
     settings = dict(model=folder, device=args.device, show_progress=False, max_running_requests=max(args.batches),
                     max_batched_tokens=max(args.batches) * (PHRASE * REPEATS + 1), chunked_prefill_size=4096,
@@ -61,8 +71,25 @@ def engine_for(folder: str, args, drafter: str) -> Engine:
         settings.update(dtype="bf16", load_format="dummy", moe_kernel="triton",
                         cuda_graph_max_bs=max(args.batches) * (args.steps + 1))
     if drafter != "none":
-        settings.update(speculative_algorithm=drafter, speculative_num_steps=args.steps)
+        settings.update(speculative_algorithm=drafter.removesuffix(NO_BACKOFF), speculative_num_steps=args.steps,
+                        disable_speculative_backoff=drafter.endswith(NO_BACKOFF))
     return Engine(EngineConfig(**settings))
+
+
+@contextlib.contextmanager
+def forced_acceptance(on: bool):
+    """Every draft accepted, after the real verification ran (see the oracle above); off: unchanged."""
+    real = spec_step.verify
+
+    def verify(logits, requests, drafts, draft_probs=None):
+        tokens = real(logits, requests, drafts, draft_probs)
+        return [[*d, t[-1]] if d else t for d, t in zip(drafts, tokens)]
+
+    spec_step.verify, script_drafters.FALLBACK = (verify, True) if on else (real, False)
+    try:
+        yield
+    finally:
+        spec_step.verify, script_drafters.FALLBACK = real, False
 
 
 def sync(device: str) -> None:
@@ -97,14 +124,16 @@ def rows_for(name: str, folder: str, drafters: list[str], args) -> list[str]:
         decode_rate(engine, workload(2, 99), SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
                     args.device)
         for batch, prompts in workloads.items():
-            if drafter in ("test-oracle", "test-adversary"):
+            if drafter.startswith(("test-oracle", "test-adversary")):
                 script_drafters.SCRIPT[:] = [p + out for p, out in zip(prompts, reference[batch])]
+            forced = drafter == "test-oracle" and args.device != "cpu"
             for _ in range(args.runs):
-                rate, done = decode_rate(engine, prompts, params, args.device)
+                with forced_acceptance(forced):
+                    rate, done = decode_rate(engine, prompts, params, args.device)
                 outputs = [r.output_ids for r in done]
                 if drafter == "none":
                     reference.setdefault(batch, outputs)
-                elif outputs != reference[batch] and args.device == "cpu":  # bf16 GPU runs may differ in near-ties
+                elif outputs != reference[batch] and args.device == "cpu":  # bf16 GPU runs differ in near-ties
                     raise AssertionError(f"{drafter} changed the output at batch {batch}")
                 rates.setdefault((drafter, batch), []).append(rate)
                 steps = sum(r.spec_verify_steps for r in done)
@@ -121,7 +150,7 @@ def rows_for(name: str, folder: str, drafters: list[str], args) -> list[str]:
             med = statistics.median(r)
             length = f"{accept[drafter, batch]:.2f}" if accept[drafter, batch] is not None else "-"
             sglang = SGLANG.get(batch, "") if drafter in ("test-oracle", "ngram", "nextn") else ""
-            label = drafter.removeprefix("test-")
+            label = drafter.removeprefix("test-").replace(NO_BACKOFF, " (no backoff)")
             lines.append(f"| {name} | {batch} | {label} | {med:.1f} | {min(r):.1f}-{max(r):.1f} | {med / base:.2f}x "
                          f"| {length} | {sglang} |")
             print(lines[-1], flush=True)
@@ -155,7 +184,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     args.output_len = args.output_len or (32 if args.device == "cpu" else 128)
     register_script_drafters()
-    plain = ["none", "ngram", "test-oracle", "test-adversary"]
+    plain = ["none", "ngram", "test-oracle", "test-adversary", "test-adversary" + NO_BACKOFF]
     lines = [f"steps {args.steps}, {args.output_len} tokens per request, prompts of {PHRASE} tokens x {REPEATS}", "",
              "| model | batch | drafter | decode tok/s (median) | min-max | vs none | accept length | SGLang H200 (reported) |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]

@@ -106,6 +106,7 @@ class EngineConfig:
     speculative_algorithm: str = "none"
     speculative_num_steps: int = attrs.field(default=3, validator=_positive)
     speculative_num_draft_tokens: int | None = attrs.field(default=None, validator=_positive)
+    disable_speculative_backoff: bool = False  # draft for every decoding request every step, however often it misses
     # prefill/decode disaggregation (docs/pd.md): this server's role, how KV pages move, and the deadlines
     disaggregation_mode: str = attrs.field(default="none", validator=_one_of(DISAGGREGATION_MODES))
     disaggregation_transfer_backend: str = "zmq"

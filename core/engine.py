@@ -110,13 +110,17 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs)
         self.speculation = None if drafter is None else SpeculativeDecoding(
-            drafter, self.kv, self.model.hf_config["vocab_size"], decode_rows=self.model.attention_backend.graph_safe
+            drafter, self.kv, self.model.hf_config["vocab_size"], decode_rows=self.model.attention_backend.graph_safe,
+            backoff=not config.disable_speculative_backoff,
         )
         if self.speculation is not None:
             drafter.bind(drafter_context(self.model, self.kv, config, self.device, range(len(shapes), len(self.kv.buffers))))
             self.scheduler.lookahead = self.speculation.lookahead
-        # speculative steps run without the overlap schedule: a step's drafts need the tokens accepted before it
-        self.overlap_schedule = _overlap_schedule(config, self.device, self.parallel.config.world_size) and drafter is None
+        # steps that draft run without the overlap schedule (their drafts need the tokens accepted before them);
+        # the steps between them overlap where the drafter needs nothing from them (SpeculativeDecoding)
+        self.overlap_schedule = _overlap_schedule(config, self.device, self.parallel.config.world_size) and (
+            self.speculation is None or self.speculation.plain_steps_overlap
+        )
         # prefill/decode disaggregation: this rank's transfer backend and the pages it holds or expects
         self.pd = RankTransfers.create(self) if config.disaggregation_mode != "none" else None
         self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet
@@ -218,9 +222,14 @@ class Engine:
         tokens of the step before, read now, finished them)."""
         if self.pd is not None:
             self.pd.before_step()
+        spec = self.speculation
+        finished = []
+        if spec is not None and self.in_flight is not None and any(spec.due(r) for r in self.scheduler.running):
+            finished, self.in_flight = self._complete(self.in_flight), None  # drafts need the token in flight
         work = self.scheduler.schedule()
-        finished = self._drain_dropped()
-        if self.speculation is not None:
+        finished += self._drain_dropped()
+        # (a request resumed fully cached may be due while a step is still in flight: it decodes plainly this once)
+        if spec is not None and self.in_flight is None and (spec.drafts_in(work) or not spec.plain_steps_overlap):
             return finished + self._speculative_step(work)
         batch = self._agree(self.runner.prepare(work, self.in_flight))
         launched = self._launch(work, batch) if batch is not None else None

@@ -37,7 +37,10 @@ def script_distribution(tmp_path_factory):
 
 
 def settings(folder: str, **overrides) -> dict:
-    return {**dict(model=folder, dtype="fp32", show_progress=False, max_total_tokens=2048, page_size=PAGE), **overrides}
+    """Backoff off unless a test turns it on: these tests count the drafts of every step."""
+    base = dict(model=folder, dtype="fp32", show_progress=False, max_total_tokens=2048, page_size=PAGE,
+                disable_speculative_backoff=True)
+    return {**base, **overrides}
 
 
 def run(folder: str, prompts=PROMPTS, params=GREEDY, **overrides):
@@ -91,6 +94,30 @@ def test_the_adversary_is_never_accepted_and_changes_no_token(tiny_model_dir, pl
     for r in got:
         assert r.spec_accept_rate == 0.0 and r.spec_accept_length == 1.0
         assert r.spec_verify_steps == GREEDY.max_new_tokens - 2  # the last step has no room for a draft
+    assert conserved(engine)
+
+
+def test_backoff_pauses_a_drafter_that_keeps_missing(tiny_model_dir, plain, script_distribution):
+    """With backoff on (the default) the adversary verifies at output lengths 1 and 2, then pauses 2, 4, 8
+    tokens: drafts at lengths 1, 2, 4 and 8 of 12, and the same tokens."""
+    scripted(PROMPTS, plain["qwen3_moe"])
+    engine, got = run(tiny_model_dir("qwen3_moe"), speculative_algorithm="test-adversary", speculative_num_steps=3,
+                      disable_speculative_backoff=False)
+    assert [r.output_ids for r in got] == plain["qwen3_moe"]
+    assert [r.spec_verify_steps for r in got] == [4] * len(PROMPTS)
+    assert conserved(engine)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "test-oracle", "test-adversary"])
+def test_plain_steps_overlap_between_drafting_steps(tiny_model_dir, plain, script_distribution, drafter):
+    """Under the overlap schedule (forced on the CPU), steps that draft first read the token in flight; the
+    paused requests' steps overlap. Output is unchanged and every page comes back."""
+    scripted(PROMPTS, plain["mixtral"])
+    engine, got = run(tiny_model_dir("mixtral"), speculative_algorithm=drafter, speculative_num_steps=2,
+                      disable_speculative_backoff=False, overlap_schedule=True)
+    assert engine.overlap_schedule
+    assert [r.output_ids for r in got] == plain["mixtral"]
+    assert all(r.spec_verify_steps > 0 for r in got) or drafter == "ngram"
     assert conserved(engine)
 
 

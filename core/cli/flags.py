@@ -242,6 +242,12 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
         "tokens a request verifies per step: its last token and the drafts, so --speculative-num-steps + 1 "
         "(the default; drafts form one chain)", type=int, metavar="N",
     )
+    flag(
+        spec, "--disable-speculative-backoff",
+        "draft for every decoding request at every step; by default a request whose drafts missed twice running "
+        "pauses drafting for 2, 4, ... 64 tokens (plain steps, under the overlap schedule where the drafter allows), "
+        "so a workload the drafter cannot predict costs about what it costs without speculation",
+    )
 
 
 def add_disaggregation_flags(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,13 @@ ends the request exactly there. num_cached then counts only the accepted positio
 never stores a rejected one; their slots are overwritten by later steps, and whole pages beyond the
 accepted length go back to the free list.
 
-Steps run without the overlap schedule: the drafts of step N+1 depend on the tokens step N accepts.
+A step that drafts runs without the overlap schedule: the drafts of step N+1 depend on the tokens step N
+accepts. Backoff keeps a drafter that cannot predict a request from costing it much: after two verify steps
+running in which a request's drafts all missed, it pauses drafting for 2, 4, ... MAX_PAUSE of its tokens
+(... IDLE_PAUSE where the drafter had nothing to say: that costs only the asking), and any accepted draft
+ends the pause. A step in which no request drafts is
+a plain step; where the drafter needs no hidden states (it sees every token through DraftRequest), such steps
+take the engine's ordinary path, overlap schedule included.
 """
 
 from __future__ import annotations
@@ -27,16 +33,23 @@ from ..transfer import to_device
 from .verify import verify
 
 
+MAX_PAUSE = 64  # tokens: the longest a request goes without drafts after its drafts kept missing
+IDLE_PAUSE = 8  # tokens: the longest after the drafter had nothing to say (asking again is cheap)
+
+
 def is_decoding(item: ScheduledWork) -> bool:
     request = item.request
     return item.num_tokens == 1 and request.num_uncached == 1 and bool(request.output_ids)
 
 
 class SpeculativeDecoding:
-    def __init__(self, drafter: Drafter, kv: KVPool, vocab_size: int, decode_rows: bool = False):
+    def __init__(self, drafter: Drafter, kv: KVPool, vocab_size: int, decode_rows: bool = False, backoff: bool = True):
         self.drafter = drafter
         self.kv = kv
         self.vocab_size = vocab_size
+        self.backoff = backoff
+        self._misses: dict[str, int] = {}  # per request: verify steps running whose drafts all missed
+        self._resume_at: dict[str, int] = {}  # per paused request: the output length at which it drafts again
         # verify steps as decode rows (ModelRunner.prepare): where the attention backend's paged decode reads
         # only fixed-size tensors (triton), so those batches replay the decode CUDA graphs; else as extends
         # (the torch backend's per-request SDPA over a prefix is the cheaper of its two paths)
@@ -47,9 +60,22 @@ class SpeculativeDecoding:
         """Positions a decoding request may add beyond its next token (the scheduler reserves their pages)."""
         return self.drafter.num_steps
 
+    @property
+    def plain_steps_overlap(self) -> bool:
+        """Whether a step without drafts may take the engine's ordinary path (the overlap schedule included):
+        the drafter sees every token through DraftRequest and needs no hidden states from such a step."""
+        return not self.drafter.caps.needs_hidden
+
+    def due(self, request: Request) -> bool:
+        """Whether the request drafts when it next decodes (it has a token to draft from and is not paused)."""
+        return bool(request.output_ids) and len(request.output_ids) >= self._resume_at.get(request.rid, 0)
+
+    def drafts_in(self, work: Sequence[ScheduledWork]) -> bool:
+        return any(is_decoding(item) and self.due(item.request) for item in work)
+
     def draft(self, work: Sequence[ScheduledWork]) -> list[list[int]]:
-        """Per scheduled item, the drafts it verifies this step (none for prompt chunks)."""
-        rows = [i for i, item in enumerate(work) if is_decoding(item)]
+        """Per scheduled item, the drafts it verifies this step (none for prompt chunks and paused requests)."""
+        rows = [i for i, item in enumerate(work) if is_decoding(item) and self.due(item.request)]
         drafts: list[list[int]] = [[] for _ in work]
         if not rows:
             return drafts
@@ -63,7 +89,20 @@ class SpeculativeDecoding:
             tokens = list(tokens[: max(room, 0)])
             bad = next((k for k, t in enumerate(tokens) if not 0 <= t < self.vocab_size), len(tokens))
             drafts[i] = tokens[:bad]  # a draft outside the vocabulary (a faulty drafter) ends the chain
+            if not drafts[i] and room > 0:
+                self._missed(request, IDLE_PAUSE)  # asked, with room, and nothing to say
         return drafts
+
+    def _missed(self, request: Request, longest: int = MAX_PAUSE) -> None:
+        if not self.backoff:
+            return
+        misses = self._misses[request.rid] = self._misses.get(request.rid, 0) + 1
+        if misses >= 2:
+            self._resume_at[request.rid] = len(request.output_ids) + min(2 ** (misses - 1), longest)
+
+    def _hit(self, request: Request) -> None:
+        self._misses.pop(request.rid, None)
+        self._resume_at.pop(request.rid, None)
 
     @staticmethod
     def logit_rows(work: Sequence[ScheduledWork], drafts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
@@ -104,6 +143,10 @@ class SpeculativeDecoding:
                 request.spec_verify_steps += 1
                 request.spec_draft_tokens += len(drafts[i])
                 request.spec_accepted_tokens += accepted
+                if accepted:
+                    self._hit(request)
+                else:
+                    self._missed(request)
             if self._append_run(request, tokens, span, append, fail, logprobs):
                 finished.append(request)
             else:
@@ -150,4 +193,5 @@ class SpeculativeDecoding:
         ))
 
     def finished(self, request: Request) -> None:
+        self._hit(request)
         self.drafter.finished(request.rid)
