@@ -10,21 +10,33 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from moeplex.interfaces import DraftRequest, Drafter, DrafterCaps, Drafts
 
 
 def lookup(ids: np.ndarray, max_n: int, min_n: int, count: int) -> list[int]:
     """Up to `count` tokens that followed the latest earlier occurrence of the longest suffix of `ids`
-    of length max_n .. min_n (an occurrence must be followed by at least one token)."""
-    for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
-        windows = sliding_window_view(ids[:-1], n)
-        hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return ids[start : start + count].tolist()
-    return []
+    of length max_n .. min_n (an occurrence must be followed by at least one token).
+
+    One comparison over the sequence finds the earlier positions holding the last token; the suffix is then
+    matched backwards from those few candidates only: O(len(ids) + candidates x max_n), not O(len x max_n).
+    """
+    last = len(ids) - 1
+    ends = np.flatnonzero(ids[:last] == ids[last])  # where an occurrence may end
+    if ends.size == 0:
+        return []
+    matched = np.ones(ends.size, dtype=np.int64)  # suffix tokens matched backwards from each end
+    for k in range(1, max_n):
+        more = (matched == k) & (ends >= k)
+        more[more] = ids[ends[more] - k] == ids[last - k]
+        if not more.any():
+            break
+        matched += more
+    n = int(matched.max())
+    if n < min_n:
+        return []
+    start = int(ends[np.flatnonzero(matched == n)[-1]]) + 1
+    return ids[start : start + count].tolist()
 
 
 class NgramDrafter(Drafter):
