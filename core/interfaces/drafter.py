@@ -8,8 +8,10 @@ a good drafter only makes it faster.
 
 The engine calls, in this order: `kv_layers` (once, before it sizes the KV pool: extra per-token KV
 the drafter keeps in the same pages as the target), `bind` (once, with a DrafterContext), then per
-step `propose` for the decoding requests and `observe` after every target forward (prefill chunks
-included), and `finished` when a request ends or is preempted.
+step `propose` for the decoding requests that draft and `observe` after every target forward (prefill chunks
+included), and `finished` when a request ends or is preempted. A drafter that does not read hidden states
+(`needs_hidden` false) may miss the plain steps between drafting ones (they take the engine's ordinary path,
+overlap schedule included); every token they added is in the next DraftRequest.token_ids.
 """
 
 from __future__ import annotations
