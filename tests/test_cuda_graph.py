@@ -20,7 +20,6 @@ from moeplex.cuda_graph import (
     DecodeGraphs,
     DecodeInputs,
     capture_sizes,
-    graph_batch_sizes,
     max_pages_per_request,
     padded_size,
     why_no_graphs,
@@ -53,15 +52,6 @@ def test_a_batch_pads_to_the_next_captured_size():
     assert padded_size(21, sizes) is None
 
 
-def test_sizes_an_overlap_strategy_would_split_are_not_captured():
-    class SplitsFrom16:
-        def cuts(self, meta):
-            return [meta.num_tokens // 2] if meta.num_tokens >= 16 and meta.mode == ForwardMode.DECODE else None
-
-    assert graph_batch_sizes(32, SplitsFrom16()) == [1, 2, 4, 8]
-    assert graph_batch_sizes(32, lookup("overlap", "none")()) == capture_sizes(32)
-
-
 def plugins(dispatcher_safe=True, kernel_safe=True):
     caps = SimpleNamespace  # a plugin declaring nothing about graphs counts as unsafe
     return SimpleNamespace(
@@ -73,14 +63,13 @@ def plugins(dispatcher_safe=True, kernel_safe=True):
 def test_graphs_are_off_unless_everything_in_the_step_can_be_captured():
     config = EngineConfig(model="m", device="cuda", dispatcher="local", moe_kernel="triton")
     cuda, triton_attention = torch.device("cuda"), SimpleNamespace(name="triton", graph_safe=True)
-    assert why_no_graphs(config, cuda, plugins(), triton_attention, world_size=1) is None
+    assert why_no_graphs(config, cuda, plugins(), triton_attention) is None
     off = EngineConfig(model="m", device="cuda", disable_cuda_graph=True)
-    assert "--disable-cuda-graph" in why_no_graphs(off, cuda, plugins(), triton_attention, 1)
-    assert "cpu" in why_no_graphs(config, torch.device("cpu"), plugins(), triton_attention, 1)
-    assert "2 ranks" in why_no_graphs(config, cuda, plugins(), triton_attention, 2)
-    assert "torch attention" in why_no_graphs(config, cuda, plugins(), TorchAttention(), 1)
-    assert "dispatcher 'local'" in why_no_graphs(config, cuda, plugins(dispatcher_safe=False), triton_attention, 1)
-    assert "moe_kernel 'triton'" in why_no_graphs(config, cuda, plugins(kernel_safe=False), triton_attention, 1)
+    assert "--disable-cuda-graph" in why_no_graphs(off, cuda, plugins(), triton_attention)
+    assert "cpu" in why_no_graphs(config, torch.device("cpu"), plugins(), triton_attention)
+    assert "torch attention" in why_no_graphs(config, cuda, plugins(), TorchAttention())
+    assert "dispatcher 'local'" in why_no_graphs(config, cuda, plugins(dispatcher_safe=False), triton_attention)
+    assert "moe_kernel 'triton'" in why_no_graphs(config, cuda, plugins(kernel_safe=False), triton_attention)
 
 
 def test_the_page_table_is_as_wide_as_the_longest_sequence_the_pool_or_model_allows():
