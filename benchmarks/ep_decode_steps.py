@@ -126,6 +126,8 @@ def rank_rows(rank: int, parallel_config: ParallelConfig, setup: DecodeSetup, ru
             engine = Engine(config, parallel=parallel)
         except (PluginError, ValueError, ImportError) as exc:
             rows.append({**head, "skipped": str(exc).splitlines()[0]})
+            if rank == 0:
+                print(f"decode step: {rows[-1]}", flush=True)
             continue
         if engine.runner.graphs is None and setup.device == "cpu" and engine.model.attention_backend.graph_safe:
             step_graphs(engine, parallel_config.world_size)
@@ -137,6 +139,8 @@ def rank_rows(rank: int, parallel_config: ParallelConfig, setup: DecodeSetup, ru
                 row["graphs_s"], row["graph_size"] = time_steps(engine, batch, True, setup, parallel.world.host_group)
             engine.kv.release(pages)
             rows.append(row)
+            if rank == 0:  # as it comes: a run cut short (a hang in a collective) still shows what it measured
+                print(f"decode step: {row}", flush=True)
         del engine
         gc.collect()
         if setup.device == "cuda":

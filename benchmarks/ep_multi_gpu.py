@@ -66,6 +66,7 @@ from moeplex.registry import PluginError, lookup
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 TOP_LOGPROBS = 512  # the cut model's whole vocabulary
+GENERATE_TIMEOUT_S = 300
 FP32_LOGPROB_TOL = 1e-3
 PROMPTS = ["256,11,12,13,14,15", "256,40,41", "256,90,91,92,93,94,95,96,97", "256,7",
            "256,300,301,302", "256,5,6", "256,120,121,122,123,124,125", "256,64,65,66,67"]
@@ -99,7 +100,12 @@ def generate(folder: Path, device: str, dtype: str, kernel: str, dispatcher: str
         "--overlap", overlap, "--max-new-tokens", str(max_new), "--ignore-eos", "--logprobs", str(TOP_LOGPROBS), "--json",
         *([] if graphs else ["--disable-cuda-graph"]), "--input-ids", *PROMPTS,
     ]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **NO_MULTICAST}, timeout=600)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **NO_MULTICAST},
+                              timeout=GENERATE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:  # a collective that hangs (in a graph replay, say) fails its row only
+        stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        return None, f"no result in {GENERATE_TIMEOUT_S} s", "captured CUDA graphs" in stderr
     captured = "captured CUDA graphs" in done.stderr  # the engine's start-up log line, on every rank that captures
     if done.returncode:
         return None, (done.stderr.strip().splitlines() or ["failed"])[-1], captured
