@@ -260,7 +260,10 @@ def decode_graphs(config, model, kv: KVPool, strategy, selection, world_size: in
             log.info("decode runs without CUDA graphs: %s", reason)
         return None
     # a speculative verify step is a decode batch of one row per request and draft
-    sizes = capture_sizes(min(config.cuda_graph_max_bs, config.max_running_requests * config.tokens_per_decode))
+    largest = min(config.cuda_graph_max_bs, config.max_running_requests * config.tokens_per_decode)
+    if getattr(selection.dispatcher.caps, "fixed_max_tokens", False):  # a captured step must fit its buffers
+        largest = min(largest, model.moe_runtime.ctx.max_tokens_per_rank)
+    sizes = capture_sizes(largest)
     max_pages = max_pages_per_request(kv, model.hf_config.get("max_position_embeddings"))
     inputs = DecodeInputs.allocate(sizes[-1], max_pages, kv, device)
     start = time.perf_counter()
