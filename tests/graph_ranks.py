@@ -37,9 +37,33 @@ def install_graphs(engine: Engine, world_size: int) -> list[tuple]:
     return replays
 
 
+class CollectivesPerStep:
+    """Counts the all-gathers (the agreement's kind of collective) each engine step issues on this rank."""
+
+    def __init__(self, engine: Engine):
+        self.counts: list[int] = []
+        self.calls = 0
+        gather, step = dist.all_gather, engine.step
+
+        def counted_gather(*args, **kwargs):
+            self.calls += 1
+            return gather(*args, **kwargs)
+
+        def counted_step():
+            before = self.calls
+            finished = step()
+            self.counts.append(self.calls - before)
+            return finished
+
+        dist.all_gather = counted_gather  # looked up on the module at each call (moeplex.parallel's `dist`)
+        engine.step = counted_step
+        self.restore = lambda: setattr(dist, "all_gather", gather)
+
+
 def run_engines(rank, parallel_config, folder, prompts, params, variants: dict):
     """Each variant {name: (EngineConfig settings, with graphs)} generates the prompts on this launch's ranks;
-    rank 0 returns {name: {"results": per prompt, "ranks": per rank {replays, pages_conserved, cuts, overlap_schedule}}}."""
+    rank 0 returns {name: {"results": per prompt, "ranks": per rank {replays, pages_conserved, cuts, overlap_schedule,
+    gathers_per_step}}}."""
     parallel = init_parallel(parallel_config, rank, torch.device("cpu"))
     owners = assign_to_dp_groups(prompts, parallel_config.dp_size)
     mine = [i for i, owner in enumerate(owners) if owner == parallel.dp_rank]
@@ -51,12 +75,17 @@ def run_engines(rank, parallel_config, folder, prompts, params, variants: dict):
         )
         engine = Engine(config, parallel=parallel)
         replays = install_graphs(engine, parallel_config.world_size) if graphs else []
-        requests = engine.generate([prompts[i] for i in mine], [params[i] for i in mine])
+        collectives = CollectivesPerStep(engine)
+        try:
+            requests = engine.generate([prompts[i] for i in mine], [params[i] for i in mine])
+        finally:
+            collectives.restore()
         local = {i: result_of(r, False) for i, r in zip(mine, requests)} if parallel.is_output_rank else {}
         conserved = engine.flush_cache() and engine.kv.num_free_pages == engine.kv.num_pages
         cuts = engine.runner.graphs.cuts if graphs else {}
         mine_out = {"results": local, "rank": {"replays": replays, "pages_conserved": conserved, "cuts": cuts,
-                                              "overlap_schedule": engine.overlap_schedule}}
+                                              "overlap_schedule": engine.overlap_schedule,
+                                              "gathers_per_step": collectives.counts}}
         gathered = [None] * parallel_config.world_size if rank == 0 else None
         dist.gather_object(mine_out, gathered, dst=0, group=parallel.world.host_group)
         if rank == 0:
