@@ -34,6 +34,7 @@ from moeplex.ranks.launcher import launch
 from moeplex.registry import PluginError, lookup
 
 PREFIX = 256  # cached tokens of every decoding request
+PAGE = 16  # KV page size
 TARGET = 1.3  # a multi-rank step within this factor of one GPU's at the same tokens per rank
 REFERENCE = ("local", "triton")  # the one-GPU run (on the CPU check: `local` + `torch`)
 
@@ -63,7 +64,9 @@ def engine_config(setup: DecodeSetup, device: str, dispatcher: str, kernel: str,
         model=setup.folder, device=device, dtype=setup.dtype, show_progress=False, dispatcher=dispatcher,
         moe_kernel=kernel, overlap=overlap, parallel=parallel, load_format="auto" if cpu else "dummy",
         attention_backend="auto" if not cpu else "triton" if _interpreted() else "torch",
-        max_total_tokens=largest * (PREFIX + 8) + 1024, max_running_requests=largest, max_batched_tokens=largest,
+        # every request's pages (PREFIX + its new token, in whole pages), and room to spare
+        page_size=PAGE, max_total_tokens=largest * -(-(PREFIX + 1) // PAGE) * PAGE + 1024,
+        max_running_requests=largest, max_batched_tokens=largest,
         chunked_prefill_size=largest, cuda_graph_max_bs=largest, max_dispatch_tokens_per_rank=largest,
     )
 
