@@ -123,6 +123,22 @@ def test_tensor_parallel_attention_ranks_replay_graphs_with_expert_parallel_moe(
     assert all(rank["pages_conserved"] for rank in out["ranks"])
 
 
+@pytest.mark.slow
+def test_dp_groups_of_two_attention_ranks_replay_graphs(folder):
+    """tp 4, dp 2, ep 4: each DP group's two ranks hold its requests and route half the padded tokens each;
+    the idle group's two ranks replay padding."""
+    parallel = ParallelConfig(tp_size=4, ep_size=4, dp_size=2, enable_dp_attention=True,
+                              dist_init_addr=free_address(), timeout_s=120)
+    variants = {"graphs": ({"overlap_schedule": True}, True)}
+    out = launch(graph_ranks.run_engines, parallel, parallel, folder, PROMPTS, PARAMS, variants)["graphs"]
+    assert_same_tokens(out["results"], single_rank(folder), "tp4-dp2-ep4 graphs vs one rank")
+    replays = [rank["replays"] for rank in out["ranks"]]
+    assert replays[0] == replays[1] and replays[2] == replays[3]  # the two ranks of a group
+    assert [size for size, _, _ in replays[0]] == [size for size, _, _ in replays[2]]
+    assert any(mode == ForwardMode.IDLE.name for _, _, mode in replays[2])
+    assert all(rank["pages_conserved"] for rank in out["ranks"])
+
+
 # --- on 2 GPUs: real captures over NCCL ----------------------------------------------------------------
 
 
