@@ -150,7 +150,9 @@ class NaiveAllToAllDispatcher(Dispatcher):
         ctx = self.ctx
         num_tokens, top_k = topk_ids.shape
         if num_tokens > block:
-            raise ValueError(f"a decode step agreed on at most {block} tokens per rank and this rank routes {num_tokens}")
+            raise ValueError(
+                f"a decode step agreed on at most {block} tokens per rank and this rank routes {num_tokens}"
+            )
         plan = plan_blocks(topk_ids, ctx.num_local_experts, ctx.ep_size, block)
         send_hidden = hidden.new_zeros(ctx.ep_size, block, hidden.shape[1])
         send_hidden[:, :num_tokens] = hidden
@@ -162,7 +164,8 @@ class NaiveAllToAllDispatcher(Dispatcher):
         route = Route(plan, splits, splits, num_tokens, hidden.dtype)
         recv_hidden, hidden_work = self._all_to_all(send_hidden, splits, splits)
         recv_meta, meta_work = self._all_to_all(send_meta, splits, splits)
-        return PendingDispatch(route, topk_weights.dtype, recv_hidden, recv_meta, (hidden_work, meta_work), (send_hidden, send_meta))
+        works, sent = (hidden_work, meta_work), (send_hidden, send_meta)
+        return PendingDispatch(route, topk_weights.dtype, recv_hidden, recv_meta, works, sent)
 
     def dispatch_finish(self, pending: PendingDispatch) -> Dispatched:
         _wait(pending.works)
