@@ -1,13 +1,17 @@
 """Expert parallelism over the GPUs of one machine: greedy tokens against one GPU, and dispatch + combine per layer.
 
     python benchmarks/ep_multi_gpu.py --gpus 2 --out benchmarks/results/ep_multi_gpu_h200x2.md
+    python benchmarks/ep_multi_gpu.py --gpus 2 --parts decode       # one part alone: a call per part where the whole is too long
+    TRITON_INTERPRET=1 python benchmarks/ep_multi_gpu.py --cpu --gpus 2 --parts decode   # a check of part 4
 
 One process per GPU over NCCL; NVLink multicast stays off (NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1).
 
 1. Correctness. A DeepSeek-V3-shaped model cut small (hidden 2048, the smallest size DeepEP's
    low-latency kernels take; 16 routed experts, top-4; random weights written once) generates
    greedily with `--dp-size N --enable-dp-attention --tp-size N --ep-size N` and each dispatcher, against
-   one GPU running the `local` dispatcher in the same dtype. DP attention keeps every request's
+   one GPU running the `local` dispatcher in the same dtype, with decode steps in CUDA graphs where the
+   dispatcher and kernel are graph-safe (the default; the `graphs` column says whether the run captured
+   them; `naive` in fp32 also runs eagerly, `--disable-cuda-graph`). DP attention keeps every request's
    attention on one GPU, so only the MoE layers' expert parallelism and the batch split differ. In
    fp32 (`naive`) tokens and log-probabilities must equal one GPU's in fp32; in bf16 (DeepEP moves bf16
    or fp8 rows) the typical step's log-probabilities may differ from the fp32 reference by at most
@@ -24,6 +28,9 @@ One process per GPU over NCCL; NVLink multicast stays off (NCCL_NVLS_ENABLE=0, N
    layer (slowest rank) and the balancedness of the (token, expert) pairs each rank computes. EPLB
    places the experts from a calibration batch's recorded load and is measured on other batches drawn
    from the same law, as the engine rebalances from past steps.
+4. A decode step over the ranks at DeepSeek-V3 shapes (dummy weights, a few layers), 1-256 tokens per rank:
+   CUDA graphs vs eager, `tbo` vs `none` in graphs, `deepep-ll` + `deepgemm` vs `naive` + `triton`, each
+   against one GPU at the same tokens per rank (ep_decode_steps.py says how a step is timed).
 
 On a machine without GPUs, `--cpu` runs both parts on gloo ranks with the CPU plugins (a check of the
 script, not a measurement worth keeping).
@@ -48,6 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import ep_decode_steps  # part 4, beside this file
 from report import emit  # benchmarks/report.py, beside this file
 
 from moeplex.conformance.dispatch_ranks import free_port
@@ -59,6 +67,7 @@ from moeplex.registry import PluginError, lookup
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 TOP_LOGPROBS = 512  # the cut model's whole vocabulary
+GENERATE_TIMEOUT_S = 300
 FP32_LOGPROB_TOL = 1e-3
 PROMPTS = ["256,11,12,13,14,15", "256,40,41", "256,90,91,92,93,94,95,96,97", "256,7",
            "256,300,301,302", "256,5,6", "256,120,121,122,123,124,125", "256,64,65,66,67"]
@@ -79,8 +88,9 @@ def make_model(folder: Path) -> None:
 
 
 def generate(folder: Path, device: str, dtype: str, kernel: str, dispatcher: str, gpus: int, max_new: int,
-             overlap: str = "none"):
-    """Every prompt's greedy steps (token and the top log-probabilities), or the error that stopped the run."""
+             overlap: str = "none", graphs: bool = True):
+    """(every prompt's greedy steps (token and the top log-probabilities), or None; the error that stopped the run,
+    or None; whether decode steps replayed CUDA graphs)."""
     parallel = [] if gpus == 1 else [
         "--tp-size", str(gpus), "--ep-size", str(gpus), "--dp-size", str(gpus), "--enable-dp-attention",
         "--dist-init-addr", f"127.0.0.1:{free_port()}",
@@ -88,13 +98,19 @@ def generate(folder: Path, device: str, dtype: str, kernel: str, dispatcher: str
     command = [
         sys.executable, "-m", "moeplex.cli", "generate", "--model", str(folder),
         "--device", device, "--dtype", dtype, "--moe-kernel", kernel, "--dispatcher", dispatcher, *parallel,
-        "--overlap", overlap, "--max-new-tokens", str(max_new), "--ignore-eos", "--logprobs", str(TOP_LOGPROBS), "--json",
-        "--input-ids", *PROMPTS,
+        "--overlap", overlap, "--cuda-graph-max-bs", str(len(PROMPTS)), "--max-new-tokens", str(max_new), "--ignore-eos", "--logprobs", str(TOP_LOGPROBS), "--json",
+        *([] if graphs else ["--disable-cuda-graph"]), "--input-ids", *PROMPTS,
     ]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **NO_MULTICAST}, timeout=600)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **NO_MULTICAST},
+                              timeout=GENERATE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:  # a collective that hangs (in a graph replay, say) fails its row only
+        stderr = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        return None, f"no result in {GENERATE_TIMEOUT_S} s", "captured CUDA graphs" in stderr
+    captured = "captured CUDA graphs" in done.stderr  # the engine's start-up log line, on every rank that captures
     if done.returncode:
-        return None, (done.stderr.strip().splitlines() or ["failed"])[-1]
-    return [json.loads(line)["logprobs"] for line in done.stdout.splitlines()], None
+        return None, (done.stderr.strip().splitlines() or ["failed"])[-1], captured
+    return [json.loads(line)["logprobs"] for line in done.stdout.splitlines()], None, captured
 
 
 def compare(reference: list[list[dict]], got: list[list[dict]]) -> dict:
@@ -119,9 +135,13 @@ def correctness(args, dispatchers: list[str]) -> list[str]:
     says little; one GPU in bf16 shows the typical (median) step's difference, and a bf16 run over several
     ranks passes when its median is at most --bf16-factor times that one's."""
     device, kernel = ("cpu", "torch") if args.cpu else ("cuda", "triton")
-    runs = [("fp32", "naive", args.gpus, "none"), ("fp32", "naive", args.gpus, "tbo"), ("bf16", "local", 1, "none")]
-    runs += [("bf16", name, args.gpus, "none") for name in dispatchers]
-    runs += [("bf16", name, args.gpus, overlap) for name in dispatchers if name != "naive" for overlap in ("sbo", "tbo")]
+    # (dtype, dispatcher, ranks, overlap, graphs): decode steps in graphs wherever the pair is graph-safe (the
+    # default), and `naive` in fp32 once more eagerly, so the two forms meet the same criterion side by side
+    runs = [("fp32", "naive", args.gpus, overlap, True) for overlap in ("none", "tbo")]
+    runs += [] if args.cpu else [("fp32", "naive", args.gpus, "none", False)]  # on the CPU nothing is captured
+    runs += [("bf16", "local", 1, "none", True)]
+    runs += [("bf16", name, args.gpus, "none", True) for name in dispatchers]
+    runs += [("bf16", name, args.gpus, overlap, True) for name in dispatchers if name != "naive" for overlap in ("sbo", "tbo")]
     lines = [
         f"### Greedy tokens with {args.gpus} ranks against one {'process' if args.cpu else 'GPU'}",
         "",
@@ -134,20 +154,22 @@ def correctness(args, dispatchers: list[str]) -> list[str]:
         f"{args.bf16_factor}x the one-GPU bf16 run's (what rounding to bf16 costs alone; the max is where a rounding "
         "flipped a router's near-tie and another expert ran).",
         "",
-        "| dtype | dispatcher | overlap | ranks | tokens before divergence | identical | median \\|Δ\\| | max \\|Δ\\| | pass |",
-        "|---|---|---|---:|---:|---|---:|---:|---|",
+        "| dtype | dispatcher | overlap | graphs | ranks | tokens before divergence | identical | median \\|Δ\\| | max \\|Δ\\| | pass |",
+        "|---|---|---|---|---:|---:|---|---:|---:|---|",
     ]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         make_model(folder)
-        reference, error = generate(folder, device, "fp32", kernel, "local", 1, args.max_new_tokens)
+        reference, error, _ = generate(folder, device, "fp32", kernel, "local", 1, args.max_new_tokens)
         if error:
-            return lines + [f"| fp32 | local (reference) | none | 1 | failed: {error} | | | | NO |"]
+            return lines + [f"| fp32 | local (reference) | none | | 1 | failed: {error} | | | | NO |"]
         floor = None
-        for dtype, name, ranks, overlap in runs:
-            got, error = generate(folder, device, dtype, kernel, name, ranks, args.max_new_tokens, overlap)
+        for dtype, name, ranks, overlap, graphs in runs:
+            got, error, captured = generate(folder, device, dtype, kernel, name, ranks, args.max_new_tokens, overlap,
+                                            graphs)
+            replayed = "yes" if captured else "no"
             if error:
-                lines.append(f"| {dtype} | {name} | {overlap} | {ranks} | failed: {error} | | | | NO |")
+                lines.append(f"| {dtype} | {name} | {overlap} | {replayed} | {ranks} | failed: {error} | | | | NO |")
                 continue
             c = compare(reference, got)
             if ranks == 1:
@@ -156,7 +178,8 @@ def correctness(args, dispatchers: list[str]) -> list[str]:
                 verdict = "yes" if c["identical"] and c["worst"] <= FP32_LOGPROB_TOL else "NO"
             else:
                 verdict = "yes" if floor is not None and c["median"] <= args.bf16_factor * floor else "NO"
-            lines.append(f"| {dtype} | {name} | {overlap} | {ranks} | {c['equal']}/{c['total']} | {'yes' if c['identical'] else 'no'} "
+            lines.append(f"| {dtype} | {name} | {overlap} | {replayed} | {ranks} | {c['equal']}/{c['total']} | "
+                         f"{'yes' if c['identical'] else 'no'} "
                          f"| {c['median']:.4f} | {c['worst']:.4f} | {verdict} |")
             print(lines[-1], flush=True)
     return lines
@@ -418,8 +441,16 @@ def dispatch_table(args, rows: list[dict]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gpus", type=int, default=2, help="ranks, one per GPU (default: 2)")
-    parser.add_argument("--parts", nargs="+", choices=("correctness", "dispatch", "eplb"),
-                        default=["correctness", "dispatch", "eplb"], help="what to run (default: all three)")
+    parser.add_argument("--parts", nargs="+", choices=("correctness", "dispatch", "eplb", "decode"),
+                        default=["correctness", "dispatch", "eplb", "decode"], help="what to run (default: all four)")
+    parser.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+                        help="decode tokens per rank of the decode part (default: 1 2 4 ... 256; --cpu: 1 2 3)")
+    parser.add_argument("--decode-pairs", nargs="+", default=["naive:triton", "deepep-ll:deepgemm"],
+                        help="dispatcher:kernel pairs of the decode part (default: naive:triton deepep-ll:deepgemm)")
+    parser.add_argument("--decode-overlaps", nargs="+", default=["none", "tbo"],
+                        help="overlap strategies of the decode part (default: none tbo)")
+    parser.add_argument("--decode-layers", type=int, default=4,
+                        help="DeepSeek-V3 layers in the decode part, the first dense (default: 4)")
     parser.add_argument("--skews", type=float, nargs="+", default=[0.8, 1.2], help="Zipf exponents of the EPLB part")
     parser.add_argument("--redundant", type=int, default=32, help="redundant expert slots in the EPLB part (default: 32)")
     parser.add_argument("--eplb-dispatcher", default="naive",
@@ -449,8 +480,26 @@ def main() -> None:
         if rows["dispatch"]:
             lines += dispatch_table(args, rows["dispatch"]) + [""]
         if rows["eplb"]:
-            lines += eplb_table(args, rows["eplb"])
+            lines += eplb_table(args, rows["eplb"]) + [""]
+    if "decode" in args.parts:
+        lines += decode_part(args)
     emit("\n".join(lines), args.out)
+
+
+def decode_part(args) -> list[str]:
+    """Part 4: decode steps over the ranks against one GPU (ep_decode_steps.py)."""
+    pairs = [tuple(pair.split(":", 1)) for pair in args.decode_pairs]
+    if args.cpu:  # the CPU plugins, the tiny model, a few tokens: a check of the script
+        pairs = [("naive", "torch")]
+    tokens = (1, 2, 3) if args.cpu and args.decode_tokens == [1, 2, 4, 8, 16, 32, 64, 128, 256] else args.decode_tokens
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = ep_decode_steps.make_model(tmp, args.decode_layers, args.cpu)
+        setup = ep_decode_steps.DecodeSetup(folder, "cpu" if args.cpu else "cuda", "fp32" if args.cpu else "bf16",
+                                            tuple(tokens), args.iters, args.warmup)
+        rows = ep_decode_steps.measure(setup, args.gpus, pairs, args.decode_overlaps, f"127.0.0.1:{free_port()}")
+    shape = ("DeepSeek-V3 tiny (CPU check)" if args.cpu else
+             f"DeepSeek-V3 shapes, {args.decode_layers} layers (the first dense), dummy weights")
+    return ep_decode_steps.table(setup, rows, shape)
 
 
 if __name__ == "__main__":

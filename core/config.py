@@ -73,7 +73,7 @@ class EngineConfig:
     attention_backend: str = attrs.field(default=AUTO, validator=_one_of(ATTENTION_BACKENDS))  # auto: triton on CUDA
     disable_cuda_graph: bool = False  # decode steps run eagerly even where they could replay a graph
     cuda_graph_max_bs: int = attrs.field(default=256, validator=_positive)  # largest captured decode batch
-    # the host schedules step N+1 while the GPU runs step N (None: where it pays, a CUDA engine of one rank)
+    # the host schedules step N+1 while the GPU runs step N (None: where it pays, a CUDA engine)
     overlap_schedule: bool | None = None
     # scheduler and KV cache
     max_running_requests: int = attrs.field(default=64, validator=_positive)

@@ -7,9 +7,15 @@ requests is copied in and padded to the next captured size S; the padding reques
 token at position 0 whose KV lives in the KV pool's scratch page, so they touch no real request.
 
 Graphs are used only where nothing in the step reads a host value or changes shape: a CUDA device,
-one rank, a graph-safe attention backend, a dispatcher and MoE kernel that declare `graph_safe`,
-an overlap strategy that runs the padded batch whole, and no expert-load recording (its counts
-would include the padding and its buffers are swapped between recordings).
+a graph-safe attention backend, a dispatcher and MoE kernel that declare `graph_safe`, and no
+expert-load recording (its counts would include the padding and its buffers are swapped between
+recordings). An overlap strategy that splits a captured size splits it at capture, once: the
+micro-batches are fixed per size, as SGLang's two-batch-overlap graph runner does.
+
+Several ranks: every captured batch says that every rank holds `size` tokens (global_num_tokens),
+so a dispatcher sized by the step's counts sees the padded count. Ranks holding the same requests
+(tensor-parallel attention) pad alike; under DP attention the step's agreement (step_agreement.py)
+picks one size for all ranks, and an idle rank replays it with padding rows only.
 """
 
 from __future__ import annotations
@@ -44,19 +50,12 @@ def padded_size(batch_size: int, sizes: Sequence[int]) -> int | None:
     return sizes[at] if at < len(sizes) else None
 
 
-def graph_batch_sizes(max_bs: int, strategy) -> list[int]:
-    """The capture sizes whose padded decode batch the overlap strategy runs whole (a split cannot be captured)."""
-    return [s for s in capture_sizes(max_bs) if strategy.cuts(BatchMeta(ForwardMode.DECODE, (1,) * s)) is None]
-
-
-def why_no_graphs(config, device: torch.device, selection, attention_backend, world_size: int) -> str | None:
+def why_no_graphs(config, device: torch.device, selection, attention_backend) -> str | None:
     """Why decode cannot use CUDA graphs on this engine, or None when it can."""
     if config.disable_cuda_graph:
         return "--disable-cuda-graph is set"
     if device.type != "cuda":
         return f"the device is {device.type}, not a CUDA GPU"
-    if world_size > 1:
-        return f"the engine spans {world_size} ranks and graphs are captured for one rank only"
     if not attention_backend.graph_safe:
         return f"the {attention_backend.name} attention backend reads host-side lengths (triton does not)"
     for kind, name, plugin in (
@@ -196,29 +195,56 @@ class DecodeGraphs:
 
     `capture` turns a step function into a replay function (CudaGraphCapture on the GPU; the tests
     pass one that simply calls the step again, which checks everything but the capture itself).
+    `cuts[size]`: where the overlap strategy splits that size into micro-batches (None: whole),
+    fixed at capture.
     """
 
-    def __init__(self, model, kv: KVPool, strategy, inputs: DecodeInputs, sizes: Sequence[int], capture: Capture):
+    def __init__(self, model, kv: KVPool, strategy, inputs: DecodeInputs, sizes: Sequence[int], capture: Capture,
+                 world_size: int = 1):
         self.model, self.inputs = model, inputs
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
+        self.cuts: dict[int, list[int] | None] = {}
         for size in sorted(sizes, reverse=True):  # largest first: the smaller graphs reuse its memory
-            batch, rows = inputs.batch(size), inputs.rows[:size]
+            batch, rows = self.captured_batch(size, strategy, world_size), inputs.rows[:size]
             self.replays[size] = capture(lambda batch=batch, rows=rows: model(batch, kv, strategy, logits_at=rows))
         self.sizes = sorted(self.replays)
 
-    def can_run(self, batch: ForwardBatch) -> bool:
+    def captured_batch(self, size: int, strategy, world_size: int) -> ForwardBatch:
+        """The batch a graph of `size` rows is captured with: every rank holds `size` tokens, all decode,
+        and the strategy's split of that size (if any) taken for good."""
+        batch = self.inputs.batch(size)
+        cuts = strategy.cuts(BatchMeta(batch.mode, batch.extend_lens))
+        self.cuts[size] = None if cuts is None else list(cuts)
+        return attrs.evolve(
+            batch, global_num_tokens=(size,) * world_size, overlap_split=cuts is not None, global_all_decode=True
+        )
+
+    def fits(self, batch: ForwardBatch) -> bool:
+        """Whether this rank's batch could replay a graph (an idle batch can: as padding rows only)."""
         runtime = getattr(self.model, "moe_runtime", None)
         return (
-            batch.mode == ForwardMode.DECODE
-            and batch.global_num_tokens is None
+            batch.mode in (ForwardMode.DECODE, ForwardMode.IDLE)
             and self.inputs.fits(batch)
-            and padded_size(batch.batch_size, self.sizes) is not None
+            and batch.batch_size <= self.sizes[-1]
             and not (runtime is not None and runtime.records_load)
         )
 
+    def size_for(self, batch: ForwardBatch) -> int | None:
+        """The captured size this batch replays: agreed by every rank under DP attention (global_num_tokens set),
+        else the smallest holding it; None: eager."""
+        if batch.global_num_tokens is not None:
+            return batch.graph_size
+        if batch.mode != ForwardMode.DECODE or not self.fits(batch):
+            return None
+        return padded_size(batch.batch_size, self.sizes)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return self.size_for(batch) is not None
+
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """[B, vocab] logits of a decode batch (a copy: the graph's output is overwritten by the next replay)."""
-        size = padded_size(batch.batch_size, self.sizes)
+        """[B, vocab] logits of a decode batch (a copy: the graph's output is overwritten by the next replay);
+        an idle batch replays its agreed size with padding rows only and gets [0, vocab]."""
+        size = self.size_for(batch)
         self.inputs.load(batch, size)
         return self.replays[size]()[: batch.batch_size].clone()
 
@@ -226,22 +252,24 @@ class DecodeGraphs:
 def decode_graphs(config, model, kv: KVPool, strategy, selection, world_size: int) -> DecodeGraphs | None:
     """Capture the decode graphs this engine can use, or say (on a GPU) why it uses none."""
     device = torch.device(config.device)
-    reason = why_no_graphs(config, device, selection, model.attention_backend, world_size)
+    reason = why_no_graphs(config, device, selection, model.attention_backend)
     if not reason and model.moe_runtime.records_load:
         reason = "expert load is recorded every step (--enable-eplb, or a hook observes it)"
-    # a speculative verify step is a decode batch of one row per request and draft
-    rows = config.max_running_requests * config.tokens_per_decode
-    sizes = [] if reason else graph_batch_sizes(min(config.cuda_graph_max_bs, rows), strategy)
-    if not reason and not sizes:
-        reason = f"overlap '{config.overlap}' splits every decode batch into micro-batches"
     if reason:
         if device.type == "cuda":
             log.info("decode runs without CUDA graphs: %s", reason)
         return None
+    # a speculative verify step is a decode batch of one row per request and draft
+    largest = min(config.cuda_graph_max_bs, config.max_running_requests * config.tokens_per_decode)
+    if getattr(selection.dispatcher.caps, "fixed_max_tokens", False):  # a captured step must fit its buffers
+        largest = min(largest, model.moe_runtime.ctx.max_tokens_per_rank)
+    sizes = capture_sizes(largest)
     max_pages = max_pages_per_request(kv, model.hf_config.get("max_position_embeddings"))
     inputs = DecodeInputs.allocate(sizes[-1], max_pages, kv, device)
     start = time.perf_counter()
     with torch.inference_mode():
-        graphs = DecodeGraphs(model, kv, strategy, inputs, sizes, CudaGraphCapture(device))
-    log.info("captured CUDA graphs for decode batches of %s requests in %.1f s", sizes, time.perf_counter() - start)
+        graphs = DecodeGraphs(model, kv, strategy, inputs, sizes, CudaGraphCapture(device), world_size)
+    split = [size for size, cuts in graphs.cuts.items() if cuts is not None]
+    log.info("captured CUDA graphs for decode batches of %s requests in %.1f s%s", sizes, time.perf_counter() - start,
+             f" (split into micro-batches from {min(split)} on)" if split else "")
     return graphs

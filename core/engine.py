@@ -1,11 +1,15 @@
 """Engine: schedule, run the model, post-process — one step at a time.
 
-Under the overlap schedule (a CUDA engine of one rank, unless --disable-overlap-schedule) a step
+Under the overlap schedule (a CUDA engine, unless --disable-overlap-schedule) a step
 schedules and launches the next batch before it reads the tokens of the batch before: the host's
 work of step N+1 (scheduling, batch building, launching) runs while the GPU computes step N. A
 request that stops in step N was already given a place in step N+1; that token is dropped, and its
 pages are freed at once (the GPU runs steps in order, so step N+1's writes land before any later
 owner's). A request whose next token is its last (max_new_tokens) is not scheduled again.
+
+With several ranks the schedule is the same on each: the DP agreement of step N+1 (one collective
+over the host group) reads only what the scheduler decided (token counts, modes, whether the batch
+fits the graphs), never a token of step N, so it runs while the device still computes step N.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .speculation.setup import check_drafter, drafter_context
 from .speculation.step import SpeculativeDecoding
+from .step_agreement import Vote, agree
 from .selection import resolve
 from .tokenizer import Detokenizer, load_tokenizer
 from .transfer import to_device
@@ -68,15 +73,10 @@ def _kv_tokens(config: EngineConfig, bytes_per_token: int, device: torch.device)
     return max(config.page_size, min(int(free * config.kv_memory_fraction) // bytes_per_token, MAX_DEFAULT_KV_TOKENS))
 
 
-def _overlap_schedule(config: EngineConfig, device: torch.device, world_size: int) -> bool:
-    """Whether steps overlap (the flag, or by default where it pays: on a CUDA device, with one rank)."""
-    if config.overlap_schedule and world_size > 1:
-        raise ValueError(
-            f"the overlap schedule runs on an engine of one rank and this one spans {world_size}; "
-            "leave it to its default (off for several ranks)"
-        )
+def _overlap_schedule(config: EngineConfig, device: torch.device) -> bool:
+    """Whether steps overlap (the flag, or by default where it pays: on a CUDA device)."""
     if config.overlap_schedule is None:
-        return device.type == "cuda" and world_size == 1
+        return device.type == "cuda"
     return config.overlap_schedule
 
 
@@ -118,7 +118,7 @@ class Engine:
             self.scheduler.lookahead = self.speculation.lookahead
         # steps that draft run without the overlap schedule (their drafts need the tokens accepted before them);
         # the steps between them overlap where the drafter needs nothing from them (SpeculativeDecoding)
-        self.overlap_schedule = _overlap_schedule(config, self.device, self.parallel.config.world_size) and (
+        self.overlap_schedule = _overlap_schedule(config, self.device) and (
             self.speculation is None or self.speculation.plain_steps_overlap
         )
         # prefill/decode disaggregation: this rank's transfer backend and the pages it holds or expects
@@ -303,20 +303,25 @@ class Engine:
     def _agree(self, batch: ForwardBatch) -> ForwardBatch | None:
         """Under DP attention every rank learns every rank's token count in one small collective.
 
-        All ranks then step together: one with nothing to do runs its IDLE batch so the MoE
-        layers' collectives never wait for it; when no rank has tokens, nobody runs.
+        All ranks then step together: one with nothing to do runs its IDLE batch (or, when the step
+        replays graphs, the agreed size as padding) so the MoE layers' collectives never wait for it;
+        when no rank has tokens, nobody runs.
         """
         if self.parallel.config.dp_size == 1:
             return batch if batch.num_tokens else None
+        graphs = self.runner.graphs
         can_split = batch.overlap_split is not False and self.runner.strategy.cuts(BatchMeta(batch.mode, batch.extend_lens)) is not None
-        everyone = self.parallel.world.all_gather_ints([batch.num_tokens, int(batch.mode.is_extend), int(can_split)])
-        counts = tuple(row[0] for row in everyone)
-        if not any(counts):
+        # a speculative step whose drafter reads hidden states runs eagerly (ModelRunner.verify_forward)
+        hidden = self.speculation is not None and self.speculation.drafter.caps.needs_hidden
+        can_graph = graphs is not None and not hidden and graphs.fits(batch)
+        vote = Vote(batch.num_tokens, batch.mode.is_extend, can_split, can_graph)
+        agreed = agree(self.parallel.world.all_gather_ints(vote.row()), graphs.sizes if graphs is not None else ())
+        if agreed is None:
             return None
-        # split only when every rank with tokens can; idle ranks follow with empty micro-batches
-        split = all(row[2] for row in everyone if row[0])
-        all_decode = not any(row[1] for row in everyone if row[0])
-        return attrs.evolve(batch, global_num_tokens=counts, overlap_split=split, global_all_decode=all_decode)
+        return attrs.evolve(
+            batch, global_num_tokens=agreed.counts, overlap_split=agreed.split, global_all_decode=agreed.all_decode,
+            graph_size=agreed.graph_size,
+        )
 
     def _drain_dropped(self) -> list[Request]:
         dropped, self.scheduler.dropped = self.scheduler.dropped, []

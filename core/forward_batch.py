@@ -54,6 +54,8 @@ class ForwardBatch:
     overlap_split: bool | None = None
     # DP attention: whether every rank with tokens decodes this step (None: read this rank's mode)
     global_all_decode: bool | None = None
+    # DP attention: the captured decode-graph size every rank replays this step, idle ranks too (None: eager)
+    graph_size: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -102,23 +104,36 @@ class ForwardBatch:
         extend = tuple(min(firsts[i] + lens[i], end) - max(firsts[i], start) for i in kept)
         prefix = tuple(self.prefix_lens[i] + max(0, start - firsts[i]) for i in kept)
         seq = [p + n for p, n in zip(prefix, extend)]
-        indptr = self.kv_indptr.tolist()
-        runs = [self.kv_indices[indptr[i] : indptr[i] + s] for i, s in zip(kept, seq)]
         device = self.input_ids.device
-        kv_indptr = torch.zeros(len(kept) + 1, dtype=torch.int64)
-        kv_indptr[1:] = torch.tensor(seq, dtype=torch.int64).cumsum(0)
         tokens = {name: getattr(self, name)[start:end] for name in self.fields_along(TOKEN)}
-        table = self.page_table
-        if table is not None:
-            table = table[torch.tensor(kept, dtype=torch.int64, device=table.device)]
+        first, last = (kept[0], kept[-1] + 1) if kept else (0, 0)
+        if kept == list(range(first, last)) and all(e == lens[i] for e, i in zip(extend, kept)):
+            # no request is cut (every decode split): views of the batch's own tensors, no host read, so a
+            # micro-batch of a captured step reads the graph's static inputs
+            seq_lens = self.seq_lens[first:last]
+            table = None if self.page_table is None else self.page_table[first:last]
+        else:
+            seq_lens = torch.tensor(seq, dtype=torch.int64, device=device)
+            table = self.page_table
+            if table is not None:
+                table = table[torch.tensor(kept, dtype=torch.int64, device=table.device)]
+        if self.kv_indices.numel() == 0:  # a captured step's batch: attention reads the page table
+            kv_indices, kv_indptr = self.kv_indices, torch.zeros(len(kept) + 1, dtype=torch.int64, device=device)
+        else:
+            indptr = self.kv_indptr.tolist()
+            runs = [self.kv_indices[indptr[i] : indptr[i] + s] for i, s in zip(kept, seq)]
+            kv_indices = torch.cat(runs) if runs else self.kv_indices[:0]
+            kv_indptr = torch.zeros(len(kept) + 1, dtype=torch.int64)
+            kv_indptr[1:] = torch.tensor(seq, dtype=torch.int64).cumsum(0)
+            kv_indptr = kv_indptr.to(device)
         return attrs.evolve(
             self,
             **tokens,
             extend_lens=extend,
             prefix_lens=prefix,
-            seq_lens=torch.tensor(seq, dtype=torch.int64, device=device),
-            kv_indices=torch.cat(runs) if runs else self.kv_indices[:0],
-            kv_indptr=kv_indptr.to(device),
+            seq_lens=seq_lens,
+            kv_indices=kv_indices,
+            kv_indptr=kv_indptr,
             page_table=table,
         )
 

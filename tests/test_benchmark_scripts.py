@@ -29,17 +29,30 @@ def table_rows(text: str, first_cell: str) -> list[list[str]]:
 
 def test_ep_multi_gpu_on_cpu_ranks(tmp_path):
     out = run("ep_multi_gpu.py", tmp_path / "ep.md", "--cpu", "--gpus", "2", "--iters", "1", "--warmup", "1", "--max-new-tokens", "4",
-              "--skews", "1.2")
+              "--skews", "1.2", "--parts", "correctness", "dispatch", "eplb")
     correctness = table_rows(out, "fp32") + table_rows(out, "bf16")
-    assert [row[:4] for row in correctness] == [
-        ["fp32", "naive", "none", "2"], ["fp32", "naive", "tbo", "2"], ["bf16", "local", "none", "1"],
-        ["bf16", "naive", "none", "2"],
+    assert [row[:5] for row in correctness] == [  # nothing is captured on the CPU: graphs "no"
+        ["fp32", "naive", "none", "no", "2"], ["fp32", "naive", "tbo", "no", "2"], ["bf16", "local", "none", "no", "1"],
+        ["bf16", "naive", "none", "no", "2"],
     ]
     assert all(row[-1] in ("yes", "(bf16 alone)") for row in correctness), out
     assert table_rows(out, "prefill") and table_rows(out, "decode"), out
     eplb = table_rows(out, "1.2")
     assert [row[1] for row in eplb] == ["static", "eplb, no redundant", "eplb, 32 redundant"]
     assert float(eplb[1][4]) > float(eplb[0][4]), "EPLB balances the ranks' pairs better than the static placement"
+
+
+def test_ep_multi_gpu_decode_part_on_cpu_ranks(tmp_path):
+    """Part 4 with graphs whose capture calls the step: 3 tokens per rank replay the size-3 graph, every rank."""
+    out = run("ep_multi_gpu.py", tmp_path / "decode.md", "--cpu", "--gpus", "2", "--iters", "1", "--warmup", "1",
+              "--parts", "decode", "--decode-tokens", "3")
+    rows = table_rows(out, "1") + table_rows(out, "2")
+    assert [(row[0], row[1], row[2], row[3], row[4]) for row in rows] == [
+        ("1", "local + torch", "none", "3", "3"), ("2", "naive + torch", "none", "3", "3"),
+        ("2", "naive + torch", "tbo", "3", "3"),
+    ], out
+    assert all(float(row[5]) > 0 and float(row[6]) > 0 for row in rows), out
+    assert rows[2][-1].endswith("x") and rows[1][-3].endswith("x"), out  # tbo speed-up; vs 1 rank
 
 
 def test_overlap_on_cpu_ranks(tmp_path):

@@ -20,7 +20,6 @@ from moeplex.cuda_graph import (
     DecodeGraphs,
     DecodeInputs,
     capture_sizes,
-    graph_batch_sizes,
     max_pages_per_request,
     padded_size,
     why_no_graphs,
@@ -53,15 +52,6 @@ def test_a_batch_pads_to_the_next_captured_size():
     assert padded_size(21, sizes) is None
 
 
-def test_sizes_an_overlap_strategy_would_split_are_not_captured():
-    class SplitsFrom16:
-        def cuts(self, meta):
-            return [meta.num_tokens // 2] if meta.num_tokens >= 16 and meta.mode == ForwardMode.DECODE else None
-
-    assert graph_batch_sizes(32, SplitsFrom16()) == [1, 2, 4, 8]
-    assert graph_batch_sizes(32, lookup("overlap", "none")()) == capture_sizes(32)
-
-
 def plugins(dispatcher_safe=True, kernel_safe=True):
     caps = SimpleNamespace  # a plugin declaring nothing about graphs counts as unsafe
     return SimpleNamespace(
@@ -73,14 +63,13 @@ def plugins(dispatcher_safe=True, kernel_safe=True):
 def test_graphs_are_off_unless_everything_in_the_step_can_be_captured():
     config = EngineConfig(model="m", device="cuda", dispatcher="local", moe_kernel="triton")
     cuda, triton_attention = torch.device("cuda"), SimpleNamespace(name="triton", graph_safe=True)
-    assert why_no_graphs(config, cuda, plugins(), triton_attention, world_size=1) is None
+    assert why_no_graphs(config, cuda, plugins(), triton_attention) is None
     off = EngineConfig(model="m", device="cuda", disable_cuda_graph=True)
-    assert "--disable-cuda-graph" in why_no_graphs(off, cuda, plugins(), triton_attention, 1)
-    assert "cpu" in why_no_graphs(config, torch.device("cpu"), plugins(), triton_attention, 1)
-    assert "2 ranks" in why_no_graphs(config, cuda, plugins(), triton_attention, 2)
-    assert "torch attention" in why_no_graphs(config, cuda, plugins(), TorchAttention(), 1)
-    assert "dispatcher 'local'" in why_no_graphs(config, cuda, plugins(dispatcher_safe=False), triton_attention, 1)
-    assert "moe_kernel 'triton'" in why_no_graphs(config, cuda, plugins(kernel_safe=False), triton_attention, 1)
+    assert "--disable-cuda-graph" in why_no_graphs(off, cuda, plugins(), triton_attention)
+    assert "cpu" in why_no_graphs(config, torch.device("cpu"), plugins(), triton_attention)
+    assert "torch attention" in why_no_graphs(config, cuda, plugins(), TorchAttention())
+    assert "dispatcher 'local'" in why_no_graphs(config, cuda, plugins(dispatcher_safe=False), triton_attention)
+    assert "moe_kernel 'triton'" in why_no_graphs(config, cuda, plugins(kernel_safe=False), triton_attention)
 
 
 def test_the_page_table_is_as_wide_as_the_longest_sequence_the_pool_or_model_allows():
@@ -151,10 +140,41 @@ def cache_buffers(kv: KVPool) -> list[torch.Tensor]:
 )
 def test_replaying_through_the_static_inputs_equals_eager_decode(tiny_model_dir, arch):
     """Everything but the capture: a batch of 5 padded to 8, then one of 3 padded to 4 over rows the first used."""
-    config = EngineConfig(model=tiny_model_dir(arch), show_progress=False)
+    graphs = replay_and_compare(tiny_model_dir(arch), "none")
+    assert graphs.cuts == {1: None, 2: None, 4: None, 8: None}
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the CPU check of replay through the static inputs")
+def test_tbo_replays_the_split_fixed_at_capture_and_equals_eager_decode(tiny_model_dir):
+    """Every size of two or more is captured as two micro-batches cut at half its padded rows; padding rows may
+    fill the second micro-batch (3 requests padded to 4 cut at 2) and the logits still equal the eager step."""
+    graphs = replay_and_compare(tiny_model_dir("deepseek_v3"), "tbo")
+    assert graphs.cuts == {1: None, 2: [1], 4: [2], 8: [4]}
+
+
+def test_a_micro_batch_of_a_captured_batch_reads_the_static_inputs():
+    """A decode cut falls between requests: the micro-batches' tensors are views of the graph's static inputs
+    (a copy made at capture would freeze the lengths and pages of that moment), with nothing read on the host."""
+    kv = KVPool(32, PAGE, [[(1,)]], torch.float32, "cpu")
+    inputs = DecodeInputs.allocate(max_bs=8, max_pages=6, kv=kv, device="cpu")
+    view = inputs.batch(8)
+    first, second = view.slice_tokens(0, 4), view.slice_tokens(4, 8)
+    assert second.seq_lens.data_ptr() == inputs.seq_lens[4:].data_ptr()
+    assert second.page_table.data_ptr() == inputs.page_table[4:].data_ptr()
+    assert second.input_ids.data_ptr() == inputs.input_ids[4:].data_ptr()
+    assert first.seq_lens.data_ptr() == inputs.seq_lens.data_ptr() and first.batch_size == second.batch_size == 4
+    assert second.kv_indices.numel() == 0 and second.kv_indptr.tolist() == [0] * 5
+    # an eager batch cut inside a request still gets that request's own lengths
+    prompt = build_forward_batch([ScheduledSeq([1, 2, 3, 4, 5], 0, kv.allocate(2))], kv, "cpu")
+    cut = prompt.slice_tokens(1, 3)
+    assert (cut.prefix_lens, cut.extend_lens, cut.seq_lens.tolist(), cut.kv_indices.numel()) == ((1,), (2,), [3], 3)
+
+
+def replay_and_compare(folder, overlap_name: str) -> DecodeGraphs:
+    config = EngineConfig(model=folder, show_progress=False)
     model = load_model(config.model, config, resolve(config))
     model.set_attention_backend(TritonAttention("cpu", torch.float32, min_split_tokens=4, target_programs=8, block_n=16))
-    overlap = lookup("overlap", "none")()
+    overlap = lookup("overlap", overlap_name)()
     kv = KVPool(24, PAGE, model.kv_shapes(), torch.float32, "cpu")
     inputs = DecodeInputs.allocate(max_bs=8, max_pages=8, kv=kv, device="cpu")
     graphs = DecodeGraphs(model, kv, overlap, inputs, capture_sizes(8), capture=lambda step: step)
@@ -180,6 +200,7 @@ def test_replaying_through_the_static_inputs_equals_eager_decode(tiny_model_dir,
         assert ((replayed - eager).abs().max() / eager.abs().max()).item() < 1e-5
         for buffer, replayed_buffer in zip(cache_buffers(kv), after_replay):
             assert torch.allclose(buffer[real_slots], replayed_buffer[real_slots], rtol=1e-5, atol=1e-6)
+    return graphs
 
 
 def test_no_replay_while_expert_load_is_recorded(tiny_model_dir):

@@ -159,15 +159,14 @@ def test_the_overlap_schedule_wastes_no_step_on_length_and_one_row_on_a_stop(tin
     assert not engine.has_work and engine.flush_cache() and engine.kv.num_free_pages == engine.kv.num_pages
 
 
-def test_the_overlap_schedule_is_refused_across_ranks():
+def test_the_overlap_schedule_is_on_by_default_on_cuda_whatever_the_ranks():
+    """Several ranks run it too (tests/test_cuda_graph_parallel.py runs it over gloo ranks)."""
     from moeplex.engine import _overlap_schedule
 
-    config = EngineConfig(model="unused", overlap_schedule=True)
-    with pytest.raises(ValueError, match="one rank"):
-        _overlap_schedule(config, torch.device("cpu"), world_size=2)
-    assert _overlap_schedule(EngineConfig(model="unused"), torch.device("cuda"), world_size=1)
-    assert not _overlap_schedule(EngineConfig(model="unused"), torch.device("cuda"), world_size=2)
-    assert not _overlap_schedule(EngineConfig(model="unused"), torch.device("cpu"), world_size=1)
+    assert _overlap_schedule(EngineConfig(model="unused"), torch.device("cuda"))
+    assert _overlap_schedule(EngineConfig(model="unused", overlap_schedule=True), torch.device("cpu"))
+    assert not _overlap_schedule(EngineConfig(model="unused"), torch.device("cpu"))
+    assert not _overlap_schedule(EngineConfig(model="unused", overlap_schedule=False), torch.device("cuda"))
 
 
 def test_one_request_cannot_fail_its_batch(tiny_model_dir):

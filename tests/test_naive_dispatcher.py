@@ -6,7 +6,9 @@ tokens from one seed, runs dispatch -> experts -> combine on its own, and saves 
 got; the test process runs the same tokens through `local`
 with all experts in one process and compares, rank by rank. Experts are either identity
 (the kernel hands back each pair's row unweighted) or the `torch` kernel on random weights,
-fed the standard layout or, through the core's adapter, the contiguous one.
+fed the standard layout or, through the core's adapter, the contiguous one. Each scenario runs twice:
+as an extend step (uneven splits) and as a decode step whose every rank's count is known (fixed blocks
+of max(counts) rows per destination, the form a CUDA graph captures).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch.multiprocessing as mp
 from moeplex.conformance.dispatch_ranks import free_port
 from moeplex.interfaces import BF16, CONTIGUOUS, STANDARD, ExpertOutput, ExpertWeights, MoEContext
 from moeplex.moe.adapters import LayoutAdapter
-from moeplex.plugins.dispatchers.naive import plan_sends
+from moeplex.forward_batch import ForwardBatch, ForwardMode
+from moeplex.plugins.dispatchers.naive import fixed_block, plan_blocks, plan_sends
 from moeplex.registry import lookup
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 64, 32, 16, 3
@@ -114,9 +117,9 @@ class MoEStage:
             return restore(self.kernel.apply(contiguous, self.prepared))
         return self.kernel.apply(layout, self.prepared)
 
-    def forward(self, hidden, ids, weights) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden, ids, weights, batch=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(combined [T, H], the local top-k ids this rank received)."""
-        dispatched = self.dispatcher.dispatch(hidden, ids, weights)
+        dispatched = self.dispatcher.dispatch(hidden, ids, weights, batch)
         output = self.expert_output(dispatched.layout)
         return self.dispatcher.combine(output, dispatched.handle), dispatched.layout.topk_ids
 
@@ -136,13 +139,22 @@ def two_in_flight(ep_rank: int, world: int, group) -> list[torch.Tensor]:
     return [dispatcher.combine_finish(c) for c in reversed(combining)]
 
 
+def decode_step(inputs) -> ForwardBatch:
+    """A decode step's batch as the DP agreement leaves it: every rank's token count known to all."""
+    counts = tuple(hidden.shape[0] for hidden, _, _ in inputs)
+    return attrs.evolve(ForwardBatch.idle(), mode=ForwardMode.DECODE, global_num_tokens=counts, global_all_decode=True)
+
+
 def run_ep_group(world: int, group) -> dict:
-    """{scenario: (combined, received local ids)} and {"two_in_flight": [combined A, combined B]} on one EP group."""
+    """{scenario: (combined, received local ids)}, the same as fixed blocks under {scenario/blocks}, and
+    {"two_in_flight": [combined A, combined B]} on one EP group."""
     ep_rank = dist.get_rank(group)
     results = {}
     for name, scenario in SCENARIOS.items():
         stage = MoEStage("naive", scenario, context(ep_rank, world, scenario.dtype, group))
-        results[name] = stage.forward(*all_inputs(name, world)[ep_rank])
+        inputs = all_inputs(name, world)
+        results[name] = stage.forward(*inputs[ep_rank])
+        results[f"{name}/blocks"] = stage.forward(*inputs[ep_rank], decode_step(inputs))
     results["two_in_flight"] = two_in_flight(ep_rank, world, group)
     return results
 
@@ -199,13 +211,25 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol, msg=lambda d: f"{what}\n{d}")
 
 
+@pytest.mark.parametrize("splits", ["uneven", "blocks"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_matches_single_process(ep_groups, name):
+def test_matches_single_process(ep_groups, name, splits):
     world, groups = ep_groups
     want = single_process(name, world)
+    key = name if splits == "uneven" else f"{name}/blocks"
     for group, results in enumerate(groups):
         for rank, rank_results in enumerate(results):
-            assert_close(rank_results[name][0], want[rank], f"{name}: EP group {group}, rank {rank} of {world}")
+            assert_close(rank_results[key][0], want[rank], f"{key}: EP group {group}, rank {rank} of {world}")
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_fixed_blocks_receive_max_count_rows_from_every_rank(ep_groups, name):
+    world, groups = ep_groups
+    block = max(hidden.shape[0] for hidden, _, _ in all_inputs(name, world))
+    for results in groups:
+        for rank, rank_results in enumerate(results):
+            received = rank_results[f"{name}/blocks"][1]
+            assert received.shape[0] == world * block, f"rank {rank} of {world} received {received.shape[0]} rows"
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -238,3 +262,18 @@ def test_plan_sends_once_per_rank_with_local_ids():
     assert plan.counts.tolist() == [1, 2]
     assert plan.source_tokens.tolist() == [0, 0, 1]
     assert plan.local_ids.tolist() == [[0, -1, -1], [-1, 1, -1], [2, 3, 0]]
+
+
+def test_fixed_blocks_only_for_decode_steps_with_known_counts():
+    decode = decode_step([(torch.zeros(3, 1), None, None), (torch.zeros(0, 1), None, None)])
+    assert fixed_block(decode) == 3
+    assert fixed_block(attrs.evolve(decode, global_all_decode=False)) is None  # a rank extends: uneven splits
+    assert fixed_block(attrs.evolve(decode, global_num_tokens=None)) is None  # counts unknown
+    assert fixed_block(None) is None
+    # 2 ranks of 4 experts, blocks of 3 rows: token 0 -> experts 0 (rank 0) and 5 (rank 1); token 1 -> 6, 7, 4
+    plan = plan_blocks(torch.tensor([[0, 5, -1], [6, 7, 4]]), num_local_experts=4, ep_size=2, block=3)
+    assert plan.source_tokens is None and plan.counts.tolist() == [3, 3]
+    assert plan.local_ids.tolist() == [
+        [[0, -1, -1], [-1, -1, -1], [-1, -1, -1]],  # to rank 0: token 0's expert 0; token 1 has none there; padding
+        [[-1, 1, -1], [2, 3, 0], [-1, -1, -1]],  # to rank 1
+    ]

@@ -109,8 +109,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     flag(
         gpu, "--disable-overlap-schedule",
-        "finish each step (read its tokens) before scheduling the next; by default a CUDA engine of one rank "
-        "schedules and launches step N+1 while the GPU still runs step N",
+        "finish each step (read its tokens) before scheduling the next; by default a CUDA engine (every rank "
+        "of it) schedules and launches step N+1 while the GPU still runs step N",
         dest="overlap_schedule", action="store_const", const=False,
     )
     flag(

@@ -12,7 +12,15 @@ from typing import Callable
 import attrs
 import torch
 
-from moeplex.interfaces import Dispatcher, ExpertOutput, MoEContext, StandardLayout, reduce_standard
+from moeplex.interfaces import (
+    Dispatcher,
+    ExpertOutput,
+    ForwardBatch,
+    ForwardMode,
+    MoEContext,
+    StandardLayout,
+    reduce_standard,
+)
 from moeplex.quant import dequantize_activations
 
 from .routing import Routing, make_hidden, make_routing
@@ -41,6 +49,10 @@ CASES = {
 }
 TWO_IN_FLIGHT = "two_in_flight"
 CHECKS = (*CASES, TWO_IN_FLIGHT)
+# graph-safe dispatchers: a decode step whose every rank's count is known, as the engine's agreement and every
+# captured decode graph pass it (a rank with no tokens among them)
+DECODE_STEP = "decode_step"
+DECODE_STEP_CASE = "silent_rank"
 
 
 def device_for_rank(ep_rank: int = 0, ep_size: int = 1, needs_gpu: bool = False) -> torch.device:
@@ -133,13 +145,20 @@ def assert_combined(out: torch.Tensor, hidden: torch.Tensor, routing: Routing, w
     )
 
 
-def check_round_trip(dispatcher: Dispatcher, case_name: str) -> None:
+def decode_step(ctx: MoEContext, case_name: str) -> ForwardBatch:
+    """The step a dispatcher is handed in a decode step of known counts: every rank's tokens in the case."""
+    counts = tuple(CASES[case_name].tokens(rank, ctx.ep_size) for rank in range(ctx.ep_size))
+    idle = ForwardBatch.idle(ctx.device)
+    return attrs.evolve(idle, mode=ForwardMode.DECODE, global_num_tokens=counts, global_all_decode=True)
+
+
+def check_round_trip(dispatcher: Dispatcher, case_name: str, batch: ForwardBatch | None = None) -> None:
     """Every collective first, every assertion after, so a wrong answer leaves the ranks in step."""
     ctx = dispatcher.ctx
     round_trips = []
     for form in output_forms(dispatcher.caps.layout):
         hidden, routing = case_inputs(case_name, ctx, seed=list(CASES).index(case_name))
-        dispatched = dispatcher.dispatch(hidden, routing.topk_ids, routing.topk_weights)
+        dispatched = dispatcher.dispatch(hidden, routing.topk_ids, routing.topk_weights, batch)
         out = dispatcher.combine(identity_output(dispatched.layout, form, ctx.dtype), dispatched.handle)
         round_trips.append((form, out, hidden, routing, dispatched.layout.fp8 is not None))
     for form, out, hidden, routing, fp8 in round_trips:
@@ -167,12 +186,16 @@ def check_two_in_flight(dispatcher: Dispatcher) -> None:
 
 
 def checks_for(caps) -> tuple[str, ...]:
-    """The checks a dispatcher must pass: two in flight only where it declares room for two."""
-    return CHECKS if getattr(caps, "max_in_flight", 2) >= 2 else tuple(CASES)
+    """The checks a dispatcher must pass: two in flight only where it declares room for two, a decode step of
+    known counts where it declares itself graph-safe."""
+    checks = CHECKS if getattr(caps, "max_in_flight", 2) >= 2 else tuple(CASES)
+    return (*checks, DECODE_STEP) if getattr(caps, "graph_safe", False) else checks
 
 
 def run_check(dispatcher: Dispatcher, name: str) -> None:
     if name == TWO_IN_FLIGHT:
         check_two_in_flight(dispatcher)
+    elif name == DECODE_STEP:
+        check_round_trip(dispatcher, DECODE_STEP_CASE, decode_step(dispatcher.ctx, DECODE_STEP_CASE))
     else:
         check_round_trip(dispatcher, name)

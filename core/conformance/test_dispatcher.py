@@ -1,7 +1,8 @@
 """Dispatcher contract: with identity experts, combine(dispatch(x)) == sum_k w_k * x on every source rank.
 
 For every routing (random, all tokens to one expert, top-k ids of -1, zero tokens,
-idle experts, a rank that sends nothing), and with two dispatches in flight at once.
+idle experts, a rank that sends nothing), with two dispatches in flight at once, and (graph-safe
+dispatchers) in a decode step whose every rank's count is known, as a captured decode graph runs it.
 Dispatchers declaring `single_rank` run in this process; those declaring `multi_rank`
 run on two processes joined by torch.distributed (gloo on CPU).
 """
@@ -12,6 +13,7 @@ import pytest
 
 from moeplex.conformance.dispatch_checks import (
     CASES,
+    DECODE_STEP,
     TWO_IN_FLIGHT,
     checks_for,
     device_for_rank,
@@ -85,3 +87,12 @@ def test_two_dispatches_in_flight(dispatcher_cls, ranks, payload, request):
     if TWO_IN_FLIGHT not in checks_for(dispatcher_cls.caps):
         pytest.skip(f"dispatcher '{request.getfixturevalue('moeplex_plugin').name}' holds one dispatch in flight")
     run(dispatcher_cls, ranks, TWO_IN_FLIGHT, payload, request)
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+@pytest.mark.parametrize("ranks", [1, TWO_RANKS], ids=["one_rank", "two_ranks"])
+def test_a_decode_step_of_known_counts(dispatcher_cls, ranks, payload, request):
+    """What a graph-safe dispatcher is handed in a captured decode step: every rank's count (one rank idle)."""
+    if DECODE_STEP not in checks_for(dispatcher_cls.caps):
+        pytest.skip(f"dispatcher '{request.getfixturevalue('moeplex_plugin').name}' does not declare graph_safe")
+    run(dispatcher_cls, ranks, DECODE_STEP, payload, request)
