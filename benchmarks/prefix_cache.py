@@ -55,6 +55,7 @@ NO_CACHE = "none"  # the setting without the cache
 @attrs.frozen
 class Run:
     tokens_per_s: float
+    seconds: float
     hit_rate: float
     ttft_ms: list[float]  # one per request
 
@@ -120,7 +121,7 @@ def measure(engine: Engine, workload, args, seed: int) -> Run:
     done = [r for _, requests in rounds for r in requests]
     processed = prompt_tokens + sum(len(r.output_ids) for r in done)
     ttft = [(r.first_token_time - r.arrival_time) * 1e3 for r in done]
-    return Run(processed / seconds, sum(r.cached_tokens for r in done) / prompt_tokens, ttft)
+    return Run(processed / seconds, seconds, sum(r.cached_tokens for r in done) / prompt_tokens, ttft)
 
 
 def runs_of(folder: str, workload, args, dummy: bool) -> dict[str, list[Run]]:

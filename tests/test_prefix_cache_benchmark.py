@@ -74,3 +74,14 @@ def test_a_released_shape_is_cut_to_layers_with_dummy_weights():
     config = json.loads((Path(folder) / "config.json").read_text())
     assert dummy and config["num_hidden_layers"] == 3 and config["num_experts"] == 128 and "3 layers" in name
     assert not list(Path(folder).glob("*.safetensors"))
+
+
+def test_the_profile_splits_a_run_and_times_the_scheduler_alone():
+    done = subprocess.run([sys.executable, "prefix_cache_profile.py", *TOY, "--policies", "lpm"], cwd=BENCHMARKS,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    split = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith(("| lpm |", "| none |"))]
+    assert [row[0].strip() for row in split] == ["lpm", "none", "lpm", "none"]  # the run's split, then the scheduler
+    run_lpm, run_none, host_lpm, host_none = split
+    assert float(run_lpm[1]) > 0 and run_lpm[5].strip() == f"{4 * 64 / (6 * 72):.0%}" and run_none[5].strip() == "0%"
+    assert int(host_lpm[2]) > 0 and host_lpm[4].strip().startswith(("+", "-")) and host_none[4].strip() == "-"
