@@ -85,3 +85,17 @@ def test_the_profile_splits_a_run_and_times_the_scheduler_alone():
     run_lpm, run_none, host_lpm, host_none = split
     assert float(run_lpm[1]) > 0 and run_lpm[5].strip() == f"{4 * 64 / (6 * 72):.0%}" and run_none[5].strip() == "0%"
     assert int(host_lpm[2]) > 0 and host_lpm[4].strip().startswith(("+", "-")) and host_none[4].strip() == "-"
+
+
+@pytest.mark.gpu
+def test_cuda_run_of_both_models_at_toy_sizes(tmp_path):
+    """The H200 path end to end: Qwen3-30B-A3B shapes cut to one layer (dummy weights) and tiny, bf16, one engine
+    at a time, CUDA graphs and the overlap schedule."""
+    out = tmp_path / "table.md"
+    toy = TOY[: TOY.index("--threads")]
+    done = subprocess.run([sys.executable, "prefix_cache.py", "--device", "cuda", "--layers", "1", "--policies", "lpm", *toy,
+                           "--max-running", "8", "--out", str(out)], cwd=BENCHMARKS, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.read_text().splitlines() if line.startswith("| qwen3_moe")]
+    assert [(r[0], r[1]) for r in rows] == [("qwen3_moe 30b-a3b shapes, 1 layers", "shared-prefix"), ("qwen3_moe tiny", "shared-prefix")]
+    assert all(r[6] == f"{4 * 64 / (6 * 72):.0%}" for r in rows), out.read_text()  # lpm: as on CPU
