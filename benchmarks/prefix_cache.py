@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/prefix_cache.py --runs 3                                  CPU, qwen3_moe tiny
     .venv/bin/python benchmarks/prefix_cache.py --presets small --runs 3                  CPU, qwen3_moe small
-    python benchmarks/prefix_cache.py --device cuda --runs 3 --out results/prefix_cache_h200.md
+    python benchmarks/prefix_cache.py --device cuda --runs 3 --out benchmarks/results/prefix_cache_h200.md
                                      H200: Qwen3-30B-A3B shapes (--layers of its 48, dummy weights) and tiny, bf16
 
 Workloads (every output greedy with ignore_eos, so every setting does the same work):

@@ -3,7 +3,7 @@
 
     python benchmarks/router_cache.py --workers 2 --runs 3                        # CPU, tiny qwen3_moe
     python benchmarks/router_cache.py --device cuda --dtype bf16 --workers 4 --preset small --runs 3 \
-        --groups 64 --concurrency 32 --max-total-tokens 16384 --out results/router_cache_h200.md  # 4 workers, one GPU
+        --groups 64 --concurrency 32 --max-total-tokens 16384 --out benchmarks/results/router_cache_h200.md   # 4 workers, 1 GPU
 
 Workloads (token ids sent to /v1/completions, greedy with ignore_eos, so every policy does the same work):
 - shared-prefix: --groups system prompts x --prompts-per-group questions, in a seeded random order, with
