@@ -3,7 +3,7 @@
 
     python benchmarks/router_cache.py --workers 2 --runs 3                        # CPU, tiny qwen3_moe
     python benchmarks/router_cache.py --device cuda --dtype bf16 --workers 4 --preset small --runs 3 \
-        --groups 64 --concurrency 32 --max-total-tokens 16384                      # 4 workers sharing one GPU
+        --groups 64 --concurrency 32 --max-total-tokens 16384 --out benchmarks/results/router_cache_h200.md   # 4 workers, 1 GPU
 
 Workloads (token ids sent to /v1/completions, greedy with ignore_eos, so every policy does the same work):
 - shared-prefix: --groups system prompts x --prompts-per-group questions, in a seeded random order, with
@@ -41,6 +41,7 @@ import time
 import urllib.request
 
 import aiohttp
+import torch
 
 from workload import shared_prefix_prompts, tokens
 from router import _answers, free_port, start_router, stop
@@ -193,7 +194,10 @@ def main() -> None:
     p.add_argument("--cache-threshold", type=float, default=0.5, help="the router's --cache-threshold (default: 0.5)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take (default: 600)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="also write the table to this file")
     args = p.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda: this machine has no CUDA device (torch.cuda.is_available() is False); use --device cpu")
     folder = write_checkpoint(os.path.join(tempfile.mkdtemp(prefix="moeplex-router-cache-"), args.preset), args.arch, args.preset)
     procs, workers = zip(*(start_worker(folder, args) for _ in range(args.workers)))
     rows = []
@@ -222,14 +226,22 @@ def main() -> None:
     finally:
         for proc in procs:
             stop(proc)
-    print(f"{args.workers} `moeplex serve` workers ({args.arch} {args.preset}, {args.dtype}, {args.device}, KV cache "
-          f"{args.max_total_tokens or 'by memory fraction'} tokens each, --schedule-policy {args.schedule_policy}) behind "
-          f"`moeplex router`; {args.runs} runs per policy, median (min-max); tokens/s = (prompt + output tokens) / wall time; "
-          f"hit rate = the workers' cached prompt tokens / prompt tokens\n")
-    print("| workload | policy | tokens/s | worker hit rate % | prompt tokens per worker, each run |")
-    print("|---|---|---|---|---|")
-    print("\n".join(rows))
-    print(f"\n{SGLANG_CLAIM}")
+    text = "\n".join([
+        f"{args.workers} `moeplex serve` workers ({args.arch} {args.preset}, {args.dtype}, {args.device}, KV cache "
+        f"{args.max_total_tokens or 'by memory fraction'} tokens each, --schedule-policy {args.schedule_policy}) behind "
+        f"`moeplex router`; {args.runs} runs per policy, median (min-max); tokens/s = (prompt + output tokens) / wall time; "
+        f"hit rate = the workers' cached prompt tokens / prompt tokens",
+        "",
+        "| workload | policy | tokens/s | worker hit rate % | prompt tokens per worker, each run |",
+        "|---|---|---|---|---|",
+        *rows,
+        "",
+        SGLANG_CLAIM,
+    ])
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":

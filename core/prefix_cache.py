@@ -221,12 +221,20 @@ class PrefixCache:
         return node, pages
 
     def _common_pages(self, node: _Node, tokens: tuple[int, ...], start: int) -> int:
+        """Leading pages of node's edge equal to tokens[start:] (the first is, by its key): one C-level comparison
+        of the whole edge, else a binary search of them (a page-by-page loop costs a slice pair per page)."""
         P = self.page_size
         limit = min(len(node.pages), (len(tokens) - start) // P)
-        n = 1  # the first page matched by the child's key
-        while n < limit and node.tokens[n * P : (n + 1) * P] == tokens[start + n * P : start + (n + 1) * P]:
-            n += 1
-        return n
+        if node.tokens[: limit * P] == tokens[start : start + limit * P]:
+            return limit
+        low, high = 1, limit - 1  # pages[:low] match, pages[:high + 1] do not
+        while low < high:
+            mid = (low + high + 1) // 2
+            if node.tokens[: mid * P] == tokens[start : start + mid * P]:
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     def _split(self, node: _Node, num_pages: int) -> _Node:
         """Cut node's edge after num_pages pages; the new upper node is returned.

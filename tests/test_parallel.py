@@ -69,6 +69,13 @@ def test_dp_groups_share_prompts_by_tokens():
     assert assign_to_dp_groups([[0] * 10, [0] * 3, [0] * 4, [0] * 2], 2) == [0, 1, 1, 1]
 
 
+def test_with_the_prefix_cache_a_prompt_goes_to_the_group_given_its_prefix():
+    system, other = [256] + list(range(64)), [256] + list(range(100, 108))
+    prompts = [system, other, system + [7, 8, 9]]
+    assert assign_to_dp_groups(prompts, 2, capacity_tokens=1024, cache_aware=True) == [0, 1, 0]
+    assert assign_to_dp_groups(prompts, 2, capacity_tokens=1024, cache_aware=False) == [0, 1, 1]  # by load alone
+
+
 def test_a_dead_rank_is_named():
     parallel = ParallelConfig(tp_size=2, dist_init_addr=free_address(), timeout_s=30)
     with pytest.raises(RankFailed, match="rank 1 died"):

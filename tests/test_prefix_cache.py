@@ -80,6 +80,18 @@ def test_partial_overlap_splits_the_edge():
     assert cache.match([1, 2, 3, 4, 0], 4).pages == a.pages[:2]
 
 
+@pytest.mark.parametrize("diverge_at", [1, 2, 5, 7, 9])
+def test_a_long_edge_matches_up_to_the_page_where_it_diverges(diverge_at):
+    """The edge is compared whole, then by a binary search over its pages: every divergence point is found."""
+    kv, cache = make_cache(pages=32, page_size=3)
+    tokens = list(range(30))  # one edge of ten pages
+    a = cached(kv, cache, tokens)
+    other = tokens[: diverge_at * 3 + 1] + [99] + tokens[diverge_at * 3 + 2 :]  # differs inside page diverge_at
+    assert cache.peek(other + [0], 30) == diverge_at * 3
+    assert cache.match(other + [0], 30).pages == a.pages[:diverge_at]
+    assert cache.match(tokens + [0], 30).pages == a.pages  # the split edge still matches whole
+
+
 def test_match_splits_so_its_node_covers_exactly_the_matched_pages():
     kv, cache = make_cache(page_size=2)
     a = cached(kv, cache, [1, 2, 3, 4, 5, 6])

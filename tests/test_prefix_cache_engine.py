@@ -146,3 +146,19 @@ def test_on_gpu_the_cache_changes_no_token(tiny_model_dir, arch):
     assert [r.output_ids for r in first + rest] == [r.output_ids for r in plain.generate(prompts, GREEDY)]
     assert all(r.cached_tokens > 0 for r in rest)
     assert idle_and_conserved(cached)
+
+
+def test_offline_dp_attention_sends_a_shared_prefix_to_the_group_that_holds_it(tiny_model_dir):
+    """Offline generate shares prompts out by the server's longest-match rule: the third prompt extends the first,
+    so it joins the first's group (by load alone it would go to the group of the short second prompt) and is
+    served from that group's cache; one request at a time per group, so the first has finished by then."""
+    folder = tiny_model_dir("qwen3_moe")
+    system = [256] + list(range(64))
+    prompts = [system, [256] + list(range(100, 108)), system + [7, 8, 9, 10]]
+    plain = EngineConfig(model=folder, show_progress=False, max_total_tokens=1024, page_size=4, disable_prefix_cache=True)
+    reference = generate(plain, prompts, GREEDY)
+    parallel = ParallelConfig(dist_init_addr=free_address(), timeout_s=120, **LAYOUTS["dp2-attention"])
+    results = launch(parallel_ranks.generate_with_settings, parallel, parallel, [folder], prompts, [GREEDY] * len(prompts),
+                     {"max_running_requests": 1})[folder]
+    assert [r["output_ids"] for r in results] == [r["output_ids"] for r in reference]
+    assert [r["cached_tokens"] for r in results] == [0, 0, 64]  # the first prompt's 16 whole pages

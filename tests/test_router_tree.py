@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeplex.router.policies import CacheAware, RoundRobin, ShortestQueue
-from moeplex.router.radix_tree import RadixTree, shared_length
+from moeplex.router.radix_tree import RadixTree, shared_length, token_text
 from moeplex.router.request_text import routing_text
 from moeplex.router.workers import Worker, WorkerRegistry
 
@@ -289,3 +290,23 @@ def test_a_refused_request_gives_back_only_what_it_added():
     policy.refused(refused)
     assert policy.tree.match("system prompt: question two").length == len("system prompt: question ")
     assert policy.tree_size(kept.worker.url) == len("system prompt: question one")
+
+
+def test_token_text_is_one_character_per_id_across_the_whole_code_point_range():
+    ids = [0, 1, 255, 256, 0xD7FF, 0xD800, 0xDBFF, 0xDC00, 0xDFFF, 0xE000, 129279, 0x10FFFF]
+    text = token_text(ids)
+    assert [ord(c) for c in text] == ids and token_text([]) == ""
+    assert token_text(ids[:5]) + token_text(ids[5:]) == text  # a prefix of ids is a prefix of the text
+
+
+@given(st.lists(st.integers(0, 0x10FFFF), max_size=50))
+@settings(max_examples=50)
+def test_token_text_matches_chr_of_each_id(ids):
+    assert token_text(ids) == "".join(map(chr, ids))
+
+
+def test_token_text_refuses_an_id_beyond_unicode():
+    with pytest.raises((ValueError, OverflowError)):
+        token_text([0x110000])
+    with pytest.raises((ValueError, OverflowError)):
+        token_text([-1])

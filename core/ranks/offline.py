@@ -1,4 +1,5 @@
-"""Offline generation on every rank of one engine: requests shared out to DP groups, results back on rank 0."""
+"""Offline generation on every rank of one engine: requests shared out to DP groups (the server's longest-prefix
+rule, dp_dispatch.py), results back on rank 0."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ..engine import Engine
 from ..memory import describe, memory_report
 from ..parallel import ParallelState, init_parallel, rank_device
 from ..sampling import SamplingParams
+from .dp_dispatch import DPDispatch
 from .launcher import launch
 
 
@@ -25,14 +27,22 @@ log = logging.getLogger(__name__)
 STOP_DELAY_S = 1.0
 
 
-def assign_to_dp_groups(prompts: Sequence[Sequence[int]], dp_size: int) -> list[int]:
-    """Each prompt to the group with the fewest prompt tokens so far (deterministic on every rank)."""
-    load = [0] * dp_size
+def assign_to_dp_groups(
+    prompts: Sequence[Sequence[int]], dp_size: int, capacity_tokens: int = 0, cache_aware: bool = False
+) -> list[int]:
+    """Each prompt's DP group, by the server's rule (dp_dispatch.py): with `cache_aware`, the group that was given
+    the longest share of its prefix (so its prefix cache holds it), unless the groups' loads are imbalanced; else
+    the group with the fewest prompt tokens so far. Every prompt is handed over at once, before any finishes, so
+    a group's load is what it was given. Deterministic: every rank computes the same owners."""
+    dispatch = DPDispatch(dp_size, capacity_tokens, cache_aware)
+    requests, tokens = [0] * dp_size, [0] * dp_size
     owners = []
     for prompt in prompts:
-        group = min(range(dp_size), key=lambda g: (load[g], g))
+        group = dispatch.choose(prompt, requests, tokens)
+        dispatch.will_cache(group, prompt)
         owners.append(group)
-        load[group] += len(prompt)
+        requests[group] += 1
+        tokens[group] += len(prompt)
     return owners
 
 
@@ -78,7 +88,10 @@ def generate_on_rank(parallel: ParallelState, config: EngineConfig, prompts, par
     log.info(describe(memory_report(engine)))
     check_context(engine, prompts, params)
     rank = parallel.rank
-    owners = assign_to_dp_groups(prompts, config.parallel.dp_size)
+    # the longest sequence every group can hold bounds the mirror of the groups' caches, as in the server (group.py)
+    dp_size = config.parallel.dp_size
+    capacity = min(row[0] for row in parallel.world.all_gather_ints([engine.kv.capacity_tokens])) if dp_size > 1 else 0
+    owners = assign_to_dp_groups(prompts, dp_size, capacity, not config.disable_prefix_cache)
     mine = [i for i, owner in enumerate(owners) if owner == parallel.dp_rank]
     # one bar, on the first rank (its group's share of the tokens)
     requests = engine.generate([prompts[i] for i in mine], [params[i] for i in mine], progress=config.show_progress and rank == 0)
