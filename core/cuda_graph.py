@@ -200,13 +200,17 @@ class DecodeGraphs:
     """
 
     def __init__(self, model, kv: KVPool, strategy, inputs: DecodeInputs, sizes: Sequence[int], capture: Capture,
-                 world_size: int = 1):
+                 world_size: int = 1, with_hidden: bool = False):
         self.model, self.inputs = model, inputs
+        # with_hidden: the graphs also return every row's pre-norm hidden state (a drafter that reads them)
+        self.with_hidden = with_hidden
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
         self.cuts: dict[int, list[int] | None] = {}
         for size in sorted(sizes, reverse=True):  # largest first: the smaller graphs reuse its memory
             batch, rows = self.captured_batch(size, strategy, world_size), inputs.rows[:size]
-            self.replays[size] = capture(lambda batch=batch, rows=rows: model(batch, kv, strategy, logits_at=rows))
+            self.replays[size] = capture(
+                lambda batch=batch, rows=rows: model(batch, kv, strategy, logits_at=rows, return_hidden=with_hidden)
+            )
         self.sizes = sorted(self.replays)
 
     def captured_batch(self, size: int, strategy, world_size: int) -> ForwardBatch:
@@ -244,13 +248,23 @@ class DecodeGraphs:
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """[B, vocab] logits of a decode batch (a copy: the graph's output is overwritten by the next replay);
         an idle batch replays its agreed size with padding rows only and gets [0, vocab]."""
+        return self.run_with_hidden(batch)[0] if self.with_hidden else self._replay(batch)[: batch.batch_size].clone()
+
+    def run_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, vocab] logits, [B, H] pre-norm hidden states) of a decode batch, from graphs captured with_hidden."""
+        logits, hidden = self._replay(batch)
+        return logits[: batch.batch_size].clone(), hidden[: batch.batch_size].clone()
+
+    def _replay(self, batch: ForwardBatch):
         size = self.size_for(batch)
         self.inputs.load(batch, size)
-        return self.replays[size]()[: batch.batch_size].clone()
+        return self.replays[size]()
 
 
-def decode_graphs(config, model, kv: KVPool, strategy, selection, world_size: int) -> DecodeGraphs | None:
-    """Capture the decode graphs this engine can use, or say (on a GPU) why it uses none."""
+def decode_graphs(config, model, kv: KVPool, strategy, selection, world_size: int,
+                  with_hidden: bool = False) -> DecodeGraphs | None:
+    """Capture the decode graphs this engine can use, or say (on a GPU) why it uses none. `with_hidden`: they
+    also return the hidden states (a speculative drafter that reads them)."""
     device = torch.device(config.device)
     reason = why_no_graphs(config, device, selection, model.attention_backend)
     if not reason and model.moe_runtime.records_load:
@@ -268,7 +282,7 @@ def decode_graphs(config, model, kv: KVPool, strategy, selection, world_size: in
     inputs = DecodeInputs.allocate(sizes[-1], max_pages, kv, device)
     start = time.perf_counter()
     with torch.inference_mode():
-        graphs = DecodeGraphs(model, kv, strategy, inputs, sizes, CudaGraphCapture(device), world_size)
+        graphs = DecodeGraphs(model, kv, strategy, inputs, sizes, CudaGraphCapture(device), world_size, with_hidden)
     split = [size for size, cuts in graphs.cuts.items() if cuts is not None]
     log.info("captured CUDA graphs for decode batches of %s requests in %.1f s%s", sizes, time.perf_counter() - start,
              f" (split into micro-batches from {min(split)} on)" if split else "")

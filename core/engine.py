@@ -101,7 +101,8 @@ class Engine:
             -(-tokens // config.page_size), config.page_size, shapes + draft_shapes, config.torch_dtype, self.device
         )
         strategy = selection.overlap(min_tokens=config.overlap_min_tokens)
-        graphs = decode_graphs(config, self.model, self.kv, strategy, selection, self.parallel.config.world_size)
+        hidden = drafter is not None and drafter.caps.needs_hidden
+        graphs = decode_graphs(config, self.model, self.kv, strategy, selection, self.parallel.config.world_size, hidden)
         mixed = config.mixed_chunk if config.mixed_chunk is not None else graphs is None
         self.prefix_cache = None if config.disable_prefix_cache else PrefixCache(self.kv)
         self.scheduler = Scheduler(
@@ -311,9 +312,7 @@ class Engine:
             return batch if batch.num_tokens else None
         graphs = self.runner.graphs
         can_split = batch.overlap_split is not False and self.runner.strategy.cuts(BatchMeta(batch.mode, batch.extend_lens)) is not None
-        # a speculative step whose drafter reads hidden states runs eagerly (ModelRunner.verify_forward)
-        hidden = self.speculation is not None and self.speculation.drafter.caps.needs_hidden
-        can_graph = graphs is not None and not hidden and graphs.fits(batch)
+        can_graph = graphs is not None and graphs.fits(batch)
         vote = Vote(batch.num_tokens, batch.mode.is_extend, can_split, can_graph)
         agreed = agree(self.parallel.world.all_gather_ints(vote.row()), graphs.sizes if graphs is not None else ())
         if agreed is None:

@@ -62,10 +62,12 @@ class ModelRunner:
     @torch.inference_mode()
     def verify_forward(self, batch: ForwardBatch, rows: torch.Tensor, with_hidden: bool):
         """(logits of the token rows `rows`, every token's pre-norm hidden state or None): a speculative step.
-        Its decode batches (verify rows included: every token row is then a request row) replay graphs."""
+        Its decode batches (verify rows included: every token row is then a request row) replay graphs, which
+        return the hidden states too where they were captured for a drafter that reads them."""
         hidden = None
-        if not with_hidden and len(rows) == batch.num_tokens and self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.run(batch)
+        graphs = self.graphs
+        if len(rows) == batch.num_tokens and graphs is not None and graphs.can_run(batch) and (graphs.with_hidden or not with_hidden):
+            logits, hidden = graphs.run_with_hidden(batch) if with_hidden else (graphs.run(batch), None)
         elif with_hidden:
             logits, hidden = self.model(batch, self.kv, self.strategy, logits_at=rows, return_hidden=True)
         else:

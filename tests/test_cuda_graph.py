@@ -145,6 +145,12 @@ def test_replaying_through_the_static_inputs_equals_eager_decode(tiny_model_dir,
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the CPU check of replay through the static inputs")
+def test_graphs_captured_for_a_drafter_that_reads_hidden_states_return_them_too(tiny_model_dir):
+    graphs = replay_and_compare(tiny_model_dir("deepseek_v3"), "none", with_hidden=True)
+    assert graphs.with_hidden
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the CPU check of replay through the static inputs")
 def test_tbo_replays_the_split_fixed_at_capture_and_equals_eager_decode(tiny_model_dir):
     """Every size of two or more is captured as two micro-batches cut at half its padded rows; padding rows may
     fill the second micro-batch (3 requests padded to 4 cut at 2) and the logits still equal the eager step."""
@@ -170,14 +176,15 @@ def test_a_micro_batch_of_a_captured_batch_reads_the_static_inputs():
     assert (cut.prefix_lens, cut.extend_lens, cut.seq_lens.tolist(), cut.kv_indices.numel()) == ((1,), (2,), [3], 3)
 
 
-def replay_and_compare(folder, overlap_name: str) -> DecodeGraphs:
+def replay_and_compare(folder, overlap_name: str, with_hidden: bool = False) -> DecodeGraphs:
     config = EngineConfig(model=folder, show_progress=False)
     model = load_model(config.model, config, resolve(config))
     model.set_attention_backend(TritonAttention("cpu", torch.float32, min_split_tokens=4, target_programs=8, block_n=16))
     overlap = lookup("overlap", overlap_name)()
     kv = KVPool(24, PAGE, model.kv_shapes(), torch.float32, "cpu")
     inputs = DecodeInputs.allocate(max_bs=8, max_pages=8, kv=kv, device="cpu")
-    graphs = DecodeGraphs(model, kv, overlap, inputs, capture_sizes(8), capture=lambda step: step)
+    graphs = DecodeGraphs(model, kv, overlap, inputs, capture_sizes(8), capture=lambda step: step,
+                          with_hidden=with_hidden)
     runner = ModelRunner(model, kv, overlap, torch.device("cpu"), graphs=graphs)
     prompts = [[256, 3, 4, 5, 6], [256, 9], [256] + list(range(20, 29)), [256, 1, 2], [256, 50, 51, 52]]
     pages = [kv.allocate(kv.pages_for(len(p) + 1)) for p in prompts]
@@ -190,12 +197,19 @@ def replay_and_compare(folder, overlap_name: str) -> DecodeGraphs:
         batch = build_forward_batch([ScheduledSeq([7], len(prompts[r]), pages[r]) for r in rows], kv, "cpu")
         assert graphs.can_run(batch)
         before = [b.clone() for b in cache_buffers(kv)]
-        replayed = runner.forward(batch)
+        if with_hidden:  # a verify step of a drafter that reads hidden states
+            replayed, hidden = runner.verify_forward(batch, torch.arange(batch.batch_size), True)
+        else:
+            replayed = runner.forward(batch)
         after_replay = [b.clone() for b in cache_buffers(kv)]
         for buffer, saved in zip(cache_buffers(kv), before):
             buffer.copy_(saved)
         with torch.inference_mode():
-            eager = model(batch, kv, overlap)
+            eager = model(batch, kv, overlap, return_hidden=with_hidden)
+        if with_hidden:
+            eager, eager_hidden = eager
+            assert hidden.shape == eager_hidden.shape
+            assert ((hidden - eager_hidden).abs().max() / eager_hidden.abs().max()).item() < 1e-5
         assert replayed.shape == eager.shape
         assert ((replayed - eager).abs().max() / eager.abs().max()).item() < 1e-5
         for buffer, replayed_buffer in zip(cache_buffers(kv), after_replay):
