@@ -223,11 +223,20 @@ class MoECausalLM(nn.Module, abc.ABC):
         for layer in (*self.model.layers, *self.mtp_layers):
             layer.self_attn.backend = backend
 
-    def use_fused_kernels(self, on: bool) -> None:
-        """Every module that offers a fused Triton path (it declares `fused`) takes it, or the torch ops."""
+    def use_fused_kernels(self, on: bool, fewer_launches: bool | None = None) -> None:
+        """Every module that offers a fused Triton path (it declares `fused`) takes it, or the torch ops.
+
+        `fewer_launches` (default: `on`): the fusions that only cut kernel launches, which is what a
+        small decode batch pays for (a module declares `fewer_launches`): the KV-cache write in the rope
+        kernel, the router GEMV in the top-k kernel, the residual add in the next layer's norm. Off, they
+        run as the separate fused kernels they merge (a before/after switch for benchmarks).
+        """
+        merge = on if fewer_launches is None else on and fewer_launches
         for module in self.modules():
             if hasattr(type(module), "fused"):
                 module.fused = on
+            if hasattr(type(module), "fewer_launches"):
+                module.fewer_launches = merge
 
     def layers_program(self, state: StepState) -> Generator[str, None, None]:
         for layer in self.model.layers:
