@@ -162,7 +162,13 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention then pre-norm MLP (dense or MoE), written once as a program with yield points."""
+    """Pre-norm attention then pre-norm MLP (dense or MoE), written once as a program with yield points.
+
+    `fewer_launches`: the MLP output is left pending in the step state, and the next layer's input norm
+    adds it to the residual stream in its kernel (set by MoECausalLM.use_fused_kernels).
+    """
+
+    fewer_launches = False
 
     def __init__(self, layer_id: int, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, mlp_name="mlp"):
         super().__init__()
@@ -174,13 +180,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
     def program(self, state: StepState) -> Generator[str, None, None]:
-        hidden = state.hidden
-        attn = self.self_attn(self.input_layernorm(hidden), state.batch, state.kv.layer(self.layer_id))
+        if state.pending is not None:  # the layer before left its MLP output for this norm to add
+            normed, hidden = self.input_layernorm.add_norm(state.pending, state.hidden)
+            state.pending = None
+        else:
+            hidden = state.hidden
+            normed = self.input_layernorm(hidden)
+        attn = self.self_attn(normed, state.batch, state.kv.layer(self.layer_id))
         normed, hidden = self.post_attention_layernorm.add_norm(attn, hidden)
         yield "attention"
         mlp = getattr(self, self.mlp_name)
         out = yield from mlp.program(normed, state)
-        state.hidden = hidden + out
+        if self.fewer_launches:
+            state.hidden, state.pending = hidden, out
+        else:
+            state.hidden = hidden + out
 
 
 def _parent(prefix: str) -> str:
