@@ -7,12 +7,20 @@ order than torch's linear). Without CUDA the kernel runs under Triton's interpre
 import pytest
 import torch
 
+from moeplex.kernels import router_gemv
 from moeplex.kernels.router_gemv import MAX_TOKENS, _router_kernel, fits, new_counter, route_small_batch
 from moeplex.moe.router import Router, RouterSpec
 from test_kernel_topk import SPECS, assert_same_routing, routing_case
 from triton_guard import DEVICE, skip_unless_runnable
 
 skip_unless_runnable(_router_kernel)
+
+
+@pytest.fixture(autouse=True)
+def few_programs(monkeypatch):
+    """Several experts a program: the interpreter runs programs one after another."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(router_gemv, "TARGET_PROGRAMS", 8)
 
 
 def check(spec: RouterSpec, num_tokens: int, dtype=torch.float32, seed: int = 0, device=DEVICE):
@@ -31,6 +39,11 @@ def check(spec: RouterSpec, num_tokens: int, dtype=torch.float32, seed: int = 0,
 @pytest.mark.parametrize("name", SPECS)
 def test_equals_router(name, num_tokens):
     check(SPECS[name], num_tokens)
+
+
+def test_one_expert_a_program(monkeypatch):
+    monkeypatch.setattr(router_gemv, "TARGET_PROGRAMS", 256)
+    check(SPECS["qwen1.5-60-experts"], 2)
 
 
 def test_fp16_hidden_is_upcast_as_the_router_does():

@@ -21,8 +21,8 @@ import triton.language as tl
 from .topk import RouterSpec, _store_topk, _topk_rows, group_layout
 
 MAX_TOKENS = 16  # larger batches take the GEMM and the top-k kernel: the GEMV tiles here stop paying
-TARGET_PROGRAMS = 64  # programs a launch spreads the gate weight over (its bytes are what the GEMV waits for)
-ELEMENTS_PER_STEP = 4096  # tokens x experts x hidden columns a program multiplies at once
+TARGET_PROGRAMS = 256  # programs a launch spreads the gate weight over (its bytes are what the GEMV waits for)
+WEIGHT_TILE = 4096  # gate weights a program loads at once (experts x hidden columns): 16 KiB of fp32
 
 
 @triton.jit
@@ -36,15 +36,17 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, logits_ptr, counter_ptr, ids_ptr, wei
     token_ok = tokens < num_tokens
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     expert_ok = experts < num_experts
+    rows = tl.arange(0, BLOCK_T)
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     for first in range(0, hidden, BLOCK_H):
         cols = first + tl.arange(0, BLOCK_H)
         col_ok = cols < hidden
-        x = tl.load(x_ptr + tokens[:, None] * stride_xt + cols[None, :], mask=token_ok[:, None] & col_ok[None, :],
-                    other=0.0).to(tl.float32)
+        # the weight tile is read once and meets every token's row (a few KiB, read from the cache after the first)
         w = tl.load(w_ptr + experts.to(tl.int64)[:, None] * stride_we + cols[None, :],
                     mask=expert_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        for t in range(0, num_tokens):
+            x = tl.load(x_ptr + t * stride_xt + cols, mask=col_ok, other=0.0).to(tl.float32)
+            acc = tl.where(rows[:, None] == t, acc + tl.sum(w * x[None, :], axis=1)[None, :], acc)
     tl.store(logits_ptr + tokens[:, None] * E_PAD + experts[None, :], acc,
              mask=token_ok[:, None] & expert_ok[None, :])
     # every thread's stores come before the ticket, whose release makes them visible to the last program
@@ -93,7 +95,7 @@ def route_small_batch(hidden: torch.Tensor, weight: torch.Tensor, spec: RouterSp
     e_pad = num_groups * group_size
     block_t = triton.next_power_of_2(num_tokens)
     block_e = max(1, triton.next_power_of_2(triton.cdiv(spec.num_experts, TARGET_PROGRAMS)))
-    block_h = max(16, min(triton.next_power_of_2(width), ELEMENTS_PER_STEP // (block_t * block_e)))
+    block_h = max(16, min(triton.next_power_of_2(width), WEIGHT_TILE // block_e))
     logits = torch.empty(block_t, e_pad, dtype=torch.float32, device=hidden.device)
     ids = torch.empty(num_tokens, spec.top_k, dtype=torch.int64, device=hidden.device)
     weights = torch.empty(num_tokens, spec.top_k, dtype=torch.float32, device=hidden.device)
