@@ -15,8 +15,9 @@
    torch.profiler, the kernels sorted by GPU time, written to DIR.
 4. `--compare-fewer-launches`: after the decode rows, the graph-replayed decode again with the
    launch-cutting fusions off (`use_fused_kernels(True, fewer_launches=False)`: rope and the KV
-   write, the router GEMV and its top-k, the residual add and the next norm as separate kernels),
-   graphs captured again: before/after in one process.
+   write, the router GEMV and its top-k, the residual add and the next norm as separate kernels;
+   the triton MoE kernel's pair sort in three launches), graphs captured again: before/after in
+   one process.
 
 Issue 22's batch-1 decode check in one call (no correctness, no prefill):
 
@@ -42,6 +43,7 @@ from moeplex.config import EngineConfig
 from moeplex.cuda_graph import CudaGraphCapture, DecodeGraphs
 from moeplex.engine import Engine
 from moeplex.models.make_model import write_checkpoint
+from moeplex.plugins.moe_kernels.triton_moe.align import ONE_LAUNCH_MAX_PAIRS
 from moeplex.sampling import SamplingParams
 
 PROMPTS = [[256] + list(range(1, 40)), [256, 5, 6, 7]]
@@ -186,6 +188,9 @@ def use_fewer_launches(engine: Engine, on: bool) -> None:
     gc.collect()
     torch.cuda.empty_cache()
     engine.model.use_fused_kernels(True, fewer_launches=on)
+    kernel = engine.model.moe_runtime.kernel
+    if hasattr(kernel, "one_launch_align_pairs"):  # the triton MoE kernel's one-launch sort of a decode batch's pairs
+        kernel.one_launch_align_pairs = ONE_LAUNCH_MAX_PAIRS if on else 0
     with torch.inference_mode():
         runner.graphs = DecodeGraphs(engine.model, engine.kv, runner.strategy, inputs, sizes,
                                      CudaGraphCapture(engine.device))
@@ -276,7 +281,8 @@ def main() -> None:
     parser.add_argument("--profile", metavar="DIR", help="write kernel tables of an eager decode step and a prefill here")
     parser.add_argument("--compare-fewer-launches", action="store_true",
                         help="also time graph-replayed decode with the launch-cutting fusions off (KV write in rope, "
-                             "one-launch router, residual add in the next norm), graphs captured again")
+                             "one-launch router, residual add in the next norm, one-launch MoE pair sort), graphs "
+                             "captured again")
     args = parser.parse_args()
     lines = [f"## moeplex on {torch.cuda.get_device_name()} (torch {torch.__version__}, triton MoE kernel and attention)", ""]
     if not args.skip_correctness:
@@ -295,7 +301,8 @@ def main() -> None:
         lines += speed("DeepSeek-V3 shapes, 4 layers", dsv3, flops_s, copy_bs, args, args.prefill[:1])
     if args.compare_fewer_launches:
         lines += ["", "fewer launches: on = KV write in the rope kernel, the router of <= 16 tokens in one launch, each "
-                  "layer's residual add in the next layer's norm; off = the same fused kernels launched separately."]
+                  "layer's residual add in the next layer's norm, the MoE pair sort of <= 1024 pairs in one launch; "
+                  "off = the same work in the separate kernels it replaces."]
     emit("\n".join(lines), args.out)
 
 

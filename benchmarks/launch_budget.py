@@ -38,6 +38,7 @@ from moeplex.config import EngineConfig  # noqa: E402
 from moeplex.kv_cache import KVPool  # noqa: E402
 from moeplex.models.make_model import write_checkpoint  # noqa: E402
 from moeplex.models.setup import load_model  # noqa: E402
+from moeplex.plugins.moe_kernels.triton_moe.align import ONE_LAUNCH_MAX_PAIRS  # noqa: E402
 from moeplex.registry import lookup  # noqa: E402
 from moeplex.selection import resolve  # noqa: E402
 
@@ -96,8 +97,10 @@ class LaunchCounter(TorchDispatchMode):
 def step_launches(folder: str, batch: int, fewer_launches: bool) -> collections.Counter:
     config = EngineConfig(model=folder, dtype="fp16", device=str(DEVICE), moe_kernel="triton", show_progress=False)
     model = load_model(config.model, config, resolve(config))
-    model.set_attention_backend(TritonAttention(DEVICE, torch.float16))
+    # the H200's 132 SMs: the split count (and whether a reduce runs) that the GPU run has
+    model.set_attention_backend(TritonAttention(DEVICE, torch.float16, target_programs=2 * 132))
     model.use_fused_kernels(True, fewer_launches=fewer_launches)
+    model.moe_runtime.kernel.one_launch_align_pairs = ONE_LAUNCH_MAX_PAIRS if fewer_launches else 0
     prompt = PROMPT
     kv = KVPool(batch * (prompt // PAGE + 2), PAGE, model.kv_shapes(), torch.float16, DEVICE)
     strategy = lookup("overlap", "none")()
