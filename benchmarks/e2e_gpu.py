@@ -16,8 +16,8 @@
 4. `--compare-fewer-launches`: after the decode rows, the graph-replayed decode again with the
    launch-cutting fusions off (`use_fused_kernels(True, fewer_launches=False)`: rope and the KV
    write, the router GEMV and its top-k, the residual add and the next norm as separate kernels;
-   the triton MoE kernel's pair sort in three launches), graphs captured again: before/after in
-   one process.
+   the triton MoE kernel's pair sort in three launches, the triton attention's split merge in a
+   reduce kernel), graphs captured again: before/after in one process.
 
 Issue 22's batch-1 decode check in one call (no correctness, no prefill):
 
@@ -188,6 +188,7 @@ def use_fewer_launches(engine: Engine, on: bool) -> None:
     gc.collect()
     torch.cuda.empty_cache()
     engine.model.use_fused_kernels(True, fewer_launches=on)
+    engine.model.attention_backend.merge_in_split_kernel = on  # the triton backend's split merge (no reduce launch)
     kernel = engine.model.moe_runtime.kernel
     if hasattr(kernel, "one_launch_align_pairs"):  # the triton MoE kernel's one-launch sort of a decode batch's pairs
         kernel.one_launch_align_pairs = ONE_LAUNCH_MAX_PAIRS if on else 0
@@ -281,8 +282,8 @@ def main() -> None:
     parser.add_argument("--profile", metavar="DIR", help="write kernel tables of an eager decode step and a prefill here")
     parser.add_argument("--compare-fewer-launches", action="store_true",
                         help="also time graph-replayed decode with the launch-cutting fusions off (KV write in rope, "
-                             "one-launch router, residual add in the next norm, one-launch MoE pair sort), graphs "
-                             "captured again")
+                             "one-launch router, residual add in the next norm, one-launch MoE pair sort, attention splits "
+                             "merged in the split kernel), graphs captured again")
     args = parser.parse_args()
     lines = [f"## moeplex on {torch.cuda.get_device_name()} (torch {torch.__version__}, triton MoE kernel and attention)", ""]
     if not args.skip_correctness:
@@ -301,7 +302,8 @@ def main() -> None:
         lines += speed("DeepSeek-V3 shapes, 4 layers", dsv3, flops_s, copy_bs, args, args.prefill[:1])
     if args.compare_fewer_launches:
         lines += ["", "fewer launches: on = KV write in the rope kernel, the router of <= 16 tokens in one launch, each "
-                  "layer's residual add in the next layer's norm, the MoE pair sort of <= 1024 pairs in one launch; "
+                  "layer's residual add in the next layer's norm, the MoE pair sort of <= 1024 pairs in one launch, "
+                  "decode attention's splits merged by the last split program (no reduce kernel); "
                   "off = the same work in the separate kernels it replaces."]
     emit("\n".join(lines), args.out)
 

@@ -101,6 +101,7 @@ def step_launches(folder: str, batch: int, fewer_launches: bool) -> collections.
     model.set_attention_backend(TritonAttention(DEVICE, torch.float16, target_programs=2 * 132))
     model.use_fused_kernels(True, fewer_launches=fewer_launches)
     model.moe_runtime.kernel.one_launch_align_pairs = ONE_LAUNCH_MAX_PAIRS if fewer_launches else 0
+    model.attention_backend.merge_in_split_kernel = fewer_launches
     prompt = PROMPT
     kv = KVPool(batch * (prompt // PAGE + 2), PAGE, model.kv_shapes(), torch.float16, DEVICE)
     strategy = lookup("overlap", "none")()
