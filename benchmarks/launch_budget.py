@@ -43,7 +43,7 @@ from moeplex.registry import lookup  # noqa: E402
 from moeplex.selection import resolve  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-PROMPT = 128  # e2e_gpu.py's decode context: the attention splits into parts and a reduce merges them
+PROMPT = 24  # with splits of 8 tokens, the decode attention splits into parts as at e2e_gpu.py's 128-token context
 PAGE = 16
 # ops that only view or allocate memory: no kernel
 NO_KERNEL = {
@@ -98,7 +98,7 @@ def step_launches(folder: str, batch: int, fewer_launches: bool) -> collections.
     config = EngineConfig(model=folder, dtype="fp16", device=str(DEVICE), moe_kernel="triton", show_progress=False)
     model = load_model(config.model, config, resolve(config))
     # the H200's 132 SMs: the split count (and whether a reduce runs) that the GPU run has
-    model.set_attention_backend(TritonAttention(DEVICE, torch.float16, target_programs=2 * 132))
+    model.set_attention_backend(TritonAttention(DEVICE, torch.float16, target_programs=2 * 132, min_split_tokens=8))
     model.use_fused_kernels(True, fewer_launches=fewer_launches)
     model.moe_runtime.kernel.one_launch_align_pairs = ONE_LAUNCH_MAX_PAIRS if fewer_launches else 0
     model.attention_backend.merge_in_split_kernel = fewer_launches
