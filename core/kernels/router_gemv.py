@@ -44,8 +44,9 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, logits_ptr, counter_ptr, ids_ptr, wei
         # the weight tile is read once and meets every token's row (a few KiB, read from the cache after the first)
         w = tl.load(w_ptr + experts.to(tl.int64)[:, None] * stride_we + cols[None, :],
                     mask=expert_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        for t in range(0, num_tokens):
-            x = tl.load(x_ptr + t * stride_xt + cols, mask=col_ok, other=0.0).to(tl.float32)
+        # unrolled, so that every token's row is loaded at once rather than one cache round trip after another
+        for t in tl.static_range(BLOCK_T):
+            x = tl.load(x_ptr + t * stride_xt + cols, mask=col_ok & (cols * 0 + t < num_tokens), other=0.0).to(tl.float32)
             acc = tl.where(rows[:, None] == t, acc + tl.sum(w * x[None, :], axis=1)[None, :], acc)
     tl.store(logits_ptr + tokens[:, None] * E_PAD + experts[None, :], acc,
              mask=token_ok[:, None] & expert_ok[None, :])
