@@ -3,14 +3,15 @@
     python benchmarks/launch_budget.py [--batch 1 8 32] [--out FILE]
 
 Counts what a decode step launches on the GPU path (triton MoE kernel, triton attention, fused
-norms/rope/routing, fp16 standing in for bf16: the same casts), run here on tiny models: every aten op that computes (views, reshapes and
-allocations launch nothing and are not counted) and every Triton kernel launch (the ops a Triton
-launch issues itself, under the CPU interpreter, are not counted). A layer's count is the step's count
-with two MoE layers minus the step's with one; the rest is the step's fixed part (embedding, final
-norm, lm_head; with fewer launches the last layer's residual add too). The step counted is the second
-decode step, as a replayed graph holds it (the first makes what is made once). The tiny models keep the real models' top-k (8) so that the
-MoE alignment takes the path the real ones take at the same batch. cuBLAS may split a GEMM into more
-than one kernel on the GPU; each F.linear counts one here.
+norms/rope/routing; fp16 stands in for bf16: the same casts), run here on tiny models: every aten op
+that computes (views, reshapes and allocations launch nothing and are not counted) and every Triton
+kernel launch (the ops a Triton launch issues itself, under the CPU interpreter, are not counted).
+A layer's count is the step's count with two MoE layers minus the step's with one; the rest is the
+step's fixed part (embedding, final norm, lm_head; with fewer launches the last layer's residual add
+too). The step counted is the second decode step, as a replayed graph holds it (the first makes what
+is made once). The tiny models keep the real models' top-k (8) so that the MoE alignment takes the
+path the real ones take at the same batch. cuBLAS may split a GEMM into more than one kernel on the
+GPU; each F.linear counts one here.
 
 Without CUDA this runs under Triton's interpreter (TRITON_INTERPRET=1 is set before the kernels load).
 """
