@@ -54,11 +54,13 @@ def _router_kernel(x_ptr, w_ptr, bias_ptr, logits_ptr, counter_ptr, ids_ptr, wei
     tl.debug_barrier()
     ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
     if ticket == tl.num_programs(0) - 1:
-        cols = tl.arange(0, E_PAD)
+        # (new names only in this branch: a runtime `if` may not change the type of a name bound before it)
+        every_expert = tl.arange(0, E_PAD)
         # rows past the end read zeros, not -inf, so that their softmax stays finite; they are not stored
-        logits = tl.load(logits_ptr + tokens[:, None] * E_PAD + cols[None, :],
-                         mask=token_ok[:, None] & (cols < num_experts)[None, :], other=0.0, cache_modifier=".cg")
-        ids, weights = _topk_rows(logits, cols, bias_ptr, num_experts, scaling_factor, TOP_K, SIGMOID, HAS_BIAS,
+        logits = tl.load(logits_ptr + tokens[:, None] * E_PAD + every_expert[None, :],
+                         mask=token_ok[:, None] & (every_expert < num_experts)[None, :], other=0.0,
+                         cache_modifier=".cg")
+        ids, weights = _topk_rows(logits, every_expert, bias_ptr, num_experts, scaling_factor, TOP_K, SIGMOID, HAS_BIAS,
                                   NORMALIZE, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS, K_PAD, BLOCK_T)
         _store_topk(ids_ptr, weights_ptr, tokens, token_ok, ids, weights, TOP_K, K_PAD)
         tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
