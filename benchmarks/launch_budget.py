@@ -137,11 +137,12 @@ def budget(arch: str, batch: int, fewer_launches: bool) -> tuple[collections.Cou
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
+    parser.add_argument("--arch", choices=list(MODELS), nargs="+", default=list(MODELS), help="models to count")
     parser.add_argument("--out", help="also write the Markdown here")
     args = parser.parse_args()
     lines = ["| model | batch | fewer launches | launches per layer | outside the layers | per layer, by kernel |",
              "|---|---:|---|---:|---:|---|"]
-    for arch in MODELS:
+    for arch in args.arch:
         for batch in args.batch:
             for fewer in (False, True):
                 layer, fixed = budget(arch, batch, fewer)
