@@ -302,7 +302,7 @@ def main() -> None:
         lines += speed("DeepSeek-V3 shapes, 4 layers", dsv3, flops_s, copy_bs, args, args.prefill[:1])
     if args.compare_fewer_launches:
         lines += ["", "fewer launches: on = KV write in the rope kernel, the router of <= 16 tokens in one launch, each "
-                  "layer's residual add in the next layer's norm, the MoE pair sort of <= 1024 pairs in one launch, "
+                  "layer's residual add in the next layer's norm, the MoE pair sort of <= 256 pairs in one launch, "
                   "decode attention's splits merged by the last split program (no reduce kernel); "
                   "off = the same work in the separate kernels it replaces."]
     emit("\n".join(lines), args.out)

@@ -156,6 +156,12 @@ def test_one_launch_align_is_the_three_launch_align(tokens, top_k, experts, bloc
     assert (one.sorted_ids[used:] == ids.numel()).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(32, 8, 128, 16), (128, 8, 128, 16), (128, 8, 256, 64)])
+def test_gpu_one_launch_align_at_decode_batches(tokens, top_k, experts, block_m):
+    test_one_launch_align_is_the_three_launch_align(tokens, top_k, experts, block_m)
+
+
 def test_align_in_place_keeps_rows_and_skips_padding_tiles():
     expert_index = torch.tensor([2] * 5 + [-1] * 11 + [-1] * 16 + [0] * 16, dtype=torch.int32)
     align = align_in_place(expert_index, 16)

@@ -166,12 +166,15 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     return Alignment(sorted_ids, block_expert, num_padded, num_pairs, block_m)
 
 
-ONE_LAUNCH_MAX_PAIRS = 1024  # pairs one program sorts in registers (a bitonic sort of this many keys)
+# pairs one program sorts in registers: a decode batch of 32 at top-8. The kernel takes up to 1024; whether its
+# bitonic sort still beats three launches there is for a GPU run to say, so the default stays at what surely does
+ONE_LAUNCH_MAX_PAIRS = 256
+ONE_LAUNCH_LIMIT = 1024
 ONE_LAUNCH_MAX_EXPERTS = 512
 
 
 def can_align_in_one_launch(num_pairs: int, num_experts: int, max_pairs: int = ONE_LAUNCH_MAX_PAIRS) -> bool:
-    return 0 < num_pairs <= max_pairs and num_experts <= ONE_LAUNCH_MAX_EXPERTS
+    return 0 < num_pairs <= min(max_pairs, ONE_LAUNCH_LIMIT) and num_experts <= ONE_LAUNCH_MAX_EXPERTS
 
 
 @triton.jit
@@ -215,8 +218,8 @@ def align_pairs_one_launch(topk_ids: torch.Tensor, num_experts: int, block_m: in
     device = topk_ids.device
     topk_ids = topk_ids.contiguous()
     num_pairs = topk_ids.numel()
-    if not can_align_in_one_launch(num_pairs, num_experts):
-        raise ValueError(f"one launch aligns 1 to {ONE_LAUNCH_MAX_PAIRS} pairs over at most {ONE_LAUNCH_MAX_EXPERTS} "
+    if not can_align_in_one_launch(num_pairs, num_experts, ONE_LAUNCH_LIMIT):
+        raise ValueError(f"one launch aligns 1 to {ONE_LAUNCH_LIMIT} pairs over at most {ONE_LAUNCH_MAX_EXPERTS} "
                          f"experts; got {num_pairs} pairs and {num_experts} experts")
     num_slots = max_slots(num_pairs, num_experts, block_m)
     experts_pow2 = triton.next_power_of_2(num_experts)
