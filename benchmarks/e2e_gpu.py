@@ -183,8 +183,11 @@ def decode_rows(name: str, engine: Engine, roof: Roofline, copy_bs: float, batch
 def use_fewer_launches(engine: Engine, on: bool) -> None:
     """Switch the launch-cutting fusions and capture the decode graphs again (the captured ones hold the old kernels)."""
     runner = engine.runner
-    inputs, sizes = runner.graphs.inputs, runner.graphs.sizes
-    runner.graphs = None  # the old graphs' memory goes back before the new ones are captured
+    old = runner.graphs
+    inputs, sizes = old.inputs, old.sizes
+    # graphs that also return the hidden states (for a drafter, where DecodeGraphs offers it) are captured so again
+    extra = {"with_hidden": old.with_hidden} if hasattr(old, "with_hidden") else {}
+    runner.graphs = old = None  # the old graphs' memory goes back before the new ones are captured
     gc.collect()
     torch.cuda.empty_cache()
     engine.model.use_fused_kernels(True, fewer_launches=on)
@@ -194,7 +197,7 @@ def use_fewer_launches(engine: Engine, on: bool) -> None:
         kernel.one_launch_align_pairs = ONE_LAUNCH_MAX_PAIRS if on else 0
     with torch.inference_mode():
         runner.graphs = DecodeGraphs(engine.model, engine.kv, runner.strategy, inputs, sizes,
-                                     CudaGraphCapture(engine.device))
+                                     CudaGraphCapture(engine.device), **extra)
 
 
 def fewer_launches_off_rows(name: str, engine: Engine, roof: Roofline, copy_bs: float, batches) -> list[str]:
