@@ -13,11 +13,21 @@
    forward pass (what the overlap schedule can hide).
 3. `--profile DIR`: one eager decode step at batch 1 and one 4k prefill per model under
    torch.profiler, the kernels sorted by GPU time, written to DIR.
+4. `--compare-fewer-launches`: after the decode rows, the graph-replayed decode again with the
+   launch-cutting fusions off (`use_fused_kernels(True, fewer_launches=False)`: rope and the KV
+   write, the router GEMV and its top-k, the residual add and the next norm as separate kernels;
+   the triton MoE kernel's pair sort in three launches, the triton attention's split merge in a
+   reduce kernel), graphs captured again: before/after in one process.
+
+Issue 22's batch-1 decode check in one call (no correctness, no prefill):
+
+    python benchmarks/e2e_gpu.py --skip-correctness --decode 1 8 32 --prefill --compare-fewer-launches
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -30,8 +40,10 @@ from report import emit  # benchmarks/report.py, beside this file
 
 from moeplex.cli.bench_one_batch import measure
 from moeplex.config import EngineConfig
+from moeplex.cuda_graph import CudaGraphCapture, DecodeGraphs
 from moeplex.engine import Engine
 from moeplex.models.make_model import write_checkpoint
+from moeplex.plugins.moe_kernels.triton_moe.align import ONE_LAUNCH_MAX_PAIRS
 from moeplex.sampling import SamplingParams
 
 PROMPTS = [[256] + list(range(1, 40)), [256, 5, 6, 7]]
@@ -140,6 +152,21 @@ def measure_with_host_time(engine: Engine, batch: int) -> tuple[dict, float]:
 DECODE_MODES = (("on", "on"), ("on", "off"), ("off", "on"))  # (CUDA graphs, overlap schedule)
 
 
+def decode_row(name: str, engine: Engine, roof: Roofline, copy_bs: float, batch: int, modes: tuple[str, str, str]) -> str:
+    """One table row: decode at `batch` in `modes` (CUDA graphs, overlap schedule, fewer launches) as set now."""
+    use_graphs, overlap, fewer = modes
+    if overlap == "on":  # timing the forward pass alone would serialize the steps
+        row, host = measure(engine, batch, DECODE_CONTEXT, 16), "-"
+    else:
+        row, host_ms = measure_with_host_time(engine, batch)
+        host = f"{host_ms:.3f}"
+    roof_ms = roof.decode_bytes(batch, DECODE_CONTEXT + 8) / copy_bs * 1e3
+    line = (f"| {name} | decode | {batch} | {use_graphs} | {overlap} | {fewer} | {row['decode_step_ms']} | {host} | "
+            f"{row['decode_tok_s']} | {roof_ms:.3f} | {row['decode_step_ms'] / roof_ms:.2f}x |")
+    print(line, flush=True)
+    return line
+
+
 def decode_rows(name: str, engine: Engine, roof: Roofline, copy_bs: float, batches) -> list[str]:
     lines = []
     graphs = engine.runner.graphs
@@ -147,18 +174,41 @@ def decode_rows(name: str, engine: Engine, roof: Roofline, copy_bs: float, batch
         for use_graphs, overlap in DECODE_MODES:
             engine.runner.graphs = graphs if use_graphs == "on" else None
             engine.overlap_schedule = overlap == "on"
-            if overlap == "on":  # timing the forward pass alone would serialize the steps
-                row, host = measure(engine, batch, DECODE_CONTEXT, 16), "-"
-            else:
-                row, host_ms = measure_with_host_time(engine, batch)
-                host = f"{host_ms:.3f}"
-            roof_ms = roof.decode_bytes(batch, DECODE_CONTEXT + 8) / copy_bs * 1e3
-            lines.append(f"| {name} | decode | {batch} | {use_graphs} | {overlap} | {row['decode_step_ms']} | {host} | "
-                         f"{row['decode_tok_s']} | {roof_ms:.3f} | {row['decode_step_ms'] / roof_ms:.2f}x |")
-            print(lines[-1], flush=True)
+            lines.append(decode_row(name, engine, roof, copy_bs, batch, (use_graphs, overlap, "on")))
     engine.runner.graphs = graphs
     engine.overlap_schedule = True
     return lines
+
+
+def use_fewer_launches(engine: Engine, on: bool) -> None:
+    """Switch the launch-cutting fusions and capture the decode graphs again (the captured ones hold the old kernels)."""
+    runner = engine.runner
+    old = runner.graphs
+    inputs, sizes = old.inputs, old.sizes
+    # graphs that also return the hidden states (for a drafter, where DecodeGraphs offers it) are captured so again
+    extra = {"with_hidden": old.with_hidden} if hasattr(old, "with_hidden") else {}
+    runner.graphs = old = None  # the old graphs' memory goes back before the new ones are captured
+    gc.collect()
+    torch.cuda.empty_cache()
+    engine.model.use_fused_kernels(True, fewer_launches=on)
+    engine.model.attention_backend.merge_in_split_kernel = on  # the triton backend's split merge (no reduce launch)
+    kernel = engine.model.moe_runtime.kernel
+    if hasattr(kernel, "one_launch_align_pairs"):  # the triton MoE kernel's one-launch sort of a decode batch's pairs
+        kernel.one_launch_align_pairs = ONE_LAUNCH_MAX_PAIRS if on else 0
+    with torch.inference_mode():
+        runner.graphs = DecodeGraphs(engine.model, engine.kv, runner.strategy, inputs, sizes,
+                                     CudaGraphCapture(engine.device), **extra)
+
+
+def fewer_launches_off_rows(name: str, engine: Engine, roof: Roofline, copy_bs: float, batches) -> list[str]:
+    """The graph-replayed, overlapped decode rows again with the launch-cutting fusions off (the 'before')."""
+    if engine.runner.graphs is None:
+        return []
+    use_fewer_launches(engine, False)
+    try:
+        return [decode_row(name, engine, roof, copy_bs, batch, ("on", "on", "off")) for batch in batches]
+    finally:
+        use_fewer_launches(engine, True)
 
 
 def prefill_rows(name: str, engine: Engine, roof: Roofline, flops_s: float, lengths) -> list[str]:
@@ -167,7 +217,7 @@ def prefill_rows(name: str, engine: Engine, roof: Roofline, flops_s: float, leng
         measure(engine, 1, length, 1)  # first at this length: kernels compile, tile tables load
         row = measure(engine, 1, length, 1)
         roof_ms = roof.prefill_flops(length) / flops_s * 1e3
-        lines.append(f"| {name} | prefill | {length} | - | - | {row['prefill_ms']} | - | {row['prefill_tok_s']} | "
+        lines.append(f"| {name} | prefill | {length} | - | - | on | {row['prefill_ms']} | - | {row['prefill_tok_s']} | "
                      f"{roof_ms:.3f} | {row['prefill_ms'] / roof_ms:.2f}x |")
         print(lines[-1], flush=True)
     return lines
@@ -208,13 +258,17 @@ def speed(name: str, folder: str, flops_s: float, copy_bs: float, args, prefill_
                           show_progress=False, max_running_requests=max(args.decode),
                           cuda_graph_max_bs=max(args.decode),
                           max_batched_tokens=max(prefill_lens + [max(args.decode) * DECODE_CONTEXT]),
-                          chunked_prefill_size=max(prefill_lens), max_total_tokens=40000)
+                          chunked_prefill_size=max(prefill_lens, default=max(args.decode) * DECODE_CONTEXT),
+                          max_total_tokens=40000)
     engine = Engine(config)
     measure(engine, 1, 16, 2)
     roof = Roofline(engine)
     if args.profile:
         profile(name, engine, args.profile)
-    lines = decode_rows(name, engine, roof, copy_bs, args.decode) + prefill_rows(name, engine, roof, flops_s, prefill_lens)
+    lines = decode_rows(name, engine, roof, copy_bs, args.decode)
+    if args.compare_fewer_launches:
+        lines += fewer_launches_off_rows(name, engine, roof, copy_bs, args.decode)
+    lines += prefill_rows(name, engine, roof, flops_s, prefill_lens)
     del engine
     torch.cuda.empty_cache()
     return lines
@@ -224,10 +278,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out")
     parser.add_argument("--decode", type=int, nargs="+", default=[1, 8, 32, 128, 256])
-    parser.add_argument("--prefill", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--prefill", type=int, nargs="*", default=[4096, 16384],
+                        help="prefill lengths to time (none: no prefill rows)")
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--only", choices=("qwen", "dsv3"), help="one model instead of both")
     parser.add_argument("--profile", metavar="DIR", help="write kernel tables of an eager decode step and a prefill here")
+    parser.add_argument("--compare-fewer-launches", action="store_true",
+                        help="also time graph-replayed decode with the launch-cutting fusions off (KV write in rope, "
+                             "one-launch router, residual add in the next norm, one-launch MoE pair sort, attention splits "
+                             "merged in the split kernel), graphs captured again")
     args = parser.parse_args()
     lines = [f"## moeplex on {torch.cuda.get_device_name()} (torch {torch.__version__}, triton MoE kernel and attention)", ""]
     if not args.skip_correctness:
@@ -235,15 +294,20 @@ def main() -> None:
     flops_s, copy_bs = peaks()
     lines += [f"Measured: bf16 matmul {flops_s / 1e12:.0f} TFLOP/s, device copy {copy_bs / 1e9:.0f} GB/s. "
               f"Decode after a {DECODE_CONTEXT}-token prompt, median of 16 steps.", "",
-              "| model | phase | batch / tokens | CUDA graphs | overlap schedule | step ms | host ms outside forward "
-              "| tok/s | roofline ms | ratio to roofline |",
-              "|---|---|---:|---|---|---:|---:|---:|---:|---:|"]
+              "| model | phase | batch / tokens | CUDA graphs | overlap schedule | fewer launches | step ms "
+              "| host ms outside forward | tok/s | roofline ms | ratio to roofline |",
+              "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|"]
     if args.only != "dsv3":
         qwen = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True)
         lines += speed("Qwen3-30B-A3B shapes", qwen, flops_s, copy_bs, args, args.prefill)
     if args.only != "qwen":
         dsv3 = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4}, config_only=True)
         lines += speed("DeepSeek-V3 shapes, 4 layers", dsv3, flops_s, copy_bs, args, args.prefill[:1])
+    if args.compare_fewer_launches:
+        lines += ["", "fewer launches: on = KV write in the rope kernel, the router of <= 16 tokens in one launch, each "
+                  "layer's residual add in the next layer's norm, the MoE pair sort of <= 256 pairs in one launch, "
+                  "decode attention's splits merged by the last split program (no reduce kernel); "
+                  "off = the same work in the separate kernels it replaces."]
     emit("\n".join(lines), args.out)
 
 

@@ -18,6 +18,15 @@ class StepState:
     batch: ForwardBatch
     kv: KVPool
     shared_during_dispatch: bool = False  # the overlap strategy's choice, read by MoE layers
+    # an addend of `hidden` not added yet: a layer's MLP output, which the next layer's norm adds in its own
+    # kernel (one launch fewer per layer); `settle` adds it where no layer follows
+    pending: torch.Tensor | None = None
+
+    def settle(self) -> torch.Tensor:
+        """`hidden` with any pending addend added."""
+        if self.pending is not None:
+            self.hidden, self.pending = self.hidden + self.pending, None
+        return self.hidden
 
 
 def micro_batch_ranges(cuts, num_tokens: int) -> list[tuple[int, int]]:
@@ -59,4 +68,4 @@ def run_program(program, hidden: torch.Tensor, batch: ForwardBatch, kv: KVPool, 
             for a, b in micro_batch_ranges(cuts, batch.num_tokens)
         ]
     strategy.run([program(state) for state in states])
-    return states[0].hidden if len(states) == 1 else torch.cat([s.hidden for s in states])
+    return states[0].settle() if len(states) == 1 else torch.cat([s.settle() for s in states])

@@ -68,3 +68,11 @@ def test_pd_transfer_on_cpu(tmp_path):
     rows = table_rows(out, "loopback") + table_rows(out, "zmq")
     assert [(row[0], row[1]) for row in rows] == [("loopback", "4"), ("loopback", "16"), ("zmq", "4"), ("zmq", "16")], out
     assert all(float(row[3].split()[0]) > 0 and float(row[5]) > 0 for row in rows), out
+
+
+def test_launch_budget_of_a_qwen3_decode_layer(tmp_path):
+    """Issue 22's launch cuts, counted: a Qwen3-MoE layer of a batch-1 decode step launches 10 kernels with them,
+    16 without (benchmarks/results/e2e_h200.md lists them)."""
+    out = run("launch_budget.py", tmp_path / "budget.md", "--batch", "1", "--arch", "qwen3_moe")
+    per_layer = {(row[1], row[2]): int(row[3]) for row in table_rows(out, "qwen3_moe")}
+    assert per_layer == {("1", "off"): 16, ("1", "on"): 10}, out

@@ -13,6 +13,7 @@ from moeplex.config import EngineConfig
 from moeplex.kernels.norm import _rms_norm_kernel
 from moeplex.kv_cache import KVPool
 from moeplex.models.setup import load_model
+from moeplex.registry import lookup
 from moeplex.selection import resolve
 from triton_guard import DEVICE, skip_unless_runnable
 
@@ -20,21 +21,21 @@ skip_unless_runnable(_rms_norm_kernel)
 
 
 
-def step(model, kv: KVPool, seqs) -> torch.Tensor:
+def step(model, kv: KVPool, seqs, strategy=None) -> torch.Tensor:
     batch = build_forward_batch(seqs, kv, DEVICE)
     with torch.inference_mode():
-        return model(batch, kv, no_overlap(), logits_at=torch.arange(batch.num_tokens, device=DEVICE))
+        return model(batch, kv, strategy or no_overlap(), logits_at=torch.arange(batch.num_tokens, device=DEVICE))
 
 
-def run(model, sequences, decode_steps):
+def run(model, sequences, decode_steps, strategy=None):
     """Logits of a batched prefill of each sequence but its last `decode_steps` tokens, then of each decode step."""
     kv = KVPool(64, PAGE_SIZE, model.kv_shapes(), torch.float32, DEVICE)
     pages = [scattered_pages(kv, kv.pages_for(len(seq))) for seq in sequences]
     prompt = [len(seq) - decode_steps for seq in sequences]
-    steps = [step(model, kv, [ScheduledSeq(seq[:n], 0, p) for seq, n, p in zip(sequences, prompt, pages)])]
+    steps = [step(model, kv, [ScheduledSeq(seq[:n], 0, p) for seq, n, p in zip(sequences, prompt, pages)], strategy)]
     for i in range(decode_steps):
         steps.append(step(model, kv, [ScheduledSeq(seq[n + i : n + i + 1], n + i, p)
-                                      for seq, n, p in zip(sequences, prompt, pages)]))
+                                      for seq, n, p in zip(sequences, prompt, pages)], strategy))
     return steps
 
 
@@ -48,3 +49,19 @@ def test_fused_kernels_give_the_torch_logits(tiny_model_dir, arch):
     fused = run(model, sequences, decode_steps=2)
     for i, (ours, theirs) in enumerate(zip(fused, reference)):
         assert_matches(ours, theirs, f"{arch} step {i}")
+
+
+def test_residual_left_for_the_next_norm_gives_the_same_logits(tiny_model_dir, arch):
+    """DecoderLayer.fewer_launches alone (torch ops): each layer's MLP output is added by the next layer's norm,
+    and the last one's after the stack, whole or cut into two micro-batches."""
+    config = EngineConfig(model=tiny_model_dir(arch), dtype="fp32", device=str(DEVICE), show_progress=False)
+    model = load_model(config.model, config, resolve(config))
+    model.use_fused_kernels(False)
+    sequences = [token_sequence(n, seed=n) for n in (5, 12, 9)]
+    reference = run(model, sequences, decode_steps=2)
+    layers = list(model.model.layers)
+    for layer in layers:
+        layer.fewer_launches = True
+    for strategy in (no_overlap(), lookup("overlap", "tbo")()):
+        for i, (ours, theirs) in enumerate(zip(run(model, sequences, 2, strategy), reference)):
+            assert_matches(ours, theirs, f"{arch} {type(strategy).__name__} step {i}")

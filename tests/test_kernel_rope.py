@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moeplex.kernels import rope as rope_kernel
-from moeplex.kernels.rope import rope_
+from moeplex.kernels.rope import KVWrite, rope_
 from moeplex.models.base import RMSNorm
 from moeplex.models.rope import RotaryEmbedding
 from triton_guard import DEVICE, skip_unless_runnable
@@ -134,6 +134,62 @@ def test_one_norm_without_the_other_is_refused():
               q_norm=torch.ones(8, device=DEVICE))
 
 
+def check_kv_write(q_heads, k_heads, head_dim, dtype, norm, interleaved=False, num_tokens=5, slots=40,
+                   cache_dtype=None, seed=0):
+    """rope_ with a KVWrite: q rotated in place as before; the rotated keys and the values land in the cache
+    rows of their slots (what `write_kv` stores after the unfused rope), every other row and k itself untouched."""
+    gen = torch.Generator().manual_seed(seed)
+    rotary = RotaryEmbedding(head_dim, YARN, interleaved=interleaved)
+    norms = random_norms(head_dim, dtype, gen) if norm else None
+    # q, k and v as the merged projection's column slices of one [T, (Hq + 2 Hk) D] output
+    qkv = torch.randn(num_tokens, (q_heads + 2 * k_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    q, k, v = (part.view(num_tokens, -1, head_dim) for part in
+               qkv.split([q_heads * head_dim, k_heads * head_dim, k_heads * head_dim], dim=-1))
+    cache_dtype = cache_dtype or dtype
+    key_cache = torch.randn(slots, k_heads, head_dim, generator=gen).to(DEVICE, cache_dtype)
+    value_cache = torch.randn(slots, k_heads, head_dim, generator=gen).to(DEVICE, cache_dtype)
+    slot_ids = torch.randperm(slots, generator=gen)[:num_tokens].to(DEVICE)
+    positions = positions_up_to(40000, num_tokens, gen)
+    want_q, want_k = reference(q.clone(), k.clone(), positions, rotary, norms)
+    want_keys, want_values = key_cache.clone(), value_cache.clone()
+    want_keys[slot_ids], want_values[slot_ids] = want_k.to(cache_dtype), v.to(cache_dtype)
+    k_before = k.clone()
+    q_norm, k_norm = (norms[0].weight, norms[1].weight) if norm else (None, None)
+    rope_(q, k, positions, rotary.inv_freq.to(DEVICE), rotary.scale, interleaved, q_norm, k_norm, EPS,
+          kv_write=KVWrite(v, key_cache, value_cache, slot_ids))
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(q, want_q, rtol=tol, atol=tol)
+    torch.testing.assert_close(key_cache, want_keys, rtol=tol, atol=tol)
+    assert torch.equal(value_cache, want_values)
+    assert torch.equal(k, k_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "qk_norm"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half_split", "interleaved"])
+def test_kv_write_stores_the_rotated_keys_and_the_values(interleaved, norm, dtype):
+    check_kv_write(4, 2, 16, dtype, norm, interleaved)
+
+
+def test_kv_write_in_head_blocks_that_mix_queries_keys_and_values(monkeypatch):
+    # 2 heads a program over 3 query, 2 key and 2 value heads: [q0 q1], [q2 k0], [k1 v0], [v1 -]
+    monkeypatch.setattr(rope_kernel, "ELEMENTS_PER_PROGRAM", 16)
+    check_kv_write(3, 2, 8, torch.float32, norm=True)
+
+
+def test_kv_write_casts_to_the_cache_dtype():
+    check_kv_write(2, 1, 16, torch.float32, norm=True, cache_dtype=torch.float16)
+
+
+def test_kv_write_of_the_wrong_shape_is_refused():
+    q, k = torch.zeros(2, 2, 8, device=DEVICE), torch.zeros(2, 1, 8, device=DEVICE)
+    cache = torch.zeros(10, 2, 8, device=DEVICE)  # two heads where the keys have one
+    write = KVWrite(torch.zeros_like(k), cache, cache, torch.zeros(2, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="KV write"):
+        rope_(q, k, torch.zeros(2, dtype=torch.int64, device=DEVICE), RotaryEmbedding(8, DEFAULT).inv_freq.to(DEVICE),
+              1.0, kv_write=write)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_qwen3_serving_shapes(dtype):
@@ -145,3 +201,9 @@ def test_qwen3_serving_shapes(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_deepseek_serving_shapes(dtype):
     check_mla_views(num_tokens=300, heads=16, nope=128, rope=64, latent=512, dtype=dtype, params=DEEPSEEK_YARN)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_qwen3_serving_shapes_with_kv_write(dtype):
+    check_kv_write(32, 4, 128, dtype, norm=True, num_tokens=300, slots=4096)

@@ -12,7 +12,7 @@ import torch
 
 from moeplex.attention import TorchAttention, make_attention_backend
 from moeplex.attention.triton_backend import TritonAttention
-from moeplex.attention.triton_decode import _split_kernel, decode_attention
+from moeplex.attention.triton_decode import _split_kernel, decode_attention, merge_counters_needed
 from moeplex.batch_builder import ScheduledSeq, build_forward_batch
 from moeplex.cli import main
 from moeplex.config import EngineConfig
@@ -74,23 +74,40 @@ KERNEL_CASES = {
 }
 
 
+def merge_counters(q, kv_heads):
+    return torch.zeros(merge_counters_needed(q.shape[0], q.shape[1], kv_heads), dtype=torch.int32, device=DEVICE)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits,merge", [(1, False), (3, False), (3, True)], ids=["1", "3-reduce", "3-merged"])
 @pytest.mark.parametrize("case", list(KERNEL_CASES))
-def test_decode_kernel_matches_reference(case, splits, dtype):
+def test_decode_kernel_matches_reference(case, splits, merge, dtype):
     lengths, q_heads, kv_heads, dk, dv, shared = KERNEL_CASES[case]
     q, keys, values, table, lens = random_case(lengths, q_heads, kv_heads, dk, dv, dtype, shared)
-    out = decode_attention(q, keys, values, table, lens, PAGE, scale=dk**-0.5, num_splits=splits, block_n=16)
+    counters = merge_counters(q, kv_heads) if merge else None
+    out = decode_attention(q, keys, values, table, lens, PAGE, scale=dk**-0.5, num_splits=splits, block_n=16,
+                           merge_counters=counters)
     assert out.shape == (len(lengths), q_heads, dv) and out.dtype == dtype
     assert_close(out, reference_decode(q, keys, values, table, lens, PAGE, dk**-0.5), dtype, case)
+    if merge:
+        assert (counters == 0).all(), "the counters are zero again for the next launch"
 
 
-def test_more_splits_than_tiles_leaves_empty_splits_harmless():
+@pytest.mark.parametrize("merge", [False, True], ids=["reduce", "merged"])
+def test_more_splits_than_tiles_leaves_empty_splits_harmless(merge):
     """Eight splits of sequences of 1 and 6 tokens: most splits hold nothing and must weigh nothing."""
     q, keys, values, table, lens = random_case((1, 6), 4, 2, 16, 16, torch.float32)
-    out = decode_attention(q, keys, values, table, lens, PAGE, scale=0.25, num_splits=8, block_n=16)
+    out = decode_attention(q, keys, values, table, lens, PAGE, scale=0.25, num_splits=8, block_n=16,
+                           merge_counters=merge_counters(q, 2) if merge else None)
     assert torch.isfinite(out).all()
     assert_close(out, reference_decode(q, keys, values, table, lens, PAGE, 0.25), torch.float32)
+
+
+def test_too_few_merge_counters_are_refused():
+    q, keys, values, table, lens = random_case((5, 2), 4, 2, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="counters"):
+        decode_attention(q, keys, values, table, lens, PAGE, scale=0.25, num_splits=2,
+                         merge_counters=torch.zeros(1, dtype=torch.int32, device=DEVICE))
 
 
 def test_wider_page_table_than_needed_is_read_only_up_to_each_length():
@@ -246,6 +263,10 @@ def test_serving_shapes_on_gpu(shape, dtype):
     lengths = (1, 37, 300, 4100)
     q, keys, values, table, lens = random_case(lengths, q_heads, kv_heads, dk, dv, dtype, shared)
     reference = reference_decode(q, keys, values, table, lens, PAGE, dk**-0.5)
+    counters = merge_counters(q, kv_heads)
     for splits in (1, 7, 32):
-        out = decode_attention(q, keys, values, table, lens, PAGE, scale=dk**-0.5, num_splits=splits)
-        assert_close(out, reference, dtype, f"{splits} splits")
+        for merged in (None, counters):
+            out = decode_attention(q, keys, values, table, lens, PAGE, scale=dk**-0.5, num_splits=splits,
+                                   merge_counters=merged)
+            assert_close(out, reference, dtype, f"{splits} splits{', merged' if merged is not None else ''}")
+    assert (counters == 0).all()

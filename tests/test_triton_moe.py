@@ -23,7 +23,12 @@ from moeplex.interfaces import (
 )
 from moeplex.moe.adapters import standard_to_contiguous, standard_to_masked
 from moeplex.plugins.moe_kernels.torch_ref import TorchMoEKernel
-from moeplex.plugins.moe_kernels.triton_moe.align import align_direct, align_in_place, align_pairs
+from moeplex.plugins.moe_kernels.triton_moe.align import (
+    align_direct,
+    align_in_place,
+    align_pairs,
+    align_pairs_one_launch,
+)
 from moeplex.plugins.moe_kernels.triton_moe.configs import (
     INTERPRETER_DEVICE,
     MoETiles,
@@ -114,10 +119,18 @@ def run_both(layout, weights, triton_kernel, torch_kernel):
 # --- align -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(37, 8, 8, 16), (1, 8, 256, 16), (300, 2, 9, 32), (0, 4, 8, 16)])
-def test_align_gives_every_routed_pair_one_slot_in_a_tile_of_its_expert(tokens, top_k, experts, block_m):
+ALIGN_CASES = [(37, 8, 8, 16), (1, 8, 256, 16), (300, 2, 9, 32), (0, 4, 8, 16)]
+
+
+@pytest.mark.parametrize("align_fn", [align_pairs, align_pairs_one_launch], ids=["three_launches", "one_launch"])
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", ALIGN_CASES)
+def test_align_gives_every_routed_pair_one_slot_in_a_tile_of_its_expert(tokens, top_k, experts, block_m, align_fn):
     ids = torch.randint(-1, experts, (tokens, top_k), generator=torch.Generator().manual_seed(tokens), dtype=torch.int32)
-    align = align_pairs(ids.to(DEVICE), experts, block_m)
+    if align_fn is align_pairs_one_launch and tokens == 0:
+        with pytest.raises(ValueError, match="one launch"):
+            align_fn(ids.to(DEVICE), experts, block_m)
+        return
+    align = align_fn(ids.to(DEVICE), experts, block_m)
     flat = ids.flatten().long()
     counts = torch.bincount(flat[flat >= 0], minlength=experts)
     align = attrs.evolve(align, **{f: getattr(align, f).cpu() for f in ("sorted_ids", "block_expert", "num_padded")})
@@ -129,6 +142,24 @@ def test_align_gives_every_routed_pair_one_slot_in_a_tile_of_its_expert(tokens, 
     tile_expert = align.block_expert.long().repeat_interleave(block_m)[:used]
     assert torch.equal(tile_expert[real], flat[slots[real]])
     assert (align.block_expert[: used // block_m] >= 0).all() and (align.block_expert[used // block_m :] == -1).all()
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [case for case in ALIGN_CASES if case[0]] + [(64, 8, 128, 16)])
+def test_one_launch_align_is_the_three_launch_align(tokens, top_k, experts, block_m):
+    """Pairs keep their order within an expert on both paths, so the slots are the same, not only equivalent."""
+    ids = torch.randint(-1, experts, (tokens, top_k), generator=torch.Generator().manual_seed(7), dtype=torch.int64)
+    one, three = align_pairs_one_launch(ids.to(DEVICE), experts, block_m), align_pairs(ids.to(DEVICE), experts, block_m)
+    used = int(three.num_padded)
+    assert int(one.num_padded) == used
+    assert torch.equal(one.sorted_ids[:used], three.sorted_ids[:used])
+    assert torch.equal(one.block_expert, three.block_expert)
+    assert (one.sorted_ids[used:] == ids.numel()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(32, 8, 128, 16), (128, 8, 128, 16), (128, 8, 256, 64)])
+def test_gpu_one_launch_align_at_decode_batches(tokens, top_k, experts, block_m):
+    test_one_launch_align_is_the_three_launch_align(tokens, top_k, experts, block_m)
 
 
 def test_align_in_place_keeps_rows_and_skips_padding_tiles():

@@ -7,7 +7,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from .backend import AttentionBackend
-from .triton_decode import _split_kernel, decode_attention, head_blocks
+from .triton_decode import _split_kernel, decode_attention, head_blocks, merge_counters_needed
 
 # Triton decides when it decorates a kernel whether it compiles it or interprets it on the CPU
 INTERPRETED = isinstance(_split_kernel, InterpretedFunction)
@@ -18,6 +18,9 @@ class TritonAttention(AttentionBackend):
 
     `target_programs`: programs one decode launch should have (default: two per streaming
     multiprocessor); a split is at least `min_split_tokens` long, and there are at most `max_splits`.
+    `merge_in_split_kernel`: the last split to finish merges the splits (one launch), rather than a
+    reduce kernel after the split kernel (two); the counters that takes are this backend's, and
+    every layer's decode launches one after another on one stream, so they never share one at once.
     """
 
     name = "triton"
@@ -42,6 +45,17 @@ class TritonAttention(AttentionBackend):
             target_programs = 2 * sms
         self.max_splits, self.min_split_tokens, self.target_programs = max_splits, min_split_tokens, target_programs
         self.block_n = block_n
+        self.merge_in_split_kernel = True
+        # every counter buffer made stays alive: a captured CUDA graph keeps the address it was given
+        self._counters: list[torch.Tensor] = []
+
+    def merge_counters(self, needed: int, device: torch.device) -> torch.Tensor:
+        """At least `needed` int32 zeros on `device`, made once (larger when a larger batch needs more)."""
+        for counters in reversed(self._counters):
+            if counters.numel() >= needed and counters.device == device:
+                return counters
+        self._counters.append(torch.zeros(max(needed, 1024), dtype=torch.int32, device=device))
+        return self._counters[-1]
 
     def num_splits(self, batch_size: int, programs_per_request: int, longest: int) -> int:
         """Enough splits to reach the target program count, none shorter than min_split_tokens."""
@@ -56,6 +70,10 @@ class TritonAttention(AttentionBackend):
         programs = num_kv_heads * head_blocks(q.shape[1], num_kv_heads)
         # the CPU-side lengths: a captured graph's batch claims the longest sequence it may replay
         splits = self.num_splits(batch.batch_size, programs, max(batch.seq_lens_cpu, default=0))
+        counters = None
+        if self.merge_in_split_kernel and splits > 1:
+            counters = self.merge_counters(merge_counters_needed(q.shape[0], q.shape[1], num_kv_heads), q.device)
         return decode_attention(
-            q, key_cache, value_cache, batch.page_table, batch.seq_lens, batch.page_size, scale, splits, self.block_n
+            q, key_cache, value_cache, batch.page_table, batch.seq_lens, batch.page_size, scale, splits, self.block_n,
+            counters,
         )

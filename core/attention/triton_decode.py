@@ -5,7 +5,8 @@ without copying K/V; MLA's absorbed decode is the case of one latent "KV head" s
 head), and one split of the sequence. It walks its split in BLOCK_N-token tiles, finding each
 token's slot through the request's page table, and keeps an online softmax. The reduce kernel
 merges the splits' partial outputs by their log-sum-exps. With one split the first kernel writes
-the output directly.
+the output directly; given counters, the last split program of each request and head block to finish
+merges them in the same launch (a decode step pays for launches more than for this work).
 
 Keys are [slots, kv_heads, Dk] and values [slots, kv_heads, Dv] with Dk >= Dv: the first Dv key
 columns meet the queries' first Dv columns, the remaining Dk - Dv (MLA's rope key) a second
@@ -24,13 +25,39 @@ MIN_DOT = 16  # tl.dot wants every dimension at least this large on the GPU
 
 
 @triton.jit
+def _merge_splits(part_ptr, lse_ptr, out_ptr, request, heads, head_ok, d, d_ok,
+                  stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                  NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[heads] = the splits' partial outputs weighted by exp(their log-sum-exp), over the sum of the weights."""
+    s = tl.arange(0, BLOCK_S)
+    lse_rows = lse_ptr + request * stride_lb + heads[:, None] * stride_lh
+    lse = tl.load(lse_rows + s[None, :], mask=head_ok[:, None] & (s < NUM_SPLITS)[None, :], other=float("-inf"),
+                  cache_modifier=".cg")
+    top = tl.max(lse, axis=1)
+    top = tl.where(top == float("-inf"), 0.0, top)  # an empty sequence: every weight is zero
+    total = tl.sum(tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top[:, None])), axis=1)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    part_rows = part_ptr + request * stride_pb + heads[:, None] * stride_ph + d[None, :]
+    for split in range(NUM_SPLITS):
+        split_lse = tl.load(lse_rows + split, mask=head_ok[:, None], other=float("-inf"), cache_modifier=".cg")
+        weight = tl.where(split_lse == float("-inf"), 0.0, tl.exp(split_lse - top[:, None]))
+        part = tl.load(part_rows + split * stride_ps, mask=head_ok[:, None] & d_ok[None, :], other=0.0,
+                       cache_modifier=".cg")
+        acc += part * weight
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + request * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=head_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, page_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, final_ptr, counter_ptr,
     scale, page_size, group, head_blocks, dv, tail,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pb,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr, HAS_TAIL: tl.constexpr, SHARED_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     request = tl.program_id(0)
     kv_head = tl.program_id(1) // head_blocks
@@ -87,6 +114,16 @@ def _split_kernel(
     if NUM_SPLITS > 1:
         lse = tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
         tl.store(lse_ptr + request * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
+    if MERGE:
+        # the last split of this request and head block to finish merges them all (the reduce kernel's work);
+        # every thread's stores come before the ticket, whose release makes them visible to that program
+        tl.debug_barrier()
+        counter = counter_ptr + request * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            _merge_splits(out_ptr, lse_ptr, final_ptr, request, heads, head_ok, d, d_ok,
+                          stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
+                          NUM_SPLITS, BLOCK_S, BLOCK_H, BLOCK_D)
+            tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 @triton.jit
@@ -123,6 +160,11 @@ def head_blocks(num_q_heads: int, num_kv_heads: int, block_h: int = MIN_DOT) -> 
     return triton.cdiv(num_q_heads // num_kv_heads, block_h)
 
 
+def merge_counters_needed(batch: int, num_q_heads: int, num_kv_heads: int) -> int:
+    """Counters `decode_attention` needs to merge the splits in the split kernel: one per program column."""
+    return batch * num_kv_heads * head_blocks(num_q_heads, num_kv_heads)
+
+
 def decode_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -133,11 +175,15 @@ def decode_attention(
     scale: float,
     num_splits: int = 1,
     block_n: int | None = None,
+    merge_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, Dk] against the cached keys [slots, Hkv, Dk] and values [slots, Hkv, Dv] -> [B, Hq, Dv].
 
     Request b's token j sits in slot page_table[b, j // page_size] * page_size + j % page_size,
     for j < seq_lens[b]. The sequence is cut into `num_splits` parts attended in parallel.
+    `merge_counters`: int32 zeros, at least `merge_counters_needed` of them, that no other launch uses
+    meanwhile (they are zero again afterwards); with them the last split of each request and head block
+    merges the splits itself, in the one launch, instead of a second (reduce) kernel.
     """
     batch, num_q_heads, dk = q.shape
     num_kv_heads, dv = value_cache.shape[1], value_cache.shape[2]
@@ -161,18 +207,25 @@ def decode_attention(
     else:
         parts, lse = out.unsqueeze(2), out.new_empty(0)  # the split kernel writes the output itself
     blocks = head_blocks(num_q_heads, num_kv_heads)
+    merge = num_splits > 1 and merge_counters is not None
+    if merge and (merge_counters.dtype != torch.int32 or
+                  merge_counters.numel() < merge_counters_needed(batch, num_q_heads, num_kv_heads)):
+        raise ValueError(f"merging {num_splits} splits in the split kernel takes "
+                         f"{merge_counters_needed(batch, num_q_heads, num_kv_heads)} int32 counters; got "
+                         f"{merge_counters.numel()} of {merge_counters.dtype}")
     _split_kernel[(batch, num_kv_heads * blocks, num_splits)](
-        q, key_cache, value_cache, page_table, seq_lens, parts, lse,
+        q, key_cache, value_cache, page_table, seq_lens, parts, lse, out, merge_counters if merge else lse,
         scale, page_size, num_q_heads // num_kv_heads, blocks, dv, dk - dv,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1),
         value_cache.stride(0), value_cache.stride(1), page_table.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2),
-        lse.stride(0) if num_splits > 1 else 0, lse.stride(1) if num_splits > 1 else 0,
+        lse.stride(0) if num_splits > 1 else 0, lse.stride(1) if num_splits > 1 else 0, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, BLOCK_H=MIN_DOT, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_T=_block(max(dk - dv, 1)),
         HAS_TAIL=dk > dv, SHARED_KV=shared, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        MERGE=merge, BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=4 if block_d <= 128 else 8, num_stages=2,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge:
         _reduce_kernel[(batch, num_q_heads)](
             parts, lse, out, dv,
             parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),

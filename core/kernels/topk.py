@@ -68,19 +68,13 @@ def _keep_best_groups(choice, BLOCK_T: tl.constexpr, NUM_GROUPS: tl.constexpr, G
 
 
 @triton.jit
-def _route_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, num_tokens, num_experts, scaling_factor,
-                       stride_lt, stride_le,
-                       TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
-                       NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-                       K_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+def _topk_rows(logits, cols, bias_ptr, num_experts, scaling_factor,
+               TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
+               NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+               K_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(ids [BLOCK_T, K_PAD] int64, weights [BLOCK_T, K_PAD] fp32) of fp32 logits [BLOCK_T, experts padded]."""
     E_PAD: tl.constexpr = NUM_GROUPS * GROUP_SIZE
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-    row_mask = rows < num_tokens
-    cols = tl.arange(0, E_PAD)
     col_mask = cols < num_experts
-    # rows past the end read zeros, not -inf, so that their softmax stays finite; they are not stored
-    logits = tl.load(logits_ptr + rows[:, None] * stride_lt + cols[None, :] * stride_le,
-                     mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
     if SIGMOID:
         scores = tl.sigmoid(logits)
         choice = scores
@@ -109,16 +103,38 @@ def _route_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, num_tokens, n
         if SIGMOID:
             total = total + 1e-20
         weights = weights / total[:, None]
-    weights = weights * scaling_factor
+    return ids, weights * scaling_factor
 
+
+@triton.jit
+def _store_topk(ids_ptr, weights_ptr, rows, row_mask, ids, weights, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
+    slots = tl.arange(0, K_PAD)
     out = rows[:, None] * TOP_K + slots[None, :]
     out_mask = row_mask[:, None] & (slots[None, :] < TOP_K)
     tl.store(ids_ptr + out, ids, mask=out_mask)
     tl.store(weights_ptr + out, weights, mask=out_mask)
 
 
+@triton.jit
+def _route_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, num_tokens, num_experts, scaling_factor,
+                       stride_lt, stride_le,
+                       TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
+                       NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                       K_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    E_PAD: tl.constexpr = NUM_GROUPS * GROUP_SIZE
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    row_mask = rows < num_tokens
+    cols = tl.arange(0, E_PAD)
+    # rows past the end read zeros, not -inf, so that their softmax stays finite; they are not stored
+    logits = tl.load(logits_ptr + rows[:, None] * stride_lt + cols[None, :] * stride_le,
+                     mask=row_mask[:, None] & (cols < num_experts)[None, :], other=0.0).to(tl.float32)
+    ids, weights = _topk_rows(logits, cols, bias_ptr, num_experts, scaling_factor, TOP_K, SIGMOID, HAS_BIAS,
+                              NORMALIZE, NUM_GROUPS, GROUP_SIZE, TOPK_GROUPS, K_PAD, BLOCK_T)
+    _store_topk(ids_ptr, weights_ptr, rows, row_mask, ids, weights, TOP_K, K_PAD)
+
+
 @functools.cache
-def _group_layout(spec: RouterSpec) -> tuple[int, int, int]:
+def group_layout(spec: RouterSpec) -> tuple[int, int, int]:
     """(padded group count, experts per group, groups kept) of the kernel; one group when routing is not grouped.
 
     Checks the spec once per spec (a router calls this every step): a refusal raises again on every call.
@@ -140,7 +156,7 @@ def _group_layout(spec: RouterSpec) -> tuple[int, int, int]:
     return triton.next_power_of_2(spec.num_groups), size, spec.topk_groups
 
 
-def _check(logits: torch.Tensor, spec: RouterSpec, correction_bias: torch.Tensor | None) -> None:
+def check_logits(logits: torch.Tensor, spec: RouterSpec, correction_bias: torch.Tensor | None) -> None:
     if logits.dim() != 2 or logits.shape[1] != spec.num_experts:
         raise ValueError(f"logits must be [T, {spec.num_experts}]; got {list(logits.shape)}")
     if spec.correction_bias != (correction_bias is not None):
@@ -157,8 +173,8 @@ def route_topk(logits: torch.Tensor, spec: RouterSpec, correction_bias: torch.Te
     The order of the K ids in a row may differ from torch.topk's. `correction_bias` [E] is
     given exactly when spec.correction_bias is set; like Router, only sigmoid scoring uses it.
     """
-    num_groups, group_size, topk_groups = _group_layout(spec)
-    _check(logits, spec, correction_bias)
+    num_groups, group_size, topk_groups = group_layout(spec)
+    check_logits(logits, spec, correction_bias)
     num_tokens = logits.shape[0]
     ids = torch.empty(num_tokens, spec.top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(num_tokens, spec.top_k, dtype=torch.float32, device=logits.device)

@@ -162,7 +162,13 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention then pre-norm MLP (dense or MoE), written once as a program with yield points."""
+    """Pre-norm attention then pre-norm MLP (dense or MoE), written once as a program with yield points.
+
+    `fewer_launches`: the MLP output is left pending in the step state, and the next layer's input norm
+    adds it to the residual stream in its kernel (set by MoECausalLM.use_fused_kernels).
+    """
+
+    fewer_launches = False
 
     def __init__(self, layer_id: int, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, mlp_name="mlp"):
         super().__init__()
@@ -174,13 +180,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
     def program(self, state: StepState) -> Generator[str, None, None]:
-        hidden = state.hidden
-        attn = self.self_attn(self.input_layernorm(hidden), state.batch, state.kv.layer(self.layer_id))
+        if state.pending is not None:  # the layer before left its MLP output for this norm to add
+            normed, hidden = self.input_layernorm.add_norm(state.pending, state.hidden)
+            state.pending = None
+        else:
+            hidden = state.hidden
+            normed = self.input_layernorm(hidden)
+        attn = self.self_attn(normed, state.batch, state.kv.layer(self.layer_id))
         normed, hidden = self.post_attention_layernorm.add_norm(attn, hidden)
         yield "attention"
         mlp = getattr(self, self.mlp_name)
         out = yield from mlp.program(normed, state)
-        state.hidden = hidden + out
+        if self.fewer_launches:
+            state.hidden, state.pending = hidden, out
+        else:
+            state.hidden = hidden + out
 
 
 def _parent(prefix: str) -> str:
@@ -223,11 +237,20 @@ class MoECausalLM(nn.Module, abc.ABC):
         for layer in (*self.model.layers, *self.mtp_layers):
             layer.self_attn.backend = backend
 
-    def use_fused_kernels(self, on: bool) -> None:
-        """Every module that offers a fused Triton path (it declares `fused`) takes it, or the torch ops."""
+    def use_fused_kernels(self, on: bool, fewer_launches: bool | None = None) -> None:
+        """Every module that offers a fused Triton path (it declares `fused`) takes it, or the torch ops.
+
+        `fewer_launches` (default: `on`): the fusions that only cut kernel launches, which is what a
+        small decode batch pays for (a module declares `fewer_launches`): the KV-cache write in the rope
+        kernel, the router GEMV in the top-k kernel, the residual add in the next layer's norm. Off, they
+        run as the separate fused kernels they merge (a before/after switch for benchmarks).
+        """
+        merge = on if fewer_launches is None else on and fewer_launches
         for module in self.modules():
             if hasattr(type(module), "fused"):
                 module.fused = on
+            if hasattr(type(module), "fewer_launches"):
+                module.fewer_launches = merge
 
     def layers_program(self, state: StepState) -> Generator[str, None, None]:
         for layer in self.model.layers:

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..attention import AttentionBackend, TorchAttention, gather_kv, write_kv
 from ..forward_batch import ForwardBatch, ForwardMode
+from ..kernels.rope import KVWrite
 from ..parallel import Group
 from .base import RMSNorm, rope_parameters
 from .parallel_layers import MergedColumnLinear, RowLinear
@@ -70,6 +71,7 @@ class MHAttention(nn.Module):
     """
 
     backend: AttentionBackend
+    fewer_launches = False  # the rope kernel also writes the KV cache (set by MoECausalLM.use_fused_kernels)
 
     def __init__(
         self,
@@ -128,10 +130,14 @@ class MHAttention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
-        q, k = self.rotary_emb(batch.positions, q, k, *norms)
         key_cache, value_cache = cache
-        write_kv(key_cache, batch, k)
-        write_kv(value_cache, batch, v)
+        if self.fewer_launches and self.rotary_emb.fused:
+            q = self.rotary_emb.rotate_and_store(batch.positions, q, k, KVWrite(v, key_cache, value_cache,
+                                                                              batch.out_cache_loc), *norms)
+        else:
+            q, k = self.rotary_emb(batch.positions, q, k, *norms)
+            write_kv(key_cache, batch, k)
+            write_kv(value_cache, batch, v)
         if batch.mode == ForwardMode.DECODE:
             out = self.backend.decode(q, key_cache, value_cache, batch, self.scale)
         else:

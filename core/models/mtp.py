@@ -131,7 +131,7 @@ class MTPLayer(DecoderLayer):
             state = StepState(x, batch, kv)
             for _ in self.program(state):
                 pass
-            out = state.hidden
+            out = state.settle()
         else:
             out = run_program(self.program, x, batch, kv, strategy)
         new_hidden = self.shared_head.norm(out)

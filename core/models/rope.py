@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from ..kernels.rope import rope_
+from ..kernels.rope import KVWrite, rope_
 
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
@@ -137,8 +137,7 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, k) rotated, each first normalized per head by its RMSNorm where one is given (Qwen3)."""
         if self.fused:
-            norms = {} if q_norm is None else dict(q_norm=q_norm.weight, k_norm=k_norm.weight, eps=q_norm.eps)
-            rope_(q, k, positions, self.inv_freq, self.scale, self.interleaved, **norms)
+            rope_(q, k, positions, self.inv_freq, self.scale, self.interleaved, **_norm_args(q_norm, k_norm))
             return q, k
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
@@ -147,3 +146,15 @@ class RotaryEmbedding(nn.Module):
         if self.interleaved:
             return _rotate_interleaved(q, cos, sin), _rotate_interleaved(k, cos, sin)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def rotate_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, write: KVWrite,
+                         q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> torch.Tensor:
+        """q rotated in place and the rotated k with `write.v` stored in the caches, in one launch (fused only)."""
+        if not self.fused:
+            raise RuntimeError("rotate_and_store is the fused kernel's; this RotaryEmbedding runs the torch ops")
+        rope_(q, k, positions, self.inv_freq, self.scale, self.interleaved, **_norm_args(q_norm, k_norm), kv_write=write)
+        return q
+
+
+def _norm_args(q_norm: nn.Module | None, k_norm: nn.Module | None) -> dict:
+    return {} if q_norm is None else dict(q_norm=q_norm.weight, k_norm=k_norm.weight, eps=q_norm.eps)

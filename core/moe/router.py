@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels import router_gemv
 from ..kernels.topk import RouterSpec, route_topk
 
 
@@ -17,6 +18,7 @@ class Router(nn.Module):
     """
 
     fused = False
+    fewer_launches = False  # and, for a small batch, the GEMV too (MoECausalLM.use_fused_kernels)
 
     def __init__(self, hidden_size: int, spec: RouterSpec):
         super().__init__()
@@ -26,11 +28,16 @@ class Router(nn.Module):
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(spec.num_experts, dtype=torch.float32), requires_grad=False
             )
+        # the one-launch router's ticket counter (kernels/router_gemv.py): this router's launches never overlap
+        self.register_buffer("launch_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = getattr(self, "e_score_correction_bias", None)
+        if self.fused and self.fewer_launches and router_gemv.fits(hidden.shape[0]):
+            return router_gemv.route_small_batch(hidden, self.weight, self.spec, self.launch_counter, bias)
         logits = torch.nn.functional.linear(hidden.float(), self.weight.float())
         if self.fused:
-            return route_topk(logits, self.spec, getattr(self, "e_score_correction_bias", None))
+            return route_topk(logits, self.spec, bias)
         if self.spec.scoring == "sigmoid":
             ids, weights = self._grouped_sigmoid(logits)
         else:

@@ -8,7 +8,8 @@ known from shapes alone, which keeps every launch grid static (CUDA-graph safe).
 
 Sorting (token, k) pairs takes three small launches (decode pays for launches, not for work):
 count pairs per expert in each chunk of pairs, scan the counts into slot offsets, place the pairs.
-Within an expert, pairs keep their order, so the result is deterministic.
+Up to ONE_LAUNCH_MAX_PAIRS pairs (a decode batch) one program does all three in registers. Within an
+expert, pairs keep their order, so the result is deterministic.
 """
 
 from __future__ import annotations
@@ -162,6 +163,74 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
                        CHUNKS_PER_STEP=CHUNKS_PER_STEP, TILES_PER_STEP=TILES_PER_STEP)
     if num_chunks:
         _place_kernel[(num_chunks,)](topk_ids, counts, expert_start, sorted_ids, num_pairs, num_experts, CHUNK=CHUNK)
+    return Alignment(sorted_ids, block_expert, num_padded, num_pairs, block_m)
+
+
+# pairs one program sorts in registers: a decode batch of 32 at top-8. The kernel takes up to 1024; whether its
+# bitonic sort still beats three launches there is for a GPU run to say, so the default stays at what surely does
+ONE_LAUNCH_MAX_PAIRS = 256
+ONE_LAUNCH_LIMIT = 1024
+ONE_LAUNCH_MAX_EXPERTS = 512
+
+
+def can_align_in_one_launch(num_pairs: int, num_experts: int, max_pairs: int = ONE_LAUNCH_MAX_PAIRS) -> bool:
+    return 0 < num_pairs <= min(max_pairs, ONE_LAUNCH_LIMIT) and num_experts <= ONE_LAUNCH_MAX_EXPERTS
+
+
+@triton.jit
+def _align_one_launch_kernel(topk_ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, shift_ptr,
+                             num_pairs, num_experts, num_slots, num_tiles,
+                             BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr,
+                             SLOTS_PER_STEP: tl.constexpr, TILES_PER_STEP: tl.constexpr):
+    """One program does align_pairs' three launches: count (a histogram), scan, and place (a sort of
+    expert * PAIRS + pair keys, so a pair's slot is its sorted position shifted by its expert's padding)."""
+    pair = tl.arange(0, PAIRS)
+    expert_of = tl.load(topk_ids_ptr + pair, mask=pair < num_pairs, other=-1).to(tl.int32)
+    routed = expert_of >= 0
+    # unrouted pairs and the padding lanes count in bin EXPERTS, past every expert
+    counts = tl.histogram(tl.where(routed, expert_of, EXPERTS), 2 * EXPERTS)
+    expert = tl.arange(0, 2 * EXPERTS)
+    is_expert = expert < num_experts
+    counts = tl.where(is_expert, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    # a pair's slot = its position among the sorted routed pairs + the padding of the experts before its own
+    tl.store(shift_ptr + expert, end - padded - (tl.cumsum(counts, axis=0) - counts))
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    end = tl.where(is_expert, end, 2147483647)
+    for first in range(0, num_tiles, TILES_PER_STEP):
+        tile = first + tl.arange(0, TILES_PER_STEP)
+        owner = tl.sum((end[None, :] <= tile[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + tile, tl.where(owner < num_experts, owner, -1), mask=tile < num_tiles)
+    for first in range(0, num_slots, SLOTS_PER_STEP):
+        slot = first + tl.arange(0, SLOTS_PER_STEP)
+        tl.store(sorted_ids_ptr + slot, tl.zeros((SLOTS_PER_STEP,), dtype=tl.int32) + num_pairs, mask=slot < num_slots)
+    keys = tl.sort(tl.where(routed, expert_of * PAIRS + pair, 2147483647))
+    placed = keys != 2147483647
+    key_expert = tl.where(placed, keys // PAIRS, 0)
+    tl.debug_barrier()  # the shifts and the sentinel fill are in memory before the placement reads and overwrites them
+    shift = tl.load(shift_ptr + key_expert, mask=placed, other=0)
+    tl.store(sorted_ids_ptr + pair + shift, keys % PAIRS, mask=placed)
+
+
+def align_pairs_one_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """align_pairs for a few pairs (can_align_in_one_launch) in one launch instead of three; the same Alignment."""
+    device = topk_ids.device
+    topk_ids = topk_ids.contiguous()
+    num_pairs = topk_ids.numel()
+    if not can_align_in_one_launch(num_pairs, num_experts, ONE_LAUNCH_LIMIT):
+        raise ValueError(f"one launch aligns 1 to {ONE_LAUNCH_LIMIT} pairs over at most {ONE_LAUNCH_MAX_EXPERTS} "
+                         f"experts; got {num_pairs} pairs and {num_experts} experts")
+    num_slots = max_slots(num_pairs, num_experts, block_m)
+    experts_pow2 = triton.next_power_of_2(num_experts)
+    sorted_ids = torch.empty(num_slots, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_slots // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    shift = torch.empty(2 * experts_pow2, dtype=torch.int32, device=device)
+    _align_one_launch_kernel[(1,)](topk_ids, sorted_ids, block_expert, num_padded, shift, num_pairs, num_experts,
+                                   num_slots, block_expert.numel(), BLOCK_M=block_m,
+                                   PAIRS=triton.next_power_of_2(num_pairs), EXPERTS=experts_pow2,
+                                   SLOTS_PER_STEP=1024, TILES_PER_STEP=TILES_PER_STEP, num_warps=8)
     return Alignment(sorted_ids, block_expert, num_padded, num_pairs, block_m)
 
 

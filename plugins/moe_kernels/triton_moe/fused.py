@@ -8,7 +8,17 @@ import torch
 from moeplex.interfaces import FP8_BLOCK, ExpertWeights, Fp8Payload
 from moeplex.interfaces.kernels import BLOCK as GROUP, dequantize_activations, gather_rows, quantize_rows, weighted_pair_sum
 
-from .align import Alignment, align_direct, align_in_place, align_pairs, can_align_direct, can_align_in_place
+from .align import (
+    ONE_LAUNCH_MAX_PAIRS,
+    Alignment,
+    align_direct,
+    align_in_place,
+    align_pairs,
+    align_pairs_one_launch,
+    can_align_direct,
+    can_align_in_one_launch,
+    can_align_in_place,
+)
 from .configs import MoETiles
 from .finish import silu_mul, sum_topk
 from .kernel import grouped_gemm
@@ -99,13 +109,13 @@ def run_experts(
 
 
 def moe_standard(acts: Activations, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 weights: PreparedWeights, tiles: MoETiles) -> torch.Tensor:
+                 weights: PreparedWeights, tiles: MoETiles, one_launch_pairs: int = ONE_LAUNCH_MAX_PAIRS) -> torch.Tensor:
     """[N, H]: every token's routed experts, weighted by their top-k weights and summed."""
     num_tokens, top_k = topk_ids.shape
     out = torch.empty(num_tokens, weights.hidden_size, dtype=acts.out_dtype, device=topk_ids.device)
     if num_tokens == 0:
         return out
-    align = align_standard(topk_ids, weights.num_experts, tiles.block_m, tiles.tail_m)
+    align = align_standard(topk_ids, weights.num_experts, tiles.block_m, tiles.tail_m, one_launch_pairs)
     pair_rows = torch.empty(num_tokens * top_k, weights.hidden_size, dtype=acts.out_dtype, device=out.device)
     run_experts(acts, weights, align, pair_rows, tiles, a_row_div=top_k,
                 routed_weights=topk_weights.reshape(-1).contiguous())
@@ -139,12 +149,15 @@ def moe_standard_grouped_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_w
     return weighted_pair_sum(down, pair_row.view(num_tokens, top_k), topk_weights.float(), hidden.dtype)
 
 
-def align_standard(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m: int = 0) -> Alignment:
+def align_standard(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m: int = 0,
+                   one_launch_pairs: int = ONE_LAUNCH_MAX_PAIRS) -> Alignment:
     """The (token, k) pairs of topk_ids [N, K] grouped per expert: read directly for a few tokens, else sorted
-    into tiles of block_m + tail_m slots."""
+    into tiles of block_m + tail_m slots (in one launch up to `one_launch_pairs` pairs, else three)."""
     num_tokens, top_k = topk_ids.shape
     if can_align_direct(num_tokens, top_k, block_m):
         return align_direct(topk_ids, block_m)
+    if can_align_in_one_launch(topk_ids.numel(), num_experts, one_launch_pairs):
+        return align_pairs_one_launch(topk_ids, num_experts, block_m + tail_m)
     return align_pairs(topk_ids, num_experts, block_m + tail_m)
 
 

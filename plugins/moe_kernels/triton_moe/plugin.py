@@ -19,6 +19,7 @@ from moeplex.interfaces import (
     StandardLayout,
 )
 
+from .align import ONE_LAUNCH_MAX_PAIRS
 from .configs import MoETiles, TileTables, device_name, dtype_name
 from .fused import (
     PreparedWeights,
@@ -64,6 +65,8 @@ class TritonMoEKernel(MoEKernel):
         self.tables = tables or TileTables(device_name(ctx.device, INTERPRETED))
         # rows per expert from which bf16 standard layouts take the library GEMMs (inf: never)
         self.grouped_mm_min_rows = GROUPED_MM_MIN_ROWS if _grouped_mm_runs(ctx.device) else float("inf")
+        # up to this many routed pairs the standard layout is sorted in one launch, not three (0: never)
+        self.one_launch_align_pairs = ONE_LAUNCH_MAX_PAIRS
 
     def prepare_weights(self, weights: ExpertWeights) -> PreparedWeights:
         return PreparedWeights.from_expert_weights(weights)
@@ -77,7 +80,7 @@ class TritonMoEKernel(MoEKernel):
             return ExpertOutput(hidden, weights_applied=True, summed=True)
         tiles = self.tiles(rows_per_expert, acts.out_dtype, weights)
         if isinstance(layout, StandardLayout):
-            hidden = moe_standard(acts, layout.topk_ids, layout.topk_weights, weights, tiles)
+            hidden = moe_standard(acts, layout.topk_ids, layout.topk_weights, weights, tiles, self.one_launch_align_pairs)
             return ExpertOutput(hidden, weights_applied=True, summed=True)
         if isinstance(layout, ContiguousLayout):
             hidden = moe_grouped_rows(acts, layout.expert_index, layout.alignment, weights, tiles)
