@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
+# serving), in parts that each fit one ten-minute device call. Results go to OUT.
+#   bash benchmarks/gpu_system.sh OUT tests|spec|e2e|prefix|serve ...
+set -o pipefail
+out=${1:-.}; shift
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+nvidia-smi -L | tee "$out/gpus.txt"
+for part in "$@"; do
+  echo "== $part $(date +%T)"
+  case $part in
+    tests)
+      timeout -s ABRT 240 python3 -m pytest -q -rs -m gpu tests/test_kernel_rope.py tests/test_kernel_router_gemv.py \
+        tests/test_triton_attention.py tests/test_triton_moe.py tests/test_fused_kernels.py tests/test_cuda_graph.py \
+        tests/test_speculative_gpu.py tests/test_cuda_graph_parallel.py tests/test_prefix_cache_benchmark.py 2>&1 \
+        | tee "$out/gpu_tests.log" | tail -15 ;;
+    spec)
+      timeout 240 python3 benchmarks/speculative.py --device cuda --qwen-layers 12 --batches 1 8 32 --runs 3 \
+        --out "$out/speculative_h200.md" 2>&1 | grep -v -i warn | tail -40 ;;
+    e2e)
+      for run in 1 2 3; do
+        timeout 150 python3 benchmarks/e2e_gpu.py --skip-correctness --only qwen --decode 1 8 32 --prefill \
+          --compare-fewer-launches --out "$out/e2e_qwen_run$run.md" 2>&1 | grep -v -i warn | tail -14
+      done
+      timeout 120 python3 benchmarks/e2e_gpu.py --skip-correctness --only dsv3 --decode 1 8 32 --prefill \
+        --compare-fewer-launches --out "$out/e2e_dsv3.md" 2>&1 | grep -v -i warn | tail -14 ;;
+    prefix)
+      timeout 300 python3 benchmarks/prefix_cache.py --device cuda --runs 3 --out "$out/prefix_cache_h200.md" 2>&1 \
+        | grep -v -i warn | tail -20 ;;
+  esac
+done
