@@ -13,12 +13,15 @@ requests of the workload with a few new tokens each. Each of --runs runs measure
 level, in alternating order (a shared machine's load changes under both alike), with the prefix cache flushed
 before each. Printed: a row per run and level (requests/s, output tokens/s, TTFT and ITL p50/p99, the server's
 engine steps: ms and tokens per step, CPU ms per step of the client, the front end and rank 0), then the median
-and min-max over the runs of served tok/s, offline tok/s and served / offline.
+and min-max over the runs of served tok/s, offline tok/s, served / offline, and served / offline by CPU time: the
+offline engine's CPU per output token over rank 0's (what the ratio would be with rank 0 on a core of its own and
+the front end and the load generator on others; on a machine shared with other work, the wall clock mostly
+measures the neighbours).
 
 Every level is bounded: no new request starts after --time-limit seconds, and whatever is still running --grace
-seconds later is cancelled and counted as unfinished. --cprofile DIR runs the server under cProfile (its front
-end's event loop and rank 0) and writes the top functions to DIR; the profiler slows the server, so that run's
-ratios are not the measurement.
+seconds later is cancelled and counted as unfinished. --profile DIR runs the server under benchmarks/profiled_serve.py
+(its front end's event loop sampled, rank 0 under cProfile) and writes the top functions to DIR; the profilers slow
+the server, so that run's ratios are not the measurement.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def launch_server(args) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in engine_settings(args).items()]
-    main = [os.path.join(HERE, "profiled_serve.py"), args.cprofile] if args.cprofile else \
+    main = [os.path.join(HERE, "profiled_serve.py"), args.profile] if args.profile else \
         ["-c", "import sys; from moeplex.cli import main; sys.exit(main())"]
     command = [sys.executable, *main, "serve", "--model", args.model, "--port", str(port), "--log-level", "warning", *flags]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else None
@@ -120,6 +123,33 @@ def server_pids(url: str, server: subprocess.Popen | None) -> dict[str, int]:
     return {"client": os.getpid(), "frontend": server.pid, "rank0": ranks[0]["pid"]}
 
 
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of a process onto `cores` (Linux: an affinity is per thread)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cores)
+
+
+class Pinning:
+    """--pin-rank CORE: rank 0 and the offline engine on CORE, the front end and the load generator on the others, so
+    the served/offline ratio compares one core's engine with one core's engine (as on a machine with cores to spare)."""
+
+    def __init__(self, core: int | None, pids: dict[str, int]):
+        self.core, self.pids = core, pids
+        self.others = set(range(os.cpu_count() or 1)) - {core} if core is not None else set()
+        if core is not None and not self.others:
+            raise SystemExit("--pin-rank needs a machine with more than one core")
+
+    def served(self) -> None:
+        if self.core is not None:
+            pin(self.pids["rank0"], {self.core})
+            for name in ("frontend", "client"):
+                pin(self.pids[name], self.others)
+
+    def offline(self) -> None:
+        if self.core is not None:
+            pin(self.pids["client"], {self.core})
+
+
 def flush(url: str) -> None:
     for _ in range(50):  # 409 while the last level's cancelled requests are still being dropped
         if httpx.post(f"{url}/flush_cache", timeout=30).status_code == 200:
@@ -131,14 +161,17 @@ def flush(url: str) -> None:
 def measure(args, work, offline: OfflineReference | None, url: str, pids: dict, headers: dict) -> list[dict]:
     """--runs runs, each the offline reference and every level (served first in odd runs); a row per run and level."""
     rows = []
+    pinning = Pinning(args.pin_rank, pids)
     for run in range(args.runs):
         reference = None
         steps = ["offline", *args.concurrency] if run % 2 == 0 else [*args.concurrency, "offline"]
         served = []
         for what in steps:
             if what == "offline":
+                pinning.offline()
                 reference = offline.run(work) if offline is not None else None
                 continue
+            pinning.served()
             flush(url)
             profile = (args.py_spy_seconds, args.py_spy) if args.py_spy and run == args.runs - 1 and what == steps[-1] else None
             level = asyncio.run(run_level(url, work, what, args.time_limit, args.grace, headers, pids, profile))
@@ -168,15 +201,27 @@ def spread(values: list[float], digits: int) -> str:
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
+def cpu_ratio(r: dict) -> float | None:
+    """Offline CPU per output token over rank 0's served: served/offline if rank 0 had a core of its own, and the
+    front end and the load generator theirs (what a shared machine's wall clock cannot show; batching included)."""
+    s, o = r["served"], r["offline"]
+    rank = s["cpu_ms_per_step"].get("rank0")
+    if not o or not rank:
+        return None
+    return (o["cpu_ms_per_step"] / o["tok_per_step"]) / (rank / s["tok_per_step"])
+
+
 def summary(rows: list[dict], concurrency: list[int]) -> str:
-    lines = ["| concurrency | served tok/s | offline tok/s | served / offline |", "|---|---|---|---|"]
+    lines = ["| concurrency | served tok/s | offline tok/s | served / offline | by rank 0's CPU per token |",
+             "|---|---|---|---|---|"]
     for c in concurrency:
         mine = [r for r in rows if r["concurrency"] == c]
         served = [r["served"]["tok_per_s"] for r in mine]
         offline = [r["offline"]["tok_per_s"] for r in mine if r["offline"]]
         ratio = [r["served"]["tok_per_s"] / r["offline"]["tok_per_s"] for r in mine if r["offline"]]
+        by_cpu = [x for x in map(cpu_ratio, mine) if x is not None]
         lines.append(f"| {c} | {spread(served, 1)} | {spread(offline, 1) if offline else '-'} | "
-                     f"{spread(ratio, 2) if ratio else '-'} |")
+                     f"{spread(ratio, 2) if ratio else '-'} | {spread(by_cpu, 2) if by_cpu else '-'} |")
     return "\n".join(lines)
 
 
@@ -212,9 +257,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--grace", type=float, default=60.0, help="seconds after the limit before in-flight ones are cancelled")
     parser.add_argument("--threads", type=int, help="torch CPU threads of the offline engine and of the server's ranks "
                         "(OMP_NUM_THREADS); default: torch's own choice")
+    parser.add_argument("--pin-rank", type=int, metavar="CORE", help="pin rank 0 and the offline engine to CORE, the "
+                        "front end and the load generator to the other cores (needs the server launched here)")
     parser.add_argument("--skip-offline", action="store_true", help="no offline reference (no ratio column)")
-    parser.add_argument("--cprofile", metavar="DIR", help="run the server under cProfile (front end's event loop, rank 0); "
-                        "the top functions go to DIR/frontend.txt and DIR/rank0.txt when it stops")
+    parser.add_argument("--profile", metavar="DIR", help="profile the server (benchmarks/profiled_serve.py: the front end's "
+                        "event loop sampled, rank 0 under cProfile); DIR/frontend.txt and DIR/rank0.txt when it stops")
     parser.add_argument("--py-spy", metavar="DIR",
                         help="during the last level, sample the server's processes with py-spy into DIR (collapsed stacks)")
     parser.add_argument("--py-spy-seconds", type=float, default=5.0, help="how long --py-spy samples")
@@ -252,8 +299,8 @@ def main() -> None:
             server.wait(120)
     print(f"\nmedian (min-max) of {args.runs} runs:\n")
     print(summary(rows, args.concurrency))
-    if args.cprofile:
-        print(f"\ncProfile of the server: {args.cprofile}/frontend.txt, {args.cprofile}/rank0.txt")
+    if args.profile:
+        print(f"\nprofile of the server: {args.profile}/frontend.txt, {args.profile}/rank0.txt")
 
 
 if __name__ == "__main__":
