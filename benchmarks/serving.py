@@ -158,7 +158,23 @@ def flush(url: str) -> None:
     raise SystemExit(f"{url}/flush_cache kept refusing")
 
 
-def measure(args, work, offline: OfflineReference | None, url: str, pids: dict, headers: dict) -> list[dict]:
+class Report:
+    """Lines printed as they come, and written to --out at the end."""
+
+    def __init__(self, out: str | None):
+        self.out, self.lines = out, []
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+        self.lines.append(text)
+
+    def close(self) -> None:
+        if self.out:
+            with open(self.out, "w") as f:
+                f.write("\n".join(self.lines).strip("\n") + "\n")
+
+
+def measure(args, work, offline: OfflineReference | None, url: str, pids: dict, headers: dict, report: Report) -> list[dict]:
     """--runs runs, each the offline reference and every level (served first in odd runs); a row per run and level."""
     rows = []
     pinning = Pinning(args.pin_rank, pids)
@@ -178,7 +194,7 @@ def measure(args, work, offline: OfflineReference | None, url: str, pids: dict, 
             served.append((what, summarize(level)))
         for concurrency, s in served:
             rows.append({"run": run + 1, "concurrency": concurrency, "served": s, "offline": reference})
-            print(row(rows[-1], args.num_requests), flush=True)
+            report.say(row(rows[-1], args.num_requests))
     return rows
 
 
@@ -257,6 +273,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--grace", type=float, default=60.0, help="seconds after the limit before in-flight ones are cancelled")
     parser.add_argument("--threads", type=int, help="torch CPU threads of the offline engine and of the server's ranks "
                         "(OMP_NUM_THREADS); default: torch's own choice")
+    parser.add_argument("--out", metavar="FILE", help="also write the Markdown to FILE")
     parser.add_argument("--pin-rank", type=int, metavar="CORE", help="pin rank 0 and the offline engine to CORE, the "
                         "front end and the load generator to the other cores (needs the server launched here)")
     parser.add_argument("--skip-offline", action="store_true", help="no offline reference (no ratio column)")
@@ -286,22 +303,26 @@ def main() -> None:
     offline = None if args.skip_offline else OfflineReference(args, warm)
     server, url = (None, args.url) if args.url else launch_server(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    print(f"\n{args.num_requests} requests, prompts {args.prompt_range[0]}-{args.prompt_range[1]} tokens, outputs "
-          f"{args.output_range[0]}-{args.output_range[1]} greedy, device {args.device or 'cpu'}, {args.runs} runs\n")
-    print(HEADER, flush=True)
+    report = Report(args.out)
+    report.say(f"\n{args.num_requests} requests, prompts {args.prompt_range[0]}-{args.prompt_range[1]} tokens, outputs "
+               f"{args.output_range[0]}-{args.output_range[1]} greedy, device {args.device or 'cpu'}, {args.runs} runs\n")
+    report.say(HEADER)
     try:
         pids = server_pids(url, server)
         asyncio.run(run_level(url, warm, max(args.concurrency), args.time_limit, args.grace, headers, pids))
-        rows = measure(args, work, offline, url, pids, headers)
+        rows = measure(args, work, offline, url, pids, headers, report)
     finally:
         if server is not None:
             server.send_signal(signal.SIGTERM)
             server.wait(120)
-    print(f"\nmedian (min-max) of {args.runs} runs:\n")
-    print(summary(rows, args.concurrency))
+    report.say(f"\nmedian (min-max) of {args.runs} runs:\n")
+    report.say(summary(rows, args.concurrency))
     if args.profile:
-        print(f"\nprofile of the server: {args.profile}/frontend.txt, {args.profile}/rank0.txt")
-
+        report.say(f"\nprofile of the server: {args.profile}/frontend.txt, {args.profile}/rank0.txt")
+    report.close()
+    wrong = sum(r["served"]["wrong_lengths"] for r in rows)
+    if wrong:
+        raise SystemExit(f"{wrong} served requests finished with another number of tokens than they asked for")
 
 if __name__ == "__main__":
     main()

@@ -24,6 +24,7 @@ class Trace:
     """One request as the client saw it."""
 
     start: float
+    wanted: int  # new tokens asked for (eos ignored: what a finished request must have received)
     first_token: float | None = None
     token_times: list[float] = attrs.Factory(list)  # arrival time of each token
     tokens: int = 0
@@ -33,7 +34,7 @@ class Trace:
 async def one_request(http: aiohttp.ClientSession, url: str, prompt: list[int], new_tokens: int) -> Trace:
     body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
-    trace = Trace(time.perf_counter())
+    trace = Trace(time.perf_counter(), new_tokens)
     async with http.post(f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
         async for raw in response.content:  # one line at a time
@@ -129,6 +130,7 @@ def summarize(level: Level) -> dict:
     steps = max(level.steps, 1)
     return {
         "requests": len(done),
+        "wrong_lengths": sum(t.tokens != t.wanted for t in done),  # the served work differs from the offline one
         "req_per_s": len(done) / level.elapsed,
         "tok_per_s": sum(t.tokens for t in done) / level.elapsed,
         "ms_per_step": 1e3 * level.elapsed / steps,

@@ -55,3 +55,15 @@ def test_pd_transfer_on_cpu(tmp_path):
     rows = table_rows(out, "loopback") + table_rows(out, "zmq")
     assert [(row[0], row[1]) for row in rows] == [("loopback", "4"), ("loopback", "16"), ("zmq", "4"), ("zmq", "16")], out
     assert all(float(row[3].split()[0]) > 0 and float(row[5]) > 0 for row in rows), out
+
+
+def test_serving_against_offline_on_cpu(tmp_path):
+    """Served and offline do the same work (every served request gets the tokens it asked for, or the script fails)."""
+    out = run("serving.py", tmp_path / "serving.md", "--num-requests", "6", "--concurrency", "3", "--runs", "2",
+              "--prompt-range", "16", "32", "--output-range", "4", "8", "--threads", "1", "--max-total-tokens", "4096",
+              timeout=300)
+    runs = table_rows(out, "1") + table_rows(out, "2")
+    assert [(row[0], row[1], row[2]) for row in runs] == [("1", "3", "6/6"), ("2", "3", "6/6")], out
+    assert all(float(row[12]) > 0 and float(row[-1]) > 0 for row in runs), out
+    summary = table_rows(out, "3")
+    assert len(summary) == 1 and float(summary[0][3].split()[0]) > 0, out
