@@ -37,3 +37,33 @@ def test_nothing_joins_a_finished_output_or_a_failure():
     tokens, failure = out(0, "x", (1,)), Output(0, 7, finish_reason="abort", error="gone", status=503)
     assert _joined([tokens, failure]) == [tokens, failure]  # the tokens before a failure are still sent
 
+
+
+def test_a_front_end_behind_the_engine_sends_several_steps_in_one_event(tiny_model_dir):
+    """The event loop stalls while the engine (on its own thread) keeps stepping: the reports that queued up reach the
+    client as one event, with the same tokens and text as the whole completion."""
+    import json
+    import time
+
+    import httpx
+    from live_server import LiveServer
+
+    from moeplex.config import EngineConfig
+    from moeplex.engine import Engine
+    from moeplex.server import ServerSettings, build_app
+
+    engine = Engine(EngineConfig(model=tiny_model_dir("deepseek_v3"), dtype="fp32", show_progress=False, max_total_tokens=4096))
+    app = build_app(engine, ServerSettings())
+    body = {"prompt": [256, 72, 105], "max_tokens": 32, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    with LiveServer(app) as server:
+        whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        events = []
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[len("data: "):])["choices"][0])
+                    if len(events) == 1:  # stall the server's event loop: the engine steps on meanwhile
+                        app.state.engine_loop._events.call_soon_threadsafe(time.sleep, 0.5)
+    assert [t for e in events for t in e["token_ids"]] == whole["token_ids"]
+    assert "".join(e["text"] for e in events) == whole["text"]
+    assert max(len(e["token_ids"]) for e in events) > 1, [len(e["token_ids"]) for e in events]
