@@ -138,6 +138,8 @@ class Pinning:
         self.others = set(range(os.cpu_count() or 1)) - {core} if core is not None else set()
         if core is not None and not self.others:
             raise SystemExit("--pin-rank needs a machine with more than one core")
+        if core is not None and "rank0" not in pids:
+            raise SystemExit("--pin-rank needs the server launched here (not --url)")
 
     def served(self) -> None:
         if self.core is not None:

@@ -33,7 +33,7 @@ class RequestGroup:
         self.size += 1
 
     async def outputs(self) -> AsyncIterator[Output]:
-        """Every Output of every request, in arrival order, until all have finished; a failure raises ApiError.
+        """Every Output of every request until all have finished, each request's in order; a failure raises ApiError.
         Outputs of one request that queued up meanwhile come as one (a busy event loop sends fewer, larger events)."""
         ready: list[Output] = []
         while self.unfinished:
