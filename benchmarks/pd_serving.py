@@ -33,7 +33,7 @@ import aiohttp
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serving import one_request, percentile  # noqa: E402
+from serving_load import one_request, percentile  # noqa: E402
 
 MAIN = [sys.executable, "-c", "import sys; from moeplex.cli import main; sys.exit(main())"]
 

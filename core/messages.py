@@ -97,6 +97,12 @@ class RequestUpdate:
     cached_tokens: int = 0  # prompt tokens the prefix cache gave it
     spec_counts: tuple[int, int, int] = (0, 0, 0)  # speculative decoding so far (Request.spec_counts)
 
+    def __reduce__(self):
+        # one per running request in every round's report: pickled as its fields, without attrs' state dict
+        # (the leader's dumps about 30% and the front end's loads about half the time, 64 updates a round)
+        return RequestUpdate, (self.rid, self.new_ids, self.new_logprobs, self.text_from, self.text, self.finish_reason,
+                               self.stop_reason, self.error, self.cached_tokens, self.spec_counts)
+
     def apply(self, request: Request) -> None:
         request.cached_tokens = self.cached_tokens
         request.spec_verify_steps, request.spec_draft_tokens, request.spec_accepted_tokens = self.spec_counts

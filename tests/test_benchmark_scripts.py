@@ -76,3 +76,15 @@ def test_launch_budget_of_a_qwen3_decode_layer(tmp_path):
     out = run("launch_budget.py", tmp_path / "budget.md", "--batch", "1", "--arch", "qwen3_moe")
     per_layer = {(row[1], row[2]): int(row[3]) for row in table_rows(out, "qwen3_moe")}
     assert per_layer == {("1", "off"): 16, ("1", "on"): 10}, out
+
+
+def test_serving_against_offline_on_cpu(tmp_path):
+    """Served and offline do the same work (every served request gets the tokens it asked for, or the script fails)."""
+    out = run("serving.py", tmp_path / "serving.md", "--num-requests", "6", "--concurrency", "3", "--runs", "2",
+              "--prompt-range", "16", "32", "--output-range", "4", "8", "--threads", "1", "--max-total-tokens", "4096",
+              timeout=300)
+    runs = table_rows(out, "1") + table_rows(out, "2")
+    assert [(row[0], row[1], row[2]) for row in runs] == [("1", "3", "6/6"), ("2", "3", "6/6")], out
+    assert all(float(row[12]) > 0 and float(row[-1]) > 0 for row in runs), out
+    summary = table_rows(out, "3")
+    assert len(summary) == 1 and float(summary[0][3].split()[0]) > 0, out

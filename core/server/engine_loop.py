@@ -4,16 +4,20 @@
                                                                                 in its own process, or on a thread
     event loop  <--RoundReport, one per round-- reader thread <-- connection <--  of this one for an in-process engine
 
-The front end keeps a mirror of each request it admitted and brings it up to date from every report; after
-each report it compares the mirrors with what each client has been sent (Progress) and pushes the difference
-to the asyncio queue of the HTTP call that asked for it. Everything but the reader thread's blocking receive
-runs on the event loop, so no state here is shared between threads. If the leader stops without being asked
-(with several ranks, a rank failed), every request fails with a 503 and `failure` says why.
+The front end keeps a mirror of each request it admitted and brings it up to date from every report; then it
+compares the mirrors with what each client has been sent (Progress) and pushes the difference to the asyncio
+queue of the HTTP call that asked for it. The reader thread only receives: reports wait in an inbox, and one
+wake-up of the event loop absorbs every report that arrived since the last, then pushes once per request, so a
+front end that falls behind the engine sends one event per request for several steps instead of one per step
+(its cost per token falls as the load rises). Everything but the reader thread's receive and inbox runs on the
+event loop. If the leader stops without being asked (with several ranks, a rank failed), every request fails with
+a 503 and `failure` says why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import threading
@@ -64,6 +68,8 @@ class EngineLoop:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._outbox: list = []
+        self._inbox: collections.deque[RoundReport] = collections.deque()  # filled by the reader thread
+        self._drain_due = False  # a _drain is scheduled on the event loop and has not started yet
         self._events: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
         self._running = False
@@ -208,7 +214,10 @@ class EngineLoop:
         reason: str | None = "the engine process has gone"
         try:
             while not isinstance(message := self.connection.recv(), Halted):
-                self._events.call_soon_threadsafe(self._absorb, message)
+                self._inbox.append(message)
+                if not self._drain_due:  # else the scheduled _drain has not started: it will take this one too
+                    self._drain_due = True
+                    self._events.call_soon_threadsafe(self._drain)
             reason = message.reason
         except (EOFError, OSError):
             pass
@@ -218,12 +227,21 @@ class EngineLoop:
             pass
 
     # --- back on the event loop ---------------------------------------------------------------------
+    def _drain(self) -> None:
+        """Every report in the inbox, then what each client has not been sent yet."""
+        self._drain_due = False  # before taking: a report that arrives from here on schedules the next _drain
+        while self._inbox:
+            self._absorb(self._inbox.popleft())
+        self._send_progress()
+
     def _absorb(self, report: RoundReport) -> None:
         self.stats = report.stats
         self.transfers = report.transfers
         self.watchdog.reported()
         if report.reserved and self.pd is not None:
             self.pd.reserved(report.reserved)
+        for failure in report.failures:  # what earlier reports gave it goes out first, as when each report was sent
+            self._push(failure.rid, time.monotonic())
         for update in report.updates:
             progress = self._progress.get(update.rid)
             if progress is not None:  # else aborted meanwhile
@@ -234,7 +252,6 @@ class EngineLoop:
             future = self._calls.pop(call_id, None)
             if future is not None and not future.done():  # else the HTTP call was cancelled
                 _settle(future, outcome)
-        self._send_progress()
 
     def _on_halted(self, reason: str | None) -> None:
         if reason is not None or not self._halting:
@@ -267,16 +284,21 @@ class EngineLoop:
 
     def _send_progress(self) -> None:
         now = time.monotonic()
-        for rid, progress in list(self._progress.items()):
-            output = progress.advance()
-            if output is None:
-                continue
-            self._observe(progress, output, now)
-            progress.ticket.queue.put_nowait(output)
-            if output.finished:
-                del self._progress[rid]
-                if self.pd is not None:
-                    self.pd.ended(rid, output.error)
+        for rid in list(self._progress):
+            self._push(rid, now)
+
+    def _push(self, rid: str, now: float) -> None:
+        """What the request gained since its client was last sent something, to the client's queue."""
+        progress = self._progress.get(rid)
+        output = progress.advance() if progress is not None else None
+        if output is None:
+            return
+        self._observe(progress, output, now)
+        progress.ticket.queue.put_nowait(output)
+        if output.finished:
+            del self._progress[rid]
+            if self.pd is not None:
+                self.pd.ended(rid, output.error)
 
     def _observe(self, progress: Progress, output: Output, now: float) -> None:
         if output.token_ids:

@@ -33,9 +33,16 @@ class RequestGroup:
         self.size += 1
 
     async def outputs(self) -> AsyncIterator[Output]:
-        """Every Output of every request, in arrival order, until all have finished; a failure raises ApiError."""
+        """Every Output of every request until all have finished, each request's in order; a failure raises ApiError.
+        Outputs of one request that queued up meanwhile come as one (a busy event loop sends fewer, larger events)."""
+        ready: list[Output] = []
         while self.unfinished:
-            output = await self.queue.get()
+            if not ready:
+                ready = [await self.queue.get()]
+                while not self.queue.empty():
+                    ready.append(self.queue.get_nowait())
+                ready = _joined(ready)
+            output = ready.pop(0)
             if output.finished:
                 self.unfinished.pop(output.index, None)
             if output.error:
@@ -67,6 +74,21 @@ class RequestGroup:
                 collecting.cancel()
             self.abort()  # the rest of the group, when one request failed or the client left
         return collecting.result() if collecting in done else None
+
+
+def _joined(outputs: list[Output]) -> list[Output]:
+    """Each request's unfinished output joined with the ones after it (a failure stays apart: what came before it
+    is still sent), in order of each request's first output."""
+    joined: list[Output] = []
+    last: dict[int, int] = {}  # request index -> its position in `joined`
+    for output in outputs:
+        at = last.get(output.index)
+        if at is not None and not joined[at].finished and not output.error:
+            joined[at] = joined[at].then(output)
+        else:
+            last[output.index] = len(joined)
+            joined.append(output)
+    return joined
 
 
 async def _disconnected(http: HttpRequest) -> None:

@@ -42,6 +42,11 @@ class Output:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def then(self, later: "Output") -> "Output":
+        """This output and the next one of the same request as one (what several steps added, in one event)."""
+        return attrs.evolve(later, text=self.text + later.text, token_ids=self.token_ids + later.token_ids,
+                            logprobs=self.logprobs + later.logprobs)
+
     @classmethod
     def failure(cls, ticket: Ticket, status: int, message: str) -> "Output":
         return cls(ticket.index, len(ticket.prompt_ids), finish_reason="abort", error=message, status=status)

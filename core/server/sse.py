@@ -17,9 +17,14 @@ log = logging.getLogger("moeplex.server")
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+# one encoder for every event: json.dumps with separators builds a new JSONEncoder per call (a step sends one
+# event per running request). ASCII only: U+2028, U+0085 and kin stay escaped, so no client's line splitting
+# can cut an event.
+ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 def event(chunk: dict) -> bytes:
-    # ASCII only: U+2028, U+0085 and kin stay escaped, so no client's line splitting can cut an event
-    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + ENCODER.encode(chunk).encode() + b"\n\n"
 
 
 async def events(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
