@@ -46,21 +46,17 @@ def main() -> None:
                                     stride_kcs="i32", stride_kch="i32", stride_vcs="i32", stride_vch="i32", scale="fp32",
                                     eps="fp32"),
                  dict(INTERLEAVED=False, NORM=True, WRITE_KV=write, BLOCK_H=8, BLOCK_HALF=64))
-    for merge in (False, True):
-        compile_(_split_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", page_table_ptr="*i32", seq_lens_ptr="*i32",
-                                     out_ptr="*fp32", lse_ptr="*fp32", final_ptr="*bf16", counter_ptr="*i32", scale="fp32",
-                                     page_size="i32", group="i32", head_blocks="i32", dv="i32", tail="i32",
-                                     **{n: "i32" for n in ("stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
-                                                           "stride_vh", "stride_pb", "stride_ob", "stride_oh", "stride_os",
-                                                           "stride_lb", "stride_lh", "stride_fb", "stride_fh")}),
+    split_signature = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", page_table_ptr="*i32", seq_lens_ptr="*i32",
+                           out_ptr="*fp32", lse_ptr="*fp32", final_ptr="*bf16", counter_ptr="*i32", scale="fp32",
+                           page_size="i32", group="i32", head_blocks="i32", dv="i32", tail="i32",
+                           **{n: "i32" for n in ("stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
+                                                 "stride_vh", "stride_pb", "stride_ob", "stride_oh", "stride_os",
+                                                 "stride_lb", "stride_lh", "stride_fb", "stride_fh")})
+    for merge in (False, True):  # MHA (Qwen3) with and without the merge in the split kernel
+        compile_(_split_kernel, split_signature,
                  dict(NUM_SPLITS=32, BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, BLOCK_T=16, HAS_TAIL=False, SHARED_KV=False,
                       DOT_PRECISION="tf32", MERGE=merge, BLOCK_S=32))
-    compile_(_split_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", page_table_ptr="*i32", seq_lens_ptr="*i32",
-                                 out_ptr="*fp32", lse_ptr="*fp32", final_ptr="*bf16", counter_ptr="*i32", scale="fp32",
-                                 page_size="i32", group="i32", head_blocks="i32", dv="i32", tail="i32",
-                                 **{n: "i32" for n in ("stride_qb", "stride_qh", "stride_ks", "stride_kh", "stride_vs",
-                                                       "stride_vh", "stride_pb", "stride_ob", "stride_oh", "stride_os",
-                                                       "stride_lb", "stride_lh", "stride_fb", "stride_fh")}),
+    compile_(_split_kernel, split_signature,  # MLA's latent (DeepSeek-V3), merged
              dict(NUM_SPLITS=8, BLOCK_H=16, BLOCK_N=32, BLOCK_D=512, BLOCK_T=64, HAS_TAIL=True, SHARED_KV=True,
                   DOT_PRECISION="tf32", MERGE=True, BLOCK_S=8))
     compile_(_align_one_launch_kernel, dict(topk_ids_ptr="*i64", sorted_ids_ptr="*i32", block_expert_ptr="*i32",
