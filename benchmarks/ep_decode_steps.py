@@ -68,6 +68,7 @@ def engine_config(setup: DecodeSetup, device: str, dispatcher: str, kernel: str,
         page_size=PAGE, max_total_tokens=largest * -(-(PREFIX + 1) // PAGE) * PAGE + 1024,
         max_running_requests=largest, max_batched_tokens=largest,
         chunked_prefill_size=largest, cuda_graph_max_bs=largest, max_dispatch_tokens_per_rank=largest,
+        enable_multi_rank_cuda_graph=True,
     )
 
 

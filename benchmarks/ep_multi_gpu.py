@@ -99,7 +99,7 @@ def generate(folder: Path, device: str, dtype: str, kernel: str, dispatcher: str
         sys.executable, "-m", "moeplex.cli", "generate", "--model", str(folder),
         "--device", device, "--dtype", dtype, "--moe-kernel", kernel, "--dispatcher", dispatcher, *parallel,
         "--overlap", overlap, "--cuda-graph-max-bs", str(len(PROMPTS)), "--max-new-tokens", str(max_new), "--ignore-eos", "--logprobs", str(TOP_LOGPROBS), "--json",
-        *([] if graphs else ["--disable-cuda-graph"]), "--input-ids", *PROMPTS,
+        *(["--enable-multi-rank-cuda-graph"] if graphs else ["--disable-cuda-graph"]), "--input-ids", *PROMPTS,
     ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **NO_MULTICAST},

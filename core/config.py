@@ -72,6 +72,8 @@ class EngineConfig:
     # GPU serving path
     attention_backend: str = attrs.field(default=AUTO, validator=_one_of(ATTENTION_BACKENDS))  # auto: triton on CUDA
     disable_cuda_graph: bool = False  # decode steps run eagerly even where they could replay a graph
+    # engines of several ranks capture graphs only when asked: that path has not yet run on several GPUs
+    enable_multi_rank_cuda_graph: bool = False
     cuda_graph_max_bs: int = attrs.field(default=256, validator=_positive)  # largest captured decode batch
     # the host schedules step N+1 while the GPU runs step N (None: where it pays, a CUDA engine)
     overlap_schedule: bool | None = None

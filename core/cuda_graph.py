@@ -267,6 +267,9 @@ def decode_graphs(config, model, kv: KVPool, strategy, selection, world_size: in
     also return the hidden states (a speculative drafter that reads them)."""
     device = torch.device(config.device)
     reason = why_no_graphs(config, device, selection, model.attention_backend)
+    if not reason and world_size > 1 and not config.enable_multi_rank_cuda_graph:
+        reason = (f"the engine spans {world_size} ranks, whose graphs have not yet run on several GPUs "
+                  "(--enable-multi-rank-cuda-graph turns them on)")
     if not reason and model.moe_runtime.records_load:
         reason = "expert load is recorded every step (--enable-eplb, or a hook observes it)"
     if reason:

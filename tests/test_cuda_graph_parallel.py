@@ -151,7 +151,8 @@ def test_dp_ranks_replaying_captured_graphs_on_two_gpus_equal_one_gpu(folder, ov
                     show_progress=False, max_total_tokens=1024, page_size=4, cuda_graph_max_bs=8, overlap=overlap)
     parallel = ParallelConfig(tp_size=2, ep_size=2, dp_size=2, enable_dp_attention=True,
                               dist_init_addr=free_address(), timeout_s=300)
-    ours = generate(EngineConfig(dispatcher="naive", parallel=parallel, **settings), PROMPTS, PARAMS)
+    ours = generate(EngineConfig(dispatcher="naive", parallel=parallel, enable_multi_rank_cuda_graph=True, **settings),
+                    PROMPTS, PARAMS)
     reference = generate(EngineConfig(dispatcher="local", disable_cuda_graph=True, **settings), PROMPTS, PARAMS)
     # the GPU kernels sum in an order that follows the batch: the fp32 criterion of ep_multi_gpu.py (1e-3)
     assert_same_tokens(ours, reference, f"2 GPUs in graphs ({overlap}) vs one GPU eager", tolerance=1e-3)

@@ -119,6 +119,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "start-up when the attention backend and every selected plugin are graph-safe",
     )
     flag(
+        gpu, "--enable-multi-rank-cuda-graph",
+        "let an engine of several ranks replay decode graphs too (every rank pads to one agreed size; an idle "
+        "rank replays padding); off by default until it has run on several GPUs (issue #24): such engines run "
+        "decode eagerly",
+    )
+    flag(
         gpu, "--cuda-graph-max-bs",
         "largest decode batch captured in a CUDA graph (sizes 1, 2, 4, 8, then every 8, up to N and at most "
         "--max-running-requests); larger batches run eagerly, smaller ones pad to the next size (default: %(default)s)",
