@@ -7,10 +7,16 @@ next one: the first draft, for free. `propose` then chains: step j runs the laye
 its own hidden state of the step before and draft j - 1. One MTP layer serves every step (as SGLang runs
 DeepSeek's single layer); the chain's KV rows beyond p are rewritten by the next observe from the target's
 own hidden states where the target keeps those positions. Drafts are greedy point masses.
+
+The chain's steps are decode batches of one row per request, and so is `observe` where the target verified as
+decode rows (a few kept positions per request, each a row reading the cache up to itself): both go through
+`context.graphs_for`, which replays them from CUDA graphs on a GPU engine that captured its own decode steps.
+Prompts and other extends run eagerly (their logits only at each request's last position).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import attrs
@@ -41,16 +47,35 @@ class NextNDrafter(Drafter):
         self.layer = context.model.mtp_layers[0]
         if self.layer.layer_id != context.kv_layer_ids[0]:
             raise ValueError(f"the MTP layer caches in pool layer {self.layer.layer_id}, the engine gave {context.kv_layer_ids[0]}")
+        width = self.layer.eh_proj.weight.shape[0]
+        self.rows_step = context.graphs_for(self.step_rows, width) if context.graphs_for is not None else self.step_rows
+
+    def step_rows(self, batch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over a batch of one-token rows: (new hidden [B, H], greedy next-next token [B]) per row.
+        Reads only the batch's tensors (it is what the drafter's CUDA graphs capture)."""
+        every_row = torch.arange(hidden.shape[0], device=hidden.device)
+        new_hidden, logits = self.layer(hidden, batch, self.context.kv, logits_at=every_row)
+        return new_hidden, torch.argmax(logits, dim=-1)
 
     @torch.inference_mode()
     def observe(self, step: TargetStep) -> None:
         context = self.context
-        batch = context.batch_of(list(zip(step.next_ids, step.starts, step.pages)))
-        hidden, logits = self.layer(self.layer.from_target(step.hidden), batch, context.kv)
-        last = batch.last_token_index
-        drafts = torch.argmax(logits, dim=-1).tolist()
+        counts = [len(ids) for ids in step.next_ids]
+        hidden = self.layer.from_target(step.hidden)
+        replays = getattr(self.rows_step, "can_replay", None)
+        if replays is not None and replays(sum(counts)):  # a verify step's few kept positions: one decode row each
+            batch = context.batch_of([([t], start + k, pages) for ids, start, pages in zip(step.next_ids, step.starts, step.pages)
+                                      for k, t in enumerate(ids)])
+            hidden, drafts = self.rows_step(batch, hidden)
+            last = [end - 1 for end in itertools.accumulate(counts)]
+            drafts = drafts[last].tolist()
+        else:
+            batch = context.batch_of(list(zip(step.next_ids, step.starts, step.pages)))
+            hidden, logits = self.layer(hidden, batch, context.kv)
+            last = batch.last_token_index
+            drafts = torch.argmax(logits, dim=-1).tolist()
         for i, rid in enumerate(step.rids):
-            self.starts[rid] = ChainStart(step.starts[i] + len(step.next_ids[i]) - 1, drafts[i], hidden[last[i]])
+            self.starts[rid] = ChainStart(step.starts[i] + counts[i] - 1, drafts[i], hidden[last[i]])
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> Drafts:
@@ -72,8 +97,8 @@ class NextNDrafter(Drafter):
             batch = self.context.batch_of(
                 [([tokens[row][-1]], request.num_cached + j - 2, request.pages) for row, request, _ in chains]
             )
-            hidden, logits = self.layer(torch.stack([h for _, _, h in chains]), batch, self.context.kv)
-            for (row, request, _), token, h in zip(chains, torch.argmax(logits, dim=-1).tolist(), hidden):
+            hidden, drafts = self.rows_step(batch, torch.stack([h for _, _, h in chains]))
+            for (row, _, _), token in zip(chains, drafts.tolist()):
                 tokens[row].append(token)
             chains = [(row, request, h) for (row, request, _), h in zip(chains, hidden)]
         return Drafts(tokens)
