@@ -129,9 +129,11 @@ def test_the_replayed_chain_equals_the_eager_one_and_padding_touches_only_the_sc
 
 
 @interpreted
-def test_observe_as_decode_rows_equals_observe_as_an_extend(mtp_folder):
+@pytest.mark.parametrize("from_zero", [False, True])
+def test_observe_as_decode_rows_equals_observe_as_an_extend(mtp_folder, from_zero):
     """Several kept positions per request (a verify step that accepted drafts), one decode row each and replayed,
-    give the chain start and the MTP KV rows of the same positions observed as one extend per request."""
+    give the chain start and the MTP KV rows of the same positions observed as one extend per request. A row at
+    position 0 (a short prompt) makes the rows an extend batch: no replay, the same rows eagerly."""
     spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3)
     install_graphs(spec)
     requests = [spec.add_request(p, SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
@@ -139,7 +141,7 @@ def test_observe_as_decode_rows_equals_observe_as_an_extend(mtp_folder):
         spec.step()
     drafter, kv = spec.speculation.drafter, spec.kv
     kept = [3, 1, 4]  # positions num_cached - k .. num_cached - 1 of each request, observed again
-    starts = [q.num_cached - k for q, k in zip(requests, kept)]
+    starts = [0 if from_zero and i == 0 else q.num_cached - k for i, (q, k) in enumerate(zip(requests, kept))]
     step = TargetStep(
         rids=[q.rid for q in requests], starts=starts,
         next_ids=[q.all_ids[s + 1 : s + 1 + k] for q, s, k in zip(requests, starts, kept)],
@@ -150,10 +152,10 @@ def test_observe_as_decode_rows_equals_observe_as_an_extend(mtp_folder):
     assert graphed.can_replay(sum(kept))
     replayed = install_log(graphed)
     drafter.observe(step)
-    assert replayed == [8]  # 8 rows, no padding
+    assert replayed == ([] if from_zero else [8])  # 8 rows, no padding
     as_rows = {rid: (s.position, s.draft, s.hidden) for rid, s in drafter.starts.items()}
     kv_rows = kv.buffers[drafter.context.kv_layer_ids[0]][0][real].clone()
-    drafter.rows_step = drafter.step_rows  # no can_replay: observe runs one extend per request
+    drafter.replays = lambda rows: False  # as without graphs: observe runs one extend per request
     drafter.observe(step)
     for rid, (position, draft, hidden) in as_rows.items():
         start = drafter.starts[rid]

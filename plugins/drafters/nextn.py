@@ -47,8 +47,10 @@ class NextNDrafter(Drafter):
         self.layer = context.model.mtp_layers[0]
         if self.layer.layer_id != context.kv_layer_ids[0]:
             raise ValueError(f"the MTP layer caches in pool layer {self.layer.layer_id}, the engine gave {context.kv_layer_ids[0]}")
-        width = self.layer.eh_proj.weight.shape[0]
-        self.rows_step = context.graphs_for(self.step_rows, width) if context.graphs_for is not None else self.step_rows
+        self.rows_step, self.replays = self.step_rows, lambda rows: False  # eager: no graphs offered
+        if context.graphs_for is not None:
+            self.rows_step = context.graphs_for(self.step_rows, self.layer.eh_proj.weight.shape[0])
+            self.replays = self.rows_step.can_replay
 
     def step_rows(self, batch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer over a batch of one-token rows: (new hidden [B, H], greedy next-next token [B]) per row.
@@ -62,8 +64,7 @@ class NextNDrafter(Drafter):
         context = self.context
         counts = [len(ids) for ids in step.next_ids]
         hidden = self.layer.from_target(step.hidden)
-        replays = getattr(self.rows_step, "can_replay", None)
-        if replays is not None and replays(sum(counts)):  # a verify step's few kept positions: one decode row each
+        if self.replays(sum(counts)):  # a verify step's few kept positions: one decode row each
             batch = context.batch_of([([t], start + k, pages) for ids, start, pages in zip(step.next_ids, step.starts, step.pages)
                                       for k, t in enumerate(ids)])
             hidden, drafts = self.rows_step(batch, hidden)
