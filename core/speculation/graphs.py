@@ -15,6 +15,7 @@ A capture that fails on the GPU is logged in one line and the drafter runs eager
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Sequence
 
 import attrs
@@ -89,11 +90,15 @@ def graphs_for(step: Step, width: int, dtype: torch.dtype, target_graphs, captur
     or where the capture fails)."""
     if target_graphs is None:
         return EagerStep(step)
+    start = time.perf_counter()
     try:
         with torch.inference_mode():
-            return GraphedStep(step, width, dtype, target_graphs.inputs, target_graphs.sizes, capture, world_size,
-                               records_load)
+            graphed = GraphedStep(step, width, dtype, target_graphs.inputs, target_graphs.sizes, capture, world_size,
+                                  records_load)
     except Exception as error:  # a performance feature never stops start-up
         log.warning("the drafter's steps run without CUDA graphs: capturing them failed (%s: %s)",
                     type(error).__name__, error)
         return EagerStep(step)
+    log.info("captured CUDA graphs for the drafter's steps of %s rows in %.1f s", graphed.sizes,
+             time.perf_counter() - start)
+    return graphed
