@@ -15,9 +15,9 @@ import torch
 
 from moeplex.attention.triton_backend import INTERPRETED
 from moeplex.config import EngineConfig
-from moeplex.cuda_graph import DecodeGraphs, DecodeInputs, capture_sizes, max_pages_per_request
+from moeplex.cuda_graph import DecodeGraphs, DecodeInputs, capture_sizes, max_pages_per_request, padded_size
 from moeplex.engine import Engine
-from moeplex.interfaces import TargetStep
+from moeplex.interfaces import DraftRequest, TargetStep
 from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
 from moeplex.speculation.graphs import EagerStep, GraphedStep
@@ -124,6 +124,41 @@ def test_the_replayed_chain_equals_the_eager_one_and_padding_touches_only_the_sc
         assert drafts.tolist() == want_drafts.tolist()
         for buffer, replayed in zip(cache_buffers(kv), after_replay):
             torch.testing.assert_close(buffer[real], replayed[real], atol=1e-6, rtol=1e-5)
+    for request in requests:
+        spec.abort(request.rid)
+
+
+@interpreted
+@pytest.mark.parametrize("graphed", [True, False])
+@pytest.mark.parametrize("room", [True, False])
+def test_propose_chains_each_draft_and_hidden_state_into_the_next_step(mtp_folder, graphed, room):
+    """propose (replayed, or eager) equals the chain run step by step by hand: step j at position p + j - 2 on
+    draft j - 1 and the hidden state step j - 1 returned. Without pages reserved for every row, a chain stops
+    where its pages end and the others go on."""
+    spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3)
+    replayed = install_graphs(spec) if graphed else []
+    requests = [spec.add_request(p, SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
+    for _ in range(3):
+        spec.step()
+    drafter = spec.speculation.drafter
+    if room:  # as the scheduler reserves before a drafting step
+        for q in requests:
+            q.pages.extend(spec.kv.allocate(max(0, spec.kv.pages_for(q.num_cached + 3) - len(q.pages))))
+    asked = [DraftRequest(q.rid, q.all_ids, q.num_cached, tuple(q.pages)) for q in requests]
+    drafts = drafter.propose(asked).tokens
+    lengths = [min(3, len(q.pages) * PAGE - q.num_cached + 1) for q in requests]
+    assert [len(d) for d in drafts] == lengths and (room or min(lengths) < 3)
+    if graphed:  # steps 2 and 3 replayed, padded to the next captured size
+        assert replayed[-2:] == [padded_size(sum(n >= j for n in lengths), capture_sizes(MAX_BS)) for j in (2, 3)]
+    hidden = {q.rid: drafter.starts[q.rid].hidden for q in requests}
+    for j in (2, 3):
+        going = [i for i, n in enumerate(lengths) if n >= j]
+        batch = drafter.context.batch_of([([drafts[i][j - 2]], requests[i].num_cached + j - 2, requests[i].pages)
+                                          for i in going])
+        with torch.inference_mode():
+            new_hidden, want = drafter.step_rows(batch, torch.stack([hidden[requests[i].rid] for i in going]))
+        assert want.tolist() == [drafts[i][j - 1] for i in going]
+        hidden = {requests[i].rid: h for i, h in zip(going, new_hidden)}
     for request in requests:
         spec.abort(request.rid)
 

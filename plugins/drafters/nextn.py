@@ -81,27 +81,39 @@ class NextNDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> Drafts:
         tokens: list[list[int]] = []
-        chains = []  # (row in tokens, request, hidden) of the requests whose chain goes on
+        chains = []  # (row in tokens, request) of the requests whose chain goes on
+        starts = []  # their chain starts' hidden states
         for request in requests:
             start = self.starts.get(request.rid)
             if start is None or start.position != request.num_cached - 1 or self.num_steps < 1:
                 tokens.append([])  # nothing observed at its last position (it was just preempted, say)
                 continue
             tokens.append([start.draft])
-            chains.append((len(tokens) - 1, request, start.hidden))
+            chains.append((len(tokens) - 1, request))
+            starts.append(start.hidden)
+        if not chains or self.num_steps < 2:
+            return Drafts(tokens)
         page_size = self.context.kv.page_size
+        hidden, drafted = torch.stack(starts), None  # drafted: the step before's drafts, on the device
+        chained = []  # per step: (rows of tokens, its drafts on the device), read once at the end
         for j in range(2, self.num_steps + 1):
-            # step j runs position p + j - 2, whose KV row needs a page
-            chains = [c for c in chains if c[1].num_cached + j - 1 <= len(c[1].pages) * page_size]
-            if not chains:
+            # step j runs position p + j - 2, whose KV row needs a page (the scheduler reserves them: rarely false)
+            keep = [k for k, (_, request) in enumerate(chains) if request.num_cached + j - 1 <= len(request.pages) * page_size]
+            if not keep:
                 break
+            if len(keep) < len(chains):
+                chains, hidden = [chains[k] for k in keep], hidden[keep]
+                drafted = None if drafted is None else drafted[keep]
             batch = self.context.batch_of(
-                [([tokens[row][-1]], request.num_cached + j - 2, request.pages) for row, request, _ in chains]
+                [([tokens[row][-1]], request.num_cached + j - 2, request.pages) for row, request in chains]
             )
-            hidden, drafts = self.rows_step(batch, torch.stack([h for _, _, h in chains]))
-            for (row, _, _), token in zip(chains, drafts.tolist()):
+            if drafted is not None:  # the ids in the batch are step 1's; the host has not waited for the later ones
+                batch.input_ids.copy_(drafted)
+            hidden, drafted = self.rows_step(batch, hidden)
+            chained.append(([row for row, _ in chains], drafted))
+        for rows, drafts in chained:
+            for row, token in zip(rows, drafts.tolist()):
                 tokens[row].append(token)
-            chains = [(row, request, h) for (row, request, _), h in zip(chains, hidden)]
         return Drafts(tokens)
 
     def finished(self, rid: str) -> None:
