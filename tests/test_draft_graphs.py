@@ -223,8 +223,6 @@ def test_a_capture_that_fails_leaves_the_drafter_eager_with_one_line_saying_why(
 
 @pytest.mark.gpu
 def test_on_gpu_the_captured_drafter_steps_equal_eager_and_change_no_token(tmp_path):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU here: the drafter's graphs are captured only on one")
     folder = write_checkpoint(str(tmp_path), "deepseek_v3", "tiny", seed=0, mtp=1)
     gpu = dict(device="cuda", moe_kernel="triton", max_running_requests=16, cuda_graph_max_bs=16,
                max_total_tokens=4096, page_size=16, mixed_chunk=None)
@@ -232,7 +230,9 @@ def test_on_gpu_the_captured_drafter_steps_equal_eager_and_change_no_token(tmp_p
     spec = engine(folder, speculative_algorithm="nextn", speculative_num_steps=3, **gpu)
     drafter = spec.speculation.drafter
     assert isinstance(drafter.rows_step, GraphedStep) and max(drafter.rows_step.sizes) >= 16
+    replayed = install_log(drafter.rows_step)
     assert [r.output_ids for r in spec.generate(PROMPTS, GREEDY)] == want
+    assert 4 in replayed  # chain steps (and verify steps' observes) of three requests, padded to four
     requests = [spec.add_request(p, SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
     for _ in range(3):
         spec.step()
