@@ -93,7 +93,8 @@ def test_the_replayed_chain_equals_the_eager_one_and_padding_touches_only_the_sc
     spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3)
     install_graphs(spec)
     prompts = PROMPTS + [[256, 90, 91, 92], [256] + list(range(60, 69))]
-    requests = [spec.add_request(p, SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)) for p in prompts]
+    long = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    requests = [spec.add_request(p, long) for p in prompts]
     for _ in range(4):
         spec.step()
     drafter, kv = spec.speculation.drafter, spec.kv
@@ -137,7 +138,8 @@ def test_propose_chains_each_draft_and_hidden_state_into_the_next_step(mtp_folde
     where its pages end and the others go on."""
     spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3)
     replayed = install_graphs(spec) if graphed else []
-    requests = [spec.add_request(p, SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
+    long = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    requests = [spec.add_request(p, long) for p in PROMPTS]
     for _ in range(3):
         spec.step()
     drafter = spec.speculation.drafter
@@ -171,7 +173,8 @@ def test_observe_as_decode_rows_equals_observe_as_an_extend(mtp_folder, from_zer
     position 0 (a short prompt) makes the rows an extend batch: no replay, the same rows eagerly."""
     spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3)
     install_graphs(spec)
-    requests = [spec.add_request(p, SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
+    long = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    requests = [spec.add_request(p, long) for p in PROMPTS]
     for _ in range(4):
         spec.step()
     drafter, kv = spec.speculation.drafter, spec.kv
@@ -233,7 +236,8 @@ def test_on_gpu_the_captured_drafter_steps_equal_eager_and_change_no_token(tmp_p
     replayed = install_log(drafter.rows_step)
     assert [r.output_ids for r in spec.generate(PROMPTS, GREEDY)] == want
     assert 4 in replayed  # chain steps (and verify steps' observes) of three requests, padded to four
-    requests = [spec.add_request(p, SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
+    long = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    requests = [spec.add_request(p, long) for p in PROMPTS]
     for _ in range(3):
         spec.step()
     batch = drafter.context.batch_of([([7], q.num_cached, q.pages) for q in requests])

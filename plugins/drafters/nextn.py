@@ -65,8 +65,8 @@ class NextNDrafter(Drafter):
         counts = [len(ids) for ids in step.next_ids]
         hidden = self.layer.from_target(step.hidden)
         if self.replays(sum(counts)):  # a verify step's few kept positions: one decode row each
-            batch = context.batch_of([([t], start + k, pages) for ids, start, pages in zip(step.next_ids, step.starts, step.pages)
-                                      for k, t in enumerate(ids)])
+            kept = zip(step.next_ids, step.starts, step.pages)
+            batch = context.batch_of([([t], start + k, pages) for ids, start, pages in kept for k, t in enumerate(ids)])
             hidden, drafts = self.rows_step(batch, hidden)
             last = [end - 1 for end in itertools.accumulate(counts)]
             drafts = drafts[last].tolist()
@@ -98,7 +98,7 @@ class NextNDrafter(Drafter):
         chained = []  # per step: (rows of tokens, its drafts on the device), read once at the end
         for j in range(2, self.num_steps + 1):
             # step j runs position p + j - 2, whose KV row needs a page (the scheduler reserves them: rarely false)
-            keep = [k for k, (_, request) in enumerate(chains) if request.num_cached + j - 1 <= len(request.pages) * page_size]
+            keep = [k for k, (_, q) in enumerate(chains) if q.num_cached + j - 1 <= len(q.pages) * page_size]
             if not keep:
                 break
             if len(keep) < len(chains):
