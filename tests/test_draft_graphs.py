@@ -169,8 +169,8 @@ def test_propose_chains_each_draft_and_hidden_state_into_the_next_step(mtp_folde
 @pytest.mark.parametrize("from_zero", [False, True])
 def test_observe_as_decode_rows_equals_observe_as_an_extend(mtp_folder, from_zero):
     """Several kept positions per request (a verify step that accepted drafts), one decode row each and replayed,
-    give the chain start and the MTP KV rows of the same positions observed as one extend per request. A row at
-    position 0 (a short prompt) makes the rows an extend batch: no replay, the same rows eagerly."""
+    give the chain start and the MTP KV rows of the same positions observed as one extend per request. With a
+    request observed from position 0 (a first prompt chunk) the step is observed as extends, no replay."""
     spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3)
     install_graphs(spec)
     long = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)

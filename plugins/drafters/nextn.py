@@ -64,7 +64,8 @@ class NextNDrafter(Drafter):
         context = self.context
         counts = [len(ids) for ids in step.next_ids]
         hidden = self.layer.from_target(step.hidden)
-        if self.replays(sum(counts)):  # a verify step's few kept positions: one decode row each
+        # a verify step's few kept positions: one decode row each (a row at position 0 would make it an extend)
+        if self.replays(sum(counts)) and min(step.starts) > 0:
             kept = zip(step.next_ids, step.starts, step.pages)
             batch = context.batch_of([([t], start + k, pages) for ids, start, pages in kept for k, t in enumerate(ids)])
             hidden, drafts = self.rows_step(batch, hidden)
