@@ -224,6 +224,29 @@ def test_a_capture_that_fails_leaves_the_drafter_eager_with_one_line_saying_why(
     assert got[0].spec_verify_steps > 0
 
 
+@interpreted
+@pytest.mark.slow
+def test_over_tensor_and_expert_parallel_ranks_the_replayed_drafter_changes_no_token(mtp_folder):
+    """tp2 ep2 (naive all-to-all): both ranks hold every request, pad the drafter's steps alike and route half
+    the padded rows of its MTP layer's experts each; output equals one rank's without speculation."""
+    import graph_ranks
+    from moeplex.parallel import ParallelConfig
+    from moeplex.ranks.launcher import launch
+    from test_parallel import free_address
+
+    prompts = PROMPTS[1:]  # two requests: every chain step and observe fits graph_ranks' largest size, 4
+    want = [r.output_ids for r in engine(mtp_folder).generate(prompts, GREEDY)]
+    parallel = ParallelConfig(tp_size=2, ep_size=2, dist_init_addr=free_address(), timeout_s=120)
+    settings = {"speculative_algorithm": "nextn", "speculative_num_steps": 2, "dtype": "fp32",
+                "disable_speculative_backoff": True}
+    out = launch(graph_ranks.run_engines, parallel, parallel, mtp_folder, prompts, [GREEDY] * len(prompts),
+                 {"graphs": (settings, True)})["graphs"]
+    assert [r["output_ids"] for r in out["results"]] == want
+    first, second = (rank["draft_replays"] for rank in out["ranks"])
+    assert first and first == second and 2 in first
+    assert all(rank["pages_conserved"] for rank in out["ranks"])
+
+
 @pytest.mark.gpu
 def test_on_gpu_the_captured_drafter_steps_equal_eager_and_change_no_token(tmp_path):
     folder = write_checkpoint(str(tmp_path), "deepseek_v3", "tiny", seed=0, mtp=1)
