@@ -27,8 +27,8 @@ def install_graphs(engine: Engine, world_size: int) -> list[tuple]:
     max_pages = max_pages_per_request(kv, model.hf_config.get("max_position_embeddings"))
     inputs = DecodeInputs.allocate(MAX_BS, max_pages, kv, "cpu")
     hidden = engine.speculation is not None and engine.speculation.drafter.caps.needs_hidden
-    graphs = DecodeGraphs(model, kv, engine.runner.strategy, inputs, capture_sizes(MAX_BS), lambda step: step, world_size,
-                          with_hidden=hidden)
+    graphs = DecodeGraphs(model, kv, engine.runner.strategy, inputs, capture_sizes(MAX_BS), lambda step: step,
+                          world_size, with_hidden=hidden)
     replays, run = [], graphs.run
 
     def logged(batch):
@@ -92,7 +92,8 @@ def run_engines(rank, parallel_config, folder, prompts, params, variants: dict):
         )
         engine = Engine(config, parallel=parallel)
         replays = install_graphs(engine, parallel_config.world_size) if graphs else []
-        draft_replays = install_drafter_graphs(engine, parallel_config.world_size) if graphs and engine.speculation else []
+        drafts = graphs and engine.speculation is not None
+        draft_replays = install_drafter_graphs(engine, parallel_config.world_size) if drafts else []
         collectives = CollectivesPerStep(engine)
         try:
             requests = engine.generate([prompts[i] for i in mine], [params[i] for i in mine])
