@@ -2,8 +2,8 @@
 
 On the CPU everything but the capture runs: the target's DecodeGraphs and the drafter's GraphedStep get a
 `capture` that returns the step itself, so a replay reads the static inputs (padded batch, page table, the
-static hidden rows) exactly as a CUDA graph would, through Triton's interpreter for the MLA decode kernels.
-The `gpu` test captures for real.
+static hidden rows) exactly as a CUDA graph would, through Triton's interpreter for the MLA decode kernels,
+on one rank and (slow) over tp2 ep2 gloo ranks. The `gpu` test captures for real.
 """
 
 from __future__ import annotations
