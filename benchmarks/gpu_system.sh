@@ -12,7 +12,7 @@ for part in "$@"; do
     tests)
       timeout -s ABRT 240 python3 -m pytest -q -rs -m gpu tests/test_kernel_rope.py tests/test_kernel_router_gemv.py \
         tests/test_triton_attention.py tests/test_triton_moe.py tests/test_fused_kernels.py tests/test_cuda_graph.py \
-        tests/test_speculative_gpu.py tests/test_cuda_graph_parallel.py tests/test_prefix_cache_benchmark.py 2>&1 \
+        tests/test_speculative_gpu.py tests/test_draft_graphs.py tests/test_cuda_graph_parallel.py tests/test_prefix_cache_benchmark.py 2>&1 \
         | tee "$out/gpu_tests.log" | tail -15 ;;
     spec)
       timeout 240 python3 benchmarks/speculative.py --device cuda --qwen-layers 12 --batches 1 8 32 --runs 3 \

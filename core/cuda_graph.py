@@ -16,6 +16,9 @@ Several ranks: every captured batch says that every rank holds `size` tokens (gl
 so a dispatcher sized by the step's counts sees the padded count. Ranks holding the same requests
 (tensor-parallel attention) pad alike; under DP attention the step's agreement (step_agreement.py)
 picks one size for all ranks, and an idle rank replays it with padding rows only.
+
+A speculative drafter's own decode steps (nextn's MTP layer) replay graphs of their own over the same static
+inputs and sizes: speculation/graphs.py.
 """
 
 from __future__ import annotations

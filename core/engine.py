@@ -115,7 +115,8 @@ class Engine:
             backoff=not config.disable_speculative_backoff,
         )
         if self.speculation is not None:
-            drafter.bind(drafter_context(self.model, self.kv, config, self.device, range(len(shapes), len(self.kv.buffers))))
+            drafter.bind(drafter_context(self.model, self.kv, config, self.device, range(len(shapes), len(self.kv.buffers)),
+                                         graphs, self.parallel.config.world_size))
             self.scheduler.lookahead = self.speculation.lookahead
         # steps that draft run without the overlap schedule (their drafts need the tokens accepted before them);
         # the steps between them overlap where the drafter needs nothing from them (SpeculativeDecoding)

@@ -15,6 +15,7 @@ from moeplex.cuda_graph import DecodeGraphs, DecodeInputs, capture_sizes, max_pa
 from moeplex.engine import Engine
 from moeplex.parallel import init_parallel
 from moeplex.ranks.offline import assign_to_dp_groups, result_of
+from moeplex.speculation.setup import drafter_context
 
 MAX_BS = 4
 
@@ -25,7 +26,9 @@ def install_graphs(engine: Engine, world_size: int) -> list[tuple]:
     kv, model = engine.kv, engine.model
     max_pages = max_pages_per_request(kv, model.hf_config.get("max_position_embeddings"))
     inputs = DecodeInputs.allocate(MAX_BS, max_pages, kv, "cpu")
-    graphs = DecodeGraphs(model, kv, engine.runner.strategy, inputs, capture_sizes(MAX_BS), lambda step: step, world_size)
+    hidden = engine.speculation is not None and engine.speculation.drafter.caps.needs_hidden
+    graphs = DecodeGraphs(model, kv, engine.runner.strategy, inputs, capture_sizes(MAX_BS), lambda step: step,
+                          world_size, with_hidden=hidden)
     replays, run = [], graphs.run
 
     def logged(batch):
@@ -35,6 +38,20 @@ def install_graphs(engine: Engine, world_size: int) -> list[tuple]:
     graphs.run = logged
     engine.runner.graphs = graphs
     return replays
+
+
+def install_drafter_graphs(engine: Engine, world_size: int) -> list[int]:
+    """Bind the engine's drafter again with graphs over its decode graphs' static inputs (nextn: its MTP layer's
+    steps replay); returns the captured size of each of the drafter's replays."""
+    drafter, kv = engine.speculation.drafter, engine.kv
+    own_layers = range(len(engine.model.kv_shapes()), len(kv.buffers))
+    drafter.bind(drafter_context(engine.model, kv, engine.config, engine.device, own_layers, engine.runner.graphs,
+                                 world_size, capture=lambda step: step))
+    replayed: list[int] = []
+    graphed = getattr(drafter, "rows_step", None)
+    for size, replay in getattr(graphed, "replays", {}).items():
+        graphed.replays[size] = lambda size=size, replay=replay: replayed.append(size) or replay()
+    return replayed
 
 
 class CollectivesPerStep:
@@ -75,6 +92,8 @@ def run_engines(rank, parallel_config, folder, prompts, params, variants: dict):
         )
         engine = Engine(config, parallel=parallel)
         replays = install_graphs(engine, parallel_config.world_size) if graphs else []
+        drafts = graphs and engine.speculation is not None
+        draft_replays = install_drafter_graphs(engine, parallel_config.world_size) if drafts else []
         collectives = CollectivesPerStep(engine)
         try:
             requests = engine.generate([prompts[i] for i in mine], [params[i] for i in mine])
@@ -85,7 +104,7 @@ def run_engines(rank, parallel_config, folder, prompts, params, variants: dict):
         cuts = engine.runner.graphs.cuts if graphs else {}
         mine_out = {"results": local, "rank": {"replays": replays, "pages_conserved": conserved, "cuts": cuts,
                                               "overlap_schedule": engine.overlap_schedule,
-                                              "gathers_per_step": collectives.counts}}
+                                              "gathers_per_step": collectives.counts, "draft_replays": draft_replays}}
         gathered = [None] * parallel_config.world_size if rank == 0 else None
         dist.gather_object(mine_out, gathered, dst=0, group=parallel.world.host_group)
         if rank == 0:

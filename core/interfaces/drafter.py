@@ -65,7 +65,17 @@ class TargetStep:
 class DrafterContext:
     """What `bind` gives: the target model (embedding, lm_head, MTP layers), the KV pool, the config, the
     pool layer ids of the drafter's own KV (as many as `kv_layers` returned), and `batch_of`, which makes the
-    ForwardBatch of [(new token ids, prefix length, page table), ...] over the pool (a drafter's own forward)."""
+    ForwardBatch of [(new token ids, prefix length, page table), ...] over the pool (a drafter's own forward).
+
+    `graphs_for(step, width)` (call it in `bind`: it captures there) takes a step of the drafter's own layers,
+    `step(batch, hidden) -> tuple of tensors with one row per token` (`hidden` [B, width] in the model dtype,
+    one row per token of `batch`), and returns a function of the same signature and results that replays the
+    step from CUDA graphs captured per padded batch size when `batch` is a decode batch that fits (the step must
+    then read no host value: build it from the batch's tensors, as the model's layers do), and runs the step
+    itself otherwise; its `can_replay(rows)` says whether a decode batch of that many rows would replay now.
+    Captured steps see padding rows beyond the batch (position 0, KV in the pool's scratch page, hidden 0):
+    every output row must depend on its own row only. Where the engine has no graphs (a CPU, flags, plugins
+    that are not graph-safe) or the capture fails, the step just runs eagerly."""
 
     model: Any
     kv: Any
@@ -73,6 +83,7 @@ class DrafterContext:
     device: torch.device
     kv_layer_ids: Sequence[int] = ()
     batch_of: Callable[[Sequence[tuple[Sequence[int], int, Sequence[int]]]], Any] | None = None
+    graphs_for: Callable[[Callable[[Any, torch.Tensor], tuple[torch.Tensor, ...]], int], Any] | None = None
 
 
 class Drafter(abc.ABC):
