@@ -4,7 +4,7 @@
 
 `requests` requests decode without end on one EngineGroup (the served engine's rank 0, ranks/group.py); each round
 is what the leader (ranks/leader.py) does: the group's step (the engine step, then the per-request updates and the
-group's bookkeeping), the RoundReport built, pickled and written to a pipe that another process drains, as the
+group's bookkeeping), the leader's RoundReport built, pickled and written to a pipe that another process drains, as the
 front end's reader thread does. Printed per run: the engine step's CPU ms and each other part's, and their share.
 """
 
@@ -31,8 +31,8 @@ def drain(connection) -> None:
 def one_run(args, folder: str) -> dict[str, float]:
     from moeplex.config import EngineConfig
     from moeplex.engine import Engine
-    from moeplex.messages import LoopStats, RoundReport
     from moeplex.ranks.group import EngineGroup
+    from moeplex.ranks.leader import Leader
     from moeplex.sampling import SamplingParams
 
     context = multiprocessing.get_context("spawn")
@@ -41,6 +41,7 @@ def one_run(args, folder: str) -> dict[str, float]:
     reader.start()
     engine = Engine(EngineConfig(model=folder, show_progress=False, max_running_requests=args.requests))
     group = EngineGroup(engine)
+    leader = Leader(group, here)
     rng = random.Random(0)
     params = SamplingParams(max_new_tokens=1 << 30, temperature=0.0, ignore_eos=True)
     for i in range(args.requests):
@@ -63,8 +64,7 @@ def one_run(args, folder: str) -> dict[str, float]:
         t0 = time.thread_time()
         reports = group.step()
         t1 = time.thread_time()
-        report = RoundReport(tuple(u for r in reports for u in r.updates), (), (),
-                             LoopStats(tuple(group.stats), tuple(group.admitted), steps, 0))
+        report = leader.report(reports)
         t2 = time.thread_time()
         data = pickle.dumps(report)
         t3 = time.thread_time()

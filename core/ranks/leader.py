@@ -19,7 +19,7 @@ from typing import Any, Callable
 import attrs
 
 from ..config import EngineConfig
-from ..messages import Abort, Admit, Call, Failure, Halted, LoopStats, Round, RoundReport, SendKV
+from ..messages import Abort, Admit, Call, Failure, GroupReport, Halted, LoopStats, Round, RoundReport, SendKV
 from .group import EngineGroup
 
 log = logging.getLogger("moeplex.server")
@@ -121,14 +121,17 @@ class Leader:
                 self._failures.append(Failure(rid, 500, message))
             reports = []
         self.on_round()
-        updates = tuple(update for report in reports for update in report.updates)
+        self.connection.send(self.report(reports))
+
+    def report(self, reports: list[GroupReport]) -> RoundReport:
+        """The round's message to the front end (and the failures and call outcomes gathered since the last)."""
+        updates = tuple(report.updates for report in reports if len(report.updates))
         stats = LoopStats(tuple(self.group.stats), tuple(self.group.admitted), self._steps, self._failed_steps)
         book = self.group.book
         transfers = book.stats() if book is not None else None
-        self.connection.send(
-            RoundReport(updates, tuple(self._failures), tuple(self._outcomes), stats, tuple(self.group.reserved), transfers)
-        )
+        report = RoundReport(updates, tuple(self._failures), tuple(self._outcomes), stats, tuple(self.group.reserved), transfers)
         self._failures, self._outcomes = [], []
+        return report
 
     def _tell(self, message: Halted) -> None:
         try:
