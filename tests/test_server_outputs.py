@@ -9,7 +9,7 @@ import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeplex.messages import Updates
+from moeplex.messages import Failure, GroupReport, GroupStats, LoopStats, RoundReport, Updates
 from moeplex.ranks.worker import UpdateLog
 from moeplex.request import FinishReason, Request
 from moeplex.sampling import SamplingParams
@@ -17,12 +17,17 @@ from moeplex.server.group import _joined
 from moeplex.server.outputs import Output
 
 
-def test_updates_pickle_every_field():
+def test_reports_pickle_every_field():
     values = {"rids": ("r-1", "r-2"), "ids": (5, 6, 7), "counts": (2, 1), "texts": ("ab", ""), "cuts": {1: 3},
               "logprobs": {0: ({"token_id": 5, "logprob": -0.5}, {"token_id": 6, "logprob": -0.1})},
               "ends": {1: (FinishReason.STOP, "b", "boom")}, "cached": {0: 16}, "spec": {0: (1, 2, 3)}}
     assert [f.name for f in attrs.fields(Updates)] == list(values)  # a new field must be pickled too
     assert attrs.asdict(pickle.loads(pickle.dumps(Updates(**values))), recurse=False) == values
+    stats = LoopStats((GroupStats(*range(1, 10)), GroupStats(*range(11, 20))), (3, 4), 5, 6)
+    report = RoundReport((Updates(**values),), (Failure("r-3", 400, "no"),), ((1, 2),), stats, (("r-4", 1, (7,)),), {"t": 1})
+    assert pickle.loads(pickle.dumps(report)) == report  # every field of every message in it, set away from its default
+    group = GroupReport(1, Updates(**values), True, GroupStats(*range(1, 10)), (("r-4", (7,)),))
+    assert pickle.loads(pickle.dumps(group)) == group
 
 
 class Mirror:

@@ -37,7 +37,7 @@ class EngineGroup:
         self.stats = [self._initial_stats(dp) for dp in range(self.dp_size)]
         self.admitted = [0] * self.dp_size  # requests each DP group was given, since start-up
         self.has_work = False  # whether any rank still had requests after the last round
-        self._unfinished: dict[str, tuple[int, list[int]]] = {}  # rid -> (DP group, token ids so far)
+        self._unfinished: dict[str, tuple[int, list[int]]] = {}  # rid -> (DP group, token ids so far if several)
         self.dispatch = DPDispatch(self.dp_size, self.capacity_tokens, not engine.config.disable_prefix_cache)
         self._queued: list = []
         self._call_done: list[Callable[[Any], None]] = []  # one per queued Call
@@ -81,9 +81,12 @@ class EngineGroup:
         check_prompt(prompt_ids, self.engine.vocab_size, self.capacity_tokens)
         if room is not None and self.book is None:
             raise ValueError("a bootstrap room needs --disaggregation-mode prefill or decode")
-        dp_rank = self.dispatch.choose(prompt_ids, *self._loads())
-        self.dispatch.will_cache(dp_rank, prompt_ids)
-        self._unfinished[rid] = (dp_rank, list(prompt_ids))
+        if self.dp_size == 1:  # one group: nothing to choose, no token to count
+            dp_rank, ids = 0, []
+        else:
+            dp_rank, ids = self.dispatch.choose(prompt_ids, *self._loads()), list(prompt_ids)
+            self.dispatch.will_cache(dp_rank, prompt_ids)
+        self._unfinished[rid] = (dp_rank, ids)
         self._queued.append(Admit(rid, prompt_ids, params, dp_rank, room))
         self.admitted[dp_rank] += 1
         if room is not None:

@@ -16,7 +16,6 @@ import logging
 import os
 from typing import Callable
 
-import attrs
 import torch.distributed as dist
 
 from ..disagg.layout import KVLayout
@@ -30,15 +29,11 @@ log = logging.getLogger(__name__)
 
 
 def group_stats(engine: Engine) -> GroupStats:
-    scheduler, kv = engine.scheduler, engine.kv
-    stats = GroupStats(len(scheduler.running), len(scheduler.waiting), kv.num_pages, kv.num_free_pages, kv.page_size)
-    cache = engine.prefix_cache
+    scheduler, kv, cache = engine.scheduler, engine.kv, engine.prefix_cache
+    counts = (len(scheduler.running), len(scheduler.waiting), kv.num_pages, kv.num_free_pages, kv.page_size)
     if cache is None:
-        return stats
-    return attrs.evolve(
-        stats, kv_pages_cached=cache.num_pages, cache_queried_tokens=cache.queried_tokens,
-        cache_hit_tokens=cache.hit_tokens, cache_evicted_pages=cache.evicted_pages,
-    )
+        return GroupStats(*counts)
+    return GroupStats(*counts, cache.num_pages, cache.queried_tokens, cache.hit_tokens, cache.evicted_pages)
 
 
 class _Seen:
