@@ -40,9 +40,11 @@ def front_end(connection, max_new_tokens: int | None) -> None:
             report = pickle.loads(connection.recv_bytes())
             if max_new_tokens is None:
                 continue
+            # (a RequestUpdate each on a core from before the Updates message: this benchmark measures both)
             finished = sum(len(u.ends) if hasattr(u, "ends") else u.finish_reason is not None for u in report.updates)
             if finished:
-                connection.send(Round(tuple(Admit(f"new-{next(count):028x}", prompt(rng), params) for _ in range(finished))))
+                admits = tuple(Admit(f"new-{next(count):028x}", prompt(rng), params) for _ in range(finished))
+                connection.send(Round(admits))
     except EOFError:
         pass
 
