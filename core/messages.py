@@ -5,12 +5,13 @@
 
 Commands are the same three wherever they go: Admit a request, Abort one, Call an engine method on every
 rank between two steps. The front end leaves `dp_rank` unset; the leader picks the DP group. What comes
-back is a RequestUpdate per request that grew, stats, the outcomes of calls, and the requests that failed.
+back is one Updates per DP group (what its requests gained, column-wise), stats, the outcomes of calls, and the requests that failed.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import operator
+from typing import Any, Mapping
 
 import attrs
 
@@ -78,41 +79,85 @@ class Round:
     halt: bool = False
 
 
+def pickled_as_fields(cls):
+    """Pickle instances as (class, field values): a round's report is pickled on rank 0's path between two steps,
+    and attrs' default state (a dict, each field's name written out) costs about twice as much."""
+    values = operator.attrgetter(*(field.name for field in attrs.fields(cls)))
+    cls.__reduce__ = lambda self: (cls, values(self))
+    return cls
+
+
 # --- progress -----------------------------------------------------------------------------------------
 
 
+@pickled_as_fields
 @attrs.frozen
-class RequestUpdate:
-    """What a request gained in one round. Text is append-only except for a stop string cut off its end,
-    so it travels as (where the new text starts, the new text)."""
+class Updates:
+    """What the requests of one DP group gained in one round, column-wise: one message, one row per request with
+    something new (nothing for a request that gained nothing). The columns every row has are `rids`, `ids` (the new
+    token ids, row after row; `counts` says how many each row has, empty when each has one, as in a decode step)
+    and `texts` (the text each gained). The rest are sparse, keyed by row: `cuts` where a stop string cut the text
+    before what was reported (the row's text then replaces the text from there on), `logprobs` for requests that
+    asked for them, `ends` (finish reason, stop reason, error) where a request finished, `cached` (prompt tokens the
+    prefix cache gave it) and `spec` (speculative decoding so far, Request.spec_counts) where they changed."""
 
-    rid: str
-    new_ids: tuple[int, ...] = ()
-    new_logprobs: tuple[dict, ...] = ()
-    text_from: int = 0
-    text: str = ""
-    finish_reason: FinishReason | None = None
-    stop_reason: Any = None
-    error: str | None = None
-    cached_tokens: int = 0  # prompt tokens the prefix cache gave it
-    spec_counts: tuple[int, int, int] = (0, 0, 0)  # speculative decoding so far (Request.spec_counts)
+    rids: tuple[str, ...] = ()
+    ids: tuple[int, ...] = ()
+    counts: tuple[int, ...] = ()
+    texts: tuple[str, ...] = ()
+    cuts: dict[int, int] = attrs.field(factory=dict)
+    logprobs: dict[int, tuple[dict, ...]] = attrs.field(factory=dict)
+    ends: dict[int, tuple[FinishReason, Any, str | None]] = attrs.field(factory=dict)
+    cached: dict[int, int] = attrs.field(factory=dict)
+    spec: dict[int, tuple[int, int, int]] = attrs.field(factory=dict)
 
-    def __reduce__(self):
-        # one per running request in every round's report: pickled as its fields, without attrs' state dict
-        # (the leader's dumps about 30% and the front end's loads about half the time, 64 updates a round)
-        return RequestUpdate, (self.rid, self.new_ids, self.new_logprobs, self.text_from, self.text, self.finish_reason,
-                               self.stop_reason, self.error, self.cached_tokens, self.spec_counts)
+    def __len__(self) -> int:
+        return len(self.rids)
 
-    def apply(self, request: Request) -> None:
-        request.cached_tokens = self.cached_tokens
-        request.spec_verify_steps, request.spec_draft_tokens, request.spec_accepted_tokens = self.spec_counts
-        request.output_ids.extend(self.new_ids)
-        request.logprobs.extend(self.new_logprobs)
-        request.text = request.text[: self.text_from] + self.text
-        if self.finish_reason is not None:
-            request.finish(self.finish_reason, self.stop_reason, self.error)
+    def finished(self) -> list[tuple[str, FinishReason, Any, str | None]]:
+        """(rid, finish reason, stop reason, error) of each request that finished."""
+        rids = self.rids
+        return [(rids[row], *end) for row, end in self.ends.items()]
+
+    def new_ids(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(rid, its new token ids) of each row."""
+        if not self.counts:
+            return list(zip(self.rids, ((i,) for i in self.ids)))
+        out, at = [], 0
+        for rid, n in zip(self.rids, self.counts):
+            out.append((rid, self.ids[at : at + n]))
+            at += n
+        return out
+
+    def apply(self, requests: Mapping[str, Any]) -> None:
+        """Bring the mirrors up to date: requests[rid].request for each row's rid (a rid not there was dropped)."""
+        ids, counts, texts, cuts = self.ids, self.counts, self.texts, self.cuts
+        at = 0
+        for row, rid in enumerate(self.rids):
+            n = counts[row] if counts else 1
+            holder = requests.get(rid)
+            if holder is not None:
+                request: Request = holder.request
+                if n == 1:
+                    request.output_ids.append(ids[at])
+                elif n:
+                    request.output_ids.extend(ids[at : at + n])
+                if row in cuts:
+                    request.text = request.text[: cuts[row]] + texts[row]
+                elif texts[row]:
+                    request.text += texts[row]
+                if row in self.logprobs:
+                    request.logprobs.extend(self.logprobs[row])
+                if row in self.cached:
+                    request.cached_tokens = self.cached[row]
+                if row in self.spec:
+                    request.spec_verify_steps, request.spec_draft_tokens, request.spec_accepted_tokens = self.spec[row]
+                if row in self.ends:
+                    request.finish(*self.ends[row])
+            at += n
 
 
+@pickled_as_fields
 @attrs.frozen
 class GroupStats:
     """One DP group's scheduler and KV cache after a round."""
@@ -128,17 +173,19 @@ class GroupStats:
     cache_evicted_pages: int = 0
 
 
+@pickled_as_fields
 @attrs.frozen
 class GroupReport:
     """One DP group's round, from its output rank."""
 
     dp_rank: int
-    updates: tuple[RequestUpdate, ...]
+    updates: Updates
     has_work: bool
     stats: GroupStats
     reserved: tuple[tuple[str, tuple[int, ...]], ...] = ()  # decode: (rid, destination pages) reserved this round
 
 
+@pickled_as_fields
 @attrs.frozen
 class LoopStats:
     """The engine's state as of its last round."""
@@ -190,11 +237,12 @@ class Failure:
     message: str
 
 
+@pickled_as_fields
 @attrs.frozen
 class RoundReport:
     """The leader's answer to the front end, one per round."""
 
-    updates: tuple[RequestUpdate, ...]
+    updates: tuple[Updates, ...]  # one per DP group with something new
     failures: tuple[Failure, ...]
     outcomes: tuple[tuple[int, Any], ...]  # (call id, rank 0's result or exception)
     stats: LoopStats

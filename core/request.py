@@ -17,8 +17,8 @@ def check_prompt(prompt_ids: Sequence[int], vocab_size: int, capacity_tokens: in
     against the smallest DP group; the engine last, against its own KV cache): ValueError saying what is wrong."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:  # two C-level scans; the loop only to name the culprit
+        bad = next(t for t in prompt_ids if not 0 <= t < vocab_size)
         raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
     if len(prompt_ids) > capacity_tokens:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the KV cache holds at most {capacity_tokens}")

@@ -6,7 +6,7 @@ import pytest
 
 from moeplex.config import EngineConfig
 from moeplex.disagg.book import TransferBook
-from moeplex.messages import GroupReport, GroupStats, RequestUpdate
+from moeplex.messages import GroupReport, GroupStats, Updates
 
 
 class Clock:
@@ -24,12 +24,15 @@ def book(mode: str, attn_tp: int = 1) -> tuple[TransferBook, Clock]:
     return TransferBook(config, page_bytes=1000, attn_tp_size=attn_tp, clock=clock), clock
 
 
-def report(updates=(), reserved=(), dp_rank=0) -> GroupReport:
-    return GroupReport(dp_rank, tuple(updates), True, GroupStats(), tuple(reserved))
+def report(finished=(), reserved=(), dp_rank=0) -> GroupReport:
+    """A round in which the requests `finished` ((rid, error) each) each gained a last token and ended."""
+    ends = {row: ("abort" if error else "length", None, error) for row, (_, error) in enumerate(finished)}
+    updates = Updates(tuple(rid for rid, _ in finished), (7,) * len(finished), (), ("",) * len(finished), ends=ends)
+    return GroupReport(dp_rank, updates, True, GroupStats(), tuple(reserved))
 
 
-def finished(rid: str, error: str | None = None) -> RequestUpdate:
-    return RequestUpdate(rid, (7,), finish_reason="abort" if error else "length", error=error)
+def finished(rid: str, error: str | None = None) -> tuple[str, str | None]:
+    return rid, error
 
 
 def test_prefill_goes_bootstrapping_waiting_transferring_done():

@@ -1,4 +1,4 @@
-"""The front end's per-step messages: a RequestUpdate survives the pipe, queued Outputs of a request join into one."""
+"""The front end's per-step messages: the round's Updates survive the pipe and rebuild each request, queued Outputs of a request join into one."""
 
 from __future__ import annotations
 
@@ -6,19 +6,80 @@ import pickle
 
 import attrs
 
-from moeplex.messages import RequestUpdate
-from moeplex.request import FinishReason
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moeplex.messages import Failure, GroupReport, GroupStats, LoopStats, RoundReport, Updates
+from moeplex.ranks.worker import UpdateLog
+from moeplex.request import FinishReason, Request
+from moeplex.sampling import SamplingParams
 from moeplex.server.group import _joined
 from moeplex.server.outputs import Output
 
 
-def test_request_update_pickles_every_field():
-    values = {"rid": "r-1", "new_ids": (5, 6), "new_logprobs": ({"token_id": 5, "logprob": -0.5},), "text_from": 3,
-              "text": "ab", "finish_reason": FinishReason.STOP, "stop_reason": "b", "error": "boom", "cached_tokens": 16,
-              "spec_counts": (1, 2, 3)}
-    assert [f.name for f in attrs.fields(RequestUpdate)] == list(values)  # a new field must be pickled too
-    update = RequestUpdate(**values)
-    assert attrs.asdict(pickle.loads(pickle.dumps(update)), recurse=False) == values
+def test_reports_pickle_every_field():
+    values = {"rids": ("r-1", "r-2"), "ids": (5, 6, 7), "counts": (2, 1), "texts": ("ab", ""), "cuts": {1: 3},
+              "logprobs": {0: ({"token_id": 5, "logprob": -0.5}, {"token_id": 6, "logprob": -0.1})},
+              "ends": {1: (FinishReason.STOP, "b", "boom")}, "cached": {0: 16}, "spec": {0: (1, 2, 3)}}
+    assert [f.name for f in attrs.fields(Updates)] == list(values)  # a new field must be pickled too
+    assert attrs.asdict(pickle.loads(pickle.dumps(Updates(**values))), recurse=False) == values
+    stats = LoopStats((GroupStats(*range(1, 10)), GroupStats(*range(11, 20))), (3, 4), 5, 6)
+    report = RoundReport((Updates(**values),), (Failure("r-3", 400, "no"),), ((1, 2),), stats, (("r-4", 1, (7,)),), {"t": 1})
+    assert pickle.loads(pickle.dumps(report)) == report  # every field of every message in it, set away from its default
+    group = GroupReport(1, Updates(**values), True, GroupStats(*range(1, 10)), (("r-4", (7,)),))
+    assert pickle.loads(pickle.dumps(group)) == group
+
+
+class Mirror:
+    def __init__(self, request: Request):
+        self.request = request
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.sampled_from("grow cut logprob cache spec finish refuse".split()),
+                                   st.integers(0, 3)), max_size=4), min_size=1, max_size=6))
+def test_a_mirror_fed_the_updates_equals_the_request(rounds):
+    """Whatever the requests do between rounds (tokens, text cut by a stop string, logprobs, cached tokens, spec
+    counts, a finish, a refusal), one Updates per round makes the front end's mirrors equal to them."""
+    requests = [Request(f"r{i}", [1, 2], SamplingParams()) for i in range(4)]
+    log = UpdateLog(speculates=True)
+    for request in requests:
+        log.track(request)
+    mirrors = {r.rid: Mirror(Request(r.rid, [1, 2], SamplingParams())) for r in requests}
+    refused = {}
+    for events in rounds:
+        for kind, i in events:
+            r = requests[i]
+            if r.finished or r.rid in refused:
+                continue
+            if kind in ("grow", "cache", "spec"):  # cached tokens and spec counts change only with new tokens
+                r.output_ids.extend(range(i + 1))
+                r.text += "xy"[: i % 2 + 1]
+            if kind == "cut":
+                r.text = r.text[: len(r.text) // 2]
+            elif kind == "logprob":
+                r.logprobs.append({"token_id": i, "logprob": -1.0})
+            elif kind == "cache":
+                r.cached_tokens += 4
+            elif kind == "spec":
+                r.spec_verify_steps += 1
+            elif kind == "finish":
+                r.finish(FinishReason.STOP, stop_reason="y", error=None)
+            elif kind == "refuse":
+                refused[r.rid] = "no room"
+                log.forget(r.rid)
+                log.refused(r.rid, "no room")
+        updates = pickle.loads(pickle.dumps(log.take()))
+        assert len(set(updates.rids)) == len(updates.rids)
+        updates.apply(mirrors)
+    for r in requests:
+        m = mirrors[r.rid].request
+        if r.rid in refused:
+            assert (m.finish_reason, m.error) == (FinishReason.ABORT, "no room")
+            continue
+        assert (m.output_ids, m.text, m.logprobs, m.cached_tokens, m.spec_counts, m.finish_reason, m.stop_reason) == (
+            r.output_ids, r.text, r.logprobs, r.cached_tokens, r.spec_counts, r.finish_reason, r.stop_reason)
+    assert len(log.take()) == 0  # nothing new: nothing sent
 
 
 def out(index: int, text: str, ids: tuple[int, ...], **kw) -> Output:

@@ -96,16 +96,16 @@ class TransferBook:
                     entry.state, entry.deadline, entry.started = WAITING, self.clock() + self.transfer_s, self.clock()
                     entry.senders = self.attn_tp_size
                     reserved.append((rid, report.dp_rank, pages))
-            for update in report.updates:
-                entry = self.entries.get(update.rid)
-                if entry is None or update.finish_reason is None:
+            for rid, reason, _, error in report.updates.finished():
+                entry = self.entries.get(rid)
+                if entry is None:
                     continue
-                if self.prefill and update.error is None and update.finish_reason != "abort":
+                if self.prefill and error is None and reason != "abort":
                     entry.prefilled = True
                     self._maybe_transferring(entry)
                 else:  # it ended on its ranks before its transfer did (it failed there, or was aborted)
                     self.outcomes[FAILED] += 1
-                    del self.entries[update.rid]
+                    del self.entries[rid]
         return reserved
 
     def absorb_polls(self, polls: list[dict[str, str]]) -> None:

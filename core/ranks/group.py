@@ -4,7 +4,7 @@ Rank 0 queues commands between rounds: a new request goes to the DP group whose 
 holds most of it, or to the least-loaded group (see dp_dispatch.py); aborts and engine calls follow in
 arrival order.
 step() runs a round on every rank (see worker.py) and returns each DP group's report, whose
-RequestUpdates the leader passes on: the request itself lives on its ranks only, and the front end keeps
+Updates the leader passes on: the request itself lives on its ranks only, and the front end keeps
 the one copy its clients are served from. With one rank the same code runs without a collective, so a
 single-process server is the same path.
 """
@@ -37,7 +37,7 @@ class EngineGroup:
         self.stats = [self._initial_stats(dp) for dp in range(self.dp_size)]
         self.admitted = [0] * self.dp_size  # requests each DP group was given, since start-up
         self.has_work = False  # whether any rank still had requests after the last round
-        self._unfinished: dict[str, tuple[int, list[int]]] = {}  # rid -> (DP group, token ids so far)
+        self._unfinished: dict[str, tuple[int, list[int]]] = {}  # rid -> (DP group, token ids so far if several)
         self.dispatch = DPDispatch(self.dp_size, self.capacity_tokens, not engine.config.disable_prefix_cache)
         self._queued: list = []
         self._call_done: list[Callable[[Any], None]] = []  # one per queued Call
@@ -81,9 +81,12 @@ class EngineGroup:
         check_prompt(prompt_ids, self.engine.vocab_size, self.capacity_tokens)
         if room is not None and self.book is None:
             raise ValueError("a bootstrap room needs --disaggregation-mode prefill or decode")
-        dp_rank = self.dispatch.choose(prompt_ids, *self._loads())
-        self.dispatch.will_cache(dp_rank, prompt_ids)
-        self._unfinished[rid] = (dp_rank, list(prompt_ids))
+        if self.dp_size == 1:  # one group: nothing to choose, no token to count
+            dp_rank, ids = 0, []
+        else:
+            dp_rank, ids = self.dispatch.choose(prompt_ids, *self._loads()), list(prompt_ids)
+            self.dispatch.will_cache(dp_rank, prompt_ids)
+        self._unfinished[rid] = (dp_rank, ids)
         self._queued.append(Admit(rid, prompt_ids, params, dp_rank, room))
         self.admitted[dp_rank] += 1
         if room is not None:
@@ -146,7 +149,7 @@ class EngineGroup:
             self.reserved = self.book.absorb(reports)
             polls = self.worker.polls()
             self.book.absorb_polls(self.channel.collect_polls(polls) if self.size > 1 else [polls])
-            self.quiet = not (round_.commands or self.reserved or any(r.updates for r in reports))
+            self.quiet = not (round_.commands or self.reserved or any(len(r.updates) for r in reports))
         return reports
 
     def halt(self) -> None:
@@ -162,13 +165,15 @@ class EngineGroup:
     def _absorb(self, reports: list[GroupReport]) -> None:
         for report in reports:
             self.stats[report.dp_rank] = report.stats
-            for update in report.updates:
-                entry = self._unfinished.get(update.rid)
-                if entry is None:  # aborted meanwhile
-                    continue
-                entry[1].extend(update.new_ids)
-                if update.finish_reason is not None:
-                    del self._unfinished[update.rid]
+            updates = report.updates
+            if self.dp_size > 1:  # the loads and the caches' mirror that choose a group count every token
+                for rid, ids in updates.new_ids():
+                    entry = self._unfinished.get(rid)
+                    if entry is not None:  # else aborted meanwhile
+                        entry[1].extend(ids)
+            for rid, *_ in updates.finished():
+                entry = self._unfinished.pop(rid, None)
+                if entry is not None:
                     self.dispatch.will_cache(entry[0], entry[1])  # a finished request's KV joins its group's cache
         self.has_work = any(report.has_work for report in reports)
 

@@ -13,13 +13,15 @@ it was running and the leader carries on; with several the ranks can no longer a
 from __future__ import annotations
 
 import logging
+import pickle
+import select
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 import attrs
 
 from ..config import EngineConfig
-from ..messages import Abort, Admit, Call, Failure, Halted, LoopStats, Round, RoundReport, SendKV
+from ..messages import Abort, Admit, Call, Failure, GroupReport, Halted, LoopStats, Round, RoundReport, SendKV
 from .group import EngineGroup
 
 log = logging.getLogger("moeplex.server")
@@ -56,6 +58,9 @@ class Leader:
         """`on_round` is called after each round (the heartbeat table's round count)."""
         self.group = group
         self.connection = connection
+        # connection.poll builds a selector on every call (~5 us); the leader asks before every round
+        self._commands = select.poll()
+        self._commands.register(connection.fileno(), select.POLLIN)
         self.on_round = on_round
         self._halted = False
         self._steps = self._failed_steps = 0
@@ -78,11 +83,11 @@ class Leader:
 
     def _take_commands(self, block: bool, wait: float = 0.0) -> None:
         """`wait`: with only transfers to poll, a moment for a command before the next round (no busy loop)."""
-        if block and not self.connection.poll(self.group.keepalive_s):
+        if block and not self._arrived(self.group.keepalive_s):
             return
-        if not block and wait and not self.connection.poll(wait):
+        if not block and wait and not self._arrived(wait):
             return
-        while not self._halted and self.connection.poll(0):
+        while not self._halted and self._arrived(0):
             try:
                 commands: Round = self.connection.recv()
             except EOFError:  # the front end has gone without a word: nobody is left to serve
@@ -91,6 +96,10 @@ class Leader:
             for command in commands.commands:
                 self._handle(command)
             self._halted = commands.halt
+
+    def _arrived(self, timeout_s: float | None) -> bool:
+        """Whether a message (or the end of the pipe) is there, waiting up to `timeout_s` (None: for ever)."""
+        return bool(self._commands.poll(None if timeout_s is None else 1000 * timeout_s))
 
     def _handle(self, command) -> None:
         if isinstance(command, Admit):
@@ -121,14 +130,19 @@ class Leader:
                 self._failures.append(Failure(rid, 500, message))
             reports = []
         self.on_round()
-        updates = tuple(update for report in reports for update in report.updates)
+        # plain pickle: Connection.send's pickler copies its table of reducers for every message (~5 us a round),
+        # and a report needs none of them
+        self.connection.send_bytes(pickle.dumps(self.report(reports), pickle.HIGHEST_PROTOCOL))
+
+    def report(self, reports: list[GroupReport]) -> RoundReport:
+        """The round's message to the front end (and the failures and call outcomes gathered since the last)."""
+        updates = tuple(report.updates for report in reports if len(report.updates))
         stats = LoopStats(tuple(self.group.stats), tuple(self.group.admitted), self._steps, self._failed_steps)
         book = self.group.book
         transfers = book.stats() if book is not None else None
-        self.connection.send(
-            RoundReport(updates, tuple(self._failures), tuple(self._outcomes), stats, tuple(self.group.reserved), transfers)
-        )
+        report = RoundReport(updates, tuple(self._failures), tuple(self._outcomes), stats, tuple(self.group.reserved), transfers)
         self._failures, self._outcomes = [], []
+        return report
 
     def _tell(self, message: Halted) -> None:
         try:

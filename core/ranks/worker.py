@@ -3,7 +3,7 @@
     rank 0 (EngineGroup)                      every rank (a RankWorker; a Follower drives it on ranks 1..N-1)
     the commands since the last round  --broadcast-->  apply those for this rank's DP group (and every Call)
                                                        engine.step(), all ranks in lockstep
-    what each request gained, to the front  <--gather--  each DP group's output rank: its RequestUpdates
+    what each request gained, to the front  <--gather--  each DP group's output rank: its Updates
 
 Without DP attention there is one DP group: every rank applies every command and rank 0 reports for the
 group itself, so nothing is gathered.
@@ -16,13 +16,12 @@ import logging
 import os
 from typing import Callable
 
-import attrs
 import torch.distributed as dist
 
 from ..disagg.layout import KVLayout
 from ..engine import Engine
 from ..memory import memory_report
-from ..messages import Abort, Admit, Call, EndTransfer, GroupReport, GroupStats, RequestUpdate, Round, SendKV
+from ..messages import Abort, Admit, Call, EndTransfer, GroupReport, GroupStats, Round, SendKV, Updates
 from ..parallel import ParallelState
 from ..request import FinishReason, Request
 
@@ -30,36 +29,88 @@ log = logging.getLogger(__name__)
 
 
 def group_stats(engine: Engine) -> GroupStats:
-    scheduler, kv = engine.scheduler, engine.kv
-    stats = GroupStats(len(scheduler.running), len(scheduler.waiting), kv.num_pages, kv.num_free_pages, kv.page_size)
-    cache = engine.prefix_cache
+    scheduler, kv, cache = engine.scheduler, engine.kv, engine.prefix_cache
+    counts = (len(scheduler.running), len(scheduler.waiting), kv.num_pages, kv.num_free_pages, kv.page_size)
     if cache is None:
-        return stats
-    return attrs.evolve(
-        stats, kv_pages_cached=cache.num_pages, cache_queried_tokens=cache.queried_tokens,
-        cache_hit_tokens=cache.hit_tokens, cache_evicted_pages=cache.evicted_pages,
-    )
+        return GroupStats(*counts)
+    return GroupStats(*counts, cache.num_pages, cache.queried_tokens, cache.hit_tokens, cache.evicted_pages)
 
 
-class _Reported:
+class _Seen:
     """How much of one request rank 0 has been told about."""
+
+    __slots__ = ("request", "ids", "logprobs", "text", "cached", "spec")
 
     def __init__(self, request: Request):
         self.request = request
-        self.ids = self.logprobs = self.text = 0
+        self.ids = self.logprobs = self.text = self.cached = 0
+        self.spec = (0, 0, 0)
 
-    def update(self) -> RequestUpdate | None:
-        r = self.request
-        text_from = min(self.text, len(r.text))
-        grew = len(r.output_ids) > self.ids or len(r.logprobs) > self.logprobs or len(r.text) != self.text
-        if not (grew or r.finished):
-            return None
-        update = RequestUpdate(
-            r.rid, tuple(r.output_ids[self.ids :]), tuple(r.logprobs[self.logprobs :]), text_from, r.text[text_from:],
-            r.finish_reason, r.stop_reason, r.error, r.cached_tokens, r.spec_counts,
-        )
-        self.ids, self.logprobs, self.text = len(r.output_ids), len(r.logprobs), len(r.text)
-        return update
+
+class UpdateLog:
+    """What an output rank's requests gained since the last round, as one Updates message (one row per request with
+    something new): a few list appends per request that grew, the rest only where something rarer happened."""
+
+    def __init__(self, speculates: bool):
+        self.speculates = speculates  # spec counts change only with a drafter: otherwise they are never compared
+        self._seen: dict[str, _Seen] = {}
+        self._refused: list[tuple[str, str]] = []  # (rid, why) of requests this rank could not admit
+
+    def track(self, request: Request) -> None:
+        self._seen[request.rid] = _Seen(request)
+
+    def forget(self, rid: str) -> None:
+        self._seen.pop(rid, None)
+
+    def refused(self, rid: str, why: str) -> None:
+        self._refused.append((rid, why))
+
+    def take(self) -> Updates:
+        rids, ids, counts, texts = [], [], [], []
+        cuts, logprobs, ends, cached, spec = {}, {}, {}, {}, {}
+        one_each = True
+        done = []
+        for seen in self._seen.values():
+            r = seen.request
+            out, text = r.output_ids, r.text
+            n, t = len(out), len(text)
+            if n == seen.ids and t == seen.text and r.finish_reason is None and len(r.logprobs) == seen.logprobs:
+                continue
+            row = len(rids)
+            rids.append(r.rid)
+            grew = n - seen.ids
+            if grew == 1:
+                ids.append(out[-1])
+            else:
+                ids.extend(out[seen.ids :])
+                one_each = False
+            counts.append(grew)
+            text_from = seen.text
+            if t < text_from:  # a stop string cut what was reported
+                text_from = cuts[row] = t
+            texts.append(text[text_from:])
+            seen.ids, seen.text = n, t
+            if len(r.logprobs) != seen.logprobs:
+                logprobs[row] = tuple(r.logprobs[seen.logprobs :])
+                seen.logprobs = len(r.logprobs)
+            if r.cached_tokens != seen.cached:
+                cached[row] = seen.cached = r.cached_tokens
+            if self.speculates and r.spec_counts != seen.spec:
+                spec[row] = seen.spec = r.spec_counts
+            if r.finish_reason is not None:
+                ends[row] = (r.finish_reason, r.stop_reason, r.error)
+                done.append(r.rid)
+        for rid in done:
+            del self._seen[rid]
+        refused, self._refused = self._refused, []
+        for rid, why in refused:
+            ends[len(rids)] = (FinishReason.ABORT, None, why)
+            rids.append(rid)
+            counts.append(0)
+            texts.append("")
+            one_each = False
+        return Updates(tuple(rids), tuple(ids), () if one_each else tuple(counts), tuple(texts), cuts, logprobs, ends,
+                       cached, spec)
 
 
 # --- every rank -----------------------------------------------------------------------------------
@@ -71,8 +122,7 @@ class RankWorker:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.parallel: ParallelState = engine.parallel
-        self._reported: dict[str, _Reported] = {}
-        self._refused: list[RequestUpdate] = []
+        self.log = UpdateLog(engine.speculation is not None)
 
     def apply(self, commands) -> list:
         """Apply one round's commands in order; the outcome of each Call (a value or the exception raised)."""
@@ -86,7 +136,7 @@ class RankWorker:
                 self._admit(command)
             elif isinstance(command, Abort):
                 self.engine.abort(command.rid)
-                self._reported.pop(command.rid, None)
+                self.log.forget(command.rid)
             elif isinstance(command, SendKV):
                 self.engine.pd.send_to(command)
             elif isinstance(command, EndTransfer):
@@ -107,24 +157,17 @@ class RankWorker:
     def report(self) -> GroupReport | None:
         if not self.parallel.is_output_rank:
             return None
-        updates, self._refused = self._refused, []
-        for rid, reported in list(self._reported.items()):
-            update = reported.update()
-            if update is not None:
-                updates.append(update)
-            if reported.request.finished:
-                del self._reported[rid]
         reserved = self.engine.pd.take_reserved() if self.engine.pd is not None else ()
-        return GroupReport(self.parallel.dp_rank, tuple(updates), self.engine.has_work, group_stats(self.engine), reserved)
+        return GroupReport(self.parallel.dp_rank, self.log.take(), self.engine.has_work, group_stats(self.engine), reserved)
 
     def _admit(self, command: Admit) -> None:
         try:
             request = self.engine.add_request(command.prompt_ids, command.params, rid=command.rid, room=command.room)
         except ValueError as exc:  # rank 0 checks first, so a refusal here is a fault: fail the request
-            self._refused.append(RequestUpdate(command.rid, finish_reason=FinishReason.ABORT, error=str(exc)))
+            self.log.refused(command.rid, str(exc))
             return
         if self.parallel.is_output_rank:
-            self._reported[request.rid] = _Reported(request)
+            self.log.track(request)
 
     def _call(self, call: Call):
         try:

@@ -242,10 +242,8 @@ class EngineLoop:
             self.pd.reserved(report.reserved)
         for failure in report.failures:  # what earlier reports gave it goes out first, as when each report was sent
             self._push(failure.rid, time.monotonic())
-        for update in report.updates:
-            progress = self._progress.get(update.rid)
-            if progress is not None:  # else aborted meanwhile
-                update.apply(progress.request)
+        for updates in report.updates:
+            updates.apply(self._progress)  # a request no longer there was aborted meanwhile
         for failure in report.failures:
             self._fail(failure)
         for call_id, outcome in report.outcomes:
