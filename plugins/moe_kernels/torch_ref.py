@@ -97,7 +97,7 @@ def _grouped_experts(x: torch.Tensor, counts: list[int], weights) -> torch.Tenso
 def _padded_bmm(x: torch.Tensor, counts: list[int], weights) -> torch.Tensor:
     """_grouped_experts with each expert's rows padded to the most any expert got: two batched matmuls."""
     w13, w2 = weights
-    experts, rows = len(counts), max(counts)
+    experts, rows = len(counts), -(-max(counts) // 16) * 16  # oneDNN builds a kernel per new shape (~1 ms)
     count = torch.tensor(counts, device=x.device)
     expert = torch.repeat_interleave(torch.arange(experts, device=x.device), count, output_size=x.shape[0])
     first = count.cumsum(0) - count  # each expert's first row in x
