@@ -51,7 +51,7 @@ def padded_bmm(x, ids, w, w13, w2):
     """Rows padded per expert into [E, max_rows, H]; one bmm per projection over every expert."""
     experts = w13.shape[0]
     counts, pairs, token = _sorted(ids, experts)
-    rows = int(counts.max())
+    rows = -(-int(counts.max()) // 16) * 16  # as the kernel: a multiple of 16, so oneDNN reuses its kernels
     starts = counts.cumsum(0) - counts
     expert = ids.flatten()[pairs]
     slot = expert * rows + (torch.arange(pairs.numel()) - starts[expert])

@@ -51,7 +51,6 @@ CASES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_per_request_decode_matches_reference_and_padded_path(case, dtype):
-    """bf16 also pads each request's rows to a multiple of 32 (masked): lengths here are not multiples."""
     q_heads, kv_heads, dk, dv, shared = CASES[case]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     shapes = [[(kv_heads, dk)]] if shared else [[(kv_heads, dk), (kv_heads, dv)]]
@@ -71,7 +70,8 @@ def test_per_request_decode_matches_reference_and_padded_path(case, dtype):
     torch.testing.assert_close(TorchAttention().decode(q, keys, values, batch, 0.2), ours, rtol=0, atol=0)
     # the extend entry point given a decode batch (keys already gathered) takes the same path
     gathered = ragged_attention(q, gather_kv(keys, batch), gather_kv(values, batch), batch, 0.2)
-    torch.testing.assert_close(gathered, ours, rtol=tol / 10, atol=tol / 10)
+    same = 1e-6 if dtype == torch.float32 else tol  # bf16: one rounding apart where the widths differ
+    torch.testing.assert_close(gathered, ours, rtol=same, atol=same)
 
 
 class PaddedDecode(TorchAttention):

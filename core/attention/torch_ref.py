@@ -2,9 +2,9 @@
 
 Extend: every request's keys and values are gathered from its KV slots (ForwardBatch.kv_indices)
 and attended with causal masking offset by the request's cached prefix. Decode on CPU: request by
-request, each gathering only its own slots and attending with two matmuls, the query heads of a KV
-head grouped by a reshape (no padding, no KV repeated per head: on 2 cores this is 2-40x faster
-than one padded SDPA call, whose GQA and masked cases fall to the math path). Decode elsewhere:
+request, each gathering only its own slots and attending with one unmasked SDPA call, the query heads
+of a KV head as that head's query rows (no padding, no KV repeated per head: on 2 cores this is 2-40x
+faster than one padded SDPA call, whose GQA and masked cases fall to the math path). Decode elsewhere:
 all requests at once, their KV gathered into a [B, longest, ...] block with the padding masked out
 (one launch instead of B).
 """
@@ -48,25 +48,18 @@ def _attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: tor
     return out.squeeze(2)
 
 
-def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, length: int) -> torch.Tensor:
-    """One request: q [Hq, D] against the first `length` rows of k [L, Hkv, D], v [L, Hkv, Dv] -> [Hq, Dv]."""
-    if k.shape[1] == 1:  # one KV head (MLA's latent): 2-D matmuls on strided views, nothing copied
-        scores = torch.mm(q, k[:, 0].t()).mul_(scale)  # bf16 batched matmuls clone k first
-        scores[:, length:] = float("-inf")
-        return torch.mm(scores.softmax(-1), v[:, 0])
-    groups = q.shape[0] // k.shape[1]
-    q = q.view(k.shape[1], groups, q.shape[1])  # the query heads sharing a KV head, side by side
-    scores = torch.matmul(q, k.permute(1, 2, 0)).mul_(scale)  # [Hkv, groups, L]
-    scores[..., length:] = float("-inf")
-    return torch.matmul(scores.softmax(-1), v.transpose(0, 1)).view(-1, v.shape[-1])
+def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One request: q [Hq, D] against k [L, Hkv, D], v [L, Hkv, Dv] -> [Hq, Dv].
 
-
-def _row_bucket(dtype: torch.dtype) -> int:
-    """Rows a request's gathered KV is padded to a multiple of. bf16/fp16 matmuls on CPU go to oneDNN,
-    which builds a kernel for every new shape (~0.6 ms, 8x the matmul itself at 300 rows); a request's
-    length grows by one each step, so unpadded every call would build one. fp32 goes to a BLAS without
-    that cost."""
-    return 32 if dtype in (torch.bfloat16, torch.float16) else 1
+    The query heads of a KV head become that head's query rows (no KV repeated per head, no mask: every
+    row sits at the last position), so SDPA takes its fused CPU kernel, which needs no per-shape set-up;
+    bf16 matmuls here would go to oneDNN, which builds a kernel for every new length (~0.6 ms), and a
+    request's length changes every step."""
+    hkv = k.shape[1]
+    out = F.scaled_dot_product_attention(
+        q.view(1, hkv, q.shape[0] // hkv, q.shape[1]), k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale
+    )
+    return out.view(q.shape[0], v.shape[-1])
 
 
 def _shares_keys(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -85,15 +78,14 @@ def decode_per_request(
     out = q.new_empty(q.shape[0], q.shape[1], value_cache.shape[-1])
     indptr = batch.kv_indptr.tolist()
     shared = _shares_keys(key_cache, value_cache)
-    bucket = _row_bucket(q.dtype)
+    width = value_cache.shape[-1]
     for i in range(q.shape[0]):
         slots = batch.kv_indices[indptr[i] : indptr[i + 1]]
-        length = slots.numel()
-        if length % bucket:  # repeat the last slot: real rows, masked out of the softmax
-            slots = torch.cat([slots, slots[-1:].expand(-length % bucket)])
         k = key_cache.index_select(0, slots)
-        v = k[..., : value_cache.shape[-1]] if shared else value_cache.index_select(0, slots)
-        out[i] = _attend_one(q[i], k, v, scale, length)
+        if shared:  # the keys serve as values whole (the fused kernel wants one width), then cut to the latent
+            out[i] = _attend_one(q[i], k, k, scale)[:, :width]
+        else:
+            out[i] = _attend_one(q[i], k, value_cache.index_select(0, slots), scale)
     return out
 
 
@@ -125,8 +117,7 @@ def ragged_attention(
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         indptr = batch.kv_indptr.tolist()
         for i in range(q.shape[0]):
-            length = indptr[i + 1] - indptr[i]
-            out[i] = _attend_one(q[i], k[indptr[i] : indptr[i + 1]], v[indptr[i] : indptr[i + 1]], scale, length)
+            out[i] = _attend_one(q[i], k[indptr[i] : indptr[i + 1]], v[indptr[i] : indptr[i + 1]], scale)
         return out
     if batch.mode == ForwardMode.DECODE:
         rows, valid = padded_rows(batch)
