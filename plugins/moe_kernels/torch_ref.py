@@ -4,9 +4,9 @@ The standard layout (the one-rank CPU path) sorts its (token, expert) pairs by e
 the experts over the sorted rows, on CPU one of two ways chosen by measurement
 (`benchmarks/cpu_moe_layer.py`, results in `benchmarks/results/cpu_throughput.md`):
 - bf16/fp16 where oneDNN runs them (AVX-512-BF16 / AMX), once at least half the experts got rows: the
-  rows padded per expert into [experts, most rows, H] and one `torch.bmm` per projection, which oneDNN
-  runs as a batched matmul (1.5-2.3x faster than `torch._grouped_mm`, whose bf16 path is a loop of
-  small matmuls slower than fp32's);
+  rows padded per expert into [experts, most rows rounded up to 16, H] and one `torch.bmm` per
+  projection, which oneDNN runs as a batched matmul (1.5-2x faster than `torch._grouped_mm` from 16
+  decode tokens, whose bf16 path is a loop of small matmuls slower than fp32's);
 - otherwise one `torch._grouped_mm` call per projection (1.3-2x faster than a loop of small GEMMs).
 Other devices take a loop over the experts that got rows.
 """
