@@ -1,8 +1,8 @@
 """The `torch` MoE kernel's standard layout (pairs sorted by expert once, grouped GEMMs) equals the
 per-expert loop it replaced, and both equal every pair written out in fp64: on the conformance
 routings (ids of -1, idle experts, one expert taking everything, no tokens), at decode and prefill
-sizes, in each dtype, and on CPU both through `torch._grouped_mm` and through the loop other
-devices take."""
+sizes, in each dtype, and on CPU through each path: rows padded per expert into batched matmuls,
+`torch._grouped_mm`, and the loop other devices take."""
 
 import pytest
 import torch
@@ -45,15 +45,16 @@ def case(routing, tokens, experts, top_k, dtype, seed=0):
     return make_hidden(tokens, HIDDEN, seed).to(dtype), route, w13, w2
 
 
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
+@pytest.mark.parametrize("path", ["padded_bmm", "grouped_mm", "loop"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "routing,tokens,experts,top_k",
     [(name, 48, 16, 4) for name in ROUTINGS] + [("random", 0, 8, 2), ("random", 1, 8, 1), ("random", 120, 32, 8)],
 )
-def test_standard_layout_matches_the_loop_and_every_pair(routing, tokens, experts, top_k, dtype, grouped, monkeypatch):
+def test_standard_layout_matches_the_loop_and_every_pair(routing, tokens, experts, top_k, dtype, path, monkeypatch):
     hidden, route, w13, w2 = case(routing, tokens, experts, top_k, dtype)
-    if not grouped:  # the loop over experts that GPUs (and weights in another dtype than the activations) take
+    monkeypatch.setattr(torch_ref, "_use_padded_bmm", lambda x, counts, weights: path == "padded_bmm")
+    if path == "loop":  # the loop over experts that GPUs (and weights in another dtype than the activations) take
         monkeypatch.setattr(torch_ref, "_use_grouped_mm", lambda x, weights: False)
     layout = StandardLayout(hidden, route.topk_ids, route.topk_weights, experts)
     ctx = MoEContext(HIDDEN, INTERMEDIATE, experts, top_k, dtype, torch.device("cpu"))
@@ -65,3 +66,15 @@ def test_standard_layout_matches_the_loop_and_every_pair(routing, tokens, expert
     torch.testing.assert_close(result.hidden.double(), reference, rtol=0, atol=TOLERANCE[dtype] * scale)
     former = per_expert_loop(hidden, route.topk_ids, route.topk_weights, w13, w2)
     torch.testing.assert_close(result.hidden, former, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * scale)
+
+
+def test_padded_bmm_is_taken_only_where_it_wins():
+    """bf16 at decode sizes with most experts hit: the batched matmuls; one token, fp32, or one expert
+    crowded with every row: not."""
+    _, route, w13, w2 = case("random", 48, 16, 4, torch.bfloat16)
+    x = torch.zeros(8, HIDDEN, dtype=torch.bfloat16)
+    assert torch_ref._use_padded_bmm(x, [1] * 8 + [0] * 8, (w13, w2)) == torch_ref._onednn_runs(torch.bfloat16)
+    assert not torch_ref._use_padded_bmm(x, [8] + [0] * 15, (w13, w2))  # one expert hit
+    assert not torch_ref._use_padded_bmm(x.float(), [1] * 8 + [0] * 8, (w13.float(), w2.float()))
+    crowded = torch.zeros(200, HIDDEN, dtype=torch.bfloat16)
+    assert not torch_ref._use_padded_bmm(crowded, [185] + [1] * 15, (w13, w2))  # 16 x 185 rows for 200

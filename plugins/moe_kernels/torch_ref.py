@@ -1,12 +1,19 @@
 """`torch`: the reference MoE kernel in plain torch, for every layout and weight format.
 
 The standard layout (the one-rank CPU path) sorts its (token, expert) pairs by expert once and runs
-the experts as grouped GEMMs over the sorted rows: one `torch._grouped_mm` call per projection on
-CPU (1.3-2x faster than a loop of small GEMMs at decode sizes), a loop over the experts that got
-rows elsewhere.
+the experts over the sorted rows, on CPU one of two ways chosen by measurement
+(`benchmarks/cpu_moe_layer.py`, results in `benchmarks/results/cpu_throughput.md`):
+- bf16/fp16 where oneDNN runs them (AVX-512-BF16 / AMX), once at least half the experts got rows: the
+  rows padded per expert into [experts, most rows rounded up to 16, H] and one `torch.bmm` per
+  projection, which oneDNN runs as a batched matmul (1.5-2x faster than `torch._grouped_mm` from 16
+  decode tokens, whose bf16 path is a loop of small matmuls slower than fp32's);
+- otherwise one `torch._grouped_mm` call per projection (1.3-2x faster than a loop of small GEMMs).
+Other devices take a loop over the experts that got rows.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -77,12 +84,44 @@ def _activations(hidden: torch.Tensor, fp8: Fp8Payload | None) -> torch.Tensor:
 def _grouped_experts(x: torch.Tensor, counts: list[int], weights) -> torch.Tensor:
     """Rows x [sum(counts), H] sorted by expert, counts[e] of them for expert e -> [sum(counts), H_out]."""
     w13, w2 = weights
+    if _use_padded_bmm(x, counts, weights):
+        return _padded_bmm(x, counts, weights)
     if _use_grouped_mm(x, weights):
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         gate, up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
         return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
     rows = [_expert(group, weights, e) for e, group in enumerate(x.split(counts)) if group.shape[0]]
     return torch.cat(rows) if rows else x.new_empty(0, w2.shape[1])
+
+
+def _padded_bmm(x: torch.Tensor, counts: list[int], weights) -> torch.Tensor:
+    """_grouped_experts with each expert's rows padded to the most any expert got: two batched matmuls."""
+    w13, w2 = weights
+    experts, rows = len(counts), -(-max(counts) // 16) * 16  # oneDNN builds a kernel per new shape (~1 ms)
+    count = torch.tensor(counts, device=x.device)
+    expert = torch.repeat_interleave(torch.arange(experts, device=x.device), count, output_size=x.shape[0])
+    first = count.cumsum(0) - count  # each expert's first row in x
+    slot = expert * rows + torch.arange(x.shape[0], device=x.device) - first[expert]
+    padded = x.new_zeros(experts * rows, x.shape[1]).index_copy_(0, slot, x).view(experts, rows, x.shape[1])
+    gate, up = torch.bmm(padded, w13.transpose(1, 2)).chunk(2, dim=-1)
+    return torch.bmm(F.silu(gate) * up, w2.transpose(1, 2)).view(experts * rows, w2.shape[1]).index_select(0, slot)
+
+
+def _use_padded_bmm(x: torch.Tensor, counts: list[int], weights) -> bool:
+    # measured on a Xeon with AMX: the batched matmul reads every expert's weights, so it needs half of
+    # them hit to beat _grouped_mm (at 1-4 decode tokens it is 1.2-4x slower); the padding is bounded so
+    # one crowded expert cannot blow the rows up
+    if not (x.device.type == "cpu" and _onednn_runs(x.dtype) and all(w.dtype == x.dtype for w in weights)):
+        return False
+    hit = sum(1 for c in counts if c)
+    return 2 * hit >= len(counts) and len(counts) * max(counts) <= 8 * x.shape[0]
+
+
+@functools.cache
+def _onednn_runs(dtype: torch.dtype) -> bool:
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
 def _use_grouped_mm(x: torch.Tensor, weights) -> bool:
