@@ -84,15 +84,18 @@ def test_combine_of_dispatch_is_weighted_sum(dispatcher_cls, ranks, routing, pay
 @pytest.mark.parametrize("payload", PAYLOADS)
 @pytest.mark.parametrize("ranks", [1, TWO_RANKS], ids=["one_rank", "two_ranks"])
 def test_two_dispatches_in_flight(dispatcher_cls, ranks, payload, request):
-    if TWO_IN_FLIGHT not in checks_for(dispatcher_cls.caps):
-        pytest.skip(f"dispatcher '{request.getfixturevalue('moeplex_plugin').name}' holds one dispatch in flight")
-    run(dispatcher_cls, ranks, TWO_IN_FLIGHT, payload, request)
+    run_declared(dispatcher_cls, ranks, TWO_IN_FLIGHT, payload, request, "holds one dispatch in flight")
 
 
 @pytest.mark.parametrize("payload", PAYLOADS)
 @pytest.mark.parametrize("ranks", [1, TWO_RANKS], ids=["one_rank", "two_ranks"])
 def test_a_decode_step_of_known_counts(dispatcher_cls, ranks, payload, request):
     """What a graph-safe dispatcher is handed in a captured decode step: every rank's count (one rank idle)."""
-    if DECODE_STEP not in checks_for(dispatcher_cls.caps):
-        pytest.skip(f"dispatcher '{request.getfixturevalue('moeplex_plugin').name}' does not declare graph_safe")
-    run(dispatcher_cls, ranks, DECODE_STEP, payload, request)
+    run_declared(dispatcher_cls, ranks, DECODE_STEP, payload, request, "does not declare graph_safe")
+
+
+def run_declared(dispatcher_cls, ranks, check, payload, request, why_not: str) -> None:
+    """Run `check` where the dispatcher's caps call for it; otherwise skip, saying why."""
+    if check not in checks_for(dispatcher_cls.caps):
+        pytest.skip(f"dispatcher '{request.getfixturevalue('moeplex_plugin').name}' {why_not}")
+    run(dispatcher_cls, ranks, check, payload, request)
