@@ -10,7 +10,7 @@ for part in "$@"; do
   echo "== $part $(date +%T)"
   case $part in
     tests)
-      timeout -s ABRT 240 python3 -m pytest -q -rs -m gpu tests/test_kernel_rope.py tests/test_kernel_router_gemv.py \
+      timeout -s ABRT 480 python3 -m pytest -q -rs -m gpu tests/test_kernel_rope.py tests/test_kernel_router_gemv.py \
         tests/test_triton_attention.py tests/test_triton_moe.py tests/test_fused_kernels.py tests/test_cuda_graph.py \
         tests/test_speculative_gpu.py tests/test_draft_graphs.py tests/test_cuda_graph_parallel.py tests/test_prefix_cache_benchmark.py 2>&1 \
         | tee "$out/gpu_tests.log" | tail -15 ;;
