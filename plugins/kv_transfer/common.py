@@ -160,6 +160,20 @@ class RoomBackend(KVTransfer):
             for name in self.room_books:
                 getattr(self, name).pop(room, None)
 
+    def metadata(self, room: int) -> bytes:
+        if self._in.poll(room) is not DONE:
+            raise KeyError(f"room {room} has not received its metadata row")
+        return self._metadata[room]
+
+    def _mark_aborted(self, room: int) -> None:
+        """Both sides of `room` FAILED ("aborted" unless a reason came first), its expected pages dropped;
+        the caller holds the lock that guards the rooms."""
+        for side in (self._in, self._out):
+            if room in side.state:
+                side.state[room] = FAILED
+                side.reason.setdefault(room, "aborted")
+        self._expected.pop(room, None)
+
     def expect(self, room: int, dst_pages: Sequence[int]) -> None:
         check_pages(dst_pages, self._registered().num_pages, "destination")
         with self._lock:

@@ -142,11 +142,6 @@ class CudaIpcTransfer(PipedBackend):
             return FAILED  # the I/O thread ended (closed, or broke): nothing will move any more
         return status
 
-    def metadata(self, room: int) -> bytes:
-        if self._in.poll(room) is not DONE:
-            raise KeyError(f"room {room} has not received its metadata row")
-        return self._metadata[room]
-
     def abort(self, room: int) -> None:
         with self._lock:
             copy = self._copies.pop(room, None) or self._confirming.pop(room, None)
@@ -154,11 +149,7 @@ class CudaIpcTransfer(PipedBackend):
                 copy.done.synchronize()  # the copy into our pages has ended before abort returns
                 self._command(("answer", copy.sender, [b"F", _room(room)]))
             sent = self._sent.pop(room, None)
-            for side in (self._in, self._out):
-                if room in side.state:
-                    side.state[room] = FAILED
-                    side.reason.setdefault(room, "aborted")
-            self._expected.pop(room, None)
+            self._mark_aborted(room)
         if sent is not None:
             self._command(("send", sent[0], [b"X", _room(room)]))
 

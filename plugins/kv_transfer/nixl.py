@@ -120,11 +120,6 @@ class NixlTransfer(RoomBackend):
     def poll(self, room: int) -> TransferStatus:
         return self._in.poll(room) or self._out.poll(room) or FAILED
 
-    def metadata(self, room: int) -> bytes:
-        if self._in.poll(room) is not DONE:
-            raise KeyError(f"room {room} has not received its metadata row")
-        return self._metadata[room]
-
     def abort(self, room: int) -> None:
         with self._lock:
             read = self._reads.pop(room, None) or self._confirming.pop(room, None)
@@ -132,11 +127,7 @@ class NixlTransfer(RoomBackend):
                 self._end_read(read)  # cancelled, or waited for: no byte lands after this returns
                 self._notify(read.peer, b"F", room, "the receiver aborted")
             sent = self._sent.pop(room, None)
-            for side in (self._in, self._out):
-                if room in side.state:
-                    side.state[room] = FAILED
-                    side.reason.setdefault(room, "aborted")
-            self._expected.pop(room, None)
+            self._mark_aborted(room)
         if sent is not None:
             self._notify(sent[0], b"X", room)
 

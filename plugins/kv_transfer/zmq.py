@@ -141,19 +141,10 @@ class ZmqTransfer(PipedBackend):
             return FAILED  # the I/O thread ended (closed, or broke): nothing will move any more
         return status  # dict reads only: never waits for a copy
 
-    def metadata(self, room: int) -> bytes:
-        if self._in.poll(room) is not DONE:
-            raise KeyError(f"room {room} has not received its metadata row")
-        return self._metadata[room]
-
     def abort(self, room: int) -> None:
         with self._lock:  # waits for at most the one chunk being read or written
             sending = self._peer_of.get(room) if self._out.state.get(room) is PENDING else None
-            for side in (self._in, self._out):
-                if room in side.state:
-                    side.state[room] = FAILED
-                    side.reason.setdefault(room, "aborted")
-            self._expected.pop(room, None)
+            self._mark_aborted(room)
         if sending is not None:
             self._command(("abort", room, sending))
 
