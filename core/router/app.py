@@ -90,7 +90,7 @@ class Router:
         await (Response(status_code=CLIENT_CLOSED) if response is None else response)(scope, receive, send)
 
     async def generate(self, http: Request) -> Response:
-        body = await self._body(http, self.settings.max_request_bytes)
+        body = await body_or_refusal(http, self.settings.max_request_bytes, self.settings.body_timeout_secs)
         if isinstance(body, Response):
             return body
         text = routing_text(http.url.path, body)
@@ -163,23 +163,11 @@ class Router:
 
     # --- bodies ----------------------------------------------------------------------------------
 
-    async def _body(self, http: Request, limit: int) -> bytes | Response:
-        """The body under `limit` bytes, or the response that refuses it (413, 408, or nobody left to answer)."""
-        try:
-            return await read_body(http, limit, self.settings.body_timeout_secs)
-        except BodyRefused as exc:
-            # the rest of the body is never read: close the connection, so a client still sending it stops
-            response = error_response(exc.status, exc.args[0])
-            response.headers["Connection"] = "close"
-            return response
-        except ClientDisconnect:
-            return Response(status_code=CLIENT_CLOSED)
-
     async def _worker_url(self, http: Request) -> str | Response:
         """The worker a management call names (?url= or a JSON body {"url": ...}), or the response refusing it."""
         if "url" in http.query_params:
             return http.query_params["url"]
-        body = await self._body(http, MANAGEMENT_BODY_BYTES)
+        body = await body_or_refusal(http, MANAGEMENT_BODY_BYTES, self.settings.body_timeout_secs)
         if isinstance(body, Response):
             return body
         try:
@@ -190,6 +178,19 @@ class Router:
         if isinstance(url, str):
             return url
         return error_response(400, f"name the worker: POST {http.url.path}?url=http://HOST:PORT or a JSON body {{\"url\": ...}}")
+
+
+async def body_or_refusal(http: Request, limit: int, timeout: float) -> bytes | Response:
+    """The body under `limit` bytes, or the response that refuses it (413, 408, or nobody left to answer)."""
+    try:
+        return await read_body(http, limit, timeout)
+    except BodyRefused as exc:
+        # the rest of the body is never read: close the connection, so a client still sending it stops
+        response = error_response(exc.status, exc.args[0])
+        response.headers["Connection"] = "close"
+        return response
+    except ClientDisconnect:
+        return Response(status_code=CLIENT_CLOSED)
 
 
 async def until_disconnected(http: Request, work) -> Response | None:

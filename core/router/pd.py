@@ -20,15 +20,14 @@ import secrets
 from urllib.parse import urlsplit
 
 import aiohttp
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .access import error_response
-from .bodies import BodyRefused, read_body
 from .deadlines import Deadlines
 from .http1 import Pool
-from .app import CLIENT_CLOSED, until_disconnected, worker_lifespan
+from .app import CLIENT_CLOSED, body_or_refusal, until_disconnected, worker_lifespan
 from .health import HealthChecker
 from .metrics import RouterMetrics
 from .policies import Choice, least_loaded, make_policy
@@ -95,14 +94,9 @@ class PDRouter:
         ]
 
     async def generate(self, http: Request) -> Response:
-        try:
-            body = await read_body(http, self.settings.max_request_bytes, self.settings.body_timeout_secs)
-        except BodyRefused as exc:
-            response = error_response(exc.status, exc.args[0])
-            response.headers["Connection"] = "close"
-            return response
-        except ClientDisconnect:
-            return Response(status_code=CLIENT_CLOSED)
+        body = await body_or_refusal(http, self.settings.max_request_bytes, self.settings.body_timeout_secs)
+        if isinstance(body, Response):
+            return body
         try:
             values = json.loads(body)
         except (ValueError, RecursionError):
