@@ -2,45 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 
 import fake_plugins
-
-
-class Outcomes:
-    """Collects each test's outcome by its id, e.g. 'test_placement_keeps_the_contract[...]' -> 'failed'."""
-
-    def __init__(self):
-        self.by_test: dict[str, str] = {}
-
-    def pytest_runtest_logreport(self, report):
-        if report.when == "call" or report.outcome != "passed":
-            self.by_test[report.nodeid.rpartition("::")[2]] = report.outcome
+from conformance_run import installed, run_conformance
 
 
 @pytest.fixture
 def fake_distribution(tmp_path, monkeypatch):
-    site = tmp_path / "site"
-    site.mkdir()
-    fake_plugins.write_distribution(site)
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.syspath_prepend(os.path.dirname(__file__))
-    monkeypatch.chdir(tmp_path)  # no project settings apply, as for a third party
-    importlib.invalidate_caches()
-    yield
-    sys.modules.pop("fake_plugins", None)
-
-
-def run_conformance(plugin: str, select: str) -> dict[str, str]:
-    outcomes = Outcomes()
-    args = ["-q", "--tb=line", "-p", "no:cacheprovider", "--pyargs", "moeplex.conformance", "--moeplex-plugin", plugin, "-k", select]
-    code = pytest.main(args, plugins=[outcomes])
-    assert code in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED), f"the suite did not run: exit {code}"
-    return outcomes.by_test
+    yield from installed(fake_plugins, tmp_path, monkeypatch)
 
 
 def test_fp16_inside_passes_at_unit_scale_where_the_old_suite_looked(fake_distribution):

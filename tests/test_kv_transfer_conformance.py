@@ -7,46 +7,22 @@ through a dist-info folder on sys.path, as an installed package's would be.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 
 import kv_transfer_broken
+from conformance_run import installed, run_conformance
 from moeplex import registry
 from moeplex.interfaces import PluginError
 from moeplex.plugins.kv_transfer.nixl import load_nixl
 
 
-class Outcomes:
-    def __init__(self):
-        self.by_test: dict[str, str] = {}
-
-    def pytest_runtest_logreport(self, report):
-        if report.when == "call" or report.outcome != "passed":
-            self.by_test[report.nodeid.rpartition("::")[2]] = report.outcome
-
-
 @pytest.fixture
 def third_party(tmp_path, monkeypatch):
-    site = tmp_path / "site"
-    site.mkdir()
-    kv_transfer_broken.write_distribution(site)
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.syspath_prepend(os.path.dirname(__file__))
-    monkeypatch.chdir(tmp_path)  # no project settings apply
-    importlib.invalidate_caches()
-    yield
-    sys.modules.pop("kv_transfer_broken", None)
+    yield from installed(kv_transfer_broken, tmp_path, monkeypatch)
 
 
 def run_suite(name: str, select: str | None = None) -> dict[str, str]:
-    outcomes = Outcomes()
-    args = ["-q", "--tb=line", "-p", "no:cacheprovider", "--pyargs", "moeplex.conformance", "--moeplex-plugin", f"kv_transfer:{name}"]
-    code = pytest.main(args + (["-k", select] if select else []), plugins=[outcomes])
-    assert code in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED), f"the suite did not run: exit {code}"
-    return outcomes.by_test
+    return run_conformance(f"kv_transfer:{name}", select)
 
 
 @pytest.mark.parametrize("name", ["loopback", "zmq", "nixl"])
