@@ -251,7 +251,8 @@ class DecodeGraphs:
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """[B, vocab] logits of a decode batch (a copy: the graph's output is overwritten by the next replay);
         an idle batch replays its agreed size with padding rows only and gets [0, vocab]."""
-        return self.run_with_hidden(batch)[0] if self.with_hidden else self._replay(batch)[: batch.batch_size].clone()
+        out = self._replay(batch)
+        return (out[0] if self.with_hidden else out)[: batch.batch_size].clone()
 
     def run_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """([B, vocab] logits, [B, H] pre-norm hidden states) of a decode batch, from graphs captured with_hidden."""
