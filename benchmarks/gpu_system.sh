@@ -18,12 +18,12 @@ for part in "$@"; do
       timeout 240 python3 benchmarks/speculative.py --device cuda --qwen-layers 12 --batches 1 8 32 --runs 3 \
         --out "$out/speculative_h200.md" 2>&1 | grep -v -i warn | tail -40 ;;
     e2e)
-      for run in 1 2 3; do
-        timeout 150 python3 benchmarks/e2e_gpu.py --skip-correctness --only qwen --decode 1 8 32 --prefill \
-          --compare-fewer-launches --out "$out/e2e_qwen_run$run.md" 2>&1 | grep -v -i warn | tail -14
-      done
-      timeout 120 python3 benchmarks/e2e_gpu.py --skip-correctness --only dsv3 --decode 1 8 32 --prefill \
-        --compare-fewer-launches --out "$out/e2e_dsv3.md" 2>&1 | grep -v -i warn | tail -14 ;;
+      for model in qwen dsv3; do
+        for run in 1 2 3; do
+          timeout 150 python3 benchmarks/e2e_gpu.py --skip-correctness --only $model --decode 1 8 32 --prefill \
+            --compare-fewer-launches --out "$out/e2e_${model}_run$run.md" 2>&1 | grep -v -i warn | tail -14
+        done
+      done ;;
     prefix)
       timeout 300 python3 benchmarks/prefix_cache.py --device cuda --runs 3 --out "$out/prefix_cache_h200.md" 2>&1 \
         | grep -v -i warn | tail -20 ;;
