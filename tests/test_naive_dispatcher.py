@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moeplex.conformance.dispatch_ranks import free_port
+from moeplex.ranks.launcher import exit_rank
 from moeplex.interfaces import BF16, CONTIGUOUS, STANDARD, ExpertOutput, ExpertWeights, MoEContext
 from moeplex.moe.adapters import LayoutAdapter
 from moeplex.forward_batch import ForwardBatch, ForwardMode
@@ -171,6 +172,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
     finally:
         dist.destroy_process_group()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    exit_rank()
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moeplex.ranks.launcher import exit_rank
 from moeplex.registry import lookup
 
 from .dispatch_checks import backend_for, device_for_rank, hidden_size_for, make_context, payloads_for, run_check
@@ -94,6 +95,7 @@ def _rank_main(rank: int, world: int, port: int, plugin_name: str, checks: tuple
             _leave_together()
     finally:
         dist.destroy_process_group()
+    exit_rank()
 
 
 def _leave_together() -> None:

@@ -13,6 +13,7 @@ import logging
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import threading
 from typing import Any, Callable
@@ -170,3 +171,14 @@ def _rank_main(local_rank: int, fn, parallel: ParallelConfig, joining: tuple, re
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    exit_rank()
+
+
+def exit_rank() -> None:
+    """Leave a spawned rank that succeeded without finalizing the interpreter: gloo's worker threads may still drop the
+    last reference to a finished collective's tensors, and a thread that needs the GIL while the interpreter
+    finalizes aborts the process (SIGABRT after a clean run: pytorch/pytorch#190489). Nothing is left to do."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
