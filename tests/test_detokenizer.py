@@ -1,0 +1,51 @@
+"""Incremental detokenization: the deltas put together are the whole decode, for byte-level tokens that split
+characters and for a Metaspace tokenizer whose decode drops the space of a window's first word."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+from tokenizers import Tokenizer, decoders, models
+
+from moeplex.models.make_model import EOS, byte_level_tokenizer
+from moeplex.tokenizer import Detokenizer
+
+BYTES = byte_level_tokenizer()
+WORDS = ["\u2581the", "\u2581cat", "\u2581sat", "s", "\u2581on", "\u2581\u00e9t\u00e9", "\u2581\u4e16\u754c", "!"]
+
+
+def metaspace_tokenizer() -> Tokenizer:
+    tokenizer = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="!"))
+    tokenizer.decoder = decoders.Metaspace()
+    return tokenizer
+
+
+def pushed(tokenizer: Tokenizer, ids: list[int]) -> tuple[list[str], str]:
+    detok = Detokenizer(tokenizer)
+    deltas = [detok.push(token) for token in ids]
+    return deltas, "".join(deltas) + detok.flush()
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.text(min_size=0, max_size=80))
+def test_byte_level_deltas_make_the_text_and_never_end_inside_a_character(text):
+    ids = BYTES.encode(text).ids
+    deltas, whole = pushed(BYTES, ids)
+    assert whole == BYTES.decode(ids) == text
+    assert not any(delta.endswith("\ufffd") for delta in deltas)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, len(WORDS) - 1), min_size=1, max_size=3 * 16 + 5))
+def test_metaspace_words_keep_their_spaces_across_windows(ids):
+    tokenizer = metaspace_tokenizer()
+    deltas, whole = pushed(tokenizer, ids)
+    assert whole == tokenizer.decode(ids)
+    assert "".join(deltas) == whole  # nothing held back: every word is whole
+
+
+def test_special_tokens_are_skipped_and_a_split_character_waits_for_its_last_byte():
+    eos = BYTES.token_to_id(EOS)
+    ids = BYTES.encode("a\u20ac").ids  # the euro sign is three bytes
+    deltas, whole = pushed(BYTES, [ids[0], eos, *ids[1:]])
+    assert deltas == ["a", "", "", "", "\u20ac"]
+    assert whole == "a\u20ac"
