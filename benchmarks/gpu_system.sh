@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
-#   bash benchmarks/gpu_system.sh OUT tests|spec|e2e|prefix|serve ...
+#   bash benchmarks/gpu_system.sh OUT tests|spec|e2e|prefix|dgmasked ...
+# dgmasked needs the DeepGEMM wheel carried in .dg/ (see benchmarks/results/deepgemm_moe_h200.md); its JIT cache
+# goes back as OUT/dg_cache.tgz (unpack it into .dg/cache to skip the compiles next time).
 set -o pipefail
 out=${1:-.}; shift
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
@@ -24,6 +26,12 @@ for part in "$@"; do
             --compare-fewer-launches --out "$out/e2e_${model}_run$run.md" 2>&1 | grep -v -i warn | tail -14
         done
       done ;;
+    dgmasked)
+      python3 -m pip install -q --no-deps --no-index .dg/deepgemm-*.whl
+      mkdir -p .dg/cache
+      CPLUS_INCLUDE_PATH=$PWD/.dg/include DG_JIT_CACHE_DIR=$PWD/.dg/cache timeout 420 python3 benchmarks/deepgemm_masked.py \
+        --tokens 1 8 32 --runs 3 --out "$out/deepgemm_masked_h200.md" 2>&1 | grep -v -i warn | tail -12
+      tar czf "$out/dg_cache.tgz" -C .dg cache ;;
     prefix)
       timeout 300 python3 benchmarks/prefix_cache.py --device cuda --runs 3 --out "$out/prefix_cache_h200.md" 2>&1 \
         | grep -v -i warn | tail -20 ;;
