@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
-#   bash benchmarks/gpu_system.sh OUT tests|spec|e2e|prefix|dgmasked ...
+#   bash benchmarks/gpu_system.sh OUT tests|spec|spec-steady|e2e|prefix|dgmasked ...
 # dgmasked needs the DeepGEMM wheel carried in .dg/ (see benchmarks/results/deepgemm_moe_h200.md); its JIT cache
 # goes back as OUT/dg_cache.tgz (unpack it into .dg/cache to skip the compiles next time).
 set -o pipefail
@@ -19,6 +19,9 @@ for part in "$@"; do
     spec)
       timeout 240 python3 benchmarks/speculative.py --device cuda --qwen-layers 12 --batches 1 8 32 --runs 3 \
         --out "$out/speculative_h200.md" 2>&1 | grep -v -i warn | tail -40 ;;
+    spec-steady)
+      timeout 300 python3 benchmarks/speculative.py --device cuda --qwen-layers 12 --batches 1 8 32 --runs 3 --steady \
+        --out "$out/speculative_steady_h200.md" 2>&1 | grep -v -i warn | tail -40 ;;
     e2e)
       for model in qwen dsv3; do
         for run in 1 2 3; do

@@ -19,7 +19,10 @@ Drafters, every one greedy with ignore_eos (so every run does the same work and 
   (--disable-speculative-backoff: a verify step every step);
 - nextn (DeepSeek-V3 only): the checkpoint's MTP layer, random, so it accepts about nothing: its cost.
 Decode tokens/s counts the tokens generated after every request's first one (the prompts' step excluded),
-over the wall time of those steps; median of --runs runs (each on a fresh engine), min-max beside it.
+over the wall time of those steps; median of --runs runs (one warmed-up engine per drafter), min-max beside it.
+With --steady each batch slot gets 4 prompts in turn (a finished request is replaced at once), and the rate is
+measured while the batch is full: serving's steady state, where a request whose drafts miss no longer holds a
+shrinking batch open.
 SGLang's reported numbers for DeepSeek-V3 with its MTP layer on H200 (1.8x at batch 1, 1.5x at batch 32,
 accept length 2.2-2.4) are printed beside the oracle and ngram rows: a trained MTP layer's ceiling vs ours.
 """
@@ -50,6 +53,7 @@ import script_drafters  # noqa: E402  (the test-only oracle and adversary)
 
 SGLANG = {1: "1.8x", 32: "1.5x"}  # SGLang, DeepSeek-V3 + MTP (EAGLE), H200, as reported in its docs / blog
 PHRASE, REPEATS = 24, 4
+STEADY_WAVES = 4  # --steady: prompts per batch slot
 
 
 def workload(batch: int, seed: int) -> list[list[int]]:
@@ -110,11 +114,34 @@ def decode_rate(engine: Engine, prompts, params, device: str) -> tuple[float, li
     return (sum(len(r.output_ids) for r in requests) - first) / (time.perf_counter() - start), requests
 
 
+def steady_rate(engine: Engine, prompts, params, batch: int, device: str) -> tuple[float, list]:
+    """(decode tokens/s with `batch` requests always running, the finished requests): each request that finishes
+    is replaced by the next prompt; the clock runs from when the first `batch` requests all have their first token
+    to when the last prompt is admitted, so the batch is full throughout (tokens of admitted requests' prefills
+    count too, alike for every drafter)."""
+    queue = list(prompts)
+    requests = [engine.add_request(queue.pop(0), params) for _ in range(batch)]
+    start = stop = None
+    counted = 0
+    while engine.has_work:
+        for _ in engine.step():
+            if queue:
+                requests.append(engine.add_request(queue.pop(0), params))
+        if start is None and all(r.output_ids for r in requests[:batch]):
+            sync(device)
+            start, counted = time.perf_counter(), sum(len(r.output_ids) for r in requests)
+        if start is not None and stop is None and not queue:
+            sync(device)
+            stop, counted = time.perf_counter(), sum(len(r.output_ids) for r in requests) - counted
+    return counted / (stop - start), requests
+
+
 def rows_for(name: str, folder: str, drafters: list[str], args) -> list[str]:
     """One engine at a time (on a GPU several real-shaped engines would not fit together), `none` first: its
     outputs are what the oracle proposes and what every drafter must reproduce."""
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    workloads = {batch: workload(batch, seed=batch) for batch in args.batches}
+    waves = STEADY_WAVES if args.steady else 1
+    workloads = {batch: workload(batch * waves, seed=batch) for batch in args.batches}
     rates: dict[tuple[str, int], list[float]] = {}
     accept: dict[tuple[str, int], float | None] = {}
     reference: dict[int, list] = {}
@@ -129,7 +156,10 @@ def rows_for(name: str, folder: str, drafters: list[str], args) -> list[str]:
             forced = drafter == "test-oracle" and args.device != "cpu"
             for _ in range(args.runs):
                 with forced_acceptance(forced):
-                    rate, done = decode_rate(engine, prompts, params, args.device)
+                    if args.steady:
+                        rate, done = steady_rate(engine, prompts, params, batch, args.device)
+                    else:
+                        rate, done = decode_rate(engine, prompts, params, args.device)
                 outputs = [r.output_ids for r in done]
                 if drafter == "none":
                     reference.setdefault(batch, outputs)
@@ -178,6 +208,10 @@ def main() -> None:
                         help="GPU: Qwen3-30B-A3B's decoder layers to build (default: all %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads (default: %(default)s; shared "
                         "cores make more threads wait on each other)")
+    parser.add_argument("--steady", action="store_true",
+                        help=f"keep each batch full: {STEADY_WAVES} prompts per slot, a finished request replaced by the "
+                        "next (serving's steady state); default: one batch run to completion, where the request whose "
+                        "drafts land least sets the step count")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
     if args.device == "cpu":
@@ -185,7 +219,8 @@ def main() -> None:
     args.output_len = args.output_len or (32 if args.device == "cpu" else 128)
     register_script_drafters()
     plain = ["none", "ngram", "test-oracle", "test-adversary", "test-adversary" + NO_BACKOFF]
-    lines = [f"steps {args.steps}, {args.output_len} tokens per request, prompts of {PHRASE} tokens x {REPEATS}", "",
+    mode = f"steady batches ({STEADY_WAVES} prompts per slot)" if args.steady else "each batch run to completion"
+    lines = [f"steps {args.steps}, {args.output_len} tokens per request, prompts of {PHRASE} tokens x {REPEATS}; {mode}", "",
              "| model | batch | drafter | decode tok/s (median) | min-max | vs none | accept length | SGLang H200 (reported) |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]
     if args.device == "cpu":
