@@ -143,6 +143,14 @@ class EngineConfig:
         """Tokens a decoding request adds to one step: 1, or its last token + drafts when speculating."""
         return self.speculative_num_steps + 1 if self.speculative else 1
 
+    def dispatch_tokens_per_rank(self, dispatcher_caps) -> int:
+        """What a fixed dispatch buffer must hold: the flag, else a decode batch (a speculative verify step's:
+        one row per request and draft) where the dispatcher has another mode for bigger steps, else any step's."""
+        if self.max_dispatch_tokens_per_rank:
+            return self.max_dispatch_tokens_per_rank
+        decode = self.max_running_requests * self.tokens_per_decode
+        return decode if dispatcher_caps.other_layouts else max(self.max_batched_tokens, decode)
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]

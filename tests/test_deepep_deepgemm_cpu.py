@@ -14,7 +14,6 @@ from moeplex import selection
 from moeplex.config import EngineConfig
 from moeplex.interfaces import MoEContext, StandardLayout
 from moeplex.kernels.fp8 import silu_mul_quantize
-from moeplex.models.setup import dispatch_tokens_per_rank
 from moeplex.moe.adapters import plan_contiguous, standard_to_contiguous
 from moeplex.plugins.dispatchers.deepep import buffers
 from moeplex.plugins.dispatchers.deepep.auto import DeepEPAutoDispatcher, low_latency_step
@@ -262,10 +261,10 @@ def test_auto_and_ll_declare_what_the_engine_needs():
 
 def test_fixed_buffers_default_to_a_decode_batch_where_a_fallback_exists(tmp_path):
     config = EngineConfig(model=str(tmp_path), max_running_requests=32, max_batched_tokens=1024)
-    assert dispatch_tokens_per_rank(config, DeepEPAutoDispatcher.caps) == 32
-    assert dispatch_tokens_per_rank(config, DeepEPLowLatencyDispatcher.caps) == 1024
+    assert config.dispatch_tokens_per_rank(DeepEPAutoDispatcher.caps) == 32
+    assert config.dispatch_tokens_per_rank(DeepEPLowLatencyDispatcher.caps) == 1024
     pinned = EngineConfig(model=str(tmp_path), max_dispatch_tokens_per_rank=256)
-    assert dispatch_tokens_per_rank(pinned, DeepEPAutoDispatcher.caps) == 256
+    assert pinned.dispatch_tokens_per_rank(DeepEPAutoDispatcher.caps) == 256
 
 
 def _silu_mul(x: torch.Tensor) -> torch.Tensor:

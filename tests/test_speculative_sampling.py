@@ -125,9 +125,7 @@ def test_a_fixed_dispatch_buffer_must_hold_a_verify_step_of_every_request():
     auto = DispatcherCaps(layout="standard", multi_rank=True, fixed_max_tokens=True, other_layouts=frozenset({MASKED}))
     with pytest.raises(PluginError, match="sends 128"):
         check_speculation(attrs.evolve(config, dispatcher="deepep-auto"), auto, 32)
-    from moeplex.models.setup import dispatch_tokens_per_rank
-
-    assert dispatch_tokens_per_rank(config, auto) == 128  # the default buffer is sized for them
+    assert config.dispatch_tokens_per_rank(auto) == 128  # the default buffer is sized for them
 
 
 class NeedsMTP(Drafter):

@@ -21,7 +21,6 @@ from typing import ClassVar
 
 import torch
 
-from ..config import ATTENTION_BACKENDS, AUTO
 from ..forward_batch import ForwardBatch
 from .torch_ref import paged_decode_attention, ragged_attention
 
@@ -51,16 +50,3 @@ class TorchAttention(AttentionBackend):
     def decode(self, q, key_cache, value_cache, batch, scale):
         return paged_decode_attention(q, key_cache, value_cache, batch, scale)
 
-
-def make_attention_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
-    """The backend `--attention-backend` names; auto is triton on CUDA and torch elsewhere."""
-    device = torch.device(device)
-    if name == AUTO:
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        return TorchAttention()
-    if name == "triton":
-        from .triton_backend import TritonAttention  # imports triton only when chosen
-
-        return TritonAttention(device, dtype)
-    raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")

@@ -16,6 +16,7 @@ from ..moe.runtime import MoERuntime
 from ..parallel import Group, ParallelConfig, ParallelState
 from ..progress import progress
 from ..registry import PluginError
+from ..speculation.setup import check_drafter
 from . import architecture
 from .base import MoECausalLM, MoESpec, read_config
 from .expert_format import expert_weight_format
@@ -63,15 +64,6 @@ def initial_placement(shape: PlacementShape, config, balancer) -> Placement:
     return shape.plan(balancer, torch.ones(shape.num_layers, shape.num_logical))
 
 
-def dispatch_tokens_per_rank(config, caps) -> int:
-    """What a fixed dispatch buffer must hold: the flag, else a decode batch (a speculative verify step's:
-    one row per request and draft) where the dispatcher has another mode for bigger steps, else any step's."""
-    if config.max_dispatch_tokens_per_rank:
-        return config.max_dispatch_tokens_per_rank
-    decode = config.max_running_requests * getattr(config, "tokens_per_decode", 1)
-    return decode if caps.other_layouts else max(config.max_batched_tokens, decode)
-
-
 def mtp_layers_to_build(arch, hf_config, mtp: bool) -> int:
     """How many MTP (NextN) layers to build: none unless asked; all that config.json declares when asked."""
     if not mtp:
@@ -117,7 +109,7 @@ def build_model(
         ep_rank=ep.rank,
         ep_size=ep.size,
         group=ep.group,
-        max_tokens_per_rank=dispatch_tokens_per_rank(config, selection.dispatcher.caps),
+        max_tokens_per_rank=config.dispatch_tokens_per_rank(selection.dispatcher.caps),
         dispatch_fp8=config.dispatch_fp8,
     )
     runtime = MoERuntime(
@@ -198,8 +190,6 @@ def check_before_start(config) -> None:
     layout = config.parallel
     rank0 = ParallelState(layout, 0, Group(0, layout.attn_tp_size), Group(0, layout.world_size))
     selection = resolve(config, ep_size=rank0.ep.size)  # on the real device: GPU needs are checked there
-    from ..speculation.setup import check_drafter  # deferred: it imports this module
-
     check_drafter(config, selection, read_config(config.model))
     try:
         build_model(config.model, attrs.evolve(config, device="meta"), selection, rank0)

@@ -8,7 +8,6 @@ from ..batch_builder import ScheduledSeq, build_forward_batch
 from ..cuda_graph import Capture, CudaGraphCapture
 from ..interfaces import DrafterContext, ForwardBatch
 from ..kv_cache import KVPool
-from ..models.setup import dispatch_tokens_per_rank
 from .checks import check_model, check_speculation
 from .graphs import graphs_for
 
@@ -20,7 +19,7 @@ def has_mtp_layers(hf_config) -> bool:
 def check_drafter(config, selection, hf_config) -> type | None:
     """The drafter class --speculative-algorithm names (None for none), or one sentence saying why it cannot run."""
     dcaps = selection.dispatcher.caps
-    cls = check_speculation(config, dcaps, dispatch_tokens_per_rank(config, dcaps))
+    cls = check_speculation(config, dcaps, config.dispatch_tokens_per_rank(dcaps))
     check_model(config, cls, hf_config, has_mtp_layers(hf_config))
     return cls
 
