@@ -141,10 +141,12 @@ def test_a_late_ack_after_the_decode_deadline_fails_the_request(fleet, reference
     p1, d3 = fleet["p1"], fleet["d3"]
     with PDRouter([p1], [d3]) as router:
         results = asyncio.run(load(router.url, 4, concurrency=2))
-    # never a 200: the deadline failed each (P1's injected failures may fail one first, with their own reason)
+    # never a 200: the deadline failed each (P1's injected failures may fail one first, with their own reason, and
+    # a pair whose P failed first is tried again, so the router may answer with the last try's reason)
+    reasons = ("did not finish within 0.001 s", "transfer failed", "no prefill/decode pair answered")
     assert all(status >= 500 for status, _ in results.values()), results
-    assert all("did not finish within 0.001 s" in value or "transfer failed" in value for _, value in results.values())
-    assert any("did not finish within 0.001 s" in value for _, value in results.values())
+    assert all(any(reason in value for reason in reasons) for _, value in results.values()), results
+    assert any("did not finish within 0.001 s" in value for _, value in results.values()), results
     wait_idle(p1, d3)  # the room was closed before freeing: the late bytes were dropped, P's pages came back too
 
 
