@@ -47,6 +47,7 @@ from .speculation.step import SpeculativeDecoding
 from .step_agreement import Vote, agree
 from .selection import resolve
 from .tokenizer import Detokenizer, load_tokenizer
+from .host_memory import keep_freed_host_memory
 from .transfer import to_device
 
 MAX_DEFAULT_KV_TOKENS = 1 << 17
@@ -84,6 +85,8 @@ class Engine:
     def __init__(self, config: EngineConfig, hooks=None, parallel: ParallelState | None = None):
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_host_memory()  # large activations reuse freed heap instead of fresh pages
         self.parallel = parallel if parallel is not None else ParallelState(config.parallel)
         self.hooks = hooks if hooks is not None else make_plugin_manager()
         selection = resolve(config, ep_size=self.parallel.ep.size)
