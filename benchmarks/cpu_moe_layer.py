@@ -7,6 +7,9 @@ through `torch._grouped_mm`) before it is timed. The candidates run round robin,
 the ops run on it, so time lost to other jobs on a shared machine is not counted).
 
     python benchmarks/cpu_moe_layer.py --shape deepseek-v3-small --tokens 16 32 48 --dtype fp32 bf16
+
+`packed_cat` (bf16/fp16 only; the kernel's path at decode sizes since 2026-12-02) is `dense_cat` with both
+weights packed once by oneDNN (`torch.ops.mkldnn._reorder_linear_weight`), so no call reorders them.
 """
 
 from __future__ import annotations

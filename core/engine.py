@@ -85,8 +85,6 @@ class Engine:
     def __init__(self, config: EngineConfig, hooks=None, parallel: ParallelState | None = None):
         self.config = config
         self.device = torch.device(config.device)
-        if self.device.type == "cpu":
-            keep_freed_host_memory()  # large activations reuse freed heap instead of fresh pages
         self.parallel = parallel if parallel is not None else ParallelState(config.parallel)
         self.hooks = hooks if hooks is not None else make_plugin_manager()
         selection = resolve(config, ep_size=self.parallel.ep.size)
@@ -137,6 +135,8 @@ class Engine:
         self._detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            keep_freed_host_memory()  # from here on (weights and KV pool placed), freed activations are reused
         self.hooks.hook.moeplex_engine_started(engine=self)
 
     # --- requests -------------------------------------------------------------------------------
