@@ -7,6 +7,9 @@ through `torch._grouped_mm`) before it is timed. The candidates run round robin,
 the ops run on it, so time lost to other jobs on a shared machine is not counted).
 
     python benchmarks/cpu_moe_layer.py --shape deepseek-v3-small --tokens 16 32 48 --dtype fp32 bf16
+
+`packed_cat` (bf16/fp16 only; the kernel's path at decode sizes since 2026-12-02) is `dense_cat` with both
+weights packed once by oneDNN (`torch.ops.mkldnn._reorder_linear_weight`), so no call reorders them.
 """
 
 from __future__ import annotations
@@ -98,6 +101,15 @@ def dense_cat(x, ids, w, w13, w2, w2_cat):
     return F.linear(h, w2_cat)
 
 
+def packed_cat(x, ids, w, w13_packed, w2_packed, experts):
+    """dense_cat with both weights prepacked once for oneDNN (no per-call reorder; bf16/fp16 only)."""
+    gate_up = torch.ops.mkldnn._linear_pointwise(x, w13_packed, None, "none", [], "")
+    gate, up = gate_up.view(x.shape[0], experts, 2, -1).unbind(2)
+    dense_w = torch.zeros(x.shape[0], gate.shape[1], dtype=x.dtype).scatter_(1, ids, w.to(x.dtype))
+    h = (F.silu(gate) * up * dense_w[:, :, None]).reshape(x.shape[0], -1)
+    return torch.ops.mkldnn._linear_pointwise(h, w2_packed, None, "none", [], "")
+
+
 def loop(x, ids, w, w13, w2):
     counts, pairs, token = _sorted(ids, w13.shape[0])
     xs = x.index_select(0, token).split(counts.tolist())
@@ -129,7 +141,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed runs; the best is reported")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    names = ["grouped", "loop", "padded_bmm", "hit_bmm", "dense", "dense_cat"]
+    names = ["grouped", "loop", "padded_bmm", "hit_bmm", "dense", "dense_cat", "packed_cat"]
     print(f"threads {args.threads}, best of {args.repeats} x {args.iters} calls, CPU ms per layer (speed-up over grouped)\n")
     print("| shape | dtype | tokens | " + " | ".join(names) + " |")
     print("|---|---|---|" + "---|" * len(names))
@@ -141,6 +153,10 @@ def main() -> None:
             w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
             w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
             w2_cat = w2.permute(1, 0, 2).reshape(hidden, experts * inter).contiguous()
+            packed = dtype != torch.float32  # oneDNN's prepacked linear takes bf16/fp16 here
+            if packed:
+                w13_packed = torch.ops.mkldnn._reorder_linear_weight(w13.reshape(-1, hidden), max(args.tokens))
+                w2_packed = torch.ops.mkldnn._reorder_linear_weight(w2_cat, max(args.tokens))
             for tokens in args.tokens:
                 x = torch.randn(tokens, hidden, generator=gen).to(dtype)
                 ids, w = _route(tokens, experts, top_k, gen)
@@ -148,14 +164,18 @@ def main() -> None:
                 calls = {}
                 for name in names:
                     fn = globals()[name]
+                    if name == "packed_cat" and not packed:
+                        continue
                     calls[name] = (fn, (x, ids, w, w13, w2, w2_cat) if name == "dense_cat" else (x, ids, w, w13, w2))
+                    if name == "packed_cat":
+                        calls[name] = (fn, (x, ids, w, w13_packed, w2_packed, experts))
                     tol = 1e-4 if dtype == torch.float32 else 3e-2
                     torch.testing.assert_close(fn(*calls[name][1]).float(), ref, atol=tol, rtol=tol)
                 best = {name: float("inf") for name in names}
                 for _ in range(args.repeats):  # round robin, so a burst of load hits every candidate alike
                     for name, (fn, fargs) in calls.items():
                         best[name] = min(best[name], _time(fn, fargs, args.iters))
-                cells = [f"{1e3 * best[n]:.2f} ({best['grouped'] / best[n]:.2f}x)" for n in names]
+                cells = [f"{1e3 * best[n]:.2f} ({best['grouped'] / best[n]:.2f}x)" if n in calls else "-" for n in names]
                 print(f"| {shape} | {dname} | {tokens} | " + " | ".join(cells) + " |", flush=True)
 
 

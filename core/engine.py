@@ -47,6 +47,7 @@ from .speculation.step import SpeculativeDecoding
 from .step_agreement import Vote, agree
 from .selection import resolve
 from .tokenizer import Detokenizer, load_tokenizer
+from .host_memory import keep_freed_host_memory
 from .transfer import to_device
 
 MAX_DEFAULT_KV_TOKENS = 1 << 17
@@ -134,6 +135,8 @@ class Engine:
         self._detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            keep_freed_host_memory()  # from here on (weights and KV pool placed), freed activations are reused
         self.hooks.hook.moeplex_engine_started(engine=self)
 
     # --- requests -------------------------------------------------------------------------------

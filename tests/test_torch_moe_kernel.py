@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from moeplex.conformance.routing import ROUTINGS, make_hidden, make_routing
-from moeplex.interfaces import MoEContext, StandardLayout
+from moeplex.interfaces import ExpertWeights, MoEContext, StandardLayout
 from moeplex.plugins.moe_kernels import torch_ref
 from moeplex.plugins.moe_kernels.torch_ref import TorchMoEKernel
 
@@ -45,20 +45,29 @@ def case(routing, tokens, experts, top_k, dtype, seed=0):
     return make_hidden(tokens, HIDDEN, seed).to(dtype), route, w13, w2
 
 
-@pytest.mark.parametrize("path", ["padded_bmm", "grouped_mm", "loop"])
+ONEDNN_BF16 = torch_ref._onednn_runs(torch.bfloat16)
+
+
+@pytest.mark.parametrize("path", ["padded_bmm", "grouped_mm", "loop", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "routing,tokens,experts,top_k",
     [(name, 48, 16, 4) for name in ROUTINGS] + [("random", 0, 8, 2), ("random", 1, 8, 1), ("random", 120, 32, 8)],
 )
 def test_standard_layout_matches_the_loop_and_every_pair(routing, tokens, experts, top_k, dtype, path, monkeypatch):
+    if path == "packed" and not (dtype == torch.bfloat16 and ONEDNN_BF16):
+        pytest.skip("the packed path runs bf16 on CPUs where oneDNN does (AVX-512-BF16 / AMX)")
     hidden, route, w13, w2 = case(routing, tokens, experts, top_k, dtype)
     monkeypatch.setattr(torch_ref, "_use_padded_bmm", lambda x, counts, weights: path == "padded_bmm")
     if path == "loop":  # the loop over experts that GPUs (and weights in another dtype than the activations) take
         monkeypatch.setattr(torch_ref, "_use_grouped_mm", lambda x, weights: False)
     layout = StandardLayout(hidden, route.topk_ids, route.topk_weights, experts)
     ctx = MoEContext(HIDDEN, INTERMEDIATE, experts, top_k, dtype, torch.device("cpu"))
-    result = TorchMoEKernel(ctx).apply(layout, (w13, w2))
+    weights = (w13, w2)
+    if path == "packed":
+        weights = torch_ref.PackedExperts(w13, w2)
+        monkeypatch.setattr(torch_ref.PackedExperts, "takes", lambda self, hidden, topk_ids: True)
+    result = TorchMoEKernel(ctx).apply(layout, weights)
     assert result.weights_applied and result.summed and result.hidden.dtype == dtype
     reference = per_pair_reference(hidden, route.topk_ids, route.topk_weights, w13, w2)
     assert result.hidden.shape == reference.shape
@@ -78,3 +87,26 @@ def test_padded_bmm_is_taken_only_where_it_wins():
     assert not torch_ref._use_padded_bmm(x.float(), [1] * 8 + [0] * 8, (w13.float(), w2.float()))
     crowded = torch.zeros(200, HIDDEN, dtype=torch.bfloat16)
     assert not torch_ref._use_padded_bmm(crowded, [185] + [1] * 15, (w13, w2))  # 16 x 185 rows for 200
+
+
+@pytest.mark.skipif(not ONEDNN_BF16, reason="the packed path runs bf16 on CPUs where oneDNN does (AVX-512-BF16 / AMX)")
+def test_packed_experts_are_prepared_for_bf16_on_cpu_and_taken_at_decode_sizes():
+    """prepare_weights packs bf16 weights on CPU (fp32 keeps the plain pair); the packed path is taken
+    from as many pairs as experts up to 128 tokens, and gives what the sorted path gives."""
+    _, route, w13, w2 = case("random", 48, 16, 4, torch.bfloat16)
+    ctx = MoEContext(HIDDEN, INTERMEDIATE, 16, 4, torch.bfloat16, torch.device("cpu"))
+    kernel = TorchMoEKernel(ctx)
+    packed = kernel.prepare_weights(ExpertWeights(w13, w2))
+    assert isinstance(packed, torch_ref.PackedExperts) and packed[0] is w13 and packed[1] is w2
+    plain = kernel.prepare_weights(ExpertWeights(w13.float(), w2.float()))
+    assert not isinstance(plain, torch_ref.PackedExperts)
+    ids = torch.zeros(4, 4, dtype=torch.long)
+    assert packed.takes(torch.zeros(4, HIDDEN, dtype=torch.bfloat16), ids)  # 16 pairs, 16 experts
+    assert not packed.takes(torch.zeros(3, HIDDEN, dtype=torch.bfloat16), ids[:3])  # 12 pairs
+    assert not packed.takes(torch.zeros(129, HIDDEN, dtype=torch.bfloat16), torch.zeros(129, 4, dtype=torch.long))
+    assert not packed.takes(torch.zeros(4, HIDDEN), ids)  # activations in another dtype
+    hidden = make_hidden(48, HIDDEN, 0).to(torch.bfloat16)
+    layout = StandardLayout(hidden, route.topk_ids, route.topk_weights, 16)
+    torch.testing.assert_close(
+        kernel.apply(layout, packed).hidden, kernel.apply(layout, (w13, w2)).hidden, rtol=2e-2, atol=2e-2
+    )

@@ -74,19 +74,21 @@ def _shares_keys(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
 def decode_per_request(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
-    """Decode request by request, gathering only each request's own slots."""
-    out = q.new_empty(q.shape[0], q.shape[1], value_cache.shape[-1])
-    indptr = batch.kv_indptr.tolist()
+    """Decode request by request, gathering only each request's own slots: one SDPA call per request,
+    the query heads of a KV head as its query rows (see _attend_one), the outputs concatenated once."""
     shared = _shares_keys(key_cache, value_cache)
-    width = value_cache.shape[-1]
-    for i in range(q.shape[0]):
-        slots = batch.kv_indices[indptr[i] : indptr[i + 1]]
-        k = key_cache.index_select(0, slots)
-        if shared:  # the keys serve as values whole (the fused kernel wants one width), then cut to the latent
-            out[i] = _attend_one(q[i], k, k, scale)[:, :width]
-        else:
-            out[i] = _attend_one(q[i], k, value_cache.index_select(0, slots), scale)
-    return out
+    hkv = key_cache.shape[1]
+    queries = q.view(q.shape[0], 1, hkv, q.shape[1] // hkv, q.shape[2]).unbind(0)
+    outs = []
+    for query, slots in zip(queries, batch.kv_indices.split(batch.kv_indptr.diff().tolist()), strict=True):
+        k = key_cache.index_select(0, slots).transpose(0, 1)[None]
+        # MLA: the keys serve as values whole (the fused kernel wants one width), cut to the latent below
+        v = k if shared else value_cache.index_select(0, slots).transpose(0, 1)[None]
+        outs.append(F.scaled_dot_product_attention(query, k, v, scale=scale))
+    if not outs:
+        return q.new_empty(0, q.shape[1], value_cache.shape[-1])
+    out = torch.cat(outs).view(q.shape[0], q.shape[1], -1)
+    return out[..., : value_cache.shape[-1]] if shared else out
 
 
 def paged_decode_attention(
