@@ -14,11 +14,12 @@ if sys.argv[1] == "keep":
 def step():  # temporaries like a prefill chunk's MoE layer's: 40 + 80 + 48 MiB (above glibc's 32 MiB
     a = torch.zeros(80 << 18, dtype=torch.bfloat16)  # most mmap threshold), each freed at the end
     return a.float().sum() + torch.ones(48 << 18).sum()
-for _ in range(4):  # the first rounds grow the heap
+for _ in range(8):  # the first rounds grow the heap (2-4 of them, by the order the blocks come back in)
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-step()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+for _ in range(3):
+    step()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 3)  # faults per round
 """
 
 

@@ -92,6 +92,25 @@ def test_padded_bmm_is_taken_only_where_it_wins():
     assert not torch_ref._use_padded_bmm(crowded, [185] + [1] * 15, (w13, w2))  # 16 x 185 rows for 200
 
 
+@pytest.mark.skipif(not torch_ref._onednn_runs(torch.float16), reason="the packed path runs fp16 where oneDNN does")
+def test_packed_experts_ignore_an_expert_that_overflows_for_tokens_that_did_not_pick_it():
+    """Every expert runs on every token: one that overflows fp16 (inf) for a token that did not pick it must
+    add nothing to that token (inf x 0 would be NaN), as the sorted path never computes it."""
+    hidden, route, w13, w2 = case("random", 12, 8, 2, torch.float16)
+    w13[0] *= 4096  # expert 0 overflows on any row; no token picks it
+    topk_ids = torch.where(route.topk_ids == 0, 1 + route.topk_ids.max() % 7, route.topk_ids)
+    topk_ids[:, 1] = torch.where(topk_ids[:, 0] == topk_ids[:, 1], 1 + topk_ids[:, 0] % 7, topk_ids[:, 1])
+    layout = StandardLayout(hidden, topk_ids, route.topk_weights, 8)
+    kernel = TorchMoEKernel(MoEContext(HIDDEN, INTERMEDIATE, 8, 2, torch.float16, torch.device("cpu")))
+    packed = torch_ref.PackedExperts(w13, w2)
+    assert packed.takes(hidden, topk_ids)
+    out = kernel.apply(layout, packed).hidden
+    assert torch.isfinite(out).all()
+    reference = per_pair_reference(hidden, topk_ids, route.topk_weights, w13, w2)
+    scale = max(reference.abs().max().item(), 1.0)
+    torch.testing.assert_close(out.double(), reference, rtol=0, atol=TOLERANCE[torch.bfloat16] * scale)
+
+
 @pytest.mark.skipif(not ONEDNN_BF16, reason="the packed path runs bf16 on CPUs where oneDNN does (AVX-512-BF16 / AMX)")
 def test_packed_experts_are_prepared_for_bf16_on_cpu_and_taken_at_decode_sizes():
     """prepare_weights packs bf16 weights on CPU (fp32 keeps the plain pair); the packed path is taken

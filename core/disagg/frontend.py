@@ -109,7 +109,9 @@ class PrefillSide:
         entry = self.rid_of.pop(room, None)
         if entry is not None:
             self.room_of.pop(entry[0], None)
-            self.loop.drop(entry[0], 503, f"the decode server gave up on this request: {reason}")
+            # 500, not 503: this request failed, the prefill server did not (a router takes 502-504 as the
+            # server being unavailable, retries elsewhere and, after a few, takes it out of routing)
+            self.loop.drop(entry[0], 500, f"the decode server gave up on this request: {reason}")
         else:
             self.refused[room] = (f"the room was aborted: {reason}", time.monotonic())
 

@@ -120,8 +120,10 @@ class PackedExperts(tuple):
         dense = hidden.new_zeros(tokens, experts).scatter_add_(
             1, topk_ids.clamp_min(0), torch.where(picked, topk_weights, 0).to(hidden.dtype)
         )
-        act = F.silu(gate).mul_(up).mul_(dense[:, :, None]).reshape(tokens, -1)
-        return torch.ops.mkldnn._linear_pointwise(act, self.down, None, "none", [], "")
+        act = F.silu(gate).mul_(up).mul_(dense[:, :, None])
+        # an expert a token did not pick can overflow (fp16: inf), and inf x 0 is NaN: such rows are zero
+        act.masked_fill_(dense[:, :, None] == 0, 0)
+        return torch.ops.mkldnn._linear_pointwise(act.reshape(tokens, -1), self.down, None, "none", [], "")
 
 
 def _activations(hidden: torch.Tensor, fp8: Fp8Payload | None) -> torch.Tensor:
