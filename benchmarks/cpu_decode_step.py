@@ -11,33 +11,25 @@ the wall time, both per step.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import mixed_workload  # noqa: E402
 
-from moeplex.config import EngineConfig  # noqa: E402
-from moeplex.engine import Engine  # noqa: E402
+from cpu_engine import one_thread_engine, parser  # noqa: E402
+
 from moeplex.sampling import SamplingParams  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (moeplex make-model)")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="weights and compute")
-    p.add_argument("--num-requests", type=int, default=32, help="requests decoding together")
+    p = parser(__doc__, 32, "requests decoding together")
     p.add_argument("--new-tokens", type=int, default=400, help="tokens each request asks for")
     p.add_argument("--warm-steps", type=int, default=4, help="untimed steps first (prefill, first decodes)")
     p.add_argument("--steps", type=int, default=30, help="timed decode steps")
     args = p.parse_args()
-    torch.set_num_threads(1)
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, show_progress=False, max_running_requests=64,
-                                 max_batched_tokens=4096, chunked_prefill_size=1024))
+    engine = one_thread_engine(args.model, args.dtype)
     for prompt, _ in mixed_workload(args.num_requests):
         engine.add_request(prompt, SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True))
     for _ in range(args.warm_steps):

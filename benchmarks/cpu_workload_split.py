@@ -11,31 +11,23 @@ whole run and inside the model forward, split by step kind (prefill/extend steps
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import mixed_workload  # noqa: E402
 
-from moeplex.config import EngineConfig  # noqa: E402
-from moeplex.engine import Engine  # noqa: E402
+from cpu_engine import one_thread_engine, parser  # noqa: E402
+
 from moeplex.sampling import SamplingParams  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (moeplex make-model)")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="weights and compute")
-    p.add_argument("--num-requests", type=int, default=48, help="requests of mixed_workload(N)")
+    p = parser(__doc__, 48, "requests of mixed_workload(N)")
     args = p.parse_args()
-    torch.set_num_threads(1)
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, show_progress=False, max_running_requests=64,
-                                 max_batched_tokens=4096, chunked_prefill_size=1024))
+    engine = one_thread_engine(args.model, args.dtype)
     work = mixed_workload(args.num_requests)
     for prompt, new_tokens in work:
         engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True))
