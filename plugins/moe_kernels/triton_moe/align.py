@@ -96,6 +96,18 @@ def _count_kernel(topk_ids_ptr, counts_ptr, sorted_ids_ptr, num_pairs, num_exper
 
 
 @triton.jit
+def _store_tile_experts(end, is_expert, block_expert_ptr, num_experts, num_tiles, BLOCK_M: tl.constexpr,
+                        TILES_PER_STEP: tl.constexpr):
+    """block_expert[tile]: the number of experts whose slots (ending at `end`) end at or before the tile's first
+    slot; -1 for a tile past every expert's slots."""
+    end = tl.where(is_expert, end, 2147483647)
+    for first in range(0, num_tiles, TILES_PER_STEP):
+        tile = first + tl.arange(0, TILES_PER_STEP)
+        owner = tl.sum((end[None, :] <= tile[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + tile, tl.where(owner < num_experts, owner, -1), mask=tile < num_tiles)
+
+
+@triton.jit
 def _scan_kernel(counts_ptr, expert_start_ptr, block_expert_ptr, num_padded_ptr,
                  num_chunks, num_experts, num_tiles,
                  BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr,
@@ -115,12 +127,7 @@ def _scan_kernel(counts_ptr, expert_start_ptr, block_expert_ptr, num_padded_ptr,
     end = tl.cumsum(padded, axis=0)
     tl.store(expert_start_ptr + expert, end - padded, mask=expert_mask)
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    # A tile's expert is the number of experts whose slots end at or before the tile's first slot.
-    end = tl.where(expert_mask, end, 2147483647)
-    for first in range(0, num_tiles, TILES_PER_STEP):
-        tile = first + tl.arange(0, TILES_PER_STEP)
-        owner = tl.sum((end[None, :] <= tile[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + tile, tl.where(owner < num_experts, owner, -1), mask=tile < num_tiles)
+    _store_tile_experts(end, expert_mask, block_expert_ptr, num_experts, num_tiles, BLOCK_M, TILES_PER_STEP)
 
 
 @triton.jit
@@ -197,11 +204,7 @@ def _align_one_launch_kernel(topk_ids_ptr, sorted_ids_ptr, block_expert_ptr, num
     # a pair's slot = its position among the sorted routed pairs + the padding of the experts before its own
     tl.store(shift_ptr + expert, end - padded - (tl.cumsum(counts, axis=0) - counts))
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
-    end = tl.where(is_expert, end, 2147483647)
-    for first in range(0, num_tiles, TILES_PER_STEP):
-        tile = first + tl.arange(0, TILES_PER_STEP)
-        owner = tl.sum((end[None, :] <= tile[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + tile, tl.where(owner < num_experts, owner, -1), mask=tile < num_tiles)
+    _store_tile_experts(end, is_expert, block_expert_ptr, num_experts, num_tiles, BLOCK_M, TILES_PER_STEP)
     for first in range(0, num_slots, SLOTS_PER_STEP):
         slot = first + tl.arange(0, SLOTS_PER_STEP)
         tl.store(sorted_ids_ptr + slot, tl.zeros((SLOTS_PER_STEP,), dtype=tl.int32) + num_pairs, mask=slot < num_slots)
