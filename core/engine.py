@@ -39,6 +39,7 @@ from .prefix_cache import PrefixCache
 from .disagg.rank import RankTransfers
 from .progress import progress as progress_bar
 from .request import FinishReason, Request, check_prompt
+from .penalties import LogitAdjuster
 from .sampler import FAILED, Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -127,10 +128,10 @@ class Engine:
         # prefill/decode disaggregation: this rank's transfer backend and the pages it holds or expects
         self.pd = RankTransfers.create(self) if config.disaggregation_mode != "none" else None
         self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet
-        self.sampler = Sampler()
         self.tokenizer = load_tokenizer(config.model)
         self.eos_ids = _eos_ids(config.model, self.model.hf_config)
         self.vocab_size = self.model.hf_config["vocab_size"]
+        self.sampler = Sampler(LogitAdjuster(self.vocab_size, self.device, self.eos_ids))
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
@@ -153,7 +154,7 @@ class Engine:
             self.scheduler.add(request)
         self._requests[request.rid] = request
         if self.tokenizer is not None:
-            self._detok[request.rid] = Detokenizer(self.tokenizer)
+            self._detok[request.rid] = Detokenizer(self.tokenizer, params.skip_special_tokens)
         return request
 
     def encode(self, text: str) -> list[int]:
@@ -279,9 +280,10 @@ class Engine:
         requests = [work[row].request for row in due]
         if len(due) < len(work):  # some requests are mid-prompt
             logits = logits[to_device(logits.device, torch.tensor(due))[0]]
+        drawn = self.sampler.sample(logits, requests)
         for row, request in enumerate(requests):
             request.pending_rows.append(row)
-        return InFlight.start(requests, logits, self.sampler.draw(logits, requests))
+        return InFlight.start(requests, logits, drawn)
 
     def _complete(self, step: InFlight | None) -> list[Request]:
         """Read a launched step's tokens into its requests; those that finish with them."""
@@ -341,9 +343,10 @@ class Engine:
         grown_from = len(request.text)
         if detok is not None:
             request.text += detok.push(token)
-        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+        stops_count = len(request.output_ids) >= params.min_tokens  # before min_tokens, nothing but the length stops it
+        if stops_count and (token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos)):
             request.finish(FinishReason.STOP, stop_reason=token)
-        elif detok is not None and params.stop and self._hit_stop_string(request, grown_from):
+        elif stops_count and detok is not None and params.stop and self._hit_stop_string(request, grown_from):
             pass
         elif len(request.output_ids) >= params.max_new_tokens:
             request.finish(FinishReason.LENGTH)
@@ -363,7 +366,7 @@ class Engine:
         if not hits:
             return False
         at, stop = min(hits, key=lambda hit: hit[0])
-        request.text = request.text[:at]
+        request.text = request.text[: at + len(stop) if request.params.include_stop_str_in_output else at]
         request.finish(FinishReason.STOP, stop_reason=stop)
         return True
 
@@ -373,6 +376,7 @@ class Engine:
             self.scheduler.finish(request)
         if self.speculation is not None:
             self.speculation.finished(request)
+        self.sampler.release(request)
         self._requests.pop(request.rid, None)
         detok = self._detok.pop(request.rid, None)
         if detok is not None and request.finish_reason != FinishReason.STOP:

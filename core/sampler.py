@@ -6,6 +6,7 @@ from typing import Sequence
 
 import torch
 
+from .penalties import LogitAdjuster
 from .transfer import to_device
 from .request import Request
 from .sampling import GREEDY_TEMPERATURE
@@ -50,11 +51,51 @@ def filtered_probs(logits: torch.Tensor, params: Sequence) -> torch.Tensor:
 
 
 class Sampler:
+    """Draws tokens; `adjuster` keeps the per-request device state of penalties and biases (None: the logits are
+    drawn from as they are, which only a caller that knows no request asks for them may choose)."""
+
+    def __init__(self, adjuster: LogitAdjuster | None = None):
+        self.adjuster = adjuster
+
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         """One token per row of `logits` [B, V] (fp32), with the logprobs the requests ask for recorded."""
-        chosen = self.draw(logits, requests).tolist()
+        chosen = self.sample(logits, requests).tolist()
         self.record_logprobs(logits, requests, chosen)
         return chosen
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """[B] tokens on the device: penalties and biases applied, drawn, and counted for the next step's
+        penalties, without a host sync. Logprobs stay those of the model's own logits (vLLM's default)."""
+        if self.adjuster is None:
+            return self.draw(logits, requests)
+        generated = [len(r.output_ids) + len(r.pending_rows) for r in requests]
+        tokens = self.draw(self.adjuster.adjust(logits, requests, generated), requests)
+        self.adjuster.record(tokens, requests)
+        return tokens
+
+    def adjust_verify(self, logits: torch.Tensor, requests: Sequence[Request],
+                      drafts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """A verify step's logits (len(drafts[i]) + 1 rows per request) with each row's adjustments: row k of a
+        request sees its first k drafts as generated, so the accepted tokens are drawn from the distribution
+        plain decoding would have used."""
+        if self.adjuster is None or not any(r.params.adjusts_logits for r in requests):
+            return logits
+        owners, generated, prior = [], [], []
+        for request, draft in zip(requests, drafts):
+            done = len(request.output_ids)
+            for k in range(len(draft) + 1):
+                owners.append(request)
+                generated.append(done + k)
+                prior.append(draft[:k])
+        return self.adjuster.adjust(logits, owners, generated, prior)
+
+    def record_accepted(self, request: Request, tokens: Sequence[int]) -> None:
+        if self.adjuster is not None:
+            self.adjuster.record_accepted(request, tokens)
+
+    def release(self, request: Request) -> None:
+        if self.adjuster is not None:
+            self.adjuster.release(request)
 
     @staticmethod
     def draw(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

@@ -54,6 +54,38 @@ def _top_k(instance, attribute, value):
         raise ValueError(f"top_k must be -1 (off) or >= 1, got {value}")
 
 
+def _penalty(instance, attribute, value):
+    _finite(attribute, value)
+    if not -2.0 <= value <= 2.0:
+        raise ValueError(f"{attribute.name} must be in [-2, 2], got {value}")
+
+
+def _repetition(instance, attribute, value):
+    _finite(attribute, value)
+    if value <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {value}")
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """A token id -> bias map (JSON keys are strings) as sorted (id, bias) pairs; ids are checked against the
+    vocabulary where the vocabulary is known (the server)."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, dict) else value
+    pairs = {}
+    for token, bias in items:
+        try:
+            token_id = int(token)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {token!r}") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise ValueError(f"logit_bias values must be numbers, got {bias!r} for token {token_id}")
+        if not -100.0 <= bias <= 100.0:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
+        pairs[token_id] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
 def _tuple(value):
     if value is None:
         return ()
@@ -74,6 +106,31 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
     ignore_eos: bool = False
     logprobs: int = attrs.field(default=0, validator=_non_negative)  # top-K log-probabilities per step
+    # penalties and biases (docs/serving.md gives each one's source): OpenAI's additive ones over the generated
+    # tokens, the multiplicative repetition penalty over prompt and output (vLLM, SGLang), a per-token bias
+    frequency_penalty: float = attrs.field(default=0.0, validator=_penalty)
+    presence_penalty: float = attrs.field(default=0.0, validator=_penalty)
+    repetition_penalty: float = attrs.field(default=1.0, validator=_repetition)
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
+    allowed_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_tuple)  # vLLM's: only these may be drawn
+    min_tokens: int = attrs.field(default=0, validator=_non_negative)  # EOS and stops are masked/ignored until then
+    include_stop_str_in_output: bool = False  # keep a matched stop string at the end of the text
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    prompt_logprobs: int | None = None  # top-K logprobs of every prompt token from prompt_logprobs_start on
+    prompt_logprobs_start: int = attrs.field(default=0, validator=_non_negative)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before filtering (penalties, biases, min_tokens)."""
+        return bool(
+            self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+            or self.allowed_token_ids or self.min_tokens
+        )
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether the sampler keeps this request's token counts on the device (the penalties read them)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -241,3 +241,24 @@ def test_verify_as_decode_rows_changes_no_token(tiny_model_dir, plain, script_di
         engine.step()
     assert [r.output_ids for r in requests] == plain["deepseek_v3"]
     assert conserved(engine)
+
+
+PENALIZED = [
+    SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, frequency_penalty=1.2, presence_penalty=0.4),
+    SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=1.6, logit_bias={"12": 3}),
+    SamplingParams(max_new_tokens=12, temperature=0.0, min_tokens=5, stop_token_ids=[41]),
+]
+
+
+@pytest.mark.parametrize("drafter", ["test-oracle", "ngram"])
+def test_penalties_and_biases_change_no_token_under_speculation(tiny_model_dir, script_distribution, drafter):
+    """Each verify row is penalized as if its drafts had been generated: the accepted tokens are plain decoding's."""
+    folder = tiny_model_dir("qwen3_moe")
+    _, plain_runs = run(folder, params=PENALIZED)
+    plain_ids = [r.output_ids for r in plain_runs]
+    scripted(PROMPTS, plain_ids)
+    engine, got = run(folder, params=PENALIZED, speculative_algorithm=drafter, speculative_num_steps=3)
+    assert [r.output_ids for r in got] == plain_ids
+    if drafter == "test-oracle":
+        assert all(r.spec_accept_rate == 1.0 for r in got)
+    assert engine.sampler.adjuster.slots == {} and conserved(engine)

@@ -130,7 +130,8 @@ class SpeculativeDecoding:
             if request.num_cached <= len(request.prompt_ids):  # a prompt chunk: its pages may be shared now
                 scheduler.cache_progress(request)
         requests = [work[i].request for i in due]
-        results = verify(logits, requests, [drafts[i] for i in due])
+        results = verify(logprobs.adjust_verify(logits, requests, [drafts[i] for i in due]), requests,
+                         [drafts[i] for i in due])
         finished, at = [], 0
         kept = [item.num_tokens for item in work]
         for i, request, tokens in zip(due, requests, results):
@@ -147,6 +148,7 @@ class SpeculativeDecoding:
                     self._hit(request)
                 else:
                     self._missed(request)
+            logprobs.record_accepted(request, tokens)
             if self._append_run(request, tokens, span, append, fail, logprobs):
                 finished.append(request)
             else:

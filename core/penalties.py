@@ -1,0 +1,154 @@
+"""Penalties, biases and min_tokens: each request's logits changed before filtering, on the logits' device.
+
+The order is vLLM's: the bias terms first (allowed_token_ids, logit_bias, min_tokens' masked stops), then the
+penalties — repetition (multiplicative, over the prompt and the output: a positive logit is divided by it, a
+negative one multiplied), frequency and presence (OpenAI's, additive, over the output: logit -= frequency *
+count + presence * [count > 0]).
+
+State lives in rows of three device tensors, one row ("slot") per running request that needs one: how often
+each token was generated (`counts`), which tokens its prompt holds (`seen`) and its dense bias (`bias`). A step
+records its drawn tokens into `counts` on the device, so under the overlap schedule the next step's penalties
+already see the token the host has not read yet: no host round trip. A batch in which no request asks for any
+of this does nothing at all here (one pass over the params on the host).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .request import Request
+from .transfer import to_device
+
+INITIAL_SLOTS = 8
+
+
+class LogitAdjuster:
+    def __init__(self, vocab_size: int, device: torch.device, eos_ids: set[int] | frozenset = frozenset()):
+        self.vocab = vocab_size
+        self.device = device
+        self.eos_ids = tuple(sorted(eos_ids))
+        self.slots: dict[str, int] = {}  # rid -> row of the tensors below
+        self._free: list[int] = []
+        self.counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+        self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.bias = torch.zeros(0, vocab_size, dtype=torch.float32, device=device)
+
+    # --- slots ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _needs_slot(request: Request) -> bool:
+        p = request.params
+        return p.counts_tokens or bool(p.logit_bias) or bool(p.allowed_token_ids)
+
+    def _slot(self, request: Request) -> int:
+        slot = self.slots.get(request.rid)
+        if slot is None:
+            slot = self._open(request)
+        return slot
+
+    def _open(self, request: Request) -> int:
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        self.slots[request.rid] = slot
+        p = request.params
+        self.counts[slot].zero_()
+        self.seen[slot].zero_()
+        self.bias[slot].zero_()
+        done = list(request.output_ids)  # a request that arrives with output (a transferred first token, a replay)
+        if p.repetition_penalty != 1.0 and request.prompt_ids:
+            self.seen[slot, self._ids(request.prompt_ids)] = True
+        if done and p.counts_tokens:
+            self.counts[slot].index_add_(0, self._ids(done), torch.ones(len(done), dtype=torch.int32, device=self.device))
+        if p.allowed_token_ids:
+            self.bias[slot].fill_(float("-inf"))
+            self.bias[slot, self._ids(p.allowed_token_ids)] = 0.0
+        if p.logit_bias:
+            ids, values = zip(*p.logit_bias)
+            self.bias[slot, self._ids(ids)] += to_device(self.device, torch.tensor(values, dtype=torch.float32))[0]
+        return slot
+
+    def _grow(self) -> None:
+        old = self.counts.shape[0]
+        new = max(INITIAL_SLOTS, 2 * old)
+        self.counts = torch.cat([self.counts, self.counts.new_zeros(new - old, self.vocab)])
+        self.seen = torch.cat([self.seen, self.seen.new_zeros(new - old, self.vocab)])
+        self.bias = torch.cat([self.bias, self.bias.new_zeros(new - old, self.vocab)])
+        self._free.extend(range(new - 1, old - 1, -1))
+
+    def release(self, request: Request) -> None:
+        slot = self.slots.pop(request.rid, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def _ids(self, ids: Sequence[int]) -> torch.Tensor:
+        return to_device(self.device, torch.tensor(list(ids), dtype=torch.int64))[0]
+
+    # --- a step -----------------------------------------------------------------------------------------
+    def adjust(self, logits: torch.Tensor, owners: Sequence[Request], generated: Sequence[int],
+               prior: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """`logits` [R, V] (fp32) with each row's adjustments; row i belongs to owners[i], which had generated
+        generated[i] tokens before it, the last len(prior[i]) of them (speculative drafts ahead of a verify row)
+        not yet recorded. Returns `logits` itself when no row asks for anything."""
+        rows = [i for i, r in enumerate(owners) if r.params.adjusts_logits]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        slotted = [i for i in rows if self._needs_slot(owners[i])]
+        if slotted:
+            self._apply_slots(logits, owners, slotted, prior)
+        self._mask_early_stops(logits, owners, rows, generated)
+        return logits
+
+    def _apply_slots(self, logits, owners, rows, prior) -> None:
+        index = self._ids(rows)
+        slots = self._ids([self._slot(owners[i]) for i in rows])
+        part = logits[index] + self.bias[slots]
+        counting = [j for j, i in enumerate(rows) if owners[i].params.counts_tokens]
+        if counting:
+            sub = self._ids(counting)
+            counts = self.counts[slots[sub]].float()
+            extra = [(j, t) for j, row in enumerate(counting) for t in (prior[rows[row]] if prior else ())]
+            if extra:  # a verify row also sees the drafts before it
+                at, tok = zip(*extra)
+                counts.index_put_((self._ids(at), self._ids(tok)), torch.ones(len(at), device=self.device), accumulate=True)
+            params = [owners[rows[j]].params for j in counting]
+            column = lambda values: to_device(self.device, torch.tensor(values, dtype=torch.float32))[0][:, None]
+            x = part[sub]
+            rep = column([p.repetition_penalty for p in params])
+            hit = (counts > 0) | self.seen[slots[sub]]
+            x = torch.where(hit, torch.where(x > 0, x / rep, x * rep), x)
+            x = x - column([p.frequency_penalty for p in params]) * counts
+            x = x - column([p.presence_penalty for p in params]) * (counts > 0).float()
+            part[sub] = x
+        logits[index] = part
+
+    def _mask_early_stops(self, logits, owners, rows, generated) -> None:
+        """min_tokens: EOS and the stop token ids cannot be drawn before the request has that many tokens."""
+        cells = []
+        for i in rows:
+            p = owners[i].params
+            if generated[i] < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_ids))
+                cells += [(i, t) for t in stops if 0 <= t < self.vocab]
+        if cells:
+            at, tok = zip(*cells)
+            logits[self._ids(at), self._ids(tok)] = float("-inf")
+
+    def record(self, tokens: torch.Tensor, owners: Sequence[Request]) -> None:
+        """Count the drawn `tokens` [R] (on the device; FAILED rows skipped) for the owners that keep counts."""
+        rows = [i for i, r in enumerate(owners) if r.params.counts_tokens]
+        if not rows:
+            return
+        index = self._ids(rows)
+        drawn = tokens[index]
+        slots = self._ids([self._slot(owners[i]) for i in rows])
+        self.counts.index_put_((slots, drawn.clamp_min(0)), (drawn >= 0).to(torch.int32), accumulate=True)
+
+    def record_accepted(self, request: Request, tokens: Sequence[int]) -> None:
+        """Count tokens the host already knows (a verify step's accepted run)."""
+        kept = [t for t in tokens if t >= 0]
+        if request.params.counts_tokens and kept:
+            slot = self._slot(request)
+            self.counts[slot].index_add_(0, self._ids(kept), torch.ones(len(kept), dtype=torch.int32, device=self.device))
