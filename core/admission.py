@@ -29,7 +29,7 @@ def admission_order(
     """The waiting requests the scheduler may admit this step, in the order it should try them."""
     if policy == "fcfs" or cache is None or len(waiting) > LPM_MAX_QUEUE:
         return list(waiting)
-    cached = [cache.peek(r.all_ids, r.num_tokens - 1) for r in waiting]
+    cached = [cache.peek(r.all_ids, r.cache_match_limit) for r in waiting]
     order = sorted(range(len(waiting)), key=lambda i: -cached[i])  # stable: ties keep arrival order
     prefilling = RadixTree()  # the prompts being computed (running, or admitted first this step)
     for request in running:

@@ -39,6 +39,7 @@ from .prefix_cache import PrefixCache
 from .disagg.rank import RankTransfers
 from .progress import progress as progress_bar
 from .request import FinishReason, Request, check_prompt
+from . import prompt_logprobs
 from .penalties import LogitAdjuster
 from .sampler import FAILED, Sampler
 from .sampling import SamplingParams
@@ -147,6 +148,8 @@ class Engine:
         """Queue a request; `room`: its KV pages move under this bootstrap room (a prefill or decode engine)."""
         prompt_ids = list(prompt_ids)
         check_prompt(prompt_ids, self.vocab_size, self.kv.capacity_tokens)
+        if params.prompt_logprobs is not None and (self.speculation is not None or self.pd is not None):
+            raise ValueError("prompt logprobs are not computed with speculative decoding or disaggregation (as in vLLM)")
         if room is not None and self.pd is None:
             raise ValueError("a bootstrap room needs --disaggregation-mode prefill or decode")
         request = Request(rid if rid is not None else str(next(self._ids)), prompt_ids, params)
@@ -265,12 +268,19 @@ class Engine:
     def _launch(self, work, batch: ForwardBatch) -> InFlight | None:
         """Run the batch and sample on the device; the requests due a token hold a place for it."""
         self.hooks.hook.moeplex_batch_scheduled(batch=batch)
-        logits = self.runner.forward(batch)
+        prompt_rows = prompt_logprobs.due_rows(work)
+        if prompt_rows:
+            logits, prompt_logits = self.runner.forward(batch, [row for _, row, _ in prompt_rows])
+            prompt_logprobs.record(prompt_rows, prompt_logits)
+        else:
+            logits = self.runner.forward(batch)
         self.balancing.after_forward()  # counts the step in the load recorders; may move experts between steps
         due = []
         for row, item in enumerate(work):
             request = item.request
             request.num_cached += item.num_tokens
+            if request.num_cached >= len(request.prompt_ids):
+                prompt_logprobs.finish_prompt(request)
             if request.num_cached <= len(request.prompt_ids):  # a prompt chunk: its pages may be shared now
                 self.scheduler.cache_progress(request)
             if request.num_uncached == 0:

@@ -49,15 +49,20 @@ class ModelRunner:
         return batch
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """[B, vocab] fp32 logits of each request's last processed token."""
-        if self.graphs is not None and self.graphs.can_run(batch):
+    def forward(self, batch: ForwardBatch, extra_rows: Sequence[int] = ()) -> torch.Tensor:
+        """[B, vocab] fp32 logits of each request's last processed token; with `extra_rows` (token rows of the
+        batch: prompt positions whose logprobs are asked for), (those logits, [len(extra_rows), vocab])."""
+        if extra_rows:
+            rows = torch.cat([batch.last_token_index, torch.tensor(list(extra_rows), device=batch.last_token_index.device)])
+            both = self.model(batch, self.kv, self.strategy, logits_at=rows)
+            logits, extra = both[: len(batch.last_token_index)], both[len(batch.last_token_index) :]
+        elif self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(batch)
         else:
             logits = self.model(batch, self.kv, self.strategy)
         if self.hooks is not None:
             self.hooks.hook.moeplex_forward_done(batch=batch, logits=logits)
-        return logits
+        return (logits, extra) if extra_rows else logits
 
     @torch.inference_mode()
     def verify_forward(self, batch: ForwardBatch, rows: torch.Tensor, with_hidden: bool):

@@ -81,6 +81,19 @@ class Request:
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # prompt logprobs (params.prompt_logprobs set): one entry per prompt position, None before the first asked for
+    prompt_logprobs: list[dict | None] | None = None
+    prompt_logprobs_done: bool = False
+
+    @property
+    def cache_match_limit(self) -> int:
+        """The most tokens the prefix cache may give it: one token is always computed, and a position whose prompt
+        logprob is still due is recomputed (its logits are needed), so cached tokens stop before it."""
+        limit = self.num_tokens - 1
+        p = self.params
+        if p.prompt_logprobs is not None and not self.prompt_logprobs_done:
+            limit = min(limit, max(p.prompt_logprobs_start, 1) - 1)
+        return limit
 
     @property
     def awaiting_final_token(self) -> bool:

@@ -193,7 +193,7 @@ class Scheduler:
     def _reuse_prefix(self, request: Request) -> None:
         if self.cache is None or request.pages:
             return
-        match = self.cache.match(request.all_ids, request.num_tokens - 1)
+        match = self.cache.match(request.all_ids, request.cache_match_limit)
         self.cache.lock(match.node)
         request.pages, request.num_cached = list(match.pages), match.num_tokens
         request.num_shared_pages, request.cache_node = len(match.pages), match.node

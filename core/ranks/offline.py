@@ -53,6 +53,8 @@ def result_of(request, with_text: bool) -> dict:
         "logprobs": request.logprobs,
         "cached_tokens": request.cached_tokens,
     }
+    if request.prompt_logprobs is not None:
+        result["prompt_logprobs"] = request.prompt_logprobs
     if with_text:
         result["text"] = request.text
     return result
