@@ -110,6 +110,7 @@ class Updates:
     ends: dict[int, tuple[FinishReason, Any, str | None]] = attrs.field(factory=dict)
     cached: dict[int, int] = attrs.field(factory=dict)
     spec: dict[int, tuple[int, int, int]] = attrs.field(factory=dict)
+    prompt_logprobs: dict[int, tuple] = attrs.field(factory=dict)  # once, when the prompt is done, where asked for
 
     def __len__(self) -> int:
         return len(self.rids)
@@ -150,6 +151,9 @@ class Updates:
                     request.logprobs.extend(self.logprobs[row])
                 if row in self.cached:
                     request.cached_tokens = self.cached[row]
+                if row in self.prompt_logprobs:
+                    request.prompt_logprobs = list(self.prompt_logprobs[row])
+                    request.prompt_logprobs_done = True
                 if row in self.spec:
                     request.spec_verify_steps, request.spec_draft_tokens, request.spec_accepted_tokens = self.spec[row]
                 if row in self.ends:

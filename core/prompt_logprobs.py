@@ -36,7 +36,9 @@ def record(due: Sequence[tuple[Request, int, int]], logits: torch.Tensor) -> Non
     """Each due row's prompt logprob into its request: logits [len(due), vocab] (fp32)."""
     logprobs = torch.log_softmax(logits, dim=-1)
     targets = torch.tensor([r.prompt_ids[q + 1] for r, _, q in due], device=logits.device)
-    chosen = logprobs.gather(-1, targets[:, None])[:, 0].tolist()
+    chosen_t = logprobs.gather(-1, targets[:, None])
+    ranks = ((logprobs > chosen_t).sum(-1) + 1).tolist()  # 1 + tokens the model found likelier (vLLM's rank)
+    chosen = chosen_t[:, 0].tolist()
     top_k = max(r.params.prompt_logprobs for r, _, _ in due)
     top = torch.topk(logprobs, min(top_k, logprobs.shape[-1])) if top_k else None
     top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if top is not None else (None, None)
@@ -47,6 +49,7 @@ def record(due: Sequence[tuple[Request, int, int]], logits: torch.Tensor) -> Non
         request.prompt_logprobs[position + 1] = {
             "token_id": request.prompt_ids[position + 1],
             "logprob": chosen[j],
+            "rank": ranks[j],
             "top_logprobs": [[t, v] for t, v in zip(top_ids[j][:k], top_values[j][:k])] if k else [],
         }
 

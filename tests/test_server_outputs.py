@@ -20,7 +20,8 @@ from moeplex.server.outputs import Output
 def test_reports_pickle_every_field():
     values = {"rids": ("r-1", "r-2"), "ids": (5, 6, 7), "counts": (2, 1), "texts": ("ab", ""), "cuts": {1: 3},
               "logprobs": {0: ({"token_id": 5, "logprob": -0.5}, {"token_id": 6, "logprob": -0.1})},
-              "ends": {1: (FinishReason.STOP, "b", "boom")}, "cached": {0: 16}, "spec": {0: (1, 2, 3)}}
+              "ends": {1: (FinishReason.STOP, "b", "boom")}, "cached": {0: 16}, "spec": {0: (1, 2, 3)},
+              "prompt_logprobs": {0: (None, {"token_id": 7, "logprob": -1.0, "rank": 2, "top_logprobs": []})}}
     assert [f.name for f in attrs.fields(Updates)] == list(values)  # a new field must be pickled too
     assert attrs.asdict(pickle.loads(pickle.dumps(Updates(**values))), recurse=False) == values
     stats = LoopStats((GroupStats(*range(1, 10)), GroupStats(*range(11, 20))), (3, 4), 5, 6)

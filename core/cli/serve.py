@@ -64,6 +64,11 @@ def add_parser(sub) -> None:
         help="on a GPU, serve at once instead of first running one prefill step of each size class up to "
         "--max-batched-tokens (which compiles their kernels before a client waits on them)",
     )
+    http.add_argument(
+        "--strict-request-fields", action="store_true",
+        help="answer 400 to a request that carries a field this server does not know, instead of ignoring it with "
+        "a warning in the log and its name in the X-Moeplex-Ignored-Fields response header (vLLM's default)",
+    )
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="server log level (default: info)")
     add_engine_flags(p)
     p.set_defaults(run=run)
@@ -83,6 +88,7 @@ def run(args) -> int:
         gil_switch_interval=args.gil_switch_interval,
         expert_load_dir=args.expert_load_dir,
         warmup=not args.skip_warmup,
+        strict_request_fields=args.strict_request_fields,
     )
     check_port_free(args.host, args.port)  # before the model loads, not after
     config = engine_config(args)  # rank 0 draws the loading bar when stderr is a terminal

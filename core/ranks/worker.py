@@ -39,12 +39,13 @@ def group_stats(engine: Engine) -> GroupStats:
 class _Seen:
     """How much of one request rank 0 has been told about."""
 
-    __slots__ = ("request", "ids", "logprobs", "text", "cached", "spec")
+    __slots__ = ("request", "ids", "logprobs", "text", "cached", "spec", "prompt_sent")
 
     def __init__(self, request: Request):
         self.request = request
         self.ids = self.logprobs = self.text = self.cached = 0
         self.spec = (0, 0, 0)
+        self.prompt_sent = request.params.prompt_logprobs is None  # nothing to send
 
 
 class UpdateLog:
@@ -67,7 +68,7 @@ class UpdateLog:
 
     def take(self) -> Updates:
         rids, ids, counts, texts = [], [], [], []
-        cuts, logprobs, ends, cached, spec = {}, {}, {}, {}, {}
+        cuts, logprobs, ends, cached, spec, prompt = {}, {}, {}, {}, {}, {}
         one_each = True
         done = []
         for seen in self._seen.values():
@@ -95,6 +96,8 @@ class UpdateLog:
                 seen.logprobs = len(r.logprobs)
             if r.cached_tokens != seen.cached:
                 cached[row] = seen.cached = r.cached_tokens
+            if not seen.prompt_sent and r.prompt_logprobs_done:
+                prompt[row], seen.prompt_sent = tuple(r.prompt_logprobs), True
             if self.speculates and r.spec_counts != seen.spec:
                 spec[row] = seen.spec = r.spec_counts
             if r.finish_reason is not None:
@@ -110,7 +113,7 @@ class UpdateLog:
             texts.append("")
             one_each = False
         return Updates(tuple(rids), tuple(ids), () if one_each else tuple(counts), tuple(texts), cuts, logprobs, ends,
-                       cached, spec)
+                       cached, spec, prompt)
 
 
 # --- every rank -----------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def build_app(
     endpoints = [CompletionsEndpoint(model), ChatEndpoint(model), GenerateEndpoint(model)]
     info = InfoRoutes(model, loop, metrics, settings, endpoints)
     bodies = BodyReader(settings.max_request_bytes, settings.read_timeout)
-    routes = [Route(e.path, generation_route(e, loop, bodies), methods=["POST"]) for e in endpoints]
+    routes = [Route(e.path, generation_route(e, loop, bodies, settings.strict_request_fields), methods=["POST"]) for e in endpoints]
     routes += info.routes()
     routes += ExpertLoadRoutes(loop, settings.expert_load_dir, bodies).routes()
 

@@ -49,11 +49,23 @@ class ChatTemplate:
         source = _template_source(folder, config)
         return cls(source or DEFAULT_CHAT_TEMPLATE, special, is_default=source is None)
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+               **variables) -> str:
+        """The prompt text; `variables` (chat_template_kwargs) reach the template beside the messages. With
+        continue_final_message the text ends where the last message's content ends (its closing tokens cut)."""
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+            text = self.template.render(
+                **{**variables, "messages": messages, "add_generation_prompt": add_generation_prompt, **self.special_tokens})
         except jinja2.exceptions.TemplateError as exc:
             raise bad_request(f"the chat template refused the messages: {exc}", "messages") from None
+        if continue_final_message:
+            final = messages[-1]["content"]
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise bad_request("continue_final_message: the chat template does not show the last message's content",
+                                  "continue_final_message")
+            text = text[: at + len(final)]
+        return text
 
 
 def _template_source(folder: str, config: dict) -> str | None:

@@ -47,16 +47,11 @@ def expand(prompts: list[list[int]], n: int, params_for_choice: Callable[[int], 
     return [(ids, choices[j]) for ids in prompts for j in range(n)]
 
 
-SHARED_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos")
-
-
-def choice_params(fields: dict, max_new_tokens: int, seed: int | None, logprobs: int, choice: int) -> SamplingParams:
-    """The SamplingParams of choice `choice` of a request: its seed, if any, offset by the choice."""
+def choice_params(sampling: dict, max_new_tokens: int, seed: int | None, logprobs: int, choice: int) -> SamplingParams:
+    """The SamplingParams of choice `choice` of a request (`sampling`: SamplingParams fields by their names): its
+    seed, if any, offset by the choice."""
     return make_sampling_params(
-        max_new_tokens=max_new_tokens,
-        seed=None if seed is None else seed + choice,
-        logprobs=logprobs,
-        **{name: fields[name] for name in SHARED_SAMPLING_FIELDS},
+        max_new_tokens=max_new_tokens, seed=None if seed is None else seed + choice, logprobs=logprobs, **sampling
     )
 
 

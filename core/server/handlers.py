@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Awaitable, Callable
 
 import attrs
@@ -15,17 +16,30 @@ from .endpoint import Endpoint
 from .engine_loop import EngineLoop
 from .errors import bad_request
 from .group import RequestGroup
-from .schema import parse
+from .schema import parse, prune
 from .sse import EventStream
 
+log = logging.getLogger("moeplex.server")
+IGNORED_FIELDS_HEADER = "X-Moeplex-Ignored-Fields"  # the request fields this server dropped, comma-separated
 
-def generation_route(endpoint: Endpoint, loop: EngineLoop, bodies: BodyReader) -> Callable[[HttpRequest], Awaitable[Response]]:
+
+def generation_route(endpoint: Endpoint, loop: EngineLoop, bodies: BodyReader,
+                     strict: bool = False) -> Callable[[HttpRequest], Awaitable[Response]]:
+    """`strict`: a field no declaration names is a 400 (--strict-request-fields); otherwise it is dropped, logged
+    once per request and named in the answer's X-Moeplex-Ignored-Fields header."""
+
     async def handle(http: HttpRequest) -> Response:
         body = await bodies.read(http)
         # JSON, validation, chat templates and tokenization are CPU work: in a thread, so /health and streams keep going
         values = await run_in_threadpool(parse_json, body)
         side = loop.pd  # a prefill or decode server takes the router's bootstrap fields
         boot = take_bootstrap(values, side.role) if side is not None and isinstance(values, dict) else None
+        ignored: list[str] = []
+        if not strict:
+            values, ignored = prune(values, endpoint.fields)
+        if ignored:
+            log.warning("%s: ignored request fields this server does not know: %s", endpoint.path, ", ".join(ignored))
+        headers = {IGNORED_FIELDS_HEADER: ", ".join(ignored)} if ignored else None
         plan = await run_in_threadpool(lambda: endpoint.plan(parse(values, endpoint.fields)))
         requests = plan.requests
         if boot is not None:
@@ -39,11 +53,11 @@ def generation_route(endpoint: Endpoint, loop: EngineLoop, bodies: BodyReader) -
         for prompt_ids, params in requests:
             group.add(prompt_ids, params, boot)
         if plan.stream:
-            return EventStream(endpoint.stream(plan, group), on_close=group.abort)
+            return EventStream(endpoint.stream(plan, group), on_close=group.abort, headers=headers)
         completions = await group.collect_while_connected(http)
         if completions is None:
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(endpoint.response(plan, group, completions))
+        return JSONResponse(endpoint.response(plan, group, completions), headers=headers)
 
     handle.__name__ = endpoint.path.strip("/").replace("/", "_")
     return handle

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
+from .chat_template import ChatTemplate
 from .endpoint import MAX_TOP_LOGPROBS, Plan, expand
 from .errors import bad_request
 from .group import RequestGroup
-from .openai_common import chat_logprobs, finish_fields, header, params_for_choice, sampling_fields, usage
+from .openai_common import (
+    chat_logprobs, finish_fields, header, params_for_choice, sampling_fields, token_namer, truncate, usage,
+    usage_chunk_fields, vllm_prompt_logprobs,
+)
 from .outputs import Completion, Output
 from .schema import BOOLEAN, INTEGER, OBJECT, STRING, AnyOf, Field, ListOf, ObjectOf
 from .served_model import ServedModel
@@ -49,15 +53,57 @@ class ChatEndpoint:
             Field("tools", ListOf(OBJECT, "an array of tools"), None, "not supported", choices=([],)),
             Field("tool_choice", AnyOf(STRING, OBJECT), None, "not supported", choices=("none", "auto")),
             Field("parallel_tool_calls", BOOLEAN, None, "accepted and ignored (no tools)"),
+            # vLLM's and SGLang's chat extensions
+            Field("add_generation_prompt", BOOLEAN, True, "end the prompt with the template's assistant header"),
+            Field("continue_final_message", BOOLEAN, False, "leave the last (assistant) message open for the model to "
+                  "continue; needs add_generation_prompt: false"),
+            Field("echo", BOOLEAN, False, "prefix the answer with the last message's content when it is the assistant's"),
+            Field("add_special_tokens", BOOLEAN, False, "let the tokenizer add its special tokens to the rendered prompt"),
+            Field("chat_template", STRING, None, "a Jinja chat template for this request instead of the model's"),
+            Field("chat_template_kwargs", OBJECT, None, "extra variables for the chat template (enable_thinking, ...)"),
+            Field("documents", ListOf(OBJECT, "an array of objects"), None, "documents for a RAG chat template"),
+            Field("reasoning_effort", STRING, None, "passed to the chat template as reasoning_effort"),
+            Field("separate_reasoning", BOOLEAN, True, "accepted (SGLang): reasoning is split only by a reasoning parser"),
+            Field("stream_reasoning", BOOLEAN, True, "accepted (SGLang): reasoning is split only by a reasoning parser"),
+            Field("modalities", ListOf(STRING, "an array of strings"), None, "only text", choices=(["text"],)),
+            Field("prediction", OBJECT, None, "accepted and ignored: a hint that changes no token"),
+            Field("audio", OBJECT, None, refused="this server answers in text"),
+            Field("web_search_options", OBJECT, None, refused="this server does not search the web"),
+            Field("functions", ListOf(OBJECT, "an array"), None, refused="the deprecated functions API; send tools"),
+            Field("function_call", AnyOf(STRING, OBJECT), None, refused="the deprecated functions API; send tool_choice"),
         ]
+        self._templates: dict[str, ChatTemplate] = {}  # per-request templates, compiled once each
+
+    def _template(self, source: str | None) -> ChatTemplate:
+        if source is None:
+            return self.model.chat_template
+        if source not in self._templates:
+            if len(self._templates) > 64:
+                self._templates.clear()
+            try:
+                self._templates[source] = ChatTemplate(source, self.model.chat_template.special_tokens, False)
+            except Exception as exc:  # jinja2's TemplateSyntaxError and kin
+                raise bad_request(f"chat_template does not compile: {exc}", "chat_template") from None
+        return self._templates[source]
 
     def plan(self, values: dict[str, Any]) -> Plan:
         model = self.model
         model.check_name(values["model"])
         if values["top_logprobs"] and not values["logprobs"]:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        text = model.chat_template.render([_flatten(m) for m in values["messages"]])
-        ids = model.encode(text, "messages")
+        messages = [_flatten(m) for m in values["messages"]]
+        if values["continue_final_message"] and (values["add_generation_prompt"] or messages[-1]["role"] != "assistant"):
+            raise bad_request("continue_final_message needs add_generation_prompt: false and a last assistant message",
+                              "continue_final_message")
+        variables = dict(values["chat_template_kwargs"] or {})
+        if values["documents"] is not None:
+            variables["documents"] = values["documents"]
+        if values["reasoning_effort"] is not None:
+            variables["reasoning_effort"] = values["reasoning_effort"]
+        text = self._template(values["chat_template"]).render(
+            messages, add_generation_prompt=values["add_generation_prompt"],
+            continue_final_message=values["continue_final_message"], **variables)
+        ids = truncate(model.encode(text, "messages", values["add_special_tokens"]), values)
         model.check_prompt(ids, "messages")
         max_tokens = values["max_completion_tokens"] or values["max_tokens"] or model.room_after(len(ids))
         model.check_length(len(ids), max_tokens, "max_tokens")
@@ -66,35 +112,46 @@ class ChatEndpoint:
         return Plan(requests, values["stream"], values["n"], values)
 
     def _logprobs(self, plan: Plan, entries) -> dict | None:
-        return chat_logprobs(self.model, entries, plan.options["top_logprobs"]) if plan.options["logprobs"] else None
+        if not plan.options["logprobs"]:
+            return None
+        return chat_logprobs(token_namer(self.model, plan.options["return_tokens_as_token_ids"]), entries,
+                             plan.options["top_logprobs"])
+
+    def _echo(self, plan: Plan) -> str:
+        last = plan.options["messages"][-1]
+        return _flatten(last)["content"] if plan.options["echo"] and last["role"] == "assistant" else ""
 
     def response(self, plan: Plan, group: RequestGroup, completions: list[Completion]) -> dict:
         choices = []
         for c in completions:
             choice = {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": {"role": "assistant", "content": self._echo(plan) + c.text},
                 "logprobs": self._logprobs(plan, c.logprobs),
                 **finish_fields(c.finish_reason, c.stop_reason),
             }
             if plan.options["return_token_ids"]:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
-        return {**header("chat.completion", f"chatcmpl-{group.id}", self.model), "choices": choices,
-                "usage": usage(completions, plan.n)}
+        answer = {**header("chat.completion", f"chatcmpl-{group.id}", self.model), "choices": choices,
+                  "usage": usage(completions, plan.n)}
+        if plan.options["prompt_logprobs"] is not None and completions and completions[0].prompt_logprobs is not None:
+            answer["prompt_logprobs"] = vllm_prompt_logprobs(self.model, completions[0].prompt_logprobs,
+                                                             plan.options["prompt_logprobs"])
+        return answer
 
     async def stream(self, plan: Plan, group: RequestGroup) -> AsyncIterator[dict]:
         base = header("chat.completion.chunk", f"chatcmpl-{group.id}", self.model)
-        include_usage = (plan.options["stream_options"] or {}).get("include_usage", False)
-        extra = {"usage": None} if include_usage else {}
-        for index in range(group.size):  # the role first, as OpenAI does, before any token is ready
-            delta = {"role": "assistant", "content": ""}
-            yield {**base, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}], **extra}
         completions = [Completion(i) for i in range(group.size)]
+        for index in range(group.size):  # the role first, as OpenAI does, before any token is ready
+            delta = {"role": "assistant", "content": self._echo(plan)}
+            yield {**base, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}],
+                   **usage_chunk_fields(plan.options, completions, plan.n)}
         async for output in group.outputs():
             completions[output.index].add(output)
-            yield {**base, "choices": [self._chunk_choice(plan, output)], **extra}
-        if include_usage:
+            yield {**base, "choices": [self._chunk_choice(plan, output)],
+                   **usage_chunk_fields(plan.options, completions, plan.n)}
+        if (plan.options["stream_options"] or {}).get("include_usage"):
             yield {**base, "choices": [], "usage": usage(completions, plan.n)}
 
     def _chunk_choice(self, plan: Plan, o: Output) -> dict:

@@ -37,6 +37,7 @@ class Output:
     status: int = 200  # the HTTP status of the failure, when error is set
     cached_tokens: int = 0  # of the prompt, reused from the prefix cache
     spec_counts: tuple[int, int, int] = (0, 0, 0)  # speculative decoding so far (Request.spec_counts)
+    prompt_logprobs: tuple | None = None  # per prompt position (None where not asked), in the first Output only
 
     @property
     def finished(self) -> bool:
@@ -45,7 +46,8 @@ class Output:
     def then(self, later: "Output") -> "Output":
         """This output and the next one of the same request as one (what several steps added, in one event)."""
         return attrs.evolve(later, text=self.text + later.text, token_ids=self.token_ids + later.token_ids,
-                            logprobs=self.logprobs + later.logprobs)
+                            logprobs=self.logprobs + later.logprobs,
+                            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
 
     @classmethod
     def failure(cls, ticket: Ticket, status: int, message: str) -> "Output":
@@ -67,8 +69,11 @@ class Completion:
     status: int = 200
     cached_tokens: int = 0
     spec_counts: tuple[int, int, int] = (0, 0, 0)
+    prompt_logprobs: tuple | None = None
 
     def add(self, output: Output) -> None:
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.num_prompt_tokens = output.num_prompt_tokens
         self.spec_counts = output.spec_counts
         self.cached_tokens = max(self.cached_tokens, output.cached_tokens)

@@ -37,6 +37,7 @@ class Progress:
         self.sent_text = 0
         self.sent_tokens = 0
         self.sent_logprobs = 0
+        self.sent_prompt_logprobs = request.params.prompt_logprobs is None
         self.last_token_at: float | None = None
 
     def advance(self) -> Output | None:
@@ -48,7 +49,10 @@ class Progress:
         new_ids = request.output_ids[self.sent_tokens :]
         new_text = request.text[self.sent_text : max(text_end, self.sent_text)]
         new_logprobs = request.logprobs[self.sent_logprobs :]
-        if not (new_ids or new_text or request.finished):
+        prompt_logprobs = None
+        if not self.sent_prompt_logprobs and request.prompt_logprobs_done:
+            prompt_logprobs, self.sent_prompt_logprobs = tuple(request.prompt_logprobs), True
+        if not (new_ids or new_text or request.finished or prompt_logprobs):
             return None
         self.sent_tokens += len(new_ids)
         self.sent_text += len(new_text)
@@ -66,4 +70,5 @@ class Progress:
             status=500 if request.error else 200,
             cached_tokens=request.cached_tokens,
             spec_counts=request.spec_counts,
+            prompt_logprobs=prompt_logprobs,
         )

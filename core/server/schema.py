@@ -1,7 +1,9 @@
 """Request bodies declared as fields: one declaration both validates a body and describes it in OpenAPI.
 
-A value of null counts as absent (OpenAI clients send null for unset options). Unknown fields with a
-value are refused, so a misspelt option (`max_token`) is a 400 naming it rather than a silent default.
+A value of null counts as absent (OpenAI clients send null for unset options). A field nobody declared is
+dropped by `prune` before parsing and named back to the client (vLLM's behaviour: clients written for other
+servers send extras), unless the server is strict (`--strict-request-fields`): then `parse` refuses it, so a
+misspelt option (`max_token`) is a 400 naming it rather than a silent default.
 """
 
 from __future__ import annotations
@@ -89,6 +91,21 @@ class ListOf(Kind):
         return [self.item.read(x, f"{param}[{i}]") for i, x in enumerate(value)]
 
 
+class MapOf(Kind):
+    """A JSON object whose keys are the data (logit_bias: token id -> bias), each value of one kind."""
+
+    def __init__(self, value: Kind, describe: str):
+        super().__init__(describe, lambda v: type(v) is dict and all(value.accepts(x) for x in v.values()), {})
+        self.value = value
+
+    def schema(self) -> dict:
+        return {"type": "object", "additionalProperties": self.value.schema()}
+
+    def read(self, value: Any, param: str) -> dict:
+        super().read(value, param)
+        return {key: self.value.read(x, f"{param}.{key}") for key, x in value.items()}
+
+
 class AnyOf(Kind):
     def __init__(self, *kinds: Kind):
         names = [k.describe for k in kinds]
@@ -127,6 +144,7 @@ class Field:
     maximum: float | None = None
     exclusive_minimum: bool = False  # the minimum itself is out of range
     choices: tuple = ()  # the only values accepted (for an OpenAI option this server does not implement: its no-op values)
+    refused: str = ""  # why any value but null is a 400 (a field other servers take that this one cannot honour)
 
     def read(self, value: Any, where: str) -> Any:
         param = where + self.name
@@ -134,6 +152,8 @@ class Field:
             if self.required:
                 raise bad_request(f"{param} is required", param)
             return self.default
+        if self.refused:
+            raise bad_request(f"{param} is not supported: {self.refused}", param, "unsupported_value")
         value = self.kind.read(value, param)
         if self.choices and value not in self.choices:
             shown = ", ".join(repr(v) for v in self.choices)
@@ -184,3 +204,34 @@ def json_schema(fields: Sequence[Field]) -> dict:
         "required": [f.name for f in fields if f.required],
         "additionalProperties": False,
     }
+
+
+def prune(body: Any, fields: Sequence[Field], where: str = "") -> tuple[Any, list[str]]:
+    """`body` without the keys no field declares (at any depth of declared objects), and their dotted names."""
+    if type(body) is not dict:
+        return body, []
+    declared = {f.name: f for f in fields}
+    kept, ignored = {}, []
+    for key, value in body.items():
+        field = declared.get(key)
+        if field is None:
+            if value is not None:
+                ignored.append(where + key)
+            continue
+        kept[key], inner = _prune_value(value, field.kind, f"{where}{key}")
+        ignored += inner
+    return kept, ignored
+
+
+def _prune_value(value: Any, kind: Kind, where: str) -> tuple[Any, list[str]]:
+    if isinstance(kind, ObjectOf) and type(value) is dict:
+        return prune(value, kind.fields, where + ".")
+    if isinstance(kind, ListOf) and type(value) is list:
+        pruned = [_prune_value(item, kind.item, f"{where}[{i}]") for i, item in enumerate(value)]
+        return [v for v, _ in pruned], [name for _, names in pruned for name in names]
+    if isinstance(kind, AnyOf):
+        objects = [k for k in kind.kinds if isinstance(k, (ObjectOf, ListOf)) and k.accepts(value)]
+        loose = [k for k in kind.kinds if isinstance(k, (ObjectOf, ListOf))]
+        for k in objects or loose:
+            return _prune_value(value, k, where)
+    return value, []

@@ -31,12 +31,23 @@ class ServedModel:
         self.chat_template = ChatTemplate.from_folder(self.path)
         self.bos_token_id = hf_config.get("bos_token_id")
         self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
+        config = facts.config
+        self._no_prompt_logprobs = (  # why prompt logprobs cannot be computed here, if they cannot
+            "not with speculative decoding" if config.speculative_algorithm else
+            "not on a disaggregated server" if config.disaggregation_mode != "none" else None)
+
+    def check_prompt_logprobs(self, asked: bool, param: str) -> None:
+        if asked and self._no_prompt_logprobs:
+            raise bad_request(f"prompt logprobs are {self._no_prompt_logprobs} (as in vLLM)", param)
 
     def check_name(self, requested: str | None) -> None:
         if requested is not None and requested != self.name:
             raise bad_request(f"the model {requested!r} is not served here; this server serves {self.name!r}", "model", "model_not_found")
 
-    def encode(self, text: str, param: str) -> list[int]:
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False) if self.tokenizer is not None else ""
+
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise bad_request(f"{self.path} has no tokenizer.json, so {param} must be token ids", param)
         if len(text) > self.context_length * self._longest_token:
@@ -47,7 +58,7 @@ class ServedModel:
                 "context_length_exceeded",
             )
         # encode_batch lets go of the GIL while it works (encode holds it): the event loop keeps serving
-        return self.tokenizer.encode_batch([text])[0].ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def check_prompt(self, ids: Sequence[int], param: str) -> None:
         if not ids:
@@ -59,6 +70,14 @@ class ServedModel:
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         if ids:
             self.check_prompt(ids, param)
+
+    def check_logit_bias(self, bias: dict | None, param: str = "logit_bias") -> None:
+        """Keys must be token ids of the vocabulary, values in [-100, 100] (OpenAI's range)."""
+        for key, value in (bias or {}).items():
+            if not (key.isdigit() and int(key) < self.vocab_size):
+                raise bad_request(f"{param} key {key!r} is not a token id of the vocabulary (0..{self.vocab_size - 1})", param)
+            if not -100 <= value <= 100:
+                raise bad_request(f"{param}[{key}] must be in [-100, 100], got {value}", param)
 
     def check_length(self, num_prompt_tokens: int, max_new_tokens: int, param: str) -> None:
         problem = context_problem(num_prompt_tokens, max_new_tokens, self.context_length, param)

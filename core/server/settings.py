@@ -25,6 +25,7 @@ class ServerSettings:
     shutdown_timeout: float = attrs.field(default=30.0, validator=_positive)  # drain in-flight requests on SIGTERM
     expert_load_dir: str = attrs.field(factory=tempfile.gettempdir)  # where expert-load dumps are written
     warmup: bool = True  # on a GPU, rank 0 runs a prefill step of each size class before serving (ranks/warmup.py)
+    strict_request_fields: bool = False  # a request field no endpoint declares is a 400 rather than ignored
     health_timeout: float = attrs.field(default=20.0, validator=_positive)  # /health_generate's one-token request
     # applied by `moeplex serve` to its front-end process (sys.setswitchinterval), never by build_app: the thread
     # that receives the engine's round reports gets the GIL back from the event loop within this interval rather

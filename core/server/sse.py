@@ -46,8 +46,8 @@ class EventStream(StreamingResponse):
     that were still generating, which frees their KV pages.
     """
 
-    def __init__(self, chunks: AsyncIterator[dict], on_close: Callable[[], None]):
-        super().__init__(events(chunks), media_type="text/event-stream", headers=HEADERS)
+    def __init__(self, chunks: AsyncIterator[dict], on_close: Callable[[], None], headers: dict | None = None):
+        super().__init__(events(chunks), media_type="text/event-stream", headers={**HEADERS, **(headers or {})})
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
