@@ -33,8 +33,8 @@ class ServedModel:
         self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
         config = facts.config
         self._no_prompt_logprobs = (  # why prompt logprobs cannot be computed here, if they cannot
-            "not with speculative decoding" if config.speculative_algorithm else
-            "not on a disaggregated server" if config.disaggregation_mode != "none" else None)
+            "not computed with speculative decoding" if config.speculative else
+            "not computed on a disaggregated server" if config.disaggregation_mode != "none" else None)
 
     def check_prompt_logprobs(self, asked: bool, param: str) -> None:
         if asked and self._no_prompt_logprobs:
