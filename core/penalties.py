@@ -102,8 +102,8 @@ class LogitAdjuster:
         return logits
 
     def _apply_slots(self, logits, owners, rows, prior) -> None:
-        index = self._ids(rows)
-        slots = self._ids([self._slot(owners[i]) for i in rows])
+        # one host-to-device copy for the rows and their slots, one for the penalties' parameters
+        index, slots = self._ids([*rows, *(self._slot(owners[i]) for i in rows)]).view(2, -1)
         part = logits[index] + self.bias[slots]
         counting = [j for j, i in enumerate(rows) if owners[i].params.counts_tokens]
         if counting:
@@ -111,17 +111,15 @@ class LogitAdjuster:
             counts = self.counts[slots[sub]].float()
             extra = [(j, t) for j, row in enumerate(counting) for t in (prior[rows[row]] if prior else ())]
             if extra:  # a verify row also sees the drafts before it
-                at, tok = zip(*extra)
-                counts.index_put_((self._ids(at), self._ids(tok)), torch.ones(len(at), device=self.device), accumulate=True)
+                at, tok = self._ids([*(j for j, _ in extra), *(t for _, t in extra)]).view(2, -1)
+                counts.index_put_((at, tok), torch.ones(len(extra), device=self.device), accumulate=True)
             params = [owners[rows[j]].params for j in counting]
-            column = lambda values: to_device(self.device, torch.tensor(values, dtype=torch.float32))[0][:, None]
+            values = [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params]
+            rep, frequency, presence = to_device(self.device, torch.tensor(values, dtype=torch.float32))[0].T[:, :, None]
             x = part[sub]
-            rep = column([p.repetition_penalty for p in params])
             hit = (counts > 0) | self.seen[slots[sub]]
             x = torch.where(hit, torch.where(x > 0, x / rep, x * rep), x)
-            x = x - column([p.frequency_penalty for p in params]) * counts
-            x = x - column([p.presence_penalty for p in params]) * (counts > 0).float()
-            part[sub] = x
+            part[sub] = x - frequency * counts - presence * (counts > 0)
         logits[index] = part
 
     def _mask_early_stops(self, logits, owners, rows, generated) -> None:
@@ -141,9 +139,8 @@ class LogitAdjuster:
         rows = [i for i, r in enumerate(owners) if r.params.counts_tokens]
         if not rows:
             return
-        index = self._ids(rows)
+        index, slots = self._ids([*rows, *(self._slot(owners[i]) for i in rows)]).view(2, -1)
         drawn = tokens[index]
-        slots = self._ids([self._slot(owners[i]) for i in rows])
         self.counts.index_put_((slots, drawn.clamp_min(0)), (drawn >= 0).to(torch.int32), accumulate=True)
 
     def record_accepted(self, request: Request, tokens: Sequence[int]) -> None:
