@@ -24,10 +24,19 @@ from .transfer import to_device
 INITIAL_SLOTS = 8
 
 
+def _fused_kernel():
+    from .kernels.penalties import penalize_  # Triton is imported only where it runs
+
+    return penalize_
+
+
 class LogitAdjuster:
-    def __init__(self, vocab_size: int, device: torch.device, eos_ids: set[int] | frozenset = frozenset()):
+    def __init__(self, vocab_size: int, device: torch.device, eos_ids: set[int] | frozenset = frozenset(),
+                 fused: bool | None = None):
+        """`fused`: the Triton kernel applies the slots (default: where Triton compiles for the device, a GPU)."""
         self.vocab = vocab_size
         self.device = device
+        self.fused = _fused_kernel() if (device.type == "cuda" if fused is None else fused) else None
         self.eos_ids = tuple(sorted(eos_ids))
         self.slots: dict[str, int] = {}  # rid -> row of the tensors below
         self._free: list[int] = []
@@ -87,19 +96,31 @@ class LogitAdjuster:
 
     # --- a step -----------------------------------------------------------------------------------------
     def adjust(self, logits: torch.Tensor, owners: Sequence[Request], generated: Sequence[int],
-               prior: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+               prior: Sequence[Sequence[int]] | None = None, in_place: bool = False) -> torch.Tensor:
         """`logits` [R, V] (fp32) with each row's adjustments; row i belongs to owners[i], which had generated
         generated[i] tokens before it, the last len(prior[i]) of them (speculative drafts ahead of a verify row)
-        not yet recorded. Returns `logits` itself when no row asks for anything."""
+        not yet recorded. Returns `logits` itself when no row asks for anything, or when `in_place` (nobody reads
+        the model's own logits afterwards: no logprobs asked for)."""
         rows = [i for i, r in enumerate(owners) if r.params.adjusts_logits]
         if not rows:
             return logits
-        logits = logits.clone()
+        if not in_place:
+            logits = logits.clone()
         slotted = [i for i in rows if self._needs_slot(owners[i])]
-        if slotted:
+        if slotted and self.fused is not None and not any(prior or ()):
+            self._apply_slots_fused(logits, owners, slotted)
+        elif slotted:
             self._apply_slots(logits, owners, slotted, prior)
         self._mask_early_stops(logits, owners, rows, generated)
         return logits
+
+    def _apply_slots_fused(self, logits, owners, rows) -> None:
+        """One kernel for every row (core/kernels/penalties.py), the same arithmetic as _apply_slots."""
+        index, slots = self._ids([*rows, *(self._slot(owners[i]) for i in rows)]).view(2, -1)
+        values = [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty, float(p.counts_tokens)]
+                  for p in (owners[i].params for i in rows)]
+        params = to_device(self.device, torch.tensor(values, dtype=torch.float32))[0]
+        self.fused(logits, index, slots, params, self.counts, self.seen, self.bias)
 
     def _apply_slots(self, logits, owners, rows, prior) -> None:
         # one host-to-device copy for the rows and their slots, one for the penalties' parameters

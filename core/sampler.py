@@ -69,7 +69,8 @@ class Sampler:
         if self.adjuster is None:
             return self.draw(logits, requests)
         generated = [len(r.output_ids) + len(r.pending_rows) for r in requests]
-        tokens = self.draw(self.adjuster.adjust(logits, requests, generated), requests)
+        in_place = not any(r.params.logprobs for r in requests)  # the model's logits are read for logprobs only
+        tokens = self.draw(self.adjuster.adjust(logits, requests, generated, in_place=in_place), requests)
         self.adjuster.record(tokens, requests)
         return tokens
 

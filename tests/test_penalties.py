@@ -185,3 +185,25 @@ def test_min_tokens_holds_back_eos(qwen):
     held = SamplingParams(max_new_tokens=10, temperature=0.0, logit_bias={str(EOS): 50}, min_tokens=4)
     out = engine.generate([PROMPTS[0]], held)[0]
     assert EOS not in out.output_ids[:4] and out.output_ids[4] == EOS and out.finish_reason.value == "stop"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_fused_kernel_equals_the_torch_code(name):
+    """The Triton kernel (under its interpreter here) against the torch code path, for every case."""
+    torch.manual_seed(1)
+    rng = random.Random(2)
+    p = CASES[name]
+    vocab = 5000  # more than one block of the kernel
+    plain, fused = (LogitAdjuster(vocab, torch.device("cpu"), {EOS}, fused=f) for f in (False, True))
+    requests = []
+    for i in range(3):
+        request = Request(str(i), [rng.randrange(vocab) for _ in range(9)], p if i != 1 else SamplingParams())
+        output = [rng.choice([65, 66, 4097, rng.randrange(vocab)]) for _ in range(7)]
+        for adjuster in (plain, fused):
+            adjuster.record(torch.tensor(output), [request] * len(output))
+        request.output_ids.extend(output)
+        requests.append(request)
+    logits = torch.randn(3, vocab) * 3
+    want = plain.adjust(logits, requests, [7, 7, 7])
+    got = fused.adjust(logits.clone(), requests, [7, 7, 7], in_place=True)
+    torch.testing.assert_close(got, want)
