@@ -152,3 +152,15 @@ def test_include_stop_str_in_output(api, engine_ref):
     kept = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.0, stop=[stop],
                                   extra_body={"include_stop_str_in_output": True})
     assert cut.choices[0].text == text[:3] and kept.choices[0].text == text[:5]
+
+
+def test_tokenize_and_detokenize(server, engine_ref):
+    ids = engine_ref.encode(PROMPT)
+    r = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", "prompt": PROMPT, "return_token_strs": True}).json()
+    assert r["tokens"] == ids and r["count"] == len(ids) and len(r["token_strs"]) == len(ids)
+    bare = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"]
+    assert bare == engine_ref.tokenizer.encode(PROMPT, add_special_tokens=False).ids
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 1
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": bare}).json()["prompt"] == PROMPT
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [10**6]}).status_code == 400

@@ -31,6 +31,7 @@ from .openai_chat import ChatEndpoint
 from .openai_completions import CompletionsEndpoint
 from .served_model import ServedModel
 from .settings import ServerSettings
+from .tokenize import TokenizerRoutes
 from .watchdog import RankBeats, Watchdog
 
 
@@ -70,6 +71,7 @@ def build_app(
     bodies = BodyReader(settings.max_request_bytes, settings.read_timeout)
     routes = [Route(e.path, generation_route(e, loop, bodies, settings.strict_request_fields), methods=["POST"]) for e in endpoints]
     routes += info.routes()
+    routes += TokenizerRoutes(model, bodies, model.chat_template).routes()
     routes += ExpertLoadRoutes(loop, settings.expert_load_dir, bodies).routes()
 
     @contextlib.asynccontextmanager
