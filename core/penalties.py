@@ -95,6 +95,7 @@ class LogitAdjuster:
         return to_device(self.device, torch.tensor(list(ids), dtype=torch.int64))[0]
 
     # --- a step -----------------------------------------------------------------------------------------
+    @torch.inference_mode()  # the logits are inference tensors; the state is only ever touched here
     def adjust(self, logits: torch.Tensor, owners: Sequence[Request], generated: Sequence[int],
                prior: Sequence[Sequence[int]] | None = None, in_place: bool = False) -> torch.Tensor:
         """`logits` [R, V] (fp32) with each row's adjustments; row i belongs to owners[i], which had generated
@@ -155,6 +156,7 @@ class LogitAdjuster:
             at, tok = zip(*cells)
             logits[self._ids(at), self._ids(tok)] = float("-inf")
 
+    @torch.inference_mode()  # the logits are inference tensors; the state is only ever touched here
     def record(self, tokens: torch.Tensor, owners: Sequence[Request]) -> None:
         """Count the drawn `tokens` [R] (on the device; FAILED rows skipped) for the owners that keep counts."""
         rows = [i for i, r in enumerate(owners) if r.params.counts_tokens]
@@ -164,6 +166,7 @@ class LogitAdjuster:
         drawn = tokens[index]
         self.counts.index_put_((slots, drawn.clamp_min(0)), (drawn >= 0).to(torch.int32), accumulate=True)
 
+    @torch.inference_mode()  # the logits are inference tensors; the state is only ever touched here
     def record_accepted(self, request: Request, tokens: Sequence[int]) -> None:
         """Count tokens the host already knows (a verify step's accepted run)."""
         kept = [t for t in tokens if t >= 0]

@@ -164,3 +164,18 @@ def test_tokenize_and_detokenize(server, engine_ref):
     assert chat["count"] > 1
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": bare}).json()["prompt"] == PROMPT
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": [10**6]}).status_code == 400
+
+
+def test_sglang_bench_serving_payloads(server):
+    """The bodies SGLang's bench_serving sends to /generate and /v1/completions, as it sends them."""
+    body = {"text": PROMPT, "image_data": None, "lora_path": None, "return_logprob": False, "logprob_start_len": -1,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True},
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and '"completion_tokens":8' in events[-2]
+    body = {"model": "tiny", "prompt": PROMPT, "temperature": 0.0, "best_of": 1, "max_tokens": 8, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}, "lora_path": None}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and sum(1 for line in r.iter_lines() if line.startswith("data: {")) >= 8
