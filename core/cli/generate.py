@@ -32,6 +32,15 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", nargs="*", default=[], help="stop strings")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after the eos token")
     p.add_argument("--logprobs", type=int, default=0, metavar="K", help="report the top-K log-probabilities per step")
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                   help="report every prompt token's log-probability and the top-K (prompt_logprobs in the output)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="in [-2, 2]: subtract it times each generated token's count from its logit (default: 0)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="in [-2, 2]: subtract it from the logit of every token generated so far (default: 0)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0: divide positive (multiply negative) logits of prompt and output tokens by it (default: 1, off)")
+    p.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens before eos may end it")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_engine_flags(p)
     p.set_defaults(run=run)
@@ -55,6 +64,11 @@ def run(args) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        repetition_penalty=args.repetition_penalty,
+        min_tokens=args.min_tokens,
     )
     config = engine_config(args, show_progress=not args.json)
     if not args.model:
