@@ -16,23 +16,23 @@ two barriers, prefill included; median, min-max).
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import tempfile
 import time
 
 import torch
-
-from moeplex.config import EngineConfig
-from moeplex.kv_cache import KVPool
-from moeplex.models.make_model import write_checkpoint
 import torch.distributed as dist
 
+from moeplex.config import EngineConfig
 from moeplex.engine import Engine
+from moeplex.kv_cache import KVPool
+from moeplex.models.make_model import write_checkpoint
 from moeplex.parallel import ParallelConfig, init_parallel
 from moeplex.ranks.launcher import launch
 from moeplex.ranks.offline import assign_to_dp_groups
 from moeplex.sampling import SamplingParams
+
+from report import emit, processor
 
 LAYOUTS = {
     "tp2 (TP attention)": dict(tp_size=2, ep_size=2),
@@ -68,12 +68,6 @@ def timed_batches(rank: int, config: EngineConfig, prompts, params, runs: int) -
     return seconds if rank == 0 else None
 
 
-def processor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def main() -> None:
@@ -120,11 +114,7 @@ def main() -> None:
     tp, dp, same = (statistics.median(r) for r in rates_of.values())
     lines += ["", f"DP attention / TP attention: {dp / tp:.2f}x output tokens/s at each layout's largest batch; "
               f"{same / tp:.2f}x at the same batch (the layout alone), so {dp / same:.2f}x from the batch it fits"]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

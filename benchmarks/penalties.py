@@ -12,7 +12,6 @@ none, ...) so drift on a shared machine falls on both; the table gives medians, 
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
 import tempfile
@@ -24,6 +23,8 @@ from moeplex.config import EngineConfig
 from moeplex.engine import Engine
 from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
+
+from report import emit, processor
 
 PROMPT_LEN = 32
 PENALIZED = dict(frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.1,
@@ -47,15 +48,6 @@ def decode_rate(engine: Engine, prompts, params, device: str) -> float:
     return (sum(len(r.output_ids) for r in requests) - first) / (time.perf_counter() - start)
 
 
-def processor() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        name = platform.processor()
-    return f"{name}, {torch.get_num_threads()} torch threads"
 
 
 def main() -> None:
@@ -106,11 +98,7 @@ def main() -> None:
         lines.append(f"| {batch} | {none:.1f} | {min(rates['none']):.1f}-{max(rates['none']):.1f} | {pen:.1f} | "
                      f"{min(rates['penalties']):.1f}-{max(rates['penalties']):.1f} | {pen / none:.3f} |")
         print(lines[-1], flush=True)
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

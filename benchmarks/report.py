@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 
@@ -11,3 +12,18 @@ def emit(text: str, out: str | Path | None) -> None:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text.rstrip("\n") + "\n")
+
+
+def processor() -> str:
+    """The machine a table was measured on: the GPU's name, or the CPU's model name (CPU tables name their processor:
+    the kernels that win differ between, say, a Xeon with AMX and an EPYC without)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.processor()
+    return f"{name}, {torch.get_num_threads()} torch threads"

@@ -88,3 +88,16 @@ def test_serving_against_offline_on_cpu(tmp_path):
     assert all(float(row[12]) > 0 and float(row[-1]) > 0 for row in runs), out
     summary = table_rows(out, "3")
     assert len(summary) == 1 and float(summary[0][3].split()[0]) > 0, out
+
+
+def test_dp_attention_kv_on_cpu_ranks(tmp_path):
+    out = run("dp_attention_kv.py", tmp_path / "dp.md", "--preset", "tiny", "--runs", "1", "--budget-tokens", "128",
+              "--context-tokens", "32")
+    tp, dp = table_rows(out, "tp2 (TP attention)")[0], table_rows(out, "tp2 dp2 (DP attention)")[0]
+    assert tp[1] == dp[1] == "128" and int(dp[2]) == 2 * int(tp[2]) and int(dp[3]) == 2 * int(tp[3])  # MLA stored once
+
+
+def test_penalties_benchmark_on_cpu(tmp_path):
+    out = run("penalties.py", tmp_path / "pen.md", "--preset", "tiny", "--runs", "1", "--batches", "2",
+              "--output-len", "4", "--threads", "1")
+    assert table_rows(out, "2")
