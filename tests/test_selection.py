@@ -15,7 +15,7 @@ import pytest
 from moeplex import cli, registry
 from moeplex.ranks import offline
 from moeplex.config import EngineConfig
-from moeplex.interfaces import BalancerCaps, DispatcherCaps, KernelCaps, OverlapCaps
+from moeplex.interfaces import BalancerCaps, DispatcherCaps, DrafterCaps, KernelCaps, KVTransferCaps, OverlapCaps
 from moeplex.parallel import ParallelConfig
 from moeplex.registry import PluginError
 from moeplex.selection import resolve
@@ -149,7 +149,7 @@ def test_fp8_rows_need_a_kernel_that_takes_them(fake_distribution):
     assert resolve(config(dispatcher="fake-fp8", dispatch_fp8=True), has_gpu=False)
 
 
-@pytest.mark.parametrize("caps_class", [DispatcherCaps, KernelCaps, BalancerCaps, OverlapCaps])
+@pytest.mark.parametrize("caps_class", [DispatcherCaps, KernelCaps, BalancerCaps, OverlapCaps, KVTransferCaps, DrafterCaps])
 def test_every_capability_is_documented(caps_class):
     docs = (Path(__file__).resolve().parent.parent / "docs" / "plugins.md").read_text()
     missing = [field for field in attrs.fields_dict(caps_class) if f"`{field}`" not in docs]
