@@ -115,7 +115,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs)
         self.speculation = None if drafter is None else SpeculativeDecoding(
             drafter, self.kv, self.model.hf_config["vocab_size"], decode_rows=self.model.attention_backend.graph_safe,
-            backoff=not config.disable_speculative_backoff,
+            backoff=not config.disable_speculative_backoff, name=config.speculative_algorithm,
         )
         if self.speculation is not None:
             drafter.bind(drafter_context(self.model, self.kv, config, self.device, range(len(shapes), len(self.kv.buffers)),

@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 
+from .interfaces import deprecation
 from .interfaces import Balancer, Dispatcher, Drafter, KVTransfer, MoEKernel, OverlapStrategy, PluginError
 
 KINDS = {
@@ -45,11 +46,20 @@ class PluginInfo:
             )
         if not hasattr(cls, "caps"):
             raise PluginError(f"{self.kind} '{self.name}' from {self.distribution} declares no `caps`.")
+        if attrs.has(type(cls.caps)):
+            for used in deprecation.in_use(cls.caps):
+                deprecation.LOGGED.report(used, self.label)
         return cls
+
+    @property
+    def label(self) -> str:
+        """How messages name the plugin: "dispatcher 'acme-local' from acme-moe-plugins 0.3.1"."""
+        return f"{self.kind} '{self.name}' from {self.distribution} {self.version}"
 
     def capabilities(self) -> dict[str, Any]:
         caps = self.load().caps
-        return {k: _plain(v) for k, v in attrs.asdict(caps, recurse=False).items()}
+        shown = attrs.asdict(caps, recurse=False, filter=lambda field, _: "deprecation" not in field.metadata)
+        return {k: _plain(v) for k, v in shown.items()}
 
 
 def _plain(value):

@@ -142,13 +142,21 @@ def resolve(config, ep_size: int | None = None, has_gpu: bool | None = None, ann
     return sel
 
 
+def chosen(config) -> dict[str, str]:
+    """kind -> the plugin name the config selects, for every kind this run uses."""
+    names = {kind: getattr(config, kind) for kind in registry.KINDS if getattr(config, kind, None) is not None}
+    # the later kinds are chosen by flags named for their feature, and only when that feature is on
+    if getattr(config, "speculative_algorithm", "none") != "none":
+        names["drafter"] = config.speculative_algorithm
+    if getattr(config, "disaggregation_mode", "none") != "none":
+        names["kv_transfer"] = config.disaggregation_transfer_backend
+    return names
+
+
 def describe(config) -> str:
     """The selected plugins with the distributions they come from, for the start-up log."""
-    chosen = []
-    for kind in registry.KINDS:
-        name = getattr(config, kind, None)
-        if name is None:  # a kind the engine does not select by a flag of this name (kv_transfer)
-            continue
-        info = registry.discover(kind)[name]
-        chosen.append(f"{kind} {name} ({info.distribution} {info.version})")
-    return ", ".join(chosen)
+    found = []
+    for kind, name in chosen(config).items():
+        info = registry.discover(kind).get(name)
+        found.append(f"{kind} {name} ({info.distribution} {info.version})" if info else f"{kind} {name}")
+    return ", ".join(found)

@@ -21,10 +21,11 @@ class Outcomes:
             self.by_test[report.nodeid.rpartition("::")[2]] = report.outcome
 
 
-def run_conformance(plugin: str, select: str | None = None) -> dict[str, str]:
-    """`pytest --pyargs moeplex.conformance --moeplex-plugin KIND:NAME [-k select]`: each test's outcome."""
+def run_conformance(plugin: str | list[str], select: str | None = None) -> dict[str, str]:
+    """`pytest --pyargs moeplex.conformance --moeplex-plugin KIND:NAME ... [-k select]`: each test's outcome."""
     outcomes = Outcomes()
-    args = ["-q", "--tb=line", "-p", "no:cacheprovider", "--pyargs", "moeplex.conformance", "--moeplex-plugin", plugin]
+    selected = [arg for p in ([plugin] if isinstance(plugin, str) else plugin) for arg in ("--moeplex-plugin", p)]
+    args = ["-q", "--tb=line", "-p", "no:cacheprovider", "--pyargs", "moeplex.conformance", *selected]
     code = pytest.main(args + (["-k", select] if select else []), plugins=[outcomes])
     assert code in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED), f"the suite did not run: exit {code}"
     return outcomes.by_test

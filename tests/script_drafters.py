@@ -29,6 +29,9 @@ def expected(ids: Sequence[int], count: int) -> list[int]:
 class OracleDrafter(Drafter):
     caps = DrafterCaps()
 
+    def bind(self, context):
+        self.context = context
+
     def propose(self, requests: Sequence[DraftRequest]) -> Drafts:
         drafts = [expected(r.token_ids, self.num_steps) for r in requests]
         if FALLBACK:
@@ -47,8 +50,18 @@ class AdversaryDrafter(Drafter):
         return Drafts(tokens)
 
 
+class OutOfVocabularyDrafter(Drafter):
+    """The oracle's right tokens, then an id past the vocabulary: a faulty drafter whose drafts are refused."""
+
+    caps = DrafterCaps()
+
+    def propose(self, requests: Sequence[DraftRequest]) -> Drafts:
+        return Drafts([expected(r.token_ids, self.num_steps - 1) + [VOCAB + 3] for r in requests])
+
+
 ENTRY_POINTS = {"moeplex.drafters": {"test-oracle": "script_drafters:OracleDrafter",
-                                     "test-adversary": "script_drafters:AdversaryDrafter"}}
+                                     "test-adversary": "script_drafters:AdversaryDrafter",
+                                     "test-oov": "script_drafters:OutOfVocabularyDrafter"}}
 
 
 def write_distribution(folder) -> None:

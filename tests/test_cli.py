@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import pytest
 
 from moeplex import registry
 from moeplex.cli import main
+from moeplex.interfaces import API_VERSION
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -57,10 +59,16 @@ def test_bad_input_ids_are_refused(tiny_model_dir, capsys):
     assert code == 2 and "comma-separated integers" in err
 
 
+def test_plugins_table_names_the_api_version(capsys):
+    code, out, _ = run(capsys, "plugins")
+    assert code == 0 and out.splitlines()[0] == f"moeplex {md.version('moeplex')}, plugin API_VERSION {API_VERSION}"
+
+
 def test_plugins_json_lists_every_kind_with_distribution_and_caps(capsys):
     code, out, _ = run(capsys, "plugins", "--json")
     listing = json.loads(out)
-    assert code == 0 and set(listing) == set(registry.KINDS)
+    assert code == 0 and set(listing) == {"api", *registry.KINDS}
+    assert listing["api"]["api_version"] == API_VERSION and listing["api"]["moeplex"] == md.version("moeplex")
     assert {"dispatcher", "moe_kernel", "balancer", "overlap", "kv_transfer"} <= set(listing)
     local = next(p for p in listing["dispatcher"] if p["name"] == "local")
     assert local["distribution"] == "moeplex" and local["capabilities"]["layout"] == "standard"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import broken_drafters
 import fake_plugins
 from conformance_run import installed, run_conformance
 
@@ -34,3 +35,17 @@ def test_kernel_suite_fails_a_kernel_that_computes_narrower_than_it_declares(fak
     outcomes = run_conformance(f"moe_kernel:{kernel}", "declared_dtype")
     ran = [o for test, o in outcomes.items() if o != "skipped"]
     assert len(ran) == 3 and set(ran) == {"failed"}, outcomes  # its one dtype, on each layout
+
+
+@pytest.fixture
+def drafter_distribution(tmp_path, monkeypatch):
+    yield from installed(broken_drafters, tmp_path, monkeypatch)
+
+
+def test_drafter_suite_fails_each_broken_drafter_where_the_ngram_one_passes(drafter_distribution):
+    """Out-of-vocabulary ids, no proposals at all, state kept past finished(), answers in the wrong order: each
+    fails the test that drives the drafter where it drafts, and moeplex's ngram passes it in the same run."""
+    broken = [name for entries in broken_drafters.ENTRY_POINTS.values() for name in entries]
+    outcomes = run_conformance([f"drafter:{name}" for name in ["ngram", *broken]], "belong_to_the_request")
+    by_name = {test.split("[")[1].rstrip("]"): outcome for test, outcome in outcomes.items()}
+    assert by_name == {"ngram": "passed", **{name: "failed" for name in broken}}, outcomes

@@ -58,3 +58,17 @@ def test_suite_fails_a_backend_that_writes_after_an_abort(third_party):
     assert outcomes["test_room_aborted_by_the_receiver_is_dropped[writes-after-abort]"] == "failed", outcomes
     assert outcomes["test_nothing_lands_after_the_receiver_aborts[writes-after-abort]"] == "failed", outcomes
     assert outcomes["test_unexpected_room_is_dropped_and_fails[writes-after-abort]"] == "passed", outcomes
+
+
+def test_suite_fails_a_backend_whose_bytes_land_just_after_its_done(third_party):
+    """20 ms behind, across processes: the look at the pages follows the receiver's DONE in its own process.
+    (The sender's DONE waits for a message from the receiver, which on a loaded machine may itself take that long:
+    whether the sender-side test catches this backend depends on that, not on the suite.)"""
+    outcomes = run_suite("done-before-its-copies", "done_means")
+    assert outcomes["test_done_means_the_bytes_landed[done-before-its-copies-receiver]"] == "failed", outcomes
+
+
+def test_suite_fails_a_backend_that_waits_for_a_dead_peer_for_ever(third_party):
+    outcomes = run_suite("ignores-a-dead-peer", "dead_peer or moves_pages")
+    assert outcomes["test_a_dead_peer_ends_every_wait_with_a_reason[ignores-a-dead-peer-receiver]"] == "failed", outcomes
+    assert outcomes["test_moves_pages_and_metadata[ignores-a-dead-peer-mha]"] == "passed", outcomes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
 import os
 import sys
@@ -14,7 +15,7 @@ import pytest
 from moeplex import cli, registry
 from moeplex.ranks import offline
 from moeplex.config import EngineConfig
-from moeplex.interfaces import BalancerCaps, DispatcherCaps, KernelCaps, OverlapCaps
+from moeplex.interfaces import BalancerCaps, DispatcherCaps, DrafterCaps, KernelCaps, KVTransferCaps, OverlapCaps
 from moeplex.parallel import ParallelConfig
 from moeplex.registry import PluginError
 from moeplex.selection import resolve
@@ -124,10 +125,20 @@ def test_start_up_logs_the_selected_plugins_with_their_distributions(caplog):
     with caplog.at_level(logging.INFO, logger="moeplex.selection"):
         resolve(config(), has_gpu=False, announce=True)
     lines = [r.getMessage() for r in caplog.records if r.name == "moeplex.selection"]
+    v = importlib.metadata.version("moeplex")
     assert lines == [
-        "plugins: dispatcher local (moeplex 0.1.0), moe_kernel torch (moeplex 0.1.0), "
-        "balancer static (moeplex 0.1.0), overlap none (moeplex 0.1.0)"
+        f"plugins: dispatcher local (moeplex {v}), moe_kernel torch (moeplex {v}), "
+        f"balancer static (moeplex {v}), overlap none (moeplex {v})"
     ]
+
+
+def test_start_up_line_names_the_drafter_and_the_transfer_backend(caplog):
+    v = importlib.metadata.version("moeplex")
+    with caplog.at_level(logging.INFO, logger="moeplex.selection"):
+        resolve(config(speculative_algorithm="ngram", disaggregation_mode="prefill",
+                       disaggregation_transfer_backend="loopback"), has_gpu=False, announce=True)
+    line = [r.getMessage() for r in caplog.records if r.name == "moeplex.selection"][0]
+    assert line.endswith(f"overlap none (moeplex {v}), drafter ngram (moeplex {v}), kv_transfer loopback (moeplex {v})")
 
 
 def test_fp8_rows_need_a_kernel_that_takes_them(fake_distribution):
@@ -138,7 +149,7 @@ def test_fp8_rows_need_a_kernel_that_takes_them(fake_distribution):
     assert resolve(config(dispatcher="fake-fp8", dispatch_fp8=True), has_gpu=False)
 
 
-@pytest.mark.parametrize("caps_class", [DispatcherCaps, KernelCaps, BalancerCaps, OverlapCaps])
+@pytest.mark.parametrize("caps_class", [DispatcherCaps, KernelCaps, BalancerCaps, OverlapCaps, KVTransferCaps, DrafterCaps])
 def test_every_capability_is_documented(caps_class):
     docs = (Path(__file__).resolve().parent.parent / "docs" / "plugins.md").read_text()
     missing = [field for field in attrs.fields_dict(caps_class) if f"`{field}`" not in docs]
@@ -146,5 +157,10 @@ def test_every_capability_is_documented(caps_class):
 
 
 def test_dispatchers_declare_no_capability_nothing_reads():
-    """combine does exactly what ExpertOutput says is left, whoever the dispatcher is: no cap for it."""
-    assert "combine_applies_weights" not in attrs.fields_dict(DispatcherCaps)
+    """combine does exactly what ExpertOutput says is left, whoever the dispatcher is: no cap for it. The old
+    `combine_applies_weights` is only a deprecated keyword (tests/test_api_compat.py), set by no built-in."""
+    from moeplex.interfaces import deprecation
+
+    assert deprecation.is_deprecated_field(DispatcherCaps, "combine_applies_weights")
+    for name in registry.discover("dispatcher"):
+        assert deprecation.in_use(registry.lookup("dispatcher", name).caps) == [], name

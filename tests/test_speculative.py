@@ -4,6 +4,7 @@ chunked prompts, preemption, stops inside an accepted run, and the KV pool back 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 
@@ -79,6 +80,7 @@ def test_the_oracle_is_always_accepted_and_changes_no_token(tiny_model_dir, plai
     scripted(PROMPTS, plain["deepseek_v3"])
     engine, got = run(tiny_model_dir("deepseek_v3"), speculative_algorithm="test-oracle", speculative_num_steps=steps)
     assert [r.output_ids for r in got] == plain["deepseek_v3"]
+    assert engine.speculation.drafter.context.vocab_size == engine.vocab_size == script_drafters.VOCAB
     for r in got:
         assert r.spec_accept_rate == 1.0
         # the first token comes from the prompt's step; every later step gains steps + 1 (fewer at the end)
@@ -94,6 +96,21 @@ def test_the_adversary_is_never_accepted_and_changes_no_token(tiny_model_dir, pl
     for r in got:
         assert r.spec_accept_rate == 0.0 and r.spec_accept_length == 1.0
         assert r.spec_verify_steps == GREEDY.max_new_tokens - 2  # the last step has no room for a draft
+    assert conserved(engine)
+
+
+def test_draft_ids_outside_the_vocabulary_are_refused_with_one_line(tiny_model_dir, plain, script_distribution,
+                                                                      caplog):
+    """The drafter's right tokens followed by an id past the vocabulary: none of them is verified (the engine
+    used to verify the part before the bad id, silently), output is unchanged, one log line names it."""
+    scripted(PROMPTS, plain["qwen3_moe"])
+    with caplog.at_level(logging.WARNING, logger="moeplex.speculation.step"):
+        engine, got = run(tiny_model_dir("qwen3_moe"), speculative_algorithm="test-oov", speculative_num_steps=3)
+    assert [r.output_ids for r in got] == plain["qwen3_moe"]
+    assert sum(r.spec_draft_tokens for r in got) == 0
+    assert engine.speculation.refused >= len(PROMPTS) * 2
+    lines = [r.getMessage() for r in caplog.records if "outside the vocabulary" in r.getMessage()]
+    assert len(lines) == 1 and "drafter 'test-oov'" in lines[0] and f"0..{script_drafters.VOCAB - 1}" in lines[0]
     assert conserved(engine)
 
 

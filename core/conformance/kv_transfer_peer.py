@@ -8,6 +8,8 @@ calls over a pipe. Pools are filled with random values, so a page that did not m
 from __future__ import annotations
 
 import multiprocessing as mp
+import sys
+import time
 import traceback
 from typing import Sequence
 
@@ -43,10 +45,10 @@ class PoolSpec:
 class Side:
     """One backend instance with its registered pool."""
 
-    def __init__(self, cls: type, spec: PoolSpec, seed: int):
+    def __init__(self, cls: type, spec: PoolSpec, seed: int, options: dict | None = None):
         self.spec = spec
         self.buffers = spec.buffers(seed)
-        self.backend = cls()
+        self.backend = cls(**(options or {}))  # as --disaggregation-transfer-config's JSON object is passed
         self.backend.register(kv_regions(self.buffers, spec.page_size), spec.metadata_bytes)
 
     def pages(self, pages: Sequence[int]) -> list[torch.Tensor]:
@@ -63,6 +65,17 @@ class Side:
     def call(self, method: str, *args):
         return getattr(self.backend, method)(*args)
 
+    def byte_views(self) -> list | None:
+        """Per buffer, a numpy uint8 view of its memory (CPU pools; None for CUDA ones)."""
+        if self.spec.device != "cpu":
+            return None
+        return [tensor.view(torch.uint8).numpy().reshape(tensor.shape[0], -1) for layer in self.buffers for tensor in layer]
+
+    def page_bytes(self, views: list, pages: Sequence[int]) -> bytes:
+        """The bytes of `pages` in every buffer, as `pages` orders them: plain bytes copies under the GIL."""
+        size = self.spec.page_size
+        return b"".join(view[p * size : (p + 1) * size].tobytes() for view in views for p in pages)
+
 
 class LocalPeer:
     """Sides in this process."""
@@ -71,8 +84,8 @@ class LocalPeer:
         self.cls = cls
         self.sides: dict[int, Side] = {}
 
-    def new(self, spec: PoolSpec, seed: int) -> int:
-        self.sides[seed] = Side(self.cls, spec, seed)
+    def new(self, spec: PoolSpec, seed: int, options: dict | None = None) -> int:
+        self.sides[seed] = Side(self.cls, spec, seed, options)
         return seed
 
     def call(self, side: int, method: str, *args):
@@ -83,6 +96,37 @@ class LocalPeer:
 
     def drop(self, side: int) -> None:
         self.sides.pop(side).call("close")
+
+    def wait_landed(self, polled: int, room: int, receiver: int, dst: Sequence[int], want: list[torch.Tensor],
+                    limit_s: float):
+        """Poll `polled` until it leaves PENDING and, when it says DONE, compare the receiver's `dst` pages with
+        `want` at once, in this process. For CPU pools the poll and the look run under one hold of the GIL (the
+        switch interval raised for that span, the look done in plain bytes, which no other thread can enter):
+        no Python thread of the backend runs between the DONE and the look, so a copy it makes after its DONE
+        is always caught. (status, landed: None unless DONE), or (PENDING, None) after `limit_s`."""
+        backend, side = self.sides[polled].backend, self.sides[receiver]
+        want_bytes = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in want)
+        views = side.byte_views()  # made before the loop: no torch call inside the look
+        deadline, interval = time.monotonic() + limit_s, sys.getswitchinterval()
+        while True:
+            sys.setswitchinterval(30.0)  # no forced switch from here to the look; a thread blocking still yields
+            try:
+                status = backend.poll(room)
+                if status.value == "done":
+                    landed = side.page_bytes(views, dst) == want_bytes if views else None
+                    break
+            finally:
+                sys.setswitchinterval(interval)
+            if status.value != "pending" or time.monotonic() > deadline:
+                return status, None
+            time.sleep(0)  # let the backend's threads run between polls
+        if landed is None:  # CUDA pools: read back through torch, right after the DONE
+            landed = all(torch.equal(a, b) for a, b in zip(want, side.pages(dst)))
+        return status, landed
+
+    def kill(self) -> None:
+        """The peer dies: here, its instances are closed and forgotten without aborting anything."""
+        self.shutdown()
 
     def shutdown(self) -> None:
         for side in list(self.sides):
@@ -108,8 +152,18 @@ class RemotePeer(LocalPeer):
             raise value
         return value
 
-    def new(self, spec: PoolSpec, seed: int) -> int:
-        return self._ask("new", spec, seed)
+    def new(self, spec: PoolSpec, seed: int, options: dict | None = None) -> int:
+        return self._ask("new", spec, seed, options)
+
+    def wait_landed(self, polled: int, room: int, receiver: int, dst: Sequence[int], want: list[torch.Tensor],
+                    limit_s: float):
+        return self._ask("wait_landed", polled, room, receiver, dst, want, limit_s)
+
+    def kill(self) -> None:
+        """The peer process dies at once (SIGKILL): no close, no abort, sockets torn down by the OS."""
+        self.process.kill()
+        self.process.join(10)
+        self.conn.close()
 
     def call(self, side: int, method: str, *args):
         return self._ask("call", side, method, *args)
@@ -121,6 +175,8 @@ class RemotePeer(LocalPeer):
         self._ask("drop", side)
 
     def shutdown(self) -> None:
+        if not self.process.is_alive():
+            return
         try:
             self._ask("exit")
         except (EOFError, OSError, TimeoutError):

@@ -13,6 +13,7 @@ Pools live in CUDA memory when the backend declares "cuda" and a GPU is visible,
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import random
 import time
@@ -146,18 +147,33 @@ def test_moves_pages_and_metadata(backend_cls, make_pair, layout):
 
 
 @pytest.mark.parametrize("side", ["sender", "receiver"])
-def test_done_means_the_bytes_landed(backend_cls, make_pair, side):
-    """Whichever side is polled alone, the moment it says DONE the destination pages hold the source bytes."""
-    sender, receiver = make_pair("mha")
-    peer = connect(sender, receiver)
-    rng = random.Random(side)
-    for room in (10, 11, 12):
-        src, dst = random_pages(rng, LAYOUTS["mha"].pages, 9)
-        receiver("expect", room, dst)
-        sender("start", room, peer, src, dst, b"row %d" % room)
-        assert wait(sender if side == "sender" else receiver, room) is DONE
-        assert moved(sender, receiver, src, dst), f"the {side} reported DONE for room {room} before the bytes landed"
-        assert wait(receiver if side == "sender" else sender, room) is DONE
+def test_done_means_the_bytes_landed(backend_cls, peers, side):
+    """Whichever side is polled alone, the moment it says DONE the destination pages hold the source bytes.
+
+    Both ends live in one process (the child for a cross-process backend; they still talk through the
+    backend's own transport), which polls without sleeping and looks at the destination pages right after the
+    poll that said DONE: a backend whose bytes land after its DONE is caught however soon after (a look from
+    another process, a message away, let bytes 2 ms late through on some runs)."""
+    peer = peers[1]
+    spec = LAYOUTS["mha"]
+    sender, receiver = End(peer, peer.new(spec, next(_seeds))), End(peer, peer.new(spec, next(_seeds)))
+    try:
+        link = connect(sender, receiver)
+        rng = random.Random(side)
+        for room in (10, 11, 12):
+            src, dst = random_pages(rng, spec.pages, 9)
+            want = sender.pages(src)
+            receiver("expect", room, dst)
+            sender("start", room, link, src, dst, b"row %d" % room)
+            polled = sender if side == "sender" else receiver
+            status, landed = peer.wait_landed(polled.side, room, receiver.side, dst, want, WAIT_S)
+            assert status is not PENDING, f"room {room} still pending after {WAIT_S:.0f} s"
+            assert status is DONE, f"room {room}: {status.value}"
+            assert landed, f"the {side} reported DONE for room {room} before the bytes landed"
+            assert wait(receiver if side == "sender" else sender, room) is DONE
+    finally:
+        peer.drop(sender.side)
+        peer.drop(receiver.side)
 
 
 def test_reverse_direction(backend_cls, make_pair):
@@ -286,3 +302,47 @@ def test_bad_arguments_raise_at_start(backend_cls, make_pair):
         sender("start", 4, peer, [0, pages + 1], [0, 1], b"")
     with pytest.raises(ValueError):
         sender("start", 4, peer, [0, 1], [0, pages + 1], b"")
+
+
+DEAD_PEER_TIMEOUT_S = 2.0  # passed as `timeout_s` to a backend whose constructor takes it
+DEAD_PEER_SLACK_S = 5.0  # beyond its timeout: a heartbeat period, the process's death noticed by the OS
+
+
+@pytest.mark.parametrize("dies", ["receiver"])
+def test_a_dead_peer_ends_every_wait_with_a_reason(backend_cls, moeplex_plugin, dies):
+    """The receiver's process is killed (SIGKILL; for a backend whose peers share one process, its instance
+    is closed and forgotten) with one room in flight and another started after: every poll on the sender
+    leaves PENDING within the backend's `timeout_s` (built with a short one where the constructor takes it,
+    as --disaggregation-transfer-config does), the late room FAILED, and each FAILED room says why."""
+    takes_timeout = "timeout_s" in inspect.signature(backend_cls).parameters
+    options = {"timeout_s": DEAD_PEER_TIMEOUT_S} if takes_timeout else {}
+    limit = (DEAD_PEER_TIMEOUT_S if takes_timeout else WAIT_S) + DEAD_PEER_SLACK_S
+    local = LocalPeer(backend_cls)
+    dying = RemotePeer(moeplex_plugin.kind, moeplex_plugin.name) if backend_cls.caps.cross_process else LocalPeer(backend_cls)
+    spec = attrs.evolve(LAYOUTS["mha"], pages=64)
+    try:
+        sender = End(local, local.new(spec, next(_seeds), options))
+        receiver = End(dying, dying.new(spec, next(_seeds), options))
+        link = connect(sender, receiver)
+        pages = list(range(spec.pages))
+        for room in (1, 2):
+            receiver("expect", room, pages)
+        sender("start", 1, link, pages[::-1], pages, b"in flight")
+        dying.kill()
+        died = time.monotonic()
+        sender("start", 2, link, pages, pages, b"after the death")
+        outcome = {}
+        for room in (1, 2):
+            while (status := timed(sender, "poll", room)) is PENDING:
+                waited = time.monotonic() - died
+                assert waited < limit, (
+                    f"room {room} still pending {waited:.1f} s after the receiver died "
+                    f"(timeout_s {options.get('timeout_s', 'default')})")
+                time.sleep(0.01)
+            outcome[room] = status
+            if status is FAILED:
+                assert sender("reason", room), f"room {room} FAILED without a reason"
+        assert outcome[2] is FAILED, "a room started after the receiver died did not fail"
+    finally:
+        local.shutdown()
+        dying.shutdown()

@@ -9,6 +9,7 @@ every plugin shipped with moeplex to this.
 """
 
 from ..forward_batch import ForwardBatch, ForwardMode
+from . import deprecation
 from .balancer import Balancer, BalancerCaps, Placement
 from .context import MoEContext
 from .dispatcher import Dispatcher, DispatcherCaps
@@ -32,6 +33,12 @@ from .layouts import (
 )
 from .moe_kernel import BF16, FP8_BLOCK, WEIGHT_FORMATS, ExpertWeights, KernelCaps, MoEKernel
 from .overlap import BatchMeta, OverlapCaps, OverlapStrategy
+
+# The version of this contract, an integer: 1 is the API moeplex 0.1.0 shipped. Every release whose API differs
+# in a way a plugin can notice (an addition, a deprecation, a removal, a changed meaning) ships the next
+# integer; main carries it from the first such change on (CHANGELOG.md, "Unreleased" -> "API"). A plugin that
+# needs something added in API n checks `API_VERSION >= n`.
+API_VERSION = 2
 
 PUBLIC_MODULES = ("moeplex.interfaces", "moeplex.interfaces.kernels")  # all a plugin may import of moeplex
 

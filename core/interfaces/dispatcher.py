@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
+from . import deprecation
 from .context import MoEContext
 from .layouts import ALL_LAYOUTS, Dispatched, ExpertOutput
 
@@ -29,8 +30,12 @@ class DispatcherCaps:
     max_top_k: int | None = None  # the most experts a token may pick (None: any)
     other_layouts: frozenset[str] = frozenset()  # layouts it produces in some steps besides `layout`
     max_in_flight: int = 2  # dispatches (or combines) one instance can have launched and not yet finished
+    # Deprecated in 0.2.0 (API 2), removed in 0.4.0: accepted and ignored, since combine does what the kernel's
+    # ExpertOutput leaves undone whatever a dispatcher declares (True, what every dispatcher does, was the rule).
+    combine_applies_weights: bool | None = deprecation.field(deprecation.COMBINE_APPLIES_WEIGHTS)
 
     def __attrs_post_init__(self):
+        deprecation.warn_fields(self, stacklevel=3)
         unknown = {self.layout, *self.other_layouts} - set(ALL_LAYOUTS)
         if unknown:
             raise ValueError(f"unknown layouts {sorted(unknown)}; layouts are {', '.join(ALL_LAYOUTS)}")

@@ -12,6 +12,13 @@ step `propose` for the decoding requests that draft and `observe` after every ta
 included), and `finished` when a request ends or is preempted. A drafter that does not read hidden states
 (`needs_hidden` false) may miss the plain steps between drafting ones (they take the engine's ordinary path,
 overlap schedule included); every token they added is in the next DraftRequest.token_ids.
+
+Request ids: a rid names one live request; `finished(rid)` comes exactly once per request, after its last
+`observe`, when it ends (length, stop, abort, failure). The same rid may then come back for a new request
+(servers pass clients' ids through), so anything kept for a rid must go in `finished`. A preempted request is
+not finished: it keeps its rid and is prefilled again, so `observe` may restart at an earlier position.
+Draft ids must lie in 0 .. DrafterContext.vocab_size - 1: the engine drops a request's drafts that contain
+another id and logs it once, naming the drafter.
 """
 
 from __future__ import annotations
@@ -66,6 +73,9 @@ class DrafterContext:
     """What `bind` gives: the target model (embedding, lm_head, MTP layers), the KV pool, the config, the
     pool layer ids of the drafter's own KV (as many as `kv_layers` returned), and `batch_of`, which makes the
     ForwardBatch of [(new token ids, prefix length, page table), ...] over the pool (a drafter's own forward).
+    `vocab_size` is the target's vocabulary (logit rows; draft ids lie below it); 0 only where a caller built
+    the context without it. `model` and `config` are the engine's own objects, not API: read what they hold
+    through the fields here where one exists.
 
     `graphs_for(step, width)` (call it in `bind`: it captures there) takes a step of the drafter's own layers,
     `step(batch, hidden) -> tuple of tensors with one row per token` (`hidden` [B, width] in the model dtype,
@@ -84,6 +94,7 @@ class DrafterContext:
     kv_layer_ids: Sequence[int] = ()
     batch_of: Callable[[Sequence[tuple[Sequence[int], int, Sequence[int]]]], Any] | None = None
     graphs_for: Callable[[Callable[[Any, torch.Tensor], tuple[torch.Tensor, ...]], int], Any] | None = None
+    vocab_size: int = 0  # API 2
 
 
 class Drafter(abc.ABC):

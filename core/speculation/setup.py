@@ -37,4 +37,5 @@ def drafter_context(model, kv: KVPool, config, device: torch.device, kv_layer_id
         return graphs_for(step, width, config.torch_dtype, target_graphs, captures, world_size,
                           lambda: model.moe_runtime.records_load)
 
-    return DrafterContext(model, kv, config, device, tuple(kv_layer_ids), batch_of, graphs_for_step)
+    return DrafterContext(model, kv, config, device, tuple(kv_layer_ids), batch_of, graphs_for_step,
+                          vocab_size=int(model.hf_config["vocab_size"]))

@@ -19,6 +19,9 @@ take the engine's ordinary path, overlap schedule included.
 
 from __future__ import annotations
 
+import logging
+import numbers
+
 from typing import Callable, Sequence
 
 import torch
@@ -32,6 +35,7 @@ from ..scheduler import ScheduledWork
 from ..transfer import to_device
 from .verify import verify
 
+log = logging.getLogger(__name__)
 
 MAX_PAUSE = 64  # tokens: the longest a request goes without drafts after its drafts kept missing
 IDLE_PAUSE = 8  # tokens: the longest after the drafter had nothing to say (asking again is cheap)
@@ -43,10 +47,13 @@ def is_decoding(item: ScheduledWork) -> bool:
 
 
 class SpeculativeDecoding:
-    def __init__(self, drafter: Drafter, kv: KVPool, vocab_size: int, decode_rows: bool = False, backoff: bool = True):
+    def __init__(self, drafter: Drafter, kv: KVPool, vocab_size: int, decode_rows: bool = False, backoff: bool = True,
+                 name: str = ""):
         self.drafter = drafter
         self.kv = kv
         self.vocab_size = vocab_size
+        self.name = name or type(drafter).__name__  # the --speculative-algorithm value, for the log
+        self.refused = 0  # requests' drafts dropped for an id outside the vocabulary
         self.backoff = backoff
         self._misses: dict[str, int] = {}  # per request: verify steps running whose drafts all missed
         self._resume_at: dict[str, int] = {}  # per paused request: the output length at which it drafts again
@@ -86,12 +93,23 @@ class SpeculativeDecoding:
         for i, request, tokens in zip(rows, asked, proposed):
             room = min(self.lookahead, request.params.max_new_tokens - len(request.output_ids) - 1,
                        len(request.pages) * self.kv.page_size - request.num_tokens)
-            tokens = list(tokens[: max(room, 0)])
-            bad = next((k for k, t in enumerate(tokens) if not 0 <= t < self.vocab_size), len(tokens))
-            drafts[i] = tokens[:bad]  # a draft outside the vocabulary (a faulty drafter) ends the chain
+            drafts[i] = self._in_vocabulary(request, list(tokens))[: max(room, 0)]
             if not drafts[i] and room > 0:
                 self._missed(request, IDLE_PAUSE)  # asked, with room, and nothing to say
         return drafts
+
+    def _in_vocabulary(self, request: Request, tokens: list[int]) -> list[int]:
+        """The drafts, or none when one is not a token id of the target: a faulty drafter's proposal is not
+        verified at all (the rest of it is suspect too), and the first such proposal is logged once."""
+        bad = next((t for t in tokens if not (isinstance(t, numbers.Integral) and 0 <= t < self.vocab_size)), None)
+        if bad is None:
+            return tokens
+        if not self.refused:
+            log.warning("drafter '%s' proposed id %r for request %s, outside the vocabulary 0..%d; its drafts are "
+                        "dropped (and further such proposals without a log line)", self.name, bad, request.rid,
+                        self.vocab_size - 1)
+        self.refused += 1
+        return []
 
     def _missed(self, request: Request, longest: int = MAX_PAUSE) -> None:
         if not self.backoff:

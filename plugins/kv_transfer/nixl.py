@@ -115,7 +115,12 @@ class NixlTransfer(RoomBackend):
             self._out.state[room] = PENDING
             self._sent[room] = (peer, time.monotonic())
         message = {"room": room, "runs": runs, "metadata": base64.b64encode(metadata).decode()}
-        self.agent.send_notif(peer, b"S" + json.dumps(message).encode())
+        try:
+            self.agent.send_notif(peer, b"S" + json.dumps(message).encode())
+        except Exception as exc:  # NIXL raises nixlRemoteDisconnectError for a receiver that died: start never raises
+            with self._lock:
+                self._sent.pop(room, None)
+                self._out.fail(room, f"the receiver is gone ({type(exc).__name__})")
 
     def poll(self, room: int) -> TransferStatus:
         return self._in.poll(room) or self._out.poll(room) or FAILED
