@@ -44,14 +44,17 @@ def _add_access_flags(p) -> None:
                    "(401 otherwise; default: no key)")
     g.add_argument("--admin-api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /add_worker, /remove_worker and /list_workers; without "
-                   "it those answer only on a router bound to a loopback --host (403 otherwise; default: no key)")
+                   "it they need the --api-key when one is set, and with no key at all they answer only on a router "
+                   "bound to a loopback --host (403 otherwise; default: no key)")
     g.add_argument("--worker-api-key", default=None,
-                   help="the key the router sends workers as 'Authorization: Bearer KEY' (their `serve --api-key`); a "
-                   "client's own Authorization header is never passed on (default: none sent)")
+                   help="the key the router sends workers as 'Authorization: Bearer KEY' (their `serve --api-key`); "
+                   "a worker sees only an allow-list of the client's headers (Content-Type, Accept, User-Agent, "
+                   "X-Request-Id, tracing), never its credentials (default: none sent)")
     g.add_argument("--worker-url-allow", nargs="+", metavar="PATTERN", default=[],
                    help="patterns a worker URL must match, shell-style and part by part (scheme, host label by label, "
                    "port), e.g. 'http://10.0.0.*:*' or 'https://*.internal.example:30001'; applies to --worker-urls and "
-                   "/add_worker, which refuses others with 400 (default: any URL)")
+                   "/add_worker, which refuses others with 400; a URL must first be valid: a real host and a port that "
+                   "is a number in 1..65535 (default: any valid URL)")
 
 
 def _add_cache_aware_flags(p) -> None:
@@ -123,7 +126,11 @@ def run(args) -> int:
     from ..router.app import build_router_app  # here: every other command runs without the router's HTTP client
     from ..router.pd import build_pd_router_app
 
+    from ..router.access import management_access
+
     app = build_pd_router_app(settings) if settings.pd else build_router_app(settings)
+    access = management_access(settings.api_key, settings.admin_api_key, settings.host)
+    logging.getLogger("moeplex.router").log(logging.WARNING if "open" in access else logging.INFO, access)
     # the process carries every module the CLI imported (torch among them); frozen, the collector never walks them
     # again, and a larger first generation collects less often on the per-request garbage (a tenth of the router's
     # CPU went to collections before; the tree's nodes still are collected, being cyclic)
