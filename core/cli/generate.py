@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after the eos token")
     p.add_argument("--logprobs", type=int, default=0, metavar="K", help="report the top-K log-probabilities per step")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    add_engine_flags(p)
+    add_engine_flags(p, serving=False)
     p.set_defaults(run=run)
 
 

@@ -24,12 +24,15 @@ def add_parser(sub) -> None:
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default: info)")
     p.add_argument("--access-log", action="store_true", help="log every request (costs CPU under load; default: off)")
     pd = p.add_argument_group("prefill/decode disaggregation (docs/pd.md)")
-    pd.add_argument("--pd", action="store_true",
+    pd.add_argument("--pd", "--pd-disaggregation", dest="pd", action="store_true",
                     help="pair a prefill and a decode server per request (`serve --disaggregation-mode prefill|decode`): "
-                    "the --policy chooses among the prefill servers, the least loaded decode server decodes")
-    pd.add_argument("--prefill", nargs="+", metavar="URL[,BOOTSTRAP_PORT]", default=[],
-                    help="prefill servers, each with the port of its bootstrap endpoint (default port: 8998)")
-    pd.add_argument("--decode", nargs="+", metavar="URL", default=[], help="decode servers")
+                    "the --policy chooses among the prefill servers, the least loaded decode server decodes "
+                    "(--pd-disaggregation: sglang-router's spelling)")
+    pd.add_argument("--prefill", nargs="+", action="append", metavar="URL[,BOOTSTRAP_PORT]", default=[],
+                    help="prefill servers, each with the port of its bootstrap endpoint (default port: 8998): "
+                    "'--prefill URL,PORT URL,PORT', or sglang-router's '--prefill URL PORT' once per server")
+    pd.add_argument("--decode", nargs="+", action="append", metavar="URL", default=[],
+                    help="decode servers: '--decode URL URL' or '--decode URL' once per server")
     _add_cache_aware_flags(p)
     _add_health_flags(p)
     _add_forwarding_flags(p)
@@ -117,7 +120,28 @@ def _add_forwarding_flags(p) -> None:
 
 def settings_from(args) -> RouterSettings:
     names = [f.name for f in RouterSettings.__attrs_attrs__]
-    return RouterSettings(**{name: getattr(args, name) for name in names})
+    values = {name: getattr(args, name) for name in names}
+    values.update(prefill=prefill_specs(args.prefill), decode=[url for group in args.decode for url in group])
+    return RouterSettings(**values)
+
+
+def prefill_specs(groups: list[list[str]]) -> list[str]:
+    """Every --prefill as 'URL[,PORT]', from our spelling ('URL,PORT', several per flag) or sglang-router's
+    ('URL PORT' per flag, the port a number or 'none' for the default)."""
+    specs: list[str] = []
+    for group in groups:
+        bare = False  # the last token of this flag was a URL without a port
+        for token in group:
+            if token.isdigit() or token.lower() == "none":
+                if not bare:
+                    raise ValueError(f"--prefill: the bootstrap port {token!r} follows no prefill server URL")
+                if token.isdigit():
+                    specs[-1] = f"{specs[-1]},{token}"
+                bare = False
+            else:
+                specs.append(token)
+                bare = "," not in token
+    return specs
 
 
 def run(args) -> int:
