@@ -175,6 +175,7 @@ class GroupStats:
     cache_queried_tokens: int = 0  # since start-up: tokens looked up in the prefix cache at admission
     cache_hit_tokens: int = 0  # of those, tokens found cached
     cache_evicted_pages: int = 0
+    kv_pages_evictable: int = 0  # of the prefix cache's pages, those no request reads (freed on demand)
 
 
 @pickled_as_fields
@@ -219,6 +220,10 @@ class LoopStats:
     def kv_pages_cached(self) -> int:
         return sum(g.kv_pages_cached for g in self.groups)
 
+    @property
+    def kv_pages_evictable(self) -> int:
+        return sum(g.kv_pages_evictable for g in self.groups)
+
     def cache_total(self, counter: str) -> int:
         """A prefix-cache counter summed over the DP groups: queried_tokens, hit_tokens or evicted_pages."""
         return sum(getattr(g, f"cache_{counter}") for g in self.groups)
@@ -229,7 +234,9 @@ class LoopStats:
 
     @property
     def kv_pages_used(self) -> int:
-        return self.kv_pages_total - self.kv_pages_free
+        """Pages requests hold (their own, and cached ones they read): what no eviction can free. The prefix cache's
+        pages that no request reads are reuse, not pressure: they count in kv_pages_evictable, not here."""
+        return self.kv_pages_total - self.kv_pages_free - self.kv_pages_evictable
 
 
 @attrs.frozen
@@ -239,6 +246,7 @@ class Failure:
     rid: str
     status: int
     message: str
+    code: str | None = None  # the error code the client sees (server/errors.py: UPSTREAM_PREFILL)
 
 
 @pickled_as_fields
@@ -252,6 +260,7 @@ class RoundReport:
     stats: LoopStats
     reserved: tuple[tuple[str, int, tuple[int, ...]], ...] = ()  # decode: (rid, DP group, pages) to register with P
     transfers: Any = None  # prefill/decode: the TransferStats of the leader's book (disagg/book.py)
+    landed: tuple[str, ...] = ()  # decode: requests whose KV arrived whole (they no longer depend on their prefill server)
 
 
 @attrs.frozen

@@ -124,3 +124,23 @@ def test_a_backend_that_cannot_serve_the_role_is_refused_before_start(backend, w
     config = EngineConfig(model="unused", disaggregation_mode="decode", disaggregation_transfer_backend=backend)
     with pytest.raises(ValueError, match=why):
         transfer_backend(config)
+
+
+def test_decode_reports_each_request_whose_kv_landed_once_and_no_other():
+    """The front end stops watching a request's prefill server once its KV landed (docs/pd.md): only a DONE on
+    every receiving rank lands it; a failure, a timeout or a prefill-side DONE does not."""
+    b, clock = book("decode", attn_tp=2)
+    for rid in ("landed", "half", "failed", "late"):
+        b.admitted(rid, 0, room=1, prompt_len=4)
+    b.absorb([report(reserved=[(rid, (1,)) for rid in ("landed", "half", "failed", "late")])])
+    b.absorb_polls([{"landed": "done", "half": "done", "failed": "failed: gone"}, {"landed": "done", "half": "pending"}])
+    assert b.take_landed() == ("landed",) and b.take_landed() == ()
+    clock.now += 11
+    b.decide()  # "half" and "late" time out
+    assert b.take_landed() == ()
+    p, _ = book("prefill")
+    p.admitted("r", 0, room=1, prompt_len=4)
+    p.destination("r", 1)
+    p.absorb([report([finished("r")])])
+    p.absorb_polls([{"r": "done"}])
+    assert p.take_landed() == ()

@@ -37,6 +37,43 @@ def test_a_clients_key_never_reaches_a_worker_and_the_worker_key_does(worker_api
     assert answer["authorization"] == (f"Bearer {worker_api_key}" if worker_api_key else None)
 
 
+def test_credentials_of_every_spelling_stay_with_the_router():
+    worker, server = fake_worker()
+    sent = {**CLIENT, "X-Api-Key": "client-key", "Cookie": "session=secret", "Proxy-Authorization": "Basic x",
+            "X-Request-Id": "r-1", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    with server, live_router([server.url], worker_api_key="worker-key", **KEYS) as router:
+        answer = httpx.post(f"{router.url}/v1/completions", json={"prompt": "x"}, headers=sent).json()
+    names = set(answer["header_names"])
+    assert not names & {"x-api-key", "cookie", "proxy-authorization"}, names
+    assert {"x-request-id", "traceparent", "content-type"} <= names and answer["authorization"] == "Bearer worker-key"
+
+
+@pytest.mark.parametrize("keys", [KEYS, dict(api_key="client-key")], ids=["admin-key", "client-key-only"])
+def test_management_needs_a_key_whenever_one_is_set(keys):
+    """With only --api-key (on loopback), management needs the client key: no local process can add a worker that
+    would receive every client's prompts without the credentials inference needs."""
+    key = {"Authorization": f"Bearer {keys.get('admin_api_key', keys['api_key'])}"}
+    worker, server = fake_worker()
+    with server, live_router([], host="127.0.0.1", **keys) as router:
+        for headers in [{}, {"Authorization": "Bearer wrong"}] + ([CLIENT] if "admin_api_key" in keys else []):
+            for path in ("/add_worker", "/remove_worker"):
+                refused = httpx.post(f"{router.url}{path}", params={"url": server.url}, headers=headers)
+                assert refused.status_code == 401, (path, headers)
+            assert httpx.get(f"{router.url}/list_workers", headers=headers).status_code == 401
+        assert httpx.get(f"{router.url}/list_workers", headers=key).json()["urls"] == []
+        assert httpx.post(f"{router.url}/add_worker", params={"url": server.url}, headers=key).status_code == 200
+        assert httpx.post(f"{router.url}/remove_worker", params={"url": server.url}, headers=key).status_code == 200
+
+
+def test_the_start_up_says_what_management_needs():
+    from moeplex.router.access import management_access
+
+    assert "admin key" in management_access("c", "a", "127.0.0.1")
+    assert "client key (--api-key)" in management_access("c", None, "127.0.0.1")
+    assert "open to every process of this machine" in management_access(None, None, "127.0.0.1")
+    assert "are off" in management_access(None, None, "0.0.0.0")
+
+
 def test_management_needs_the_admin_key():
     worker, server = fake_worker()
     with server, live_router([], **KEYS) as router:
@@ -106,6 +143,30 @@ def test_every_new_flag_has_help_text(capsys):
     for flag in ("--api-key", "--admin-api-key", "--worker-api-key", "--worker-url-allow", "--worker-startup-timeout-secs",
                  "--body-timeout-secs"):
         assert flag in text
+
+
+BAD_PORTS = ["http://127.0.0.1:31001.evil.example", "http://127.0.0.1:31000031090", "http://127.0.0.1:31001x",
+             "http://127.0.0.1:3100-31090", "http://127.0.0.1:0", "http://127.0.0.1:65536", "http://127.0.0.1:",
+             "http://127.0.0.1:+3100", "http://127.0.0.1:031001"]
+BAD_HOSTS = ["http://999.1.1.1:31001", "http://a_b:31001", "http://-a.example:31001", "http://[zz::1]:31001",
+             "http://user@127.0.0.1:31001", "http://:31001"]
+
+
+@pytest.mark.parametrize("url", BAD_PORTS + BAD_HOSTS)
+def test_a_url_must_have_a_numeric_port_and_a_real_host_before_any_pattern(url):
+    from moeplex.router.access import WorkerUrlRule
+
+    for rule in (WorkerUrlRule(("http://127.0.0.1:3100*", "http://*:*")), WorkerUrlRule(())):
+        assert rule.refusal(url), (url, rule.patterns)
+    assert WorkerUrlRule(("http://127.0.0.1:3100*",)).refusal("http://127.0.0.1:31001") is None
+
+
+def test_add_worker_refuses_a_port_that_only_starts_like_an_allowed_one():
+    with live_router([], worker_url_allow=("http://127.0.0.1:3100*",)) as router:
+        for url in BAD_PORTS[:4]:
+            refused = httpx.post(f"{router.url}/add_worker", params={"url": url})
+            assert refused.status_code == 400 and "port must be a number" in refused.json()["error"]["message"], url
+        assert httpx.get(f"{router.url}/list_workers").json()["urls"] == []
 
 
 def test_an_allow_list_pattern_matches_part_by_part():

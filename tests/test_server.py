@@ -226,6 +226,19 @@ def metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
+def test_kv_pages_the_prefix_cache_keeps_are_not_counted_as_used(client, live):
+    """With nothing running, pages the prefix cache keeps are reuse (evictable), not pressure (used)."""
+    client.post("/v1/completions", json={"prompt": list(range(300, 340)), "max_tokens": 3, "ignore_eos": True})
+    deadline = time.monotonic() + 10
+    while (info := client.get("/get_server_info").json())["num_running_requests"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    text = httpx.get(f"{live.url}/metrics").text
+    kv = info["kv_cache"]
+    assert kv["cached_pages"] > 0 and kv["used_pages"] == 0 and kv["evictable_pages"] == kv["cached_pages"], kv
+    assert metric(text, "moeplex_kv_pages_used ") == 0 and metric(text, "moeplex_kv_cache_usage_ratio ") == 0
+    assert metric(text, "moeplex_kv_pages_cached_evictable ") == metric(text, "moeplex_prefix_cache_pages ") > 0
+
+
 def test_metrics_count_requests_tokens_and_latencies(client, live):
     client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
     text = httpx.get(f"{live.url}/metrics").text

@@ -311,7 +311,16 @@ def test_dp2_a_request_sharing_a_long_prefix_follows_the_first_to_its_group(dp2,
 
 
 def test_a_dead_rank_stops_the_server_with_an_error_naming_it(dp2):
-    os.kill(dp2.rank_pids[1], signal.SIGKILL)
+    """The client in flight is told which rank died, as the log is, never gloo's internal error text."""
+    body = {"prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=dp2.url, timeout=60) as own, own.stream("POST", "/v1/completions", json=body) as r:
+        stream = _events(r)
+        next(stream)
+        os.kill(dp2.rank_pids[1], signal.SIGKILL)
+        rest = list(stream)
+    error = json.loads(rest[-2][len("data: "):])["error"]["message"]
+    assert rest[-1] == "data: [DONE]" and "rank 1 died (exit code -9)" in error, error
+    assert ".cc:" not in error and "gloo" not in error.lower(), error
     assert dp2.proc.wait(timeout=45) == 2
     assert "rank 1 died" in dp2.proc.stderr.read()
 

@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request (default: 256)")
     p.add_argument("--output-len", type=int, default=32, help="tokens decoded per request (default: 32)")
     p.add_argument("--json", action="store_true", help="print one JSON object per batch size")
-    add_engine_flags(p)
+    add_engine_flags(p, serving=False)
     p.set_defaults(run=run)
 
 

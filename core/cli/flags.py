@@ -56,7 +56,8 @@ def auto_on_off(value: str) -> bool | None:
     return choices[value]
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+def add_engine_flags(parser: argparse.ArgumentParser, serving: bool = True) -> None:
+    """Every engine flag; `serving` False (an offline command) refuses the flags of a server's role in one sentence."""
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model", metavar="DIR",
@@ -186,7 +187,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     add_balancing_flags(parser)
     add_speculative_flags(parser)
-    add_disaggregation_flags(parser)
+    if serving:
+        add_disaggregation_flags(parser)
+    else:
+        for name in DISAGGREGATION_FLAGS:
+            parser.add_argument(name, action=ServeOnly)
     flag(parser, "--seed", "global random seed (default: %(default)s)")
 
 
@@ -254,6 +259,22 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
         "pauses drafting for 2, 4, ... 64 tokens (plain steps, under the overlap schedule where the drafter allows), "
         "so a workload the drafter cannot predict costs about what it costs without speculation",
     )
+
+
+DISAGGREGATION_FLAGS = ("--disaggregation-mode", "--disaggregation-transfer-backend", "--disaggregation-transfer-config",
+                        "--disaggregation-bootstrap-port", "--disaggregation-bootstrap-timeout",
+                        "--disaggregation-transfer-timeout", "--disaggregation-lease")
+
+
+class ServeOnly(argparse.Action):
+    """A flag of `moeplex serve` given to an offline command: refused in one sentence, never silently ignored."""
+
+    def __init__(self, option_strings, dest, **_):
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is a flag of `moeplex serve` (the server's role in prefill/decode "
+                     "disaggregation); an offline command runs prefill and decode in one process and takes none of them")
 
 
 def add_disaggregation_flags(parser: argparse.ArgumentParser) -> None:

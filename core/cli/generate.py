@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
                    help="> 0: divide positive (multiply negative) logits of prompt and output tokens by it (default: 1, off)")
     p.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens before eos may end it")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    add_engine_flags(p)
+    add_engine_flags(p, serving=False)
     p.set_defaults(run=run)
 
 

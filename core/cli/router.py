@@ -24,12 +24,15 @@ def add_parser(sub) -> None:
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default: info)")
     p.add_argument("--access-log", action="store_true", help="log every request (costs CPU under load; default: off)")
     pd = p.add_argument_group("prefill/decode disaggregation (docs/pd.md)")
-    pd.add_argument("--pd", action="store_true",
+    pd.add_argument("--pd", "--pd-disaggregation", dest="pd", action="store_true",
                     help="pair a prefill and a decode server per request (`serve --disaggregation-mode prefill|decode`): "
-                    "the --policy chooses among the prefill servers, the least loaded decode server decodes")
-    pd.add_argument("--prefill", nargs="+", metavar="URL[,BOOTSTRAP_PORT]", default=[],
-                    help="prefill servers, each with the port of its bootstrap endpoint (default port: 8998)")
-    pd.add_argument("--decode", nargs="+", metavar="URL", default=[], help="decode servers")
+                    "the --policy chooses among the prefill servers, the least loaded decode server decodes "
+                    "(--pd-disaggregation: sglang-router's spelling)")
+    pd.add_argument("--prefill", nargs="+", action="append", metavar="URL[,BOOTSTRAP_PORT]", default=[],
+                    help="prefill servers, each with the port of its bootstrap endpoint (default port: 8998): "
+                    "'--prefill URL,PORT URL,PORT', or sglang-router's '--prefill URL PORT' once per server")
+    pd.add_argument("--decode", nargs="+", action="append", metavar="URL", default=[],
+                    help="decode servers: '--decode URL URL' or '--decode URL' once per server")
     _add_cache_aware_flags(p)
     _add_health_flags(p)
     _add_forwarding_flags(p)
@@ -44,14 +47,17 @@ def _add_access_flags(p) -> None:
                    "(401 otherwise; default: no key)")
     g.add_argument("--admin-api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /add_worker, /remove_worker and /list_workers; without "
-                   "it those answer only on a router bound to a loopback --host (403 otherwise; default: no key)")
+                   "it they need the --api-key when one is set, and with no key at all they answer only on a router "
+                   "bound to a loopback --host (403 otherwise; default: no key)")
     g.add_argument("--worker-api-key", default=None,
-                   help="the key the router sends workers as 'Authorization: Bearer KEY' (their `serve --api-key`); a "
-                   "client's own Authorization header is never passed on (default: none sent)")
+                   help="the key the router sends workers as 'Authorization: Bearer KEY' (their `serve --api-key`); "
+                   "a worker sees only an allow-list of the client's headers (Content-Type, Accept, User-Agent, "
+                   "X-Request-Id, tracing), never its credentials (default: none sent)")
     g.add_argument("--worker-url-allow", nargs="+", metavar="PATTERN", default=[],
                    help="patterns a worker URL must match, shell-style and part by part (scheme, host label by label, "
                    "port), e.g. 'http://10.0.0.*:*' or 'https://*.internal.example:30001'; applies to --worker-urls and "
-                   "/add_worker, which refuses others with 400 (default: any URL)")
+                   "/add_worker, which refuses others with 400; a URL must first be valid: a real host and a port that "
+                   "is a number in 1..65535 (default: any valid URL)")
 
 
 def _add_cache_aware_flags(p) -> None:
@@ -114,7 +120,28 @@ def _add_forwarding_flags(p) -> None:
 
 def settings_from(args) -> RouterSettings:
     names = [f.name for f in RouterSettings.__attrs_attrs__]
-    return RouterSettings(**{name: getattr(args, name) for name in names})
+    values = {name: getattr(args, name) for name in names}
+    values.update(prefill=prefill_specs(args.prefill), decode=[url for group in args.decode for url in group])
+    return RouterSettings(**values)
+
+
+def prefill_specs(groups: list[list[str]]) -> list[str]:
+    """Every --prefill as 'URL[,PORT]', from our spelling ('URL,PORT', several per flag) or sglang-router's
+    ('URL PORT' per flag, the port a number or 'none' for the default)."""
+    specs: list[str] = []
+    for group in groups:
+        bare = False  # the last token of this flag was a URL without a port
+        for token in group:
+            if token.isdigit() or token.lower() == "none":
+                if not bare:
+                    raise ValueError(f"--prefill: the bootstrap port {token!r} follows no prefill server URL")
+                if token.isdigit():
+                    specs[-1] = f"{specs[-1]},{token}"
+                bare = False
+            else:
+                specs.append(token)
+                bare = "," not in token
+    return specs
 
 
 def run(args) -> int:
@@ -123,7 +150,11 @@ def run(args) -> int:
     from ..router.app import build_router_app  # here: every other command runs without the router's HTTP client
     from ..router.pd import build_pd_router_app
 
+    from ..router.access import management_access
+
     app = build_pd_router_app(settings) if settings.pd else build_router_app(settings)
+    access = management_access(settings.api_key, settings.admin_api_key, settings.host)
+    logging.getLogger("moeplex.router").log(logging.WARNING if "open" in access else logging.INFO, access)
     # the process carries every module the CLI imported (torch among them); frozen, the collector never walks them
     # again, and a larger first generation collects less often on the per-request garbage (a tenth of the router's
     # CPU went to collections before; the tree's nodes still are collected, being cyclic)

@@ -63,6 +63,7 @@ class TransferBook:
         self.bytes = 0
         self.seconds = 0.0
         self._decisions: list[EndTransfer] = []
+        self.landed: list[str] = []  # decode: requests whose KV arrived whole since the last report (P no longer needed)
 
     def __contains__(self, rid: str) -> bool:
         return rid in self.entries
@@ -142,6 +143,10 @@ class TransferBook:
         states = Counter(e.state for e in self.entries.values())
         return TransferStats(self.role, {s: states.get(s, 0) for s in STATES}, dict(self.outcomes), self.bytes, self.seconds)
 
+    def take_landed(self) -> tuple[str, ...]:
+        landed, self.landed = tuple(self.landed), []
+        return landed
+
     @property
     def pending(self) -> bool:
         return bool(self.entries)
@@ -166,4 +171,6 @@ class TransferBook:
         entry.state = DONE if ok else FAILED
         self.outcomes[outcome] += 1
         self._decisions.append(EndTransfer(rid, ok, reason, entry.dp_rank))
+        if ok and not self.prefill:
+            self.landed.append(rid)
         del self.entries[rid]  # prefill: the source pages go with this decision; decode: it decodes (or fails)

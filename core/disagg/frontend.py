@@ -17,7 +17,7 @@ import aiohttp
 import attrs
 
 from ..messages import SendKV
-from ..server.errors import ApiError, bad_request
+from ..server.errors import UPSTREAM_PREFILL, ApiError, bad_request
 from .layout import KVLayout
 
 log = logging.getLogger("moeplex.server")
@@ -160,7 +160,8 @@ class DecodeSide:
         self.layout = KVLayout.from_json(facts.ranks[0]["kv_layout"])
         self.timeout = facts.config.disaggregation_bootstrap_timeout
         self.peers: dict[str, PrefillPeer] = {}
-        self.rooms: dict[str, Bootstrap] = {}  # rid -> its prefill side, while unfinished
+        # rid -> its prefill side, while its KV has not landed: once D holds every page, nothing about P may end it
+        self.rooms: dict[str, Bootstrap] = {}
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
         self._heartbeat: asyncio.Task | None = None
@@ -185,7 +186,8 @@ class DecodeSide:
                     answer.raise_for_status()
                     info = await answer.json()
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                raise ApiError(502, f"cannot reach the prefill server's bootstrap endpoint {url}: {exc!r}") from None
+                raise ApiError(502, f"cannot reach the prefill server's bootstrap endpoint {url}: {exc!r}",
+                               code=UPSTREAM_PREFILL) from None
             mismatch = self.layout.mismatch(KVLayout.from_json(info["layout"]), boot.address)
             peer = self.peers[boot.address] = PrefillPeer(info, mismatch)
         if peer.mismatch is not None:
@@ -196,6 +198,12 @@ class DecodeSide:
         self.rooms[rid] = boot
         if self._heartbeat is None:
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat())
+
+    def landed(self, rids) -> None:
+        """These requests' KV arrived whole: they decode from D's own pages, so P's death or silence is no longer
+        theirs (P freed its source pages on the same DONE, so there is nothing to tell it when they end)."""
+        for rid in rids:
+            self.rooms.pop(rid, None)
 
     def reserved(self, items) -> None:
         for rid, dp_rank, pages in items:
@@ -214,7 +222,8 @@ class DecodeSide:
                     raise RuntimeError(why or f"HTTP {answer.status}")
         except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError) as exc:
             message = exc.args[0] if isinstance(exc, RuntimeError) else repr(exc)
-            self.loop.drop(rid, 502, f"the prefill server {boot.address} did not take room {boot.room}: {message}")
+            self.loop.drop(rid, 502, f"the prefill server {boot.address} did not take room {boot.room}: {message}",
+                           UPSTREAM_PREFILL)
 
     def aborted(self, rid: str) -> None:
         boot = self.rooms.pop(rid, None)
@@ -234,8 +243,9 @@ class DecodeSide:
             log.info("could not tell the prefill server %s that room %d ended: %r", boot.address, boot.room, exc)
 
     async def _beat(self) -> None:
-        """While requests wait on a prefill server, ask its bootstrap endpoint every second; after MISSES misses in
-        a row its requests fail (a peer that is gone ends every wait, not only the transfer timeout)."""
+        """While requests wait on a prefill server for their KV, ask its bootstrap endpoint every second; after MISSES
+        misses in a row those requests fail (a peer that is gone ends every wait, not only the transfer timeout).
+        Requests whose KV has landed are no longer in `rooms` (see `landed`): they decode on."""
         while True:
             await asyncio.sleep(self.HEARTBEAT_S)
             for address in {boot.address for boot in self.rooms.values()}:
@@ -253,7 +263,8 @@ class DecodeSide:
                     for rid, boot in list(self.rooms.items()):
                         if boot.address == address:
                             self.rooms.pop(rid)
-                            self.loop.drop(rid, 502, f"the prefill server {address} stopped answering its bootstrap endpoint")
+                            self.loop.drop(rid, 502, f"the prefill server {address} stopped answering its bootstrap "
+                                                     "endpoint", UPSTREAM_PREFILL)
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)

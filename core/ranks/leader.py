@@ -140,7 +140,9 @@ class Leader:
         stats = LoopStats(tuple(self.group.stats), tuple(self.group.admitted), self._steps, self._failed_steps)
         book = self.group.book
         transfers = book.stats() if book is not None else None
-        report = RoundReport(updates, tuple(self._failures), tuple(self._outcomes), stats, tuple(self.group.reserved), transfers)
+        landed = book.take_landed() if book is not None else ()
+        report = RoundReport(updates, tuple(self._failures), tuple(self._outcomes), stats, tuple(self.group.reserved),
+                             transfers, landed)
         self._failures, self._outcomes = [], []
         return report
 

@@ -33,7 +33,8 @@ def group_stats(engine: Engine) -> GroupStats:
     counts = (len(scheduler.running), len(scheduler.waiting), kv.num_pages, kv.num_free_pages, kv.page_size)
     if cache is None:
         return GroupStats(*counts)
-    return GroupStats(*counts, cache.num_pages, cache.queried_tokens, cache.hit_tokens, cache.evicted_pages)
+    return GroupStats(*counts, cache.num_pages, cache.queried_tokens, cache.hit_tokens, cache.evicted_pages,
+                      cache.evictable_pages)
 
 
 class _Seen:

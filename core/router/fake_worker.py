@@ -67,7 +67,8 @@ class FakeWorker:
         if values.get("stream"):
             return StreamingResponse(self._events(), media_type="text/event-stream")
         await self._serve()
-        return JSONResponse({"worker": self.name, "text": "ok", "authorization": http.headers.get("authorization")})
+        return JSONResponse({"worker": self.name, "text": "ok", "authorization": http.headers.get("authorization"),
+                             "header_names": sorted(http.headers.keys())})
 
     async def _serve(self) -> None:
         """Hold the request for the service time, in one of the slots."""

@@ -110,6 +110,7 @@ class PDRouter:
 
     async def _forward(self, path: str, headers: list, values: dict, text: str) -> Response:
         last_error = "no pair was tried"
+        tried: set[str] = set()  # prefill servers that failed this request: a retry goes elsewhere while it can
         for attempt in range(self.settings.max_retries + 1):
             if attempt:
                 self.metrics.retries.inc()
@@ -117,13 +118,15 @@ class PDRouter:
             prefills, decodes = self.prefill.healthy(), self.decode.healthy()
             if not prefills or not decodes:
                 return error_response(503, f"no healthy pair: {len(prefills)} prefill and {len(decodes)} decode server(s) in routing")
-            choice = self.policy.select(text, prefills)
+            choice = self.policy.select(text, [p for p in prefills if p.url not in tried] or prefills)
             self.metrics.decisions.labels(choice.reason).inc()
             decode = least_loaded(decodes, attempt)
             outcome = await self._pair(path, headers, values, choice, decode)
             if isinstance(outcome, Response):
                 return outcome
             last_error = outcome
+            if outcome.startswith("prefill"):
+                tried.add(choice.worker.url)
         self.metrics.failed_requests.inc()
         return error_response(502, f"no prefill/decode pair answered after {attempt + 1} tries; last: {last_error}")
 
@@ -156,6 +159,9 @@ class PDRouter:
                 upstream = d_task.result()
             except FAILURES as exc:
                 self.decode.finished(decode)
+                if isinstance(exc, WorkerUnavailable) and exc.failed_server == "prefill":
+                    self._prefill_failed(prefill, p_task, decode, exc)
+                    return f"prefill {prefill.url} (as decode {decode.url} found): {exc}"
                 self._fail(self.decode, decode, exc)
                 p_task.cancel()
                 return f"decode {decode.url}: {type(exc).__name__}: {exc}"
@@ -190,6 +196,15 @@ class PDRouter:
         else:
             registry.succeeded(worker)
             self.metrics.requests.labels(worker.url).inc()
+
+    def _prefill_failed(self, prefill, p_task: asyncio.Task, decode, exc: WorkerUnavailable) -> None:
+        """D answered that P failed: D did its part (it stays in routing); the failure counts against P, once
+        (a P post that failed in transport has been counted already)."""
+        self.decode.succeeded(decode)
+        counted = p_task.done() and not p_task.cancelled() and p_task.exception() is not None
+        p_task.cancel()
+        if not counted:
+            self._fail(self.prefill, prefill, exc)
 
     def _closed(self, decode, failed: bool) -> None:
         self.decode.finished(decode)

@@ -23,13 +23,13 @@ log = logging.getLogger(__name__)
 
 # the worker cannot serve now (overloaded, draining, or a proxy in front of it says it is gone)
 RETRYABLE_STATUS = frozenset({502, 503, 504})
-# hop-by-hop headers, and those the router's own server writes
-# (and the client's key: it is the router's, and a worker never sees it; see forwarded_headers)
-DROPPED_REQUEST_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
-                                     "authorization", "proxy-authorization"})
+# the only client headers a worker sees: what the body is and what answer the client takes, and tracing ids.
+# An allow-list, not a deny-list: credentials of any spelling (Authorization, X-Api-Key, Cookie, ...) are the
+# router's business and never reach a worker; the router sends its own --worker-api-key instead.
+FORWARDED_REQUEST_HEADERS = frozenset({"content-type", "content-encoding", "accept", "accept-encoding", "user-agent",
+                                       "x-request-id", "traceparent", "tracestate"})
 DROPPED_RESPONSE_HEADERS = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding", "date", "server"})
 DROPPED_RAW_RESPONSE_HEADERS = frozenset(name.encode() for name in DROPPED_RESPONSE_HEADERS)
-DROPPED_RAW_REQUEST_HEADERS = frozenset(name.encode() for name in DROPPED_REQUEST_HEADERS)
 # a worker that cannot be reached, breaks the connection or goes silent past the read timeout
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, UpstreamError)
 
@@ -41,12 +41,18 @@ def worker_session(max_connections: int, read_timeout: float, connect_timeout: f
     return Pool(max_connections, read_timeout, connect_timeout, deadlines)
 
 
-class WorkerUnavailable(Exception):
-    """The worker answered with a status that says another worker should try."""
+# a decode server's answer names the server whose failure it passes on (its prefill server): core/server/errors.py
+FAILED_SERVER = b"x-moeplex-failed-server"
 
-    def __init__(self, url: str, status: int):
-        super().__init__(f"{url} answered {status}")
+
+class WorkerUnavailable(Exception):
+    """The worker answered with a status that says another worker should try. `failed_server`: the role of the
+    server the worker says failed ('prefill'), when it is not the worker itself."""
+
+    def __init__(self, url: str, status: int, failed_server: str = ""):
+        super().__init__(f"{url} answered {status}" + (f" ({failed_server} server failed)" if failed_server else ""))
         self.status = status
+        self.failed_server = failed_server
 
 
 class Upstream:
@@ -93,7 +99,7 @@ async def open_upstream(pool: Pool, base: str, path: str, method: str, headers: 
     response = await pool.request(base, method, path, headers, body)
     try:
         if response.status in RETRYABLE_STATUS:
-            raise WorkerUnavailable(base + path, response.status)
+            raise WorkerUnavailable(base + path, response.status, response.header(FAILED_SERVER).decode("latin-1"))
         if not response.header(b"content-type").startswith(b"text/event-stream"):
             return Upstream(response, await response.read(), None)
         chunks = response.iter_any()
@@ -105,9 +111,9 @@ async def open_upstream(pool: Pool, base: str, path: str, method: str, headers: 
 
 
 def forwarded_headers(raw: list[tuple[bytes, bytes]], worker_api_key: str | None = None) -> list[tuple[str, str]]:
-    """The client's headers a worker sees: no hop-by-hop ones, and the router's worker key in place of the client's."""
+    """The client's headers a worker sees (those of FORWARDED_REQUEST_HEADERS), and the router's worker key."""
     headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw]
-    kept = [(k, v) for k, v in headers if k.lower() not in DROPPED_REQUEST_HEADERS]
+    kept = [(k, v) for k, v in headers if k.lower() in FORWARDED_REQUEST_HEADERS]
     return kept + [("Authorization", f"Bearer {worker_api_key}")] if worker_api_key else kept
 
 

@@ -12,6 +12,8 @@ outlasted its grace period; put back after `success_threshold` passed health che
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import time
 
 import attrs
@@ -40,11 +42,54 @@ class Worker:
                 "requests": self.requests, "failures_in_a_row": self.failures_in_a_row, "last_check": self.last_check}
 
 
+DEFAULT_PORTS = {"http": 80, "https": 443}
+HOST_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+
+
 def normalize_url(url: str) -> str:
     url = url.strip().rstrip("/")
-    if not url.startswith(("http://", "https://")) or url.count("/") != 2:
-        raise ValueError(f"a worker URL is http(s)://HOST:PORT with no path, got {url!r}")
+    split_worker_url(url)
     return url
+
+
+def split_worker_url(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of http(s)://HOST[:PORT], or ValueError saying what is wrong. HOST is a DNS name, an
+    IPv4 address or a bracketed IPv6 one; PORT is a decimal number in 1..65535. Checked before any
+    --worker-url-allow pattern sees the URL, so no pattern can admit a port like `31001.evil.example`."""
+    wrong = f"a worker URL is http(s)://HOST[:PORT] with no path, got {url!r}"
+    scheme, sep, rest = url.partition("://")
+    scheme = scheme.lower()
+    if not sep or scheme not in DEFAULT_PORTS or not rest or any(c in rest for c in "/?#@\\ \t"):
+        raise ValueError(wrong)
+    if rest.startswith("["):
+        host, _, tail = rest[1:].partition("]")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{wrong}: [{host}] is no IPv6 address") from None
+        host, colon, port = f"[{host.lower()}]", tail[:1], tail[1:]
+        if tail and colon != ":":
+            raise ValueError(wrong)
+    else:
+        host, colon, port = rest.lower().partition(":")
+        if not _valid_host(host):
+            raise ValueError(f"{wrong}: {host!r} is no host name or IPv4 address")
+    if not colon:
+        return scheme, host, DEFAULT_PORTS[scheme]
+    if not (port.isascii() and port.isdigit() and port[0] != "0" and int(port) <= 65535):
+        raise ValueError(f"{wrong}: the port must be a number in 1..65535, got {port!r}")
+    return scheme, host, int(port)
+
+
+def _valid_host(host: str) -> bool:
+    labels = host.split(".")
+    if all(label.isascii() and label.isdigit() for label in labels):  # digits only: an IPv4 address or nothing
+        try:
+            ipaddress.IPv4Address(host)
+            return True
+        except ValueError:
+            return False
+    return len(host) <= 253 and all(HOST_LABEL.fullmatch(label) for label in labels)
 
 
 class WorkerRegistry:

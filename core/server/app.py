@@ -42,6 +42,8 @@ class LeaderLink:
     connection: multiprocessing.connection.Connection
     facts: EngineFacts
     beats: RankBeats | None = None  # this machine's ranks' heartbeats and rounds
+    # the launcher's account of why the ranks stopped, waited for up to N s (EngineLoop: what clients are told)
+    verdict: Callable[[float], str | None] | None = None
 
 
 def build_app(
@@ -55,7 +57,8 @@ def build_app(
     metrics = ServerMetrics()
     if isinstance(engine, LeaderLink):
         watchdog = Watchdog(engine.beats, settings.stall_timeout)
-        loop = EngineLoop(engine.connection, engine.facts, metrics, on_engine_stopped, watchdog=watchdog)
+        loop = EngineLoop(engine.connection, engine.facts, metrics, on_engine_stopped, watchdog=watchdog,
+                          verdict=engine.verdict)
     else:
         group = EngineGroup(engine)
         here, there = multiprocessing.Pipe()

@@ -37,6 +37,7 @@ from .watchdog import Watchdog
 log = logging.getLogger("moeplex.server")
 
 SHUTTING_DOWN = "the server is shutting down"
+VERDICT_WAIT_S = 10.0  # the launcher's stop grace (3 s) twice, and some: how long a rank's failure may take to be named
 
 
 class EngineStopped(RuntimeError):
@@ -52,9 +53,12 @@ class EngineLoop:
         on_stopped: Callable[[], None] | None = None,
         leader: Leader | None = None,
         watchdog: Watchdog | None = None,
+        verdict: Callable[[float], str | None] | None = None,
     ):
         """`leader`: run it on a thread of this process (an in-process engine); None: it runs in another process.
-        `on_stopped` is called on the event loop if the leader stops by itself (see `failure`)."""
+        `on_stopped` is called on the event loop if the leader stops by itself (see `failure`). `verdict(timeout)`:
+        the launcher's account of a rank's failure, which clients are told instead of the collective's own error
+        (gloo's "[/__w/pytorch/...pair.cc:537] Read error" is what rank 0 sees when rank 1 dies)."""
         self.connection = connection
         self.facts = facts
         self.config = facts.config
@@ -62,6 +66,7 @@ class EngineLoop:
         self.on_stopped = on_stopped
         self.leader = leader
         self.watchdog = watchdog or Watchdog(None, 30.0)
+        self.verdict = verdict
         self.failure: EngineStopped | None = None  # why the leader stopped when nobody asked it to
         self.stats = facts.stats
         self._progress: dict[str, Progress] = {}
@@ -171,9 +176,9 @@ class EngineLoop:
             if self.pd is not None:
                 self.pd.aborted(rid)
 
-    def drop(self, rid: str, status: int, message: str) -> None:
+    def drop(self, rid: str, status: int, message: str, code: str | None = None) -> None:
         """Fail a request with `message` and drop it from the engine (its peer in disaggregation gave up)."""
-        self._fail(Failure(rid, status, message))
+        self._fail(Failure(rid, status, message, code))
         self._command(Abort(rid))
 
     def command(self, item) -> None:
@@ -221,6 +226,12 @@ class EngineLoop:
             reason = message.reason
         except (EOFError, OSError):
             pass
+        if reason is not None and self.verdict is not None and not self._halting:
+            # the leader stopped by itself: the launcher knows which rank failed first, and how, a moment later
+            told = self.verdict(VERDICT_WAIT_S)
+            if told is not None:
+                log.error("the engine stopped: %s (rank 0 saw: %s)", told, reason)
+                reason = told
         try:
             self._events.call_soon_threadsafe(self._on_halted, reason)
         except RuntimeError:  # the event loop has closed: nobody is waiting any more
@@ -240,6 +251,8 @@ class EngineLoop:
         self.watchdog.reported()
         if report.reserved and self.pd is not None:
             self.pd.reserved(report.reserved)
+        if report.landed and self.pd is not None:
+            self.pd.landed(report.landed)
         for failure in report.failures:  # what earlier reports gave it goes out first, as when each report was sent
             self._push(failure.rid, time.monotonic())
         for updates in report.updates:
@@ -278,7 +291,7 @@ class EngineLoop:
             self.pd.ended(failure.rid, failure.message)
         if progress is not None:
             self.metrics.finished.labels("rejected" if failure.status == 400 else "error").inc()
-            progress.ticket.queue.put_nowait(Output.failure(progress.ticket, failure.status, failure.message))
+            progress.ticket.queue.put_nowait(Output.failure(progress.ticket, failure.status, failure.message, failure.code))
 
     def _send_progress(self) -> None:
         now = time.monotonic()

@@ -21,6 +21,12 @@ ERROR_TYPES = {
 }
 
 
+# the error code (and header) of a failure that is the prefill server's, not this decode server's: a router counts
+# it against the prefill server (or nobody), never against the decode server that reports it
+UPSTREAM_PREFILL = "upstream_prefill"
+FAILED_SERVER_HEADER = "X-Moeplex-Failed-Server"
+
+
 class AsciiJSONResponse(JSONResponse):
     """JSON escaped to ASCII: an error may quote what the client sent, lone surrogates included."""
 
@@ -43,7 +49,9 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.code == UPSTREAM_PREFILL:
+            headers[FAILED_SERVER_HEADER] = "prefill"
         return AsciiJSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

@@ -46,7 +46,7 @@ class RequestGroup:
             if output.finished:
                 self.unfinished.pop(output.index, None)
             if output.error:
-                raise ApiError(output.status, output.error)
+                raise ApiError(output.status, output.error, code=output.code)
             yield output
 
     async def collect(self) -> list[Completion]:

@@ -11,6 +11,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..disagg.book import STATES
 from ..sampling import SamplingParams
 from .engine_loop import EngineLoop
 from .errors import ApiError
@@ -115,6 +116,8 @@ class InfoRoutes:
                     "num_pages": stats.kv_pages_total,
                     "free_pages": stats.kv_pages_free,
                     "cached_pages": stats.kv_pages_cached,
+                    "used_pages": stats.kv_pages_used,  # held by requests (cached pages they read included)
+                    "evictable_pages": stats.kv_pages_evictable,  # cached, read by no request
                     "page_size": stats.page_size,
                     "capacity_tokens": stats.kv_pages_total * stats.page_size,
                 },
@@ -136,6 +139,8 @@ class InfoRoutes:
         info = side.info()
         info.pop("layout", None)
         info["ranks"] = len(self.loop.facts.ranks)
+        # present from start-up: before the first round's report every count is zero
+        info.update(states=dict.fromkeys(STATES, 0), transfers={}, bytes=0, gb_per_second=0.0)
         if transfers is not None:
             info.update(states=transfers.states, transfers=transfers.outcomes, bytes=transfers.bytes,
                         gb_per_second=transfers.bytes / transfers.seconds / 1e9 if transfers.seconds else 0.0)

@@ -58,8 +58,13 @@ class ServerMetrics:
         self.running = Gauge("moeplex_num_running_requests", "Requests the scheduler is running", registry=r)
         self.queued = Gauge("moeplex_num_queued_requests", "Requests waiting for admission", registry=r)
         self.kv_pages_total = Gauge("moeplex_kv_pages_total", "Pages of the KV cache", registry=r)
-        self.kv_pages_used = Gauge("moeplex_kv_pages_used", "Pages of the KV cache held by requests", registry=r)
-        self.kv_usage = Gauge("moeplex_kv_cache_usage_ratio", "Fraction of KV cache pages in use", registry=r)
+        self.kv_pages_used = Gauge(
+            "moeplex_kv_pages_used", "Pages of the KV cache held by requests (their own and cached ones they read)", registry=r
+        )
+        self.kv_pages_evictable = Gauge(
+            "moeplex_kv_pages_cached_evictable", "Prefix-cache pages no request reads (reuse, freed on demand)", registry=r
+        )
+        self.kv_usage = Gauge("moeplex_kv_cache_usage_ratio", "Fraction of KV cache pages held by requests", registry=r)
         self.kv_pages_cached = Gauge(
             "moeplex_prefix_cache_pages", "KV pages the prefix cache holds (in use or evictable)", registry=r
         )
@@ -70,6 +75,7 @@ class ServerMetrics:
         self.queued.set_function(lambda: stats().num_queued)
         self.kv_pages_total.set_function(lambda: stats().kv_pages_total)
         self.kv_pages_used.set_function(lambda: stats().kv_pages_used)
+        self.kv_pages_evictable.set_function(lambda: stats().kv_pages_evictable)
         self.kv_usage.set_function(lambda: stats().kv_pages_used / max(stats().kv_pages_total, 1))
         self.kv_pages_cached.set_function(lambda: stats().kv_pages_cached)
         self.registry.register(PrefixCacheCounters(stats))

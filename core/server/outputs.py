@@ -35,6 +35,7 @@ class Output:
     stop_reason: Any = None  # the stop string or token id that ended it
     error: str | None = None
     status: int = 200  # the HTTP status of the failure, when error is set
+    code: str | None = None  # the failure's error code (errors.UPSTREAM_PREFILL: another server's failure)
     cached_tokens: int = 0  # of the prompt, reused from the prefix cache
     spec_counts: tuple[int, int, int] = (0, 0, 0)  # speculative decoding so far (Request.spec_counts)
     prompt_logprobs: tuple | None = None  # per prompt position (None where not asked), in the first Output only
@@ -50,8 +51,8 @@ class Output:
                             prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
 
     @classmethod
-    def failure(cls, ticket: Ticket, status: int, message: str) -> "Output":
-        return cls(ticket.index, len(ticket.prompt_ids), finish_reason="abort", error=message, status=status)
+    def failure(cls, ticket: Ticket, status: int, message: str, code: str | None = None) -> "Output":
+        return cls(ticket.index, len(ticket.prompt_ids), finish_reason="abort", error=message, status=status, code=code)
 
 
 @attrs.define

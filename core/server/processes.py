@@ -64,7 +64,7 @@ def serve(config: EngineConfig, settings: ServerSettings, log_level: str) -> Non
         facts = _first_message(here, ranks)
     finally:
         there.close()  # the ranks hold their own copy: the leader's exit must reach `here` as the end of the pipe
-    server = HttpServer(LeaderLink(here, facts, beats), settings, log_level)
+    server = HttpServer(LeaderLink(here, facts, beats, ranks.verdict), settings, log_level)
     try:
         server.run()
     finally:
@@ -121,6 +121,12 @@ class RankProcesses:
         self.thread.join(timeout)
         if self.failure is not None:
             raise self.failure
+
+    def verdict(self, timeout: float) -> str | None:
+        """Why the ranks stopped, in the launcher's words ("rank 1 died (exit code -9); ..."), waiting up to `timeout`
+        for it; None if they have not stopped by then, or stopped cleanly."""
+        self.thread.join(timeout)
+        return str(self.failure) if self.failure is not None else None
 
 
 def serve_on_rank(
