@@ -189,7 +189,8 @@ class DeploymentPrediction:
     prefill_tok_s_node: float
     decode_tok_s_node: float
     ttft_ms: float
-    itl_ms: float
+    itl_ms: float  # a decode step
+    itl_p99_ms: float  # co-located: a decode step that waits behind a prefill step; PD: the decode step
     requests_per_s: float  # what the whole deployment sustains for this workload
 
 
@@ -242,4 +243,6 @@ def predict(hw: Profile, shape: ModelShape, dep: Deployment, workload: Workload,
         rho = rate / prefill_capacity
         wait_ms = float("inf") if rho >= 1 else rho / (2 * (1 - rho)) * p.step_us / 1e3
     ttft = wait_ms + p.step_us / 1e3 + transfer_ms
-    return DeploymentPrediction(p, d, p_node, d_node, ttft, d.step_us / 1e3, req_s)
+    itl = d.step_us / 1e3
+    itl_p99 = itl if dep.disaggregated else itl + p.step_us / 1e3
+    return DeploymentPrediction(p, d, p_node, d_node, ttft, itl, itl_p99, req_s)

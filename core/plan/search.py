@@ -73,7 +73,7 @@ def search(
             continue
         priced += 1
         pred = predict(hw, shape, dep, workload)
-        if max_itl_ms is not None and pred.itl_ms > max_itl_ms:
+        if max_itl_ms is not None and pred.itl_p99_ms > max_itl_ms:
             continue
         if max_ttft_ms is not None and pred.ttft_ms > max_ttft_ms:
             continue
