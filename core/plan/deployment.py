@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from . import costs
 from .imbalance import ExpertLoad, balancedness
@@ -218,6 +218,8 @@ def predict(hw: Profile, shape: ModelShape, dep: Deployment, workload: Workload,
     over the decode GPUs), found by fixed-point iteration, and a prompt queues for the prefill role as in
     an M/D/1 queue. Without one, the deployment's fixed batch and no queueing.
     """
+    dep.prefill.check(shape)
+    dep.decode.check(shape)  # both roles refused before either is priced
     node = hw.gpus_per_node
     p = predict_step(hw, shape, dep.prefill, workload, "prefill", dep.prefill_tokens_per_gpu)
     p_node = p.tokens_per_s_per_node(node)

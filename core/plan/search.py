@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .deployment import Deployment, DeploymentPrediction, RoleLayout, Workload, kv_gb, predict, weights_gb_per_gpu
 from .profile import Profile

@@ -34,7 +34,8 @@ class ModelShape:
 def model_shape(config: dict) -> ModelShape:
     module = architecture(config)
     layers = config["num_hidden_layers"]
-    moe_layers = sum(1 for i in range(layers) if module.is_moe_layer(config, i))
+    is_moe = getattr(module, "is_moe_layer", lambda _config, _layer: True)  # Mixtral: every layer is MoE
+    moe_layers = sum(1 for i in range(layers) if is_moe(config, i))
     h = config["hidden_size"]
     heads = config["num_attention_heads"]
     kind = config["model_type"]
