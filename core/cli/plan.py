@@ -26,6 +26,7 @@ def add_parser(sub) -> None:
     search.add_argument("--moe-kernel", default="deepgemm", choices=("deepgemm", "triton"), help="MoE kernel of every candidate (default: deepgemm)")
     search.add_argument("--dtype", default="fp8", choices=("fp8", "bf16"), help="weights and dispatch payload (default: fp8)")
     search.add_argument("--top", type=int, default=5, help="layouts to print (default: 5)")
+    search.add_argument("--prefill-tokens-grid", type=int, nargs="+", default=[4096, 16384], help="prefill tokens per GPU per step to try (default: 4096 16384)")
     search.set_defaults(run=run_search)
     check = actions.add_parser("check", help="the model against our measured tables and SGLang's and DeepSeek's published cluster numbers, with the error")
     check.add_argument("--only", choices=("own", "published"), help="one group of cases (default: both)")
@@ -104,7 +105,8 @@ def run_search(args) -> int:
     from ..plan.search import search
 
     hw, shape, workload = _inputs(args)
-    best, priced = search(hw, shape, workload, args.gpus, args.max_itl_ms, args.max_ttft_ms, args.moe_kernel, args.dtype, args.prefill_tokens, args.top)
+    tokens = tuple(args.prefill_tokens_grid)
+    best, priced = search(hw, shape, workload, args.gpus, args.max_itl_ms, args.max_ttft_ms, args.moe_kernel, args.dtype, tokens, args.top)
     print_search(hw, args, best, priced)
     return 0 if best else 1
 

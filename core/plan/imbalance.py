@@ -72,8 +72,9 @@ def _balancedness(load: ExpertLoad, pairs_per_gpu, ep, slots, balancer, num_node
     total = max(1, int(round(pairs_per_gpu * ep)))
     values = []
     for layer in range(layers):
-        drawn = torch.multinomial(law[layer].float(), total, replacement=True, generator=gen)
-        counts = torch.bincount(drawn, minlength=experts).to(torch.float64)
+        # a batch's pairs per expert: Poisson around the law (the multinomial's limit for many experts),
+        # O(experts) rather than O(pairs) to draw
+        counts = torch.poisson(law[layer] * total, generator=gen)
         phy2log = placement.phy2log[layer].long()
         per_slot = counts[phy2log] / placement.logcnt[layer].to(torch.float64)[phy2log]
         per_gpu = per_slot.view(ep, slots // ep).sum(-1)

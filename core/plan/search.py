@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from .deployment import Deployment, DeploymentPrediction, RoleLayout, Workload, kv_gb, predict, weights_gb_per_gpu
@@ -18,13 +19,12 @@ class Candidate:
     prediction: DeploymentPrediction
 
     def describe(self) -> str:
-        d, p = self.deployment.decode, self.deployment.prefill
-        if not self.deployment.disaggregated:
-            return f"co-located {p.gpus} GPUs EP{p.ep}, {p.overlap}, {p.redundant_experts} redundant, decode batch {self.deployment.decode_batch_per_gpu}/GPU"
-        return (
-            f"prefill {p.gpus} GPUs EP{p.ep} + decode {d.gpus} GPUs EP{d.ep}, {d.overlap}, "
-            f"{d.redundant_experts} redundant, decode batch {self.deployment.decode_batch_per_gpu}/GPU"
-        )
+        dep = self.deployment
+        d, p = dep.decode, dep.prefill
+        tail = f"{p.redundant_experts} redundant, prefill {dep.prefill_tokens_per_gpu} tokens/GPU, decode batch {dep.decode_batch_per_gpu}/GPU"
+        if not dep.disaggregated:
+            return f"co-located {p.gpus} GPUs EP{p.ep} ({p.overlap}), {tail}"
+        return f"prefill {p.gpus} GPUs EP{p.ep} ({p.overlap}) + decode {d.gpus} GPUs EP{d.ep} ({d.overlap}), {tail}"
 
 
 def _role(gpus: int, shape: ModelShape, overlap: str, redundant: int, kernel: str, dtype: str) -> RoleLayout | None:
@@ -35,21 +35,24 @@ def _role(gpus: int, shape: ModelShape, overlap: str, redundant: int, kernel: st
     return RoleLayout(gpus, ep, dispatcher, kernel, dtype, redundant, "eplb" if ep > 1 else "static", overlap)
 
 
-def candidates(hw: Profile, shape: ModelShape, total_gpus: int, kernel: str, dtype: str, prefill_tokens: int) -> list[Deployment]:
+def candidates(hw: Profile, shape: ModelShape, total_gpus: int, kernel: str, dtype: str, prefill_tokens: tuple[int, ...]) -> list[Deployment]:
     node = hw.gpus_per_node
     step = node if total_gpus >= 2 * node else 1
     splits = [(p, total_gpus - p) for p in range(step, total_gpus, step)]
     out = []
-    for overlap in ("none", "tbo"):
-        for redundant in (0, 32):
-            for batch in DECODE_BATCHES:
+    for redundant in (0, 32):
+        for batch in DECODE_BATCHES:
+            for tokens in prefill_tokens:
                 for p_gpus, d_gpus in splits:
-                    pre, dec = _role(p_gpus, shape, overlap, redundant, kernel, dtype), _role(d_gpus, shape, overlap, redundant, kernel, dtype)
-                    if pre and dec:
-                        out.append(Deployment(pre, dec, prefill_tokens, batch, True))
-                both = _role(total_gpus, shape, overlap, redundant, kernel, dtype)
-                if both:
-                    out.append(Deployment(both, both, prefill_tokens, batch, False))
+                    for p_overlap, d_overlap in itertools.product(("none", "tbo"), repeat=2):
+                        pre = _role(p_gpus, shape, p_overlap, redundant, kernel, dtype)
+                        dec = _role(d_gpus, shape, d_overlap, redundant, kernel, dtype)
+                        if pre and dec:
+                            out.append(Deployment(pre, dec, tokens, batch, True))
+                for overlap in ("none", "tbo"):
+                    both = _role(total_gpus, shape, overlap, redundant, kernel, dtype)
+                    if both:
+                        out.append(Deployment(both, both, tokens, batch, False))
     return out
 
 
@@ -64,7 +67,7 @@ def fits(hw: Profile, shape: ModelShape, dep: Deployment, workload: Workload) ->
 
 def search(
     hw: Profile, shape: ModelShape, workload: Workload, total_gpus: int, max_itl_ms: float | None = None,
-    max_ttft_ms: float | None = None, kernel: str = "deepgemm", dtype: str = "fp8", prefill_tokens: int = 16384, top: int = 5,
+    max_ttft_ms: float | None = None, kernel: str = "deepgemm", dtype: str = "fp8", prefill_tokens: tuple[int, ...] = (4096, 16384), top: int = 5,
 ) -> tuple[list[Candidate], int]:
     """The best layouts by requests/s the whole deployment sustains, under the ITL / TTFT bounds; and how many were priced."""
     found, priced = [], 0
@@ -78,5 +81,5 @@ def search(
         if max_ttft_ms is not None and pred.ttft_ms > max_ttft_ms:
             continue
         found.append(Candidate(dep, pred))
-    found.sort(key=lambda c: -c.prediction.requests_per_s)
+    found.sort(key=lambda c: (-round(c.prediction.requests_per_s, 6), c.prediction.ttft_ms, c.prediction.itl_p99_ms))
     return found[:top], priced
