@@ -43,3 +43,18 @@ def test_sources_lists_every_number(capsys):
 def test_bad_layouts_are_one_sentence(capsys, layout, message):
     assert main(["plan", "predict", "--decode-layout", layout]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_gemm_benchmark_runs_at_toy_size(tmp_path):
+    """benchmarks/plan_gemm.py (the --profile step's new measurement) end to end on the CPU; its numbers mean nothing here."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    out = tmp_path / "gemm.md"
+    args = [sys.executable, "plan_gemm.py", "--device", "cpu", "--model", "deepseek_v3:tiny", "--tokens", "4", "--seq", "16", "--runs", "1", "--out", str(out)]
+    done = subprocess.run(args, cwd=bench, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = out.read_text()
+    assert "| gemm |" in text and "| causal attention" in text
