@@ -67,11 +67,16 @@ class StepPrediction:
         return self.tokens_per_gpu / (self.step_us * 1e-6) * gpus_per_node
 
 
+def dispatcher_for(layout: RoleLayout, decode: bool) -> str:
+    """The dispatcher a step of this mode runs: deepep-auto is low-latency for decode, normal for prefill."""
+    if layout.dispatcher == "deepep-auto":
+        return "deepep-ll" if decode else "deepep-normal"
+    return layout.dispatcher
+
+
 def _dispatch_us(hw: Profile, layout: RoleLayout, shape: ModelShape, tokens: float, decode: bool) -> tuple[float, float, bool]:
     """(dispatch, combine, uses the contiguous layout) for this step's mode."""
-    kind = layout.dispatcher
-    if kind == "deepep-auto":
-        kind = "deepep-ll" if decode else "deepep-normal"
+    kind = dispatcher_for(layout, decode)
     fp8 = layout.dtype == "fp8"
     if kind == "local":
         return 0.0, 0.0, False
@@ -82,7 +87,7 @@ def _dispatch_us(hw: Profile, layout: RoleLayout, shape: ModelShape, tokens: flo
     return d, c, True
 
 
-def _attention_us(hw: Profile, shape: ModelShape, layout: RoleLayout, tokens: float, pairs: float, requests: float, decode: bool) -> float:
+def _attention_us(hw: Profile, shape: ModelShape, layout: RoleLayout, tokens: float, pairs: float, decode: bool) -> float:
     dtype = layout.dtype
     gemms = sum(costs.gemm_us(hw, tokens, k, n, dtype) for k, n in shape.attention_gemms)
     if decode:
@@ -121,12 +126,12 @@ def predict_step(
     nodes = max(1, layout.ep // hw.gpus_per_node)
     bal = balancedness(
         ExpertLoad(shape.experts, workload.zipf_skew, workload.recorded_load), mean_pairs, layout.ep, slots,
-        layout.balancer, num_nodes=nodes, num_groups=1,
+        layout.balancer, num_nodes=nodes, num_groups=1,  # one expert group: the balancer places globally
     )
     table, size = hw.expert_table(layout.moe_kernel, layout.dtype, shape.hidden, shape.expert_intermediate)
 
-    def moe_layer(tok: float, pairs_kv: float, reqs: float) -> dict[str, float]:
-        attn = _attention_us(hw, shape, layout, tok, pairs_kv, reqs, decode)
+    def moe_layer(tok: float, pairs_kv: float) -> dict[str, float]:
+        attn = _attention_us(hw, shape, layout, tok, pairs_kv, decode)
         mean = tok * shape.top_k
         experts_mean = costs.experts_us(table, size, mean, local)
         experts_max = costs.experts_us(table, size, mean / bal, local)
@@ -148,14 +153,15 @@ def predict_step(
             "other": shared + router + permute + small,
         }
 
-    split = moe_layer(t, pairs, requests)
+    split = moe_layer(t, pairs)
     notes = []
     compute = split["attention"] + split["experts"] + split["idle"] + split["other"]
     comm = split["dispatch"] + split["combine"]
     layer_us = compute + comm
     if layout.overlap == "tbo" and t >= 2:
-        half = moe_layer(t / 2, pairs / 2, requests / 2)
-        stretch = costs.sm_slowdown(hw, hw.deepep_normal_sms) if _dispatch_us(hw, layout, shape, 1, decode)[2] else 1.0
+        half = moe_layer(t / 2, pairs / 2)  # our tbo cuts at half the requests (decode) or tokens (prefill)
+        # DeepEP normal's kernels hold SMs the other micro-batch's compute then lacks; low-latency ones wait in hooks
+        stretch = costs.sm_slowdown(hw, hw.deepep_normal_sms) if dispatcher_for(layout, decode) == "deepep-normal" else 1.0
         c_half = (half["attention"] + half["experts"] + half["idle"] + half["other"]) * stretch
         m_half = half["dispatch"] + half["combine"]
         layer_us = costs.overlapped_layer_us(c_half, m_half)
