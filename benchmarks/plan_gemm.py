@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, nargs="+", default=[1024, 2048, 4096], help="causal attention prompt lengths")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", help="also write the table here")
+    ap.add_argument("--profile-out", help="write a profile JSON: the shipped h200.json plus gemm_slowdown and attention_slowdown from this run")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     shape = model_shape(load_config(args.model))
@@ -82,12 +83,15 @@ def main() -> None:
         "| op | K | N | tokens | µs | model µs | measured / model |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    gemm_ratios: dict[int, list[float]] = {m: [] for m in args.tokens}
+    attention_ratios: list[list[float]] = []
     for k, n in dict.fromkeys(gemms):
         w = torch.randn(k, n, device=args.device, dtype=dtype)
         for m in args.tokens:
             x = torch.randn(m, k, device=args.device, dtype=dtype)
             runs = [timed_us(lambda: x @ w, args.device, 10) for _ in range(args.runs)]
             model = gemm_us(hw, m, k, n, "bf16")
+            gemm_ratios[m].append(statistics.median(runs) / model)
             lines.append(f"| gemm | {k} | {n} | {m} | {median_spread(runs)} | {model:.1f} | {statistics.median(runs) / model:.2f} |")
     heads, head_dim = (128, 128) if args.device == "cuda" else (2, 16)  # DeepSeek-V3's 128 heads; toy on a CPU
     for s in args.seq:
@@ -95,8 +99,28 @@ def main() -> None:
         runs = [timed_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True), args.device, 5) for _ in range(args.runs)]
         flops = 2 * 2 * heads * head_dim * s * (s + 1) / 2
         model = flops / (peak_tflops * 1e6)
+        attention_ratios.append([s, round(statistics.median(runs) / model, 3)])
         lines.append(f"| causal attention ({heads} heads x {head_dim}) | - | - | {s} | {median_spread(runs)} | {model:.1f} | {statistics.median(runs) / model:.2f} |")
     emit("\n".join(lines), args.out)
+    if args.profile_out:
+        write_profile(args, {m: round(statistics.median(r), 3) for m, r in gemm_ratios.items()}, attention_ratios)
+
+
+def write_profile(args, gemm: dict[int, float], attention: list[list[float]]) -> None:
+    """The shipped H200 profile with the two measured slowdown tables added, each citing this run."""
+    import json
+    import sys
+    from importlib import resources
+
+    data = json.loads(resources.files("moeplex.plan").joinpath("profiles", "h200.json").read_text())
+    command = "python benchmarks/plan_gemm.py " + " ".join(sys.argv[1:])
+    stamp = time.strftime("%Y-%m-%d")
+    data["name"] = "h200-measured"
+    data["gemm_slowdown"] = {"value": sorted([m, f] for m, f in gemm.items()), "unit": "[tokens, measured / roofline, median over the model's GEMM shapes]", "source": f"{command} ({processor()}, {stamp})"}
+    data["attention_slowdown"] = {"value": attention, "unit": "[prompt tokens, measured / FLOP roofline]", "source": f"{command} ({processor()}, {stamp})"}
+    with open(args.profile_out, "w") as f:
+        json.dump(data, f, indent=1, ensure_ascii=False)
+    print(f"wrote {args.profile_out}: moeplex plan check --only own --profile {args.profile_out}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 import pytest
 
 from moeplex.cli import main
+from moeplex.plan.profile import load_profile
 
 
 def test_predict_prints_throughput_latency_and_split(capsys):
@@ -53,8 +54,13 @@ def test_plan_gemm_benchmark_runs_at_toy_size(tmp_path):
 
     bench = Path(__file__).resolve().parent.parent / "benchmarks"
     out = tmp_path / "gemm.md"
-    args = [sys.executable, "plan_gemm.py", "--device", "cpu", "--model", "deepseek_v3:tiny", "--tokens", "4", "--seq", "16", "--runs", "1", "--out", str(out)]
+    profile = tmp_path / "measured.json"
+    args = [sys.executable, "plan_gemm.py", "--device", "cpu", "--model", "deepseek_v3:tiny", "--tokens", "4", "16", "--seq", "16",
+            "--runs", "1", "--out", str(out), "--profile-out", str(profile)]
     done = subprocess.run(args, cwd=bench, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     text = out.read_text()
     assert "| gemm |" in text and "| causal attention" in text
+    measured = load_profile(str(profile))  # the file the --profile step writes is a profile the model reads
+    assert [p[0] for p in measured.gemm_slowdown] == [4, 16] and "plan_gemm.py" in measured.sources["gemm_slowdown"]
+    assert main(["plan", "check", "--only", "own", "--profile", str(profile)]) == 0

@@ -167,3 +167,11 @@ def test_expert_table_picks_the_shape_it_was_measured_at():
     with pytest.raises(ValueError, match="no expert table"):
         hw.expert_table("deepgemm", "bf16", 7168, 2048)
     assert math.isfinite(table.us_per_expert(1e5))
+
+
+def test_measured_slowdowns_scale_the_roofline(hw):
+    hw.values["gemm_slowdown"] = [[10, 2.0], [1000, 1.0]]
+    assert hw.slowdown("gemm_slowdown", 100) == pytest.approx(1.5)  # log-linear between the points
+    assert costs.gemm_us(hw, 1000, 1000, 1000) == pytest.approx(20.0)  # 1.0 at 1000 tokens
+    assert costs.gemm_us(hw, 10, 10_000, 1000) == pytest.approx(2 * (1e7 * 2 + 10 * 11_000 * 2) / 1e6)
+    assert hw.slowdown("attention_slowdown", 100) == 1.0  # not measured: the roofline as it is

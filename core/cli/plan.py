@@ -30,6 +30,7 @@ def add_parser(sub) -> None:
     search.set_defaults(run=run_search)
     check = actions.add_parser("check", help="the model against our measured tables and SGLang's and DeepSeek's published cluster numbers, with the error")
     check.add_argument("--only", choices=("own", "published"), help="one group of cases (default: both)")
+    check.add_argument("--profile", default="h200", help="profile for our own H200 tables: h200 or a measured profile file (default: h200)")
     check.add_argument("--zipf-skew", type=float, default=1.0, help="skew of the synthetic expert load for the published cases (default: 1.0)")
     check.set_defaults(run=run_check)
     sources = actions.add_parser("sources", help="print every number of a hardware profile with its source")
@@ -117,7 +118,7 @@ def run_check(args) -> int:
 
     cases = []
     if args.only in (None, "own"):
-        cases += own_cases()
+        cases += own_cases(args.profile)
     if args.only in (None, "published"):
         cases += published_cases(args.zipf_skew)
     print_checks(run_cases(cases))

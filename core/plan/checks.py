@@ -34,53 +34,45 @@ def _step_ms(model: str, overrides: dict, layout: RoleLayout, mode: str, tokens:
     def run() -> float:
         hw = load_profile(profile)
         shape = model_shape(load_config(model, overrides))
-        return predict_step(hw, shape, layout, Workload(input_len=input_len, output_len=32), mode, tokens).step_us / 1e3
+        # dummy (random) weights route with no trained hot experts: a uniform law
+        workload = Workload(input_len=input_len, output_len=32, zipf_skew=0.0)
+        return predict_step(hw, shape, layout, workload, mode, tokens).step_us / 1e3
 
     return run
 
 
-def _moe_layer_us(layout: RoleLayout, mode: str, tokens: int, terms: tuple[str, ...]) -> Callable[[], float]:
-    def run() -> float:
-        hw = load_profile("h200")
-        shape = model_shape(load_config("deepseek_v3:v3"))
-        step = predict_step(hw, shape, layout, Workload(input_len=tokens, output_len=1), mode, tokens)
-        return sum(step.split_us[t] for t in terms)
-
-    return run
-
-
-def own_cases() -> list[Case]:
+def own_cases(profile: str = "h200") -> list[Case]:
+    """Our H200 tables; `profile` may be a measured profile file (benchmarks/plan_gemm.py --profile-out)."""
     e2e = "benchmarks/results/e2e_h200.md (python benchmarks/e2e_gpu.py; graphs + overlap schedule on)"
     dsv3, qwen = ("deepseek_v3:v3", {"num_hidden_layers": 4}), ("qwen3_moe:30b-a3b", {})
     cases = []
     for batch, ms in ((1, 1.906), (8, 2.807), (32, 4.185), (128, 6.196), (256, 8.708)):
-        cases.append(Case("1 H200", f"DeepSeek-V3 4 layers decode b={batch}", ms, "ms", e2e, _step_ms(*dsv3, LOCAL_TRITON, "decode", batch, 128), 0.15))
+        cases.append(Case("1 H200", f"DeepSeek-V3 4 layers decode b={batch}", ms, "ms", e2e, _step_ms(*dsv3, LOCAL_TRITON, "decode", batch, 128, profile), 0.15))
     for batch, ms in ((1, 4.783), (8, 8.941), (32, 15.283), (128, 19.083), (256, 20.89)):
-        cases.append(Case("1 H200", f"Qwen3-30B-A3B decode b={batch}", ms, "ms", e2e, _step_ms(*qwen, LOCAL_TRITON, "decode", batch, 128), 0.15))
-    cases.append(Case("1 H200", "DeepSeek-V3 4 layers prefill 4096", 44.77, "ms", e2e, _step_ms(*dsv3, LOCAL_TRITON, "prefill", 4096, 4096), 0.15))
-    cases.append(Case("1 H200", "Qwen3-30B-A3B prefill 4096", 98.97, "ms", e2e, _step_ms(*qwen, LOCAL_TRITON, "prefill", 4096, 4096), 0.15))
-    cases.append(Case("1 H200", "Qwen3-30B-A3B prefill 16384", 445.104, "ms", e2e, _step_ms(*qwen, LOCAL_TRITON, "prefill", 16384, 16384), 0.15))
+        cases.append(Case("1 H200", f"Qwen3-30B-A3B decode b={batch}", ms, "ms", e2e, _step_ms(*qwen, LOCAL_TRITON, "decode", batch, 128, profile), 0.15))
+    cases.append(Case("1 H200", "DeepSeek-V3 4 layers prefill 4096", 44.77, "ms", e2e, _step_ms(*dsv3, LOCAL_TRITON, "prefill", 4096, 4096, profile), 0.15))
+    cases.append(Case("1 H200", "Qwen3-30B-A3B prefill 4096", 98.97, "ms", e2e, _step_ms(*qwen, LOCAL_TRITON, "prefill", 4096, 4096, profile), 0.15))
+    cases.append(Case("1 H200", "Qwen3-30B-A3B prefill 16384", 445.104, "ms", e2e, _step_ms(*qwen, LOCAL_TRITON, "prefill", 16384, 16384, profile), 0.15))
     ep2 = "benchmarks/results/ep_multi_gpu_h200x2.md (python ep_multi_gpu.py --gpus 2 --parts dispatch; identity experts)"
     normal = RoleLayout(gpus=2, ep=2, dispatcher="deepep-normal", moe_kernel="triton", dtype="bf16", balancer="static")
     ll = RoleLayout(gpus=2, ep=2, dispatcher="deepep-ll", moe_kernel="triton", dtype="bf16", balancer="static")
-    # identity experts: the measured layer is dispatch + grouping + combine; balancedness 1 under uniform routing
-    uniform = dict(zipf_skew=0.0)
-    cases.append(Case("2 H200 EP2", "deepep-normal dispatch+combine, prefill 4096/rank", 2478, "µs", ep2, _comm(normal, "prefill", 4096, uniform), 0.15))
-    cases.append(Case("2 H200 EP2", "deepep-ll dispatch+combine, decode 128/rank", 163, "µs", ep2, _comm(ll, "decode", 128, uniform), 0.15))
+    # identity experts: the measured layer is dispatch + grouping + combine under uniform routing
+    cases.append(Case("2 H200 EP2", "deepep-normal dispatch+combine, prefill 4096/rank", 2478, "µs", ep2, _comm(normal, "prefill", 4096, profile), 0.15))
+    cases.append(Case("2 H200 EP2", "deepep-ll dispatch+combine, decode 128/rank", 163, "µs", ep2, _comm(ll, "decode", 128, profile), 0.15))
     ov = "benchmarks/results/overlap_h200x2.md run 2 (python benchmarks/overlap.py --ranks 2 --preset v3 --set num_hidden_layers=4 --set first_k_dense_replace=1 --dummy; eager)"
     dsv3_3moe = ("deepseek_v3:v3", {"num_hidden_layers": 4, "first_k_dense_replace": 1})
     for overlap, ms in (("none", 63.6), ("tbo", 67.2)):
         lay = RoleLayout(gpus=2, ep=2, dispatcher="deepep-normal", moe_kernel="triton", dtype="bf16", balancer="static", overlap=overlap, graphs=False)
-        cases.append(Case("2 H200 EP2", f"DeepSeek-V3 4 layers (3 MoE) prefill 4096/rank, {overlap}", ms, "ms", ov, _step_ms(*dsv3_3moe, lay, "prefill", 4096, 4096), 0.15))
+        cases.append(Case("2 H200 EP2", f"DeepSeek-V3 4 layers (3 MoE) prefill 4096/rank, {overlap}", ms, "ms", ov, _step_ms(*dsv3_3moe, lay, "prefill", 4096, 4096, profile), 0.15))
     return cases
 
 
-def _comm(layout: RoleLayout, mode: str, tokens: int, workload: dict) -> Callable[[], float]:
+def _comm(layout: RoleLayout, mode: str, tokens: int, profile: str) -> Callable[[], float]:
     def run() -> float:
         from .costs import permute_us
         from .deployment import _dispatch_us
 
-        hw = load_profile("h200")
+        hw = load_profile(profile)
         shape = model_shape(load_config("deepseek_v3:v3"))
         d, c, contiguous = _dispatch_us(hw, layout, shape, tokens, mode == "decode")
         local = shape.experts // layout.ep

@@ -22,7 +22,8 @@ def gemm_us(hw: Profile, tokens: float, k: int, n: int, dtype: str = "bf16") -> 
         return 0.0
     flops = 2.0 * tokens * k * n
     moved = k * n * weight_bytes(dtype) + tokens * (k + n) * 2.0
-    return max(flops / (matmul_tflops(hw, dtype) * 1e6), moved / (hw.hbm_gbps * 1e3), hw.kernel_floor_us)
+    roofline = max(flops / (matmul_tflops(hw, dtype) * 1e6), moved / (hw.hbm_gbps * 1e3))
+    return max(roofline * hw.slowdown("gemm_slowdown", tokens), hw.kernel_floor_us)
 
 
 def attention_core_us(hw: Profile, queries: float, pairs: float, kv_bytes_per_token: int, flops_per_pair: int, decode: bool) -> float:
@@ -36,7 +37,7 @@ def attention_core_us(hw: Profile, queries: float, pairs: float, kv_bytes_per_to
         return 0.0
     flops_us = pairs * flops_per_pair / (hw.matmul_bf16_tflops * 1e6)
     if not decode:
-        return max(flops_us, hw.kernel_floor_us)
+        return max(flops_us * hw.slowdown("attention_slowdown", queries), hw.kernel_floor_us)
     bytes_us = pairs * kv_bytes_per_token / (hw.hbm_gbps * 1e3)
     return max(flops_us, bytes_us, hw.kernel_floor_us)
 

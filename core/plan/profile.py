@@ -74,6 +74,24 @@ class Profile:
         t = (math.log2(ep) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
         return y0 + t * (y1 - y0)
 
+    def slowdown(self, key: str, tokens: float) -> float:
+        """A measured factor over the roofline by token count (gemm_slowdown, attention_slowdown), 1 where not measured.
+
+        The shipped profile has none: they come from benchmarks/plan_gemm.py --profile-out on a lent GPU.
+        """
+        points = self.values.get(key)
+        if not points or tokens <= 0:
+            return 1.0
+        xs = [p[0] for p in points]
+        if tokens <= xs[0]:
+            return points[0][1]
+        if tokens >= xs[-1]:
+            return points[-1][1]
+        i = bisect.bisect_right(xs, tokens)
+        (x0, y0), (x1, y1) = points[i - 1], points[i]
+        t = (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        return y0 + t * (y1 - y0)
+
     def expert_table(self, kernel: str, dtype: str, hidden: int, intermediate: int) -> tuple[ExpertTable, float]:
         """The table of `kernel` in `dtype` and the factor its times take for experts of this shape.
 
