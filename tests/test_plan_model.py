@@ -91,3 +91,29 @@ def test_search_respects_the_itl_bound(hw):
     assert all(c.prediction.itl_p99_ms <= 30 for c in best)
     rates = [c.prediction.requests_per_s for c in best]
     assert rates == sorted(rates, reverse=True)
+
+
+def test_nothing_on_the_serving_path_imports_the_planner():
+    """moeplex.plan is offline: only its own package and the `moeplex plan` sub-command import it."""
+    import ast
+    from pathlib import Path
+
+    core = Path(__file__).resolve().parent.parent / "core"
+    allowed = {core / "cli" / "plan.py"}
+    offenders = []
+    for path in sorted(core.rglob("*.py")):
+        if path.is_relative_to(core / "plan") or path in allowed:
+            continue
+        package = ["moeplex", *path.relative_to(core).parent.parts]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+                names = [module] + [f"{module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(n == "moeplex.plan" or n.startswith("moeplex.plan.") for n in names if n):
+                offenders.append(f"{path.relative_to(core)}:{node.lineno}")
+    assert not offenders
