@@ -18,6 +18,7 @@ COMMANDS = {
     "plugins": "plugins",
     "router": "router",
     "eplb": "eplb",
+    "plan": "plan",
     "serve": "serve",
 }
 

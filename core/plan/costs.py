@@ -1,0 +1,133 @@
+"""The cost terms of one layer on one GPU, each a small pure function of shapes and a Profile (µs)."""
+
+from __future__ import annotations
+
+from .profile import ExpertTable, Profile
+
+FP8_SCALE_BYTES = 4 / 128  # one fp32 scale per 128 values: DeepEP's and DeepGEMM's fp8 payload
+KERNEL_ALIGN = 128  # DeepGEMM contiguous layout pads each expert's rows to 128
+
+
+def weight_bytes(dtype: str) -> float:
+    return 1.0 + FP8_SCALE_BYTES / 128 if dtype == "fp8" else 2.0  # fp8: 128x128 block scales
+
+
+def matmul_tflops(hw: Profile, dtype: str) -> float:
+    return hw.matmul_fp8_tflops if dtype == "fp8" else hw.matmul_bf16_tflops
+
+
+def gemm_us(hw: Profile, tokens: float, k: int, n: int, dtype: str = "bf16") -> float:
+    """A weight GEMM [tokens, k] x [k, n]: the slower of its FLOPs and its bytes, never under one kernel."""
+    if tokens <= 0:
+        return 0.0
+    flops = 2.0 * tokens * k * n
+    moved = k * n * weight_bytes(dtype) + tokens * (k + n) * 2.0
+    roofline = max(flops / (matmul_tflops(hw, dtype) * 1e6), moved / (hw.hbm_gbps * 1e3))
+    return max(roofline * hw.slowdown("gemm_slowdown", tokens), hw.kernel_floor_us)
+
+
+def attention_core_us(hw: Profile, queries: float, pairs: float, kv_bytes_per_token: int, flops_per_pair: int, decode: bool) -> float:
+    """Scores and weighted values over `pairs` (query, key) pairs.
+
+    Decode reads each query's whole KV (`pairs` keys of `kv_bytes_per_token`) and is bound by it or its
+    FLOPs; prefill is bound by FLOPs at the measured bf16 matmul rate (no attention kernel of ours is
+    profiled alone yet: this is the term most likely to read fast).
+    """
+    if queries <= 0:
+        return 0.0
+    flops_us = pairs * flops_per_pair / (hw.matmul_bf16_tflops * 1e6)
+    if not decode:
+        return max(flops_us * hw.slowdown("attention_slowdown", queries), hw.kernel_floor_us)
+    bytes_us = pairs * kv_bytes_per_token / (hw.hbm_gbps * 1e3)
+    return max(flops_us, bytes_us, hw.kernel_floor_us)
+
+
+def experts_hit(pairs: float, local_experts: int) -> float:
+    """Expected distinct local experts that `pairs` uniformly routed (token, expert) pairs touch."""
+    if pairs <= 0 or local_experts <= 0:
+        return 0.0
+    return local_experts * (1.0 - (1.0 - 1.0 / local_experts) ** pairs)
+
+
+def experts_us(table: ExpertTable, size_factor: float, pairs: float, local_experts: int) -> float:
+    """Routed experts on one GPU: hit experts x the measured time per hit expert at their rows."""
+    hit = experts_hit(pairs, local_experts)
+    if hit == 0:
+        return 0.0
+    return hit * table.us_per_expert(pairs / hit) * size_factor
+
+
+def ranks_reached(peers: int, top_k: int) -> float:
+    """Expected other ranks (or nodes) a token's top-k reach when experts spread evenly over peers + 1."""
+    total = peers + 1
+    return peers * (1.0 - (1.0 - 1.0 / total) ** top_k)
+
+
+def row_bytes(hidden: int, fp8: bool) -> float:
+    return hidden * (1.0 + FP8_SCALE_BYTES) if fp8 else hidden * 2.0
+
+
+def deepep_normal_us(hw: Profile, tokens: float, hidden: int, top_k: int, ep: int, fp8_dispatch: bool) -> tuple[float, float]:
+    """DeepEP normal dispatch and combine of one layer: (dispatch µs, combine µs).
+
+    One copy of a token per destination rank over NVLink inside a node; one per destination node over
+    RDMA between nodes (then forwarded by NVLink), at DeepEP's published per-EP RDMA bandwidth. The
+    layout/notify kernels are a fixed cost. Combine sends bf16 back along the same paths.
+    """
+    if ep <= 1 or tokens <= 0:
+        return 0.0, 0.0
+    per_node = hw.gpus_per_node
+    if ep <= per_node:
+        copies = tokens * ranks_reached(ep - 1, top_k)
+        d = copies * row_bytes(hidden, fp8_dispatch) / (hw.nvlink_normal_gbps * 1e3)
+        c = copies * row_bytes(hidden, False) / (hw.nvlink_normal_gbps * 1e3)
+    else:
+        copies = tokens * ranks_reached(ep // per_node - 1, top_k)
+        bw = hw.by_ep("rdma_normal_gbps", ep) * 1e3
+        d, c = copies * row_bytes(hidden, fp8_dispatch) / bw, copies * row_bytes(hidden, False) / bw
+    return d + hw.deepep_normal_fixed_us, c
+
+
+def deepep_ll_us(hw: Profile, tokens: float, hidden: int, top_k: int, ep: int, fp8_dispatch: bool) -> tuple[float, float]:
+    """DeepEP low-latency dispatch and combine: one copy per (token, expert) pair, no forwarding.
+
+    Between nodes at DeepEP's published low-latency bandwidth for this EP size (its figure counts every
+    pair's bytes, 128 tokens per rank); inside one node over NVLink at the measured rate.
+    """
+    if ep <= 1 or tokens <= 0:
+        return 0.0, 0.0
+    pairs = tokens * top_k
+    if ep <= hw.gpus_per_node:
+        remote = pairs * (ep - 1) / ep
+        bw = hw.nvlink_ll_gbps * 1e3
+        return remote * row_bytes(hidden, fp8_dispatch) / bw + hw.kernel_floor_us, remote * row_bytes(hidden, False) / bw + hw.kernel_floor_us
+    d = pairs * row_bytes(hidden, fp8_dispatch) / (hw.by_ep("rdma_ll_dispatch_gbps", ep) * 1e3)
+    c = pairs * row_bytes(hidden, False) / (hw.by_ep("rdma_ll_combine_gbps", ep) * 1e3)
+    return d, c
+
+
+def permute_us(hw: Profile, pairs: float, local_experts: int, hidden: int) -> float:
+    """Grouping received rows per expert (padded to 128) and summing them back: HBM traffic both ways.
+
+    Paid by the contiguous layout (DeepEP normal + DeepGEMM or triton); the masked layout is written in
+    place by the low-latency dispatch.
+    """
+    if pairs <= 0:
+        return 0.0
+    padded = pairs + local_experts * KERNEL_ALIGN / 2
+    moved = 2 * (padded + pairs) * hidden * 2.0  # write the grouped rows, read them back (and the sources)
+    return moved / (hw.hbm_gbps * 1e3) + 2 * hw.kernel_floor_us
+
+
+def sm_slowdown(hw: Profile, comm_sms: int) -> float:
+    """Compute stretch while a communication kernel holds `comm_sms` SMs (DeepEP normal: 20 by default)."""
+    return hw.num_sms / (hw.num_sms - comm_sms)
+
+
+def overlapped_layer_us(compute_half_us: float, comm_half_us: float) -> float:
+    """Two micro-batches (our `tbo`): one's transfers in flight while the other computes.
+
+    With one transfer in flight at a time the compute stream runs 2 compute halves and the
+    communication 2 transfer halves per layer: the layer takes the longer of the two streams.
+    """
+    return max(2 * compute_half_us, 2 * comm_half_us)

@@ -1,0 +1,177 @@
+"""Every cost term of `moeplex plan` against a hand-computed case, on a made-up profile with round numbers."""
+
+import json
+import math
+from importlib import resources
+
+import pytest
+import torch
+
+from moeplex.plan import costs
+from moeplex.plan.imbalance import ExpertLoad, balancedness
+from moeplex.plan.profile import ExpertTable, Profile, load_profile
+from moeplex.plan.shapes import load_config, model_shape
+
+ROUND = dict(
+    hbm_gbps=1000.0, matmul_bf16_tflops=100.0, matmul_fp8_tflops=200.0, kernel_floor_us=2.0, gpus_per_node=8, num_sms=100,
+    nvlink_normal_gbps=100.0, nvlink_ll_gbps=50.0, deepep_normal_fixed_us=10.0, deepep_normal_sms=20,
+    rdma_normal_gbps=[[16, 40], [64, 20]], rdma_ll_dispatch_gbps=[[8, 80], [32, 20]], rdma_ll_combine_gbps=[[8, 80], [32, 20]],
+)
+
+
+@pytest.fixture
+def hw():
+    return Profile("round", dict(ROUND), {k: "test" for k in ROUND}, {}, {})
+
+
+def test_gemm_is_the_slower_of_flops_and_bytes_never_under_the_floor(hw):
+    # compute-bound: 1000 tokens x 1000 x 1000: 2e9 FLOP / 100e12 = 20 µs; bytes 2e6 + 1000*2000*2 = 6e6 / 1e12 = 6 µs
+    assert costs.gemm_us(hw, 1000, 1000, 1000) == pytest.approx(20.0)
+    # bandwidth-bound: 1 token: 2e6 FLOP = 0.02 µs; bytes 2e6 + 4000 = 2.004e6 -> 2.004 µs
+    assert costs.gemm_us(hw, 1, 1000, 1000) == pytest.approx(2.004)
+    # fp8 weights: 1 byte + 4/128/128 of a scale per weight
+    assert costs.gemm_us(hw, 1, 4000, 4000, "fp8") == pytest.approx((16e6 * (1 + 4 / 128 / 128) + 16_000) / 1e6)
+    assert costs.gemm_us(hw, 1, 10, 10) == 2.0  # the floor
+    assert costs.gemm_us(hw, 0, 1000, 1000) == 0.0
+
+
+def test_attention_core(hw):
+    # decode: 10 queries over 1000 keys each = 10,000 pairs x 1000 bytes = 1e7 B / 1e12 = 10 µs; FLOPs 1e4 x 1e5 = 1e9 -> 10 µs
+    assert costs.attention_core_us(hw, 10, 10_000, 1000, 100_000, decode=True) == pytest.approx(10.0)
+    assert costs.attention_core_us(hw, 10, 10_000, 2000, 100_000, decode=True) == pytest.approx(20.0)  # bytes win
+    # prefill: FLOPs only
+    assert costs.attention_core_us(hw, 10, 1e6, 2000, 100_000, decode=False) == pytest.approx(1000.0)
+    assert costs.attention_core_us(hw, 0, 0, 1, 1, decode=True) == 0.0
+
+
+def test_experts_hit_and_time():
+    assert costs.experts_hit(1, 4) == pytest.approx(1.0)
+    assert costs.experts_hit(2, 4) == pytest.approx(4 * (1 - 0.75**2))  # 1.75
+    assert costs.experts_hit(0, 4) == 0.0
+    table = ExpertTable(((1.0, 10.0), (100.0, 100.0)), "test")
+    assert table.us_per_expert(10.0) == pytest.approx(10 ** 1.5)  # log-log midway
+    assert table.us_per_expert(0.5) == 10.0  # held below the first point
+    assert table.us_per_expert(200.0) == pytest.approx(200.0)  # linear in rows past the last point
+    # 2 pairs over 4 experts: 1.75 hit, 2/1.75 rows each
+    expected = 1.75 * table.us_per_expert(2 / 1.75) * 0.5
+    assert costs.experts_us(table, 0.5, 2, 4) == pytest.approx(expected)
+
+
+def test_expert_table_from_measured_rows():
+    table = ExpertTable.from_measured([[1, 3, 3, 30.0], [128, 256, 32, 640.0]], "test")
+    assert table.rows == ((1.0, 10.0), (8.0, 20.0))
+
+
+def test_ranks_reached():
+    assert costs.ranks_reached(1, 1) == pytest.approx(0.5)  # 2 ranks, 1 expert: the other half the time
+    assert costs.ranks_reached(1, 8) == pytest.approx(1 - 0.5**8)
+    assert costs.ranks_reached(0, 8) == 0.0
+
+
+def test_deepep_normal_intranode_and_internode(hw):
+    # EP2 inside a node: 1000 tokens reach the other rank with p = 1 - 0.5^8; bf16 rows of 1000 values = 2000 B
+    copies = 1000 * (1 - 0.5**8)
+    d, c = costs.deepep_normal_us(hw, 1000, 1000, 8, 2, fp8_dispatch=False)
+    assert d == pytest.approx(copies * 2000 / 1e5 + 10.0)
+    assert c == pytest.approx(copies * 2000 / 1e5)
+    # EP32 = 4 nodes: copies to the 3 other nodes; RDMA at the EP-interpolated published rate (log2 16..64 -> 30 GB/s at 32)
+    copies = 1000 * 3 * (1 - 0.75**8)
+    d, c = costs.deepep_normal_us(hw, 1000, 1000, 8, 32, fp8_dispatch=True)
+    assert d == pytest.approx(copies * 1000 * (1 + 4 / 128) / 3e4 + 10.0)
+    assert c == pytest.approx(copies * 2000 / 3e4)
+    assert costs.deepep_normal_us(hw, 1000, 1000, 8, 1, False) == (0.0, 0.0)
+
+
+def test_deepep_low_latency(hw):
+    # EP4 in a node: 3/4 of the 10 x 8 pairs leave over NVLink at 50 GB/s, plus one kernel
+    d, c = costs.deepep_ll_us(hw, 10, 1000, 8, 4, fp8_dispatch=False)
+    assert d == pytest.approx(60 * 2000 / 5e4 + 2.0)
+    assert c == pytest.approx(60 * 2000 / 5e4 + 2.0)
+    # EP16 between nodes: every pair at the published rate, interpolated in log2(EP): 8 -> 80, 32 -> 20, so 16 -> 50
+    d, c = costs.deepep_ll_us(hw, 10, 1000, 8, 16, fp8_dispatch=True)
+    assert d == pytest.approx(80 * 1000 * (1 + 4 / 128) / 5e4)
+    assert c == pytest.approx(80 * 2000 / 5e4)
+
+
+def test_by_ep_holds_at_the_ends(hw):
+    assert hw.by_ep("rdma_normal_gbps", 8) == 40
+    assert hw.by_ep("rdma_normal_gbps", 128) == 20
+    assert hw.by_ep("rdma_normal_gbps", 32) == pytest.approx(30)
+
+
+def test_permute_sm_slowdown_and_overlap(hw):
+    # 100 pairs over 2 experts padded by 64 each: 228 rows; 2 x (228 + 100) rows x 10 values x 2 B = 13,120 B
+    assert costs.permute_us(hw, 100, 2, 10) == pytest.approx(13_120 / 1e6 + 4.0)
+    assert costs.permute_us(hw, 0, 2, 10) == 0.0
+    assert costs.sm_slowdown(hw, 20) == pytest.approx(100 / 80)
+    assert costs.overlapped_layer_us(10, 3) == 20
+    assert costs.overlapped_layer_us(3, 10) == 20
+
+
+def test_balancedness_from_our_balancers():
+    assert balancedness(ExpertLoad(16, 1.0), 100, 1, 16, "static") == 1.0
+    # a uniform law over many pairs is balanced whatever the placement
+    assert balancedness(ExpertLoad(16, 0.0), 100_000, 4, 16, "static") > 0.98
+    # one expert carries half the load: static leaves its rank with >= half, EPLB with redundant slots splits it
+    load = torch.ones(1, 16)
+    load[0, 0] = 15.0
+    skewed = ExpertLoad(16, recorded=load)
+    static = balancedness(skewed, 100_000, 4, 16, "static")
+    assert static == pytest.approx(0.25 / (0.5 + 3 / 30), rel=0.03)  # mean 1/4 of the load, max 1/2 + 3 cold experts
+    assert balancedness(skewed, 100_000, 4, 20, "eplb") > static + 0.3
+    with pytest.raises(ValueError, match="do not split"):
+        balancedness(skewed, 100, 3, 16, "eplb")
+
+
+def test_model_shapes_of_our_three_architectures():
+    v3 = model_shape(load_config("deepseek_v3:v3"))
+    assert (v3.layers, v3.moe_layers, v3.experts, v3.top_k, v3.kv_bytes_per_token) == (61, 58, 256, 8, (512 + 64) * 2)
+    qwen = model_shape(load_config("qwen3_moe:30b-a3b"))
+    assert (qwen.moe_layers, qwen.experts, qwen.kv_bytes_per_token) == (48, 128, 2 * 4 * 128 * 2)
+    mixtral = model_shape(load_config("mixtral:8x7b"))
+    assert (mixtral.moe_layers, mixtral.experts, mixtral.expert_intermediate) == (32, 8, 14336)
+    with pytest.raises(ValueError, match="neither"):
+        load_config("no-such-model")
+
+
+def test_shipped_profile_gives_a_source_for_every_number():
+    data = json.loads(resources.files("moeplex.plan").joinpath("profiles", "h200.json").read_text())
+    for key, entry in data.items():
+        if isinstance(entry, dict) and "value" in entry:
+            assert entry["source"].strip(), key
+    for key, table in data["moe_tables"].items():
+        if isinstance(table, dict):
+            assert table["source"].strip(), key
+    derived = json.loads(resources.files("moeplex.plan").joinpath("profiles", "derived.json").read_text())
+    for name in ("h100", "h800"):
+        assert all(entry["source"].strip() for entry in derived[name]["scale"].values())
+
+
+def test_derived_profiles_scale_by_spec_ratios():
+    h200, h100 = load_profile("h200"), load_profile("h100")
+    assert h100.hbm_gbps == pytest.approx(h200.hbm_gbps * 0.6979)
+    assert h100.matmul_bf16_tflops == h200.matmul_bf16_tflops
+    base, derived = h200.moe["triton_bf16"], h100.moe["triton_bf16"]
+    rows, us = base.rows[0]
+    share = 190 / (190 + rows)  # the weight-read share of a 1-row expert
+    assert derived.rows[0][1] == pytest.approx(us * (share / 0.6979 + (1 - share)))
+    assert "approximation" in h100.notes[0]
+
+
+def test_expert_table_picks_the_shape_it_was_measured_at():
+    hw = load_profile("h200")
+    table, factor = hw.expert_table("triton", "bf16", 2048, 768)
+    assert table.shape == (2048, 768) and factor == 1.0
+    table, factor = hw.expert_table("triton", "bf16", 4096, 14336)  # Mixtral: nearest table, scaled by expert size
+    assert table.shape == (7168, 2048) and factor == pytest.approx(4096 * 14336 / (7168 * 2048))
+    with pytest.raises(ValueError, match="no expert table"):
+        hw.expert_table("deepgemm", "bf16", 7168, 2048)
+    assert math.isfinite(table.us_per_expert(1e5))
+
+
+def test_measured_slowdowns_scale_the_roofline(hw):
+    hw.values["gemm_slowdown"] = [[10, 2.0], [1000, 1.0]]
+    assert hw.slowdown("gemm_slowdown", 100) == pytest.approx(1.5)  # log-linear between the points
+    assert costs.gemm_us(hw, 1000, 1000, 1000) == pytest.approx(20.0)  # 1.0 at 1000 tokens
+    assert costs.gemm_us(hw, 10, 10_000, 1000) == pytest.approx(2 * (1e7 * 2 + 10 * 11_000 * 2) / 1e6)
+    assert hw.slowdown("attention_slowdown", 100) == 1.0  # not measured: the roofline as it is
