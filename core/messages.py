@@ -171,6 +171,12 @@ class GroupStats:
     cache_queried_tokens: int = 0  # since start-up: tokens looked up in the prefix cache at admission
     cache_hit_tokens: int = 0  # of those, tokens found cached
     cache_evicted_pages: int = 0
+    # speculative decoding since start-up: decode steps with and without drafts, the drafts verified and the
+    # requests that drafted (summed over verify steps): the draft policy's decisions
+    spec_verify_steps: int = 0
+    spec_plain_steps: int = 0
+    spec_drafts: int = 0
+    spec_drafting: int = 0
 
 
 @pickled_as_fields
@@ -218,6 +224,10 @@ class LoopStats:
     def cache_total(self, counter: str) -> int:
         """A prefix-cache counter summed over the DP groups: queried_tokens, hit_tokens or evicted_pages."""
         return sum(getattr(g, f"cache_{counter}") for g in self.groups)
+
+    def spec_total(self, counter: str) -> int:
+        """A speculative-decoding counter summed over the DP groups: verify_steps, plain_steps, drafts, drafting."""
+        return sum(getattr(g, f"spec_{counter}") for g in self.groups)
 
     @property
     def page_size(self) -> int:

@@ -27,7 +27,8 @@ def mtp_folder(tmp_path_factory):
 
 def engine(folder: str, **overrides) -> Engine:
     settings = dict(model=folder, dtype="fp32", show_progress=False, max_total_tokens=2048, page_size=PAGE,
-                    disable_speculative_backoff=True)  # random MTP weights miss: backoff would pause the chains
+                    disable_speculative_backoff=True,  # random MTP weights miss: backoff would pause the chains
+                    speculative_policy="fixed")  # ... and so would the adaptive policy
     return Engine(EngineConfig(**{**settings, **overrides}))
 
 
