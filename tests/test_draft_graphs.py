@@ -190,12 +190,12 @@ def test_observe_as_decode_rows_equals_observe_as_an_extend(mtp_folder, from_zer
     graphed, real = drafter.rows_step, slice(0, kv.scratch_page * PAGE)
     assert graphed.can_replay(sum(kept))
     replayed = install_log(graphed)
-    drafter.observe(step)
+    drafter.run_now(step)  # observe defers the layer to the next draft; this is what it then runs
     assert replayed == ([] if from_zero else [8])  # 8 rows, no padding
     as_rows = {rid: (s.position, s.draft, s.hidden) for rid, s in drafter.starts.items()}
     kv_rows = kv.buffers[drafter.context.kv_layer_ids[0]][0][real].clone()
     drafter.replays = lambda rows: False  # as without graphs: observe runs one extend per request
-    drafter.observe(step)
+    drafter.run_now(step)
     for rid, (position, draft, hidden) in as_rows.items():
         start = drafter.starts[rid]
         assert (start.position, start.draft) == (position, draft)
