@@ -15,7 +15,10 @@ Drafters, every one greedy with ignore_eos (so every run does the same work and 
   plain run stops matching after a few tokens; there the oracle's verify step is forced to accept its drafts
   (the real verification still runs and is paid for: every step does the work of full acceptance);
 - adversary: proposes a wrong token at every draft: accept length 1, the price of speculation that never pays;
-- nextn (DeepSeek-V3 only): the checkpoint's MTP layer, random, so it accepts about nothing: its cost.
+- nextn (DeepSeek-V3 only): the checkpoint's MTP layer, random, so it accepts about nothing: its cost;
+  and on a synthetic checkpoint (make-model --mtp-acceptance, docs/speculative.md) whose target follows a fixed
+  next-token map and whose MTP layer's drafts are accepted at --mtp-acceptance per position (0.8: accept length
+  about 3 with 3 steps): nextn's real gain, its own layer, KV and graphs running.
 Every drafter runs under the adaptive policy (the default: drafts per request per step chosen from the step
 costs the engine measured and each request's acceptance); a name with "/fixed" runs the fixed policy with backoff
 (the previous default) and "/no-backoff" the fixed policy drafting every step, for comparison. The engine's cost
@@ -232,6 +235,8 @@ def main() -> None:
                         help=f"keep each batch full: {STEADY_WAVES} prompts per slot, a finished request replaced by the "
                         "next (serving's steady state); default: one batch run to completion, where the request whose "
                         "drafts land least sets the step count")
+    parser.add_argument("--mtp-acceptance", type=float, default=0.8,
+                        help="per-position acceptance of the synthetic MTP checkpoint's drafts (default: %(default)s)")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
     if args.device == "cpu":
@@ -249,6 +254,11 @@ def main() -> None:
     if args.device == "cpu":
         folder = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "tiny", seed=0, mtp=1)
         lines += rows_for("tiny DeepSeek-V3 + MTP, fp32", folder, with_mtp, args)
+        if with_mtp != plain:
+            synthetic = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "tiny", seed=0, mtp=1,
+                                         mtp_acceptance=args.mtp_acceptance)
+            lines += rows_for(f"tiny DeepSeek-V3 + synthetic MTP ({args.mtp_acceptance}), fp32", synthetic,
+                              ["none"] + with_mtp[len(plain):], args)
     else:
         if args.only != "dsv3":
             qwen = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True,
@@ -258,6 +268,11 @@ def main() -> None:
             dsv3 = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4},
                                     config_only=True, mtp=1)
             lines += rows_for("DeepSeek-V3 shapes, 4 layers + MTP, bf16", dsv3, with_mtp, args)
+            if with_mtp != plain:
+                synthetic = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4},
+                                             config_only=True, mtp=1, mtp_acceptance=args.mtp_acceptance)
+                lines += rows_for(f"DeepSeek-V3 shapes, 4 layers + synthetic MTP ({args.mtp_acceptance}), bf16",
+                                  synthetic, ["none"] + with_mtp[len(plain):], args)
     text = "\n".join(lines)
     print(text)
     if args.out:

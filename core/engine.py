@@ -131,7 +131,11 @@ class Engine:
         if self.speculation is not None and config.speculative_policy == "adaptive":
             self.step_costs = measure_step_costs(self.runner, self.kv, config, self.speculation.decode_rows,
                                                  drafter.caps.needs_hidden, self._agree, self.parallel.world,
-                                                 overlap=self.overlap_schedule, eager=self.parallel.config.dp_size > 1)
+                                                 overlap=self.overlap_schedule,
+                                                 # all sizes now where a step may be in flight when a size is first
+                                                 # asked for (its graph outputs must not be overwritten), or where DP
+                                                 # ranks would ask for different sizes
+                                                 eager=self.overlap_schedule or self.parallel.config.dp_size > 1)
             self.speculation.policy = AdaptivePolicy(drafter.num_steps, self.step_costs)
         # prefill/decode disaggregation: this rank's transfer backend and the pages it holds or expects
         self.pd = RankTransfers.create(self) if config.disaggregation_mode != "none" else None

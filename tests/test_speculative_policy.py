@@ -96,6 +96,14 @@ def test_step_costs_measure_each_size_once_on_first_use_and_interpolate():
     assert asked == [4, 12]
 
 
+def test_a_noisy_small_batch_costs_at_most_what_a_larger_one_does():
+    noisy = {1: [9.0, 9.0, 9.5, 9.5, 9.5], 2: [2.0, 2.1, 2.4, 2.6, 3.0]}  # size 1 measured during a burst
+    costs = StepCosts([1, 2], lambda n: noisy[n])
+    assert costs.cost(1, 1, verify=False) == 9.0
+    costs.at(2)
+    assert costs.measured[1] == [2.0, 2.1, 2.4, 2.6, 3.0]
+
+
 def test_timing_keeps_the_fastest_run_and_more_rows_never_cost_less(monkeypatch):
     """A fake clock: shape k takes base[k], plus a spike on some runs; the table is the spike-free one with the
     envelope applied (verify x2 measured slower than x3 costs what x3 does)."""

@@ -9,8 +9,8 @@ of n requests uses the smallest measured size >= n, as a graph replay pads to it
 Noise from other work on the machine only ever adds time, so each shape is run ROUNDS times interleaved with
 the others (a burst of interference spoils one run of a shape, not all of them; more rounds while a round still
 finds a shape faster), keeps its fastest run, and
-costs at most what a step with more rows per request costs (fewer rows never do more work; a plain step does
-no more than a verify step of one row per request).
+costs at most what a step with more rows per request, or more requests, costs (fewer rows never do more work;
+a plain step does no more than a verify step of one row per request).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 import bisect
 import time
 from typing import Callable, Sequence
+
+import numpy as np
 
 ROUNDS = 3  # timed runs of each shape, interleaved with the size's other shapes ...
 MAX_ROUNDS = 8  # ... and more, up to this, while a round still finds a shape 10% faster
@@ -76,9 +78,21 @@ class StepCosts:
             return costs[0] * scale
         return _interpolate(costs[1:], rows / n) * scale
 
+    def verify_curve(self, n: int, rows: np.ndarray) -> np.ndarray:
+        """cost(n, rows[i], verify=True) for every entry of `rows`, at once."""
+        j = bisect.bisect_left(self.sizes, n)
+        size = self.sizes[min(j, len(self.sizes) - 1)]
+        values = np.asarray(self.at(size)[1:])
+        k = np.asarray(rows, dtype=np.float64) / n
+        width = len(values)
+        inside = np.interp(k, np.arange(1, width + 1), values)
+        return np.where(k > width, values[-1] * k / width, inside) * max(n / size, 1.0)
+
     def at(self, size: int) -> list[float]:
         if size not in self.measured:
-            self.measured[size] = list(self.measure_size(size))
+            costs = self.measured[size] = list(self.measure_size(size))
+            for smaller in (n for n in self.measured if n < size):  # fewer requests never cost more
+                self.measured[smaller] = [min(a, b) for a, b in zip(self.measured[smaller], costs)]
         return self.measured[size]
 
     def measure_all(self) -> None:

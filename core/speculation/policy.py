@@ -76,14 +76,7 @@ class AdaptivePolicy:
 
     def worth(self, request: Request) -> np.ndarray:
         """Expected tokens each of the request's drafts 1..steps adds (nonincreasing)."""
-        own = self._own.get(request.rid)
-        if own is None:
-            return np.cumprod(self.prior())
-        faded = len(request.output_ids) - self._seen_at[request.rid]
-        if faded > 0:  # tokens decoded without drafts since its last verify
-            own.fade(RECOVERY ** faded)
-            self._seen_at[request.rid] = len(request.output_ids)
-        return np.cumprod(own.rates(self.prior()))
+        return self._worth_matrix([request])[0]
 
     def offer_rate(self, request: Request) -> float:
         """The chance the drafter proposes something when asked for this request."""
@@ -94,24 +87,40 @@ class AdaptivePolicy:
 
     def choose(self, requests: Sequence[Request], rooms: Sequence[int], expect_offers: bool = False) -> list[int]:
         """Drafts per request (0..min(steps, room)) for a step of these decoding requests. `expect_offers`: the
-        drafter is not asked yet (its drafts may not come), so each draft is worth its chance of coming too."""
-        n = len(requests)
+        drafter is not asked yet (its drafts may not come), so each draft is worth its chance of coming too.
+        Vectorized over the batch: it runs on the host every step."""
+        n, steps = len(requests), self.steps
         if n == 0:
             return []
-        gains = [(float(g) * (self.offer_rate(r) if expect_offers else 1.0), i)
-                 for i, (r, room) in enumerate(zip(requests, rooms))
-                 for g in self.worth(r)[: max(min(room, self.steps), 0)]]
-        gains.sort(key=lambda x: -x[0])  # stable: equal worth goes to the earlier request, every rank alike
-        best, best_rate, total = 0, n / self.costs.cost(n, n, verify=False), 0.0
-        for d, (gain, _) in enumerate(gains, start=1):
-            total += gain
-            rate = (n + total) / self.costs.cost(n, n + d, verify=True)
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = d, rate
-        counts = [0] * n
-        for _, i in gains[:best]:
-            counts[i] += 1
-        return counts
+        worth = self._worth_matrix(requests)
+        if expect_offers:
+            worth *= np.array([self.offer_rate(r) for r in requests])[:, None]
+        allowed = np.arange(steps)[None, :] < np.clip(np.asarray(rooms), 0, steps)[:, None]
+        flat = np.where(allowed, worth, -1.0).ravel()
+        order = np.argsort(-flat, kind="stable")[: int(allowed.sum())]  # equal worth: the earlier request first
+        plain = n / self.costs.cost(n, n, verify=False)
+        if not len(order):
+            return [0] * n
+        rates = (n + np.cumsum(flat[order])) / self.costs.verify_curve(n, n + np.arange(1, len(order) + 1))
+        best = int(np.argmax(rates))
+        if rates[best] <= plain * (1 + 1e-9):
+            return [0] * n
+        return np.bincount(order[: best + 1] // steps, minlength=n).tolist()
+
+    def _worth_matrix(self, requests: Sequence[Request]) -> np.ndarray:
+        """[requests, steps]: worth() of each request, at once."""
+        tried, accepted = np.zeros((len(requests), self.steps)), np.zeros((len(requests), self.steps))
+        for i, request in enumerate(requests):
+            own = self._own.get(request.rid)
+            if own is None:
+                continue
+            faded = len(request.output_ids) - self._seen_at[request.rid]
+            if faded > 0:
+                own.fade(RECOVERY ** faded)
+                self._seen_at[request.rid] = len(request.output_ids)
+            tried[i], accepted[i] = own.tried, own.accepted
+        prior = self.prior()[None, :]
+        return np.cumprod((accepted + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT), axis=1)
 
     def record(self, request: Request, drafted: int, accepted: int) -> None:
         own = self._own.get(request.rid)

@@ -62,8 +62,8 @@ def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidde
     while the first runs, read once at the end: its host work hides as the schedule hides it.
 
     Every rank measures the same sizes at the same time (their collectives pair up: TP ranks schedule the same
-    requests, so they ask for a size at the same step; under DP attention, `eager`, all sizes are measured at
-    start-up) and keeps each shape's slowest rank, so every rank decides from the same numbers. Expert-load
+    requests, so they ask for a size at the same step; under DP attention all sizes are measured at start-up,
+    `eager`, as they are under the overlap schedule, where a step in flight must not see its graphs replayed) and keeps each shape's slowest rank, so every rank decides from the same numbers. Expert-load
     recording and the runner's hooks are off meanwhile: these steps serve no request."""
     pages = [kv.scratch_page] * kv.pages_for(CONTEXT + config.speculative_num_steps + 1)
 
