@@ -180,3 +180,14 @@ def test_the_adaptive_policy_drafts_fully_for_the_oracle_and_stops_for_the_adver
     # it tries (the prior is optimistic), misses, and stops: far fewer verify steps than decode steps
     assert 0 < adversary.speculation.counts.verify_steps <= 3 * 4 < adversary.speculation.counts.plain_steps
     assert conserved(adversary)
+
+
+def test_under_the_overlap_schedule_every_size_is_measured_at_start_up(tiny_model_dir):
+    """A step may be in flight when a size is first asked for: its graph outputs must not be replayed over, so
+    the whole grid is measured before serving; output as without speculation."""
+    folder = tiny_model_dir("mixtral")
+    want = [r.output_ids for r in Engine(config(folder)).generate(PROMPTS, GREEDY)]
+    engine = Engine(config(folder, speculative_algorithm="ngram", overlap_schedule=True, max_running_requests=4))
+    assert engine.overlap_schedule and sorted(engine.step_costs.measured) == [1, 2, 4]
+    assert [r.output_ids for r in engine.generate(PROMPTS, GREEDY)] == want
+    assert conserved(engine)
