@@ -25,6 +25,7 @@ make-model writes and --load-format dummy makes the same synthetic model; the co
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -42,8 +43,10 @@ def acceptance_of(hf_config: dict) -> float | None:
     return None if spec is None else float(spec["acceptance"])
 
 
-def _structure(vocab: int, hidden: int, acceptance: float, seed: int, eos: set[int], device):
-    """(u [V, H], v [H], successor f as a [V] index tensor, predecessor f^-1, in_S [V] bool, w)."""
+@functools.lru_cache(maxsize=1)  # a pure function of its arguments, asked for by 3-5 tensors in a row
+def _structure(vocab: int, hidden: int, acceptance: float, seed: int, eos: frozenset[int]):
+    """(u [V, H], v [H], successor f as a [V] index tensor, predecessor f^-1, in_S [V] bool, w), on the CPU
+    (drawn there whatever the model's device, so every device makes the same model)."""
     gen = torch.Generator(device="cpu").manual_seed(seed * 7919 + 17)
     v = torch.randn(hidden, generator=gen)
     v /= v.norm()
@@ -61,21 +64,22 @@ def _structure(vocab: int, hidden: int, acceptance: float, seed: int, eos: set[i
     in_s = torch.zeros(vocab, dtype=torch.bool)
     in_s[wrong] = True
     w = cycle[len(cycle) // 2]
-    return u.to(device), v.to(device), successor, predecessor, in_s.to(device), w
+    return u, v, successor, predecessor, in_s, w
 
 
 def synthetic_tensor(name: str, shape: tuple[int, ...], seed: int, hf_config: dict, device="cpu") -> torch.Tensor:
     """The tensor `name` of the synthetic model (fp32); the random one where the construction leaves it alone."""
     acceptance = acceptance_of(hf_config)
     vocab, hidden = hf_config["vocab_size"], hf_config["hidden_size"]
-    eos = hf_config.get("eos_token_id")
-    eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    eos = _eos(hf_config)
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return RESIDUAL * named_random_tensor(name, shape, seed, device)
     if name == "model.norm.weight" or name.endswith(("enorm.weight", "hnorm.weight", "shared_head.norm.weight")):
         return torch.ones(shape, device=device)
     if name.endswith(("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight", "eh_proj.weight")):
-        u, v, _, predecessor, in_s, w = _structure(vocab, hidden, acceptance, seed, eos, device)
+        u, v, _, predecessor, in_s, w = (
+            t.to(device) if isinstance(t, torch.Tensor) else t for t in _structure(vocab, hidden, acceptance, seed, eos)
+        )
         if name.endswith("embed_tokens.weight"):
             return math.sqrt(hidden) * (u + C * in_s[:, None].float() * v[None, :])
         if name.endswith("eh_proj.weight"):
@@ -89,8 +93,11 @@ def synthetic_tensor(name: str, shape: tuple[int, ...], seed: int, hf_config: di
 
 def next_token_map(hf_config: dict, seed: int) -> list[int]:
     """f: the target's greedy next token after each token (for tests and docs)."""
-    eos = hf_config.get("eos_token_id")
-    eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     _, _, successor, _, _, _ = _structure(hf_config["vocab_size"], hf_config["hidden_size"],
-                                          acceptance_of(hf_config), seed, eos, "cpu")
+                                          acceptance_of(hf_config), seed, _eos(hf_config))
     return successor.tolist()
+
+
+def _eos(hf_config: dict) -> frozenset[int]:
+    eos = hf_config.get("eos_token_id")
+    return frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
