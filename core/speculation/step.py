@@ -66,6 +66,7 @@ class SpeculativeDecoding:
         self.vocab_size = vocab_size
         self.policy = policy if policy is not None else FixedPolicy(drafter.num_steps)
         self.counts = SpecCounts()
+        self._choice = None  # ((rids, rooms), counts): drafts_in's choice, reused by draft() in the same step
         # verify steps as decode rows (ModelRunner.prepare): where the attention backend's paged decode reads
         # only fixed-size tensors (triton), so those batches replay the decode CUDA graphs; else as extends
         # (the torch backend's per-request SDPA over a prefix is the cheaper of its two paths)
@@ -98,9 +99,17 @@ class SpeculativeDecoding:
     def drafts_in(self, work: Sequence[ScheduledWork]) -> bool:
         """Whether the step takes the speculative path (with no step in flight; asking a cheap drafter costs
         nothing then)."""
-        rows = [work[i].request for i, item in enumerate(work) if is_decoding(item)]
-        cheap = self.drafter.caps.cheap_proposals
-        return any(self.policy.choose(rows, [self.room(r) for r in rows], expect_offers=not cheap))
+        return any(self._first_choice([item.request for item in work if is_decoding(item)]))
+
+    def _first_choice(self, requests: Sequence[Request]) -> list[int]:
+        """The policy's choice before asking the drafter; drafts_in's is kept for the draft() of the same step."""
+        rooms = [self.room(r) for r in requests]
+        key = ([(r.rid, len(r.output_ids)) for r in requests], rooms)  # the same requests, at the same tokens
+        if self._choice is not None and self._choice[0] == key:
+            return self._choice[1]
+        counts = self.policy.choose(requests, rooms, expect_offers=not self.drafter.caps.cheap_proposals)
+        self._choice = (key, counts)
+        return counts
 
     def draft(self, work: Sequence[ScheduledWork]) -> list[list[int]]:
         """Per scheduled item, the drafts it verifies this step (none for prompt chunks and undrafted requests).
@@ -110,7 +119,8 @@ class SpeculativeDecoding:
         decoding = [i for i, item in enumerate(work) if is_decoding(item)]
         requests = [work[i].request for i in decoding]
         cheap = self.drafter.caps.cheap_proposals
-        counts = self.policy.choose(requests, [self.room(r) for r in requests], expect_offers=not cheap)
+        counts = self._first_choice(requests)
+        self._choice = None  # the records change after this step
         drafts: list[list[int]] = [[] for _ in work]
         asked = [j for j, m in enumerate(counts) if m > 0]
         if not asked:
