@@ -244,6 +244,8 @@ class Engine:
         finished = []
         if spec is not None and self.in_flight is not None and spec.wants_drafts(self.scheduler.running):
             finished, self.in_flight = self._complete(self.in_flight), None  # drafts need the token in flight
+        if spec is not None:  # pages for drafts only where a draft could pay at this batch size (the policy says)
+            self.scheduler.lookahead = spec.lookahead if spec.policy.may_draft(max(len(self.scheduler.running), 1)) else 0
         work = self.scheduler.schedule()
         finished += self._drain_dropped()
         # (a request resumed fully cached may be due while a step is still in flight: it decodes plainly this once)

@@ -37,6 +37,7 @@ def test_cheap_rows_draft_fully_and_dear_rows_not_at_all():
     # a verify row costs what a decode row does: no draft can pay (each is accepted with probability < 1)
     dear = AdaptivePolicy(STEPS, StepCosts(grid_sizes(64), lambda n: [n * 1.0] + [n * k * 1.0 for k in range(1, 5)]))
     assert dear.choose([request(str(i)) for i in range(8)], [STEPS] * 8) == [0] * 8
+    assert not dear.may_draft(8) and cheap.may_draft(8)  # dear: not even a sure draft pays, so no page is reserved
     # room (pages, max_new_tokens) bounds the choice
     assert cheap.choose([request("a"), request("b")], [1, 0]) == [1, 0]
 

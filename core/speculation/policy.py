@@ -70,6 +70,7 @@ class AdaptivePolicy:
         self._offers: dict[str, tuple[float, float, int]] = {}  # per request: decayed (asked, proposed something),
         # and its output length then
         self.offers = (0.0, 0.0)  # the same over all requests
+        self._may_draft: dict[int, bool] = {}
 
     def prior(self) -> np.ndarray:
         return self.all.rates(np.full(self.steps, PRIOR))
@@ -92,6 +93,8 @@ class AdaptivePolicy:
         n, steps = len(requests), self.steps
         if n == 0:
             return []
+        if not self.may_draft(n):
+            return [0] * n
         worth = self._worth_matrix(requests)
         if expect_offers:
             worth *= np.array([self.offer_rate(r) for r in requests])[:, None]
@@ -106,6 +109,16 @@ class AdaptivePolicy:
         if rates[best] <= plain * (1 + 1e-9):
             return [0] * n
         return np.bincount(order[: best + 1] // steps, minlength=n).tolist()
+
+    def may_draft(self, n: int) -> bool:
+        """Whether any draft could pay in a step of n decoding requests: a draft adds at most one token, so where
+        (n + d) / cost(n, n + d) never beats the plain step's n / cost for any d, nothing is worth looking at
+        (where a verify row costs what a decode row does: large batches). Cached per n."""
+        if n not in self._may_draft:
+            d = np.arange(1, n * self.steps + 1)
+            best = float(np.max((n + d) / self.costs.verify_curve(n, n + d)))
+            self._may_draft[n] = best > n / self.costs.cost(n, n, verify=False) * (1 + 1e-9)
+        return self._may_draft[n]
 
     def _worth_matrix(self, requests: Sequence[Request]) -> np.ndarray:
         """[requests, steps]: worth() of each request, at once."""
@@ -162,6 +175,9 @@ class FixedPolicy:
 
     def due(self, request: Request) -> bool:
         return len(request.output_ids) >= self._resume_at.get(request.rid, 0)
+
+    def may_draft(self, n: int) -> bool:
+        return True
 
     def choose(self, requests: Sequence[Request], rooms: Sequence[int], expect_offers: bool = False) -> list[int]:
         return [min(self.steps, max(room, 0)) if self.due(r) else 0 for r, room in zip(requests, rooms)]
