@@ -14,10 +14,17 @@ Drafters, every one greedy with ignore_eos (so every run does the same work and 
   of random weights are nearly flat and a verify batch of other shape flips near-ties, so a script from the
   plain run stops matching after a few tokens; there the oracle's verify step is forced to accept its drafts
   (the real verification still runs and is paid for: every step does the work of full acceptance);
-- adversary: proposes a wrong token at every draft: accept length 1, the price of speculation that never pays,
-  with backoff (the default: a request whose drafts keep missing pauses drafting) and without it
-  (--disable-speculative-backoff: a verify step every step);
-- nextn (DeepSeek-V3 only): the checkpoint's MTP layer, random, so it accepts about nothing: its cost.
+- adversary: proposes a wrong token at every draft: accept length 1, the price of speculation that never pays;
+- nextn (DeepSeek-V3 only): the checkpoint's MTP layer, random, so it accepts about nothing: its cost;
+  and on a synthetic checkpoint (make-model --mtp-acceptance, docs/speculative.md) whose target follows a fixed
+  next-token map and whose MTP layer's drafts are accepted at --mtp-acceptance per position (0.8: accept length
+  about 3 with 3 steps): nextn's real gain, its own layer, KV and graphs running.
+Every drafter runs under the adaptive policy (the default: drafts per request per step chosen from the step
+costs the engine measured and each request's acceptance); a name with "/fixed" runs the fixed policy with backoff
+(the previous default) and "/no-backoff" the fixed policy drafting every step, for comparison. The engine's cost
+model is measured for every batch size before the clock starts (it would otherwise measure a size the first time
+a step asks). The "never worse" rule: with speculation on, >= 0.97x of none at every batch for adversary, ngram and
+nextn (random MTP).
 Decode tokens/s counts the tokens generated after every request's first one (the prompts' step excluded),
 over the wall time of those steps; median of --runs runs (one warmed-up engine per drafter), min-max beside it.
 With --steady each batch slot gets 4 prompts in turn (a finished request is replaced at once), and the rate is
@@ -61,7 +68,13 @@ def workload(batch: int, seed: int) -> list[list[int]]:
     return [[256] + [rng.randrange(256) for _ in range(PHRASE)] * REPEATS for _ in range(batch)]
 
 
-NO_BACKOFF = "/no-backoff"  # a drafter name with this suffix runs with --disable-speculative-backoff
+NO_BACKOFF = "/no-backoff"  # a drafter name with this suffix runs the fixed policy without backoff
+FIXED = "/fixed"  # ... the fixed policy with backoff
+DEFAULT_DRAFTERS = ["none", "ngram", "test-oracle", "test-adversary"]
+
+
+def drafter_name(drafter: str) -> str:
+    return drafter.removesuffix(NO_BACKOFF).removesuffix(FIXED)
 
 
 def engine_for(folder: str, args, drafter: str) -> Engine:
@@ -75,9 +88,16 @@ def engine_for(folder: str, args, drafter: str) -> Engine:
         settings.update(dtype="bf16", load_format="dummy", moe_kernel="triton",
                         cuda_graph_max_bs=max(args.batches) * (args.steps + 1))
     if drafter != "none":
-        settings.update(speculative_algorithm=drafter.removesuffix(NO_BACKOFF), speculative_num_steps=args.steps,
+        fixed = drafter.endswith((NO_BACKOFF, FIXED))
+        settings.update(speculative_algorithm=drafter_name(drafter), speculative_num_steps=args.steps,
+                        speculative_policy="fixed" if fixed else "adaptive",
                         disable_speculative_backoff=drafter.endswith(NO_BACKOFF))
-    return Engine(EngineConfig(**settings))
+    engine = Engine(EngineConfig(**settings))
+    costs = getattr(engine, "step_costs", None)
+    if costs is not None and drafter_name(drafter) in ("ngram", "test-oracle", "test-adversary", "nextn"):
+        costs.measure_all()  # before any clock starts
+        print(f"# {drafter}: measured step costs (ms)\n{costs.table()}", flush=True)
+    return engine
 
 
 @contextlib.contextmanager
@@ -180,7 +200,7 @@ def rows_for(name: str, folder: str, drafters: list[str], args) -> list[str]:
             med = statistics.median(r)
             length = f"{accept[drafter, batch]:.2f}" if accept[drafter, batch] is not None else "-"
             sglang = SGLANG.get(batch, "") if drafter in ("test-oracle", "ngram", "nextn") else ""
-            label = drafter.removeprefix("test-").replace(NO_BACKOFF, " (no backoff)")
+            label = drafter.removeprefix("test-").replace(NO_BACKOFF, " (no backoff)").replace(FIXED, " (fixed)")
             lines.append(f"| {name} | {batch} | {label} | {med:.1f} | {min(r):.1f}-{max(r):.1f} | {med / base:.2f}x "
                          f"| {length} | {sglang} |")
             print(lines[-1], flush=True)
@@ -199,7 +219,10 @@ def register_script_drafters() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 8 32 (CPU), 1 8 32 64 (GPU)")
+    parser.add_argument("--drafters", nargs="+", default=None,
+                        help=f"default: {' '.join(DEFAULT_DRAFTERS)} (+ nextn on DeepSeek-V3); none always runs "
+                        f"first; a suffix {FIXED} or {NO_BACKOFF} picks the fixed policy")
     parser.add_argument("--steps", type=int, default=3, help="--speculative-num-steps (default: %(default)s)")
     parser.add_argument("--output-len", type=int, default=None, help="tokens per request (default: 32 CPU, 128 GPU)")
     parser.add_argument("--runs", type=int, default=3)
@@ -212,20 +235,30 @@ def main() -> None:
                         help=f"keep each batch full: {STEADY_WAVES} prompts per slot, a finished request replaced by the "
                         "next (serving's steady state); default: one batch run to completion, where the request whose "
                         "drafts land least sets the step count")
+    parser.add_argument("--mtp-acceptance", type=float, default=0.8,
+                        help="per-position acceptance of the synthetic MTP checkpoint's drafts (default: %(default)s)")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     args.output_len = args.output_len or (32 if args.device == "cpu" else 128)
+    args.batches = args.batches or ([1, 8, 32] if args.device == "cpu" else [1, 8, 32, 64])
     register_script_drafters()
-    plain = ["none", "ngram", "test-oracle", "test-adversary", "test-adversary" + NO_BACKOFF]
+    chosen = args.drafters or DEFAULT_DRAFTERS + ["nextn"]
+    plain = ["none"] + [d for d in chosen if d != "none" and drafter_name(d) != "nextn"]
+    with_mtp = plain + [d for d in chosen if drafter_name(d) == "nextn"]
     mode = f"steady batches ({STEADY_WAVES} prompts per slot)" if args.steady else "each batch run to completion"
     lines = [f"steps {args.steps}, {args.output_len} tokens per request, prompts of {PHRASE} tokens x {REPEATS}; {mode}", "",
              "| model | batch | drafter | decode tok/s (median) | min-max | vs none | accept length | SGLang H200 (reported) |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]
     if args.device == "cpu":
         folder = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "tiny", seed=0, mtp=1)
-        lines += rows_for("tiny DeepSeek-V3 + MTP, fp32", folder, plain + ["nextn"], args)
+        lines += rows_for("tiny DeepSeek-V3 + MTP, fp32", folder, with_mtp, args)
+        if with_mtp != plain:
+            synthetic = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "tiny", seed=0, mtp=1,
+                                         mtp_acceptance=args.mtp_acceptance)
+            lines += rows_for(f"tiny DeepSeek-V3 + synthetic MTP ({args.mtp_acceptance}), fp32", synthetic,
+                              ["none"] + with_mtp[len(plain):], args)
     else:
         if args.only != "dsv3":
             qwen = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True,
@@ -234,7 +267,12 @@ def main() -> None:
         if args.only != "qwen":
             dsv3 = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4},
                                     config_only=True, mtp=1)
-            lines += rows_for("DeepSeek-V3 shapes, 4 layers + MTP, bf16", dsv3, plain + ["nextn"], args)
+            lines += rows_for("DeepSeek-V3 shapes, 4 layers + MTP, bf16", dsv3, with_mtp, args)
+            if with_mtp != plain:
+                synthetic = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4},
+                                             config_only=True, mtp=1, mtp_acceptance=args.mtp_acceptance)
+                lines += rows_for(f"DeepSeek-V3 shapes, 4 layers + synthetic MTP ({args.mtp_acceptance}), bf16",
+                                  synthetic, ["none"] + with_mtp[len(plain):], args)
     text = "\n".join(lines)
     print(text)
     if args.out:

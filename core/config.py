@@ -109,6 +109,9 @@ class EngineConfig:
     speculative_num_steps: int = attrs.field(default=3, validator=_positive)
     speculative_num_draft_tokens: int | None = attrs.field(default=None, validator=_positive)
     disable_speculative_backoff: bool = False  # draft for every decoding request every step, however often it misses
+    # how many drafts each request verifies per step: adaptive (from a measured step-cost model and each request's
+    # acceptance) or fixed (every due request drafts --speculative-num-steps, with backoff)
+    speculative_policy: str = attrs.field(default="adaptive", validator=_one_of(("adaptive", "fixed")))
     # prefill/decode disaggregation (docs/pd.md): this server's role, how KV pages move, and the deadlines
     disaggregation_mode: str = attrs.field(default="none", validator=_one_of(DISAGGREGATION_MODES))
     disaggregation_transfer_backend: str = "zmq"

@@ -14,6 +14,7 @@ fits the graphs), never a token of step N, so it runs while the device still com
 
 from __future__ import annotations
 
+import logging
 import itertools
 import os
 import time
@@ -44,8 +45,9 @@ from .penalties import LogitAdjuster
 from .sampler import FAILED, Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .speculation.setup import check_drafter, drafter_context
-from .speculation.step import SpeculativeDecoding
+from .speculation.policy import AdaptivePolicy, FixedPolicy
+from .speculation.setup import check_drafter, drafter_context, measure_step_costs
+from .speculation.step import SpeculativeDecoding, is_decoding
 from .step_agreement import Vote, agree
 from .selection import resolve
 from .tokenizer import Detokenizer, load_tokenizer
@@ -54,6 +56,8 @@ from .transfer import to_device
 
 MAX_DEFAULT_KV_TOKENS = 1 << 17
 SAMPLING_FAILED = "sampling failed: the model's logits for this request are not finite"
+
+log = logging.getLogger(__name__)
 
 
 def _eos_ids(folder: str, hf_config: dict) -> set[int]:
@@ -115,7 +119,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs)
         self.speculation = None if drafter is None else SpeculativeDecoding(
             drafter, self.kv, self.model.hf_config["vocab_size"], decode_rows=self.model.attention_backend.graph_safe,
-            backoff=not config.disable_speculative_backoff, name=config.speculative_algorithm,
+            policy=FixedPolicy(drafter.num_steps, backoff=not config.disable_speculative_backoff),
+            name=config.speculative_algorithm,
         )
         if self.speculation is not None:
             drafter.bind(drafter_context(self.model, self.kv, config, self.device, range(len(shapes), len(self.kv.buffers)),
@@ -126,6 +131,15 @@ class Engine:
         self.overlap_schedule = _overlap_schedule(config, self.device) and (
             self.speculation is None or self.speculation.plain_steps_overlap
         )
+        if self.speculation is not None and config.speculative_policy == "adaptive":
+            self.step_costs = measure_step_costs(self.runner, self.kv, config, self.speculation.decode_rows,
+                                                 drafter.caps.needs_hidden, self._agree, self.parallel.world,
+                                                 overlap=self.overlap_schedule,
+                                                 # all sizes now where a step may be in flight when a size is first
+                                                 # asked for (its graph outputs must not be overwritten), or where DP
+                                                 # ranks would ask for different sizes
+                                                 eager=self.overlap_schedule or self.parallel.config.dp_size > 1)
+            self.speculation.policy = AdaptivePolicy(drafter.num_steps, self.step_costs)
         # prefill/decode disaggregation: this rank's transfer backend and the pages it holds or expects
         self.pd = RankTransfers.create(self) if config.disaggregation_mode != "none" else None
         self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet
@@ -233,13 +247,17 @@ class Engine:
             self.pd.before_step()
         spec = self.speculation
         finished = []
-        if spec is not None and self.in_flight is not None and any(spec.due(r) for r in self.scheduler.running):
+        if spec is not None and self.in_flight is not None and spec.wants_drafts(self.scheduler.running):
             finished, self.in_flight = self._complete(self.in_flight), None  # drafts need the token in flight
+        if spec is not None:  # pages for drafts only where a draft could pay at this batch size (the policy says)
+            self.scheduler.lookahead = spec.lookahead if spec.policy.may_draft(max(len(self.scheduler.running), 1)) else 0
         work = self.scheduler.schedule()
         finished += self._drain_dropped()
         # (a request resumed fully cached may be due while a step is still in flight: it decodes plainly this once)
         if spec is not None and self.in_flight is None and (spec.drafts_in(work) or not spec.plain_steps_overlap):
             return finished + self._speculative_step(work)
+        if spec is not None and any(is_decoding(item) for item in work):
+            spec.counts.step(())  # a decode step the policy left without drafts
         batch = self._agree(self.runner.prepare(work, self.in_flight))
         launched = self._launch(work, batch) if batch is not None else None
         if self.overlap_schedule:

@@ -176,6 +176,12 @@ class GroupStats:
     cache_hit_tokens: int = 0  # of those, tokens found cached
     cache_evicted_pages: int = 0
     kv_pages_evictable: int = 0  # of the prefix cache's pages, those no request reads (freed on demand)
+    # speculative decoding since start-up: decode steps with and without drafts, the drafts verified and the
+    # requests that drafted (summed over verify steps): the draft policy's decisions
+    spec_verify_steps: int = 0
+    spec_plain_steps: int = 0
+    spec_drafts: int = 0
+    spec_drafting: int = 0
 
 
 @pickled_as_fields
@@ -227,6 +233,10 @@ class LoopStats:
     def cache_total(self, counter: str) -> int:
         """A prefix-cache counter summed over the DP groups: queried_tokens, hit_tokens or evicted_pages."""
         return sum(getattr(g, f"cache_{counter}") for g in self.groups)
+
+    def spec_total(self, counter: str) -> int:
+        """A speculative-decoding counter summed over the DP groups: verify_steps, plain_steps, drafts, drafting."""
+        return sum(getattr(g, f"spec_{counter}") for g in self.groups)
 
     @property
     def page_size(self) -> int:

@@ -38,7 +38,8 @@ def mtp_folder(tmp_path_factory):
 
 def engine(folder: str, **overrides) -> Engine:
     settings = dict(model=folder, dtype="fp32", show_progress=False, max_total_tokens=512, page_size=PAGE,
-                    attention_backend="triton", mixed_chunk=False, disable_speculative_backoff=True)
+                    attention_backend="triton", mixed_chunk=False, disable_speculative_backoff=True,
+                    speculative_policy="fixed")
     return Engine(EngineConfig(**{**settings, **overrides}))
 
 
@@ -189,12 +190,12 @@ def test_observe_as_decode_rows_equals_observe_as_an_extend(mtp_folder, from_zer
     graphed, real = drafter.rows_step, slice(0, kv.scratch_page * PAGE)
     assert graphed.can_replay(sum(kept))
     replayed = install_log(graphed)
-    drafter.observe(step)
+    drafter.run_now(step)  # observe defers the layer to the next draft; this is what it then runs
     assert replayed == ([] if from_zero else [8])  # 8 rows, no padding
     as_rows = {rid: (s.position, s.draft, s.hidden) for rid, s in drafter.starts.items()}
     kv_rows = kv.buffers[drafter.context.kv_layer_ids[0]][0][real].clone()
     drafter.replays = lambda rows: False  # as without graphs: observe runs one extend per request
-    drafter.observe(step)
+    drafter.run_now(step)
     for rid, (position, draft, hidden) in as_rows.items():
         start = drafter.starts[rid]
         assert (start.position, start.draft) == (position, draft)
@@ -238,7 +239,7 @@ def test_over_tensor_and_expert_parallel_ranks_the_replayed_drafter_changes_no_t
     want = [r.output_ids for r in engine(mtp_folder).generate(prompts, GREEDY)]
     parallel = ParallelConfig(tp_size=2, ep_size=2, dist_init_addr=free_address(), timeout_s=120)
     settings = {"speculative_algorithm": "nextn", "speculative_num_steps": 2, "dtype": "fp32",
-                "disable_speculative_backoff": True}
+                "disable_speculative_backoff": True, "speculative_policy": "fixed"}
     out = launch(graph_ranks.run_engines, parallel, parallel, mtp_folder, prompts, [GREEDY] * len(prompts),
                  {"graphs": (settings, True)})["graphs"]
     assert [r["output_ids"] for r in out["results"]] == want

@@ -38,9 +38,10 @@ def script_distribution(tmp_path_factory):
 
 
 def settings(folder: str, **overrides) -> dict:
-    """Backoff off unless a test turns it on: these tests count the drafts of every step."""
+    """The fixed policy, backoff off unless a test turns it on: these tests count the drafts of every step
+    (test_speculative_policy.py runs the adaptive policy)."""
     base = dict(model=folder, dtype="fp32", show_progress=False, max_total_tokens=2048, page_size=PAGE,
-                disable_speculative_backoff=True)
+                disable_speculative_backoff=True, speculative_policy="fixed")
     return {**base, **overrides}
 
 

@@ -29,7 +29,7 @@ def test_on_gpu_speculation_changes_no_token(tiny_model_dir, script_distribution
     plain = gpu_engine(folder)
     want = [r.output_ids for r in plain.generate(PROMPTS, GREEDY)]
     scripted(PROMPTS, want)
-    spec = gpu_engine(folder, speculative_algorithm=drafter, speculative_num_steps=3)
+    spec = gpu_engine(folder, speculative_algorithm=drafter, speculative_num_steps=3, speculative_policy="fixed")
     graphs = spec.runner.graphs
     # ngram reads no hidden states: the steps between drafting ones overlap
     assert graphs is not None and spec.overlap_schedule and max(graphs.sizes) == 16
@@ -46,8 +46,25 @@ def test_on_gpu_speculation_changes_no_token(tiny_model_dir, script_distribution
 def test_on_gpu_nextn_changes_no_token(tmp_path):
     folder = write_checkpoint(str(tmp_path), "deepseek_v3", "tiny", seed=0, mtp=1)
     want = [r.output_ids for r in gpu_engine(folder).generate(PROMPTS, GREEDY)]
-    spec = gpu_engine(folder, speculative_algorithm="nextn", speculative_num_steps=3)
+    spec = gpu_engine(folder, speculative_algorithm="nextn", speculative_num_steps=3, speculative_policy="fixed")
     got = spec.generate(PROMPTS, GREEDY)
     assert [r.output_ids for r in got] == want
     assert all(r.spec_verify_steps > 0 for r in got)
+    assert conserved(spec)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["ngram", "test-oracle"])
+def test_on_gpu_the_adaptive_policy_changes_no_token(tiny_model_dir, script_distribution, drafter):  # noqa: F811
+    """The adaptive policy's cost model measured through the decode graphs (verify rows replayed), lazily, for
+    the batch sizes the steps ask for; output as without speculation."""
+    folder = tiny_model_dir("qwen3_moe")
+    want = [r.output_ids for r in gpu_engine(folder).generate(PROMPTS, GREEDY)]
+    scripted(PROMPTS, want)
+    spec = gpu_engine(folder, speculative_algorithm=drafter, speculative_num_steps=3)
+    got = spec.generate(PROMPTS, GREEDY)
+    assert [r.output_ids for r in got] == want
+    assert 4 in spec.step_costs.measured and all(c > 0 for c in spec.step_costs.measured[4])
+    if drafter == "test-oracle":  # a record of full acceptance at batch <= 4 on a GPU: it keeps drafting
+        assert sum(r.spec_verify_steps for r in got) > 0
     assert conserved(spec)

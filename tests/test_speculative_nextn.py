@@ -27,7 +27,8 @@ def mtp_folder(tmp_path_factory):
 
 def engine(folder: str, **overrides) -> Engine:
     settings = dict(model=folder, dtype="fp32", show_progress=False, max_total_tokens=2048, page_size=PAGE,
-                    disable_speculative_backoff=True)  # random MTP weights miss: backoff would pause the chains
+                    disable_speculative_backoff=True,  # random MTP weights miss: backoff would pause the chains
+                    speculative_policy="fixed")  # ... and so would the adaptive policy
     return Engine(EngineConfig(**{**settings, **overrides}))
 
 
@@ -73,10 +74,43 @@ def test_the_mtp_kv_built_step_by_step_equals_the_whole_sequence_at_once(mtp_fol
     for _ in range(12):
         spec.step()
     assert request.spec_verify_steps > 3 and not request.finished
+    spec.speculation.drafter.catch_up([request.rid])  # the last step's rows wait for the next draft
     start = spec.speculation.drafter.starts[request.rid]
     assert start.position == request.num_cached - 1
     want = reference_chain_start(spec.model, request.all_ids)
     torch.testing.assert_close(start.hidden, want, atol=1e-4, rtol=1e-4)
+    spec.abort(request.rid)
+
+
+def test_a_request_that_does_not_draft_costs_the_mtp_layer_nothing_until_it_drafts_again(mtp_folder, plain):
+    """Random MTP weights miss, so the adaptive policy (under a cost model where rows cost something) stops
+    drafting: the plain steps between keep the target's hidden rows and run no MTP layer; a request that drafts
+    again catches up in one batch, to the state computed from scratch; output unchanged."""
+    from moeplex.speculation.costs import StepCosts, grid_sizes
+    from moeplex.speculation.policy import AdaptivePolicy
+
+    spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3, speculative_policy="adaptive")
+    drafter = spec.speculation.drafter
+    spec.speculation.policy = AdaptivePolicy(3, StepCosts(grid_sizes(64), lambda n: [1.0] + [1.1 + 0.1 * n * k
+                                                                                               for k in range(4)]))
+    calls = []
+    run = drafter.run_now
+    drafter.run_now = lambda step: calls.append(sum(len(ids) for ids in step.next_ids)) or run(step)
+    got = spec.generate(PROMPTS, GREEDY)
+    assert [r.output_ids for r in got] == plain
+    counts = spec.speculation.counts
+    assert counts.verify_steps > 0 and counts.plain_steps > 2 * counts.verify_steps
+    assert len(calls) <= counts.verify_steps  # the layer ran only for steps that drafted (prompts included)
+    assert not drafter.pending and not drafter.starts
+
+    request = spec.add_request(PROMPTS[2], SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))
+    for _ in range(25):
+        spec.step()
+    assert len(drafter.pending[request.rid].next_ids) > 8  # many plain steps' rows, waiting
+    drafter.catch_up([request.rid])
+    start = drafter.starts[request.rid]
+    assert start.position == request.num_cached - 1
+    torch.testing.assert_close(start.hidden, reference_chain_start(spec.model, request.all_ids), atol=1e-4, rtol=1e-4)
     spec.abort(request.rid)
 
 

@@ -16,6 +16,7 @@ def test_generate_meta_and_prometheus_report_acceptance(tiny_model_dir):
     folder = tiny_model_dir("deepseek_v3")
     config = EngineConfig(model=folder, dtype="fp32", show_progress=False, max_total_tokens=1024, page_size=4,
                           speculative_algorithm="ngram", speculative_num_steps=2,
+                          speculative_policy="fixed",
                           disable_speculative_backoff=True)  # ngram has nothing to say before step 16
     plain = Engine(EngineConfig(model=folder, dtype="fp32", show_progress=False, max_total_tokens=1024, page_size=4))
     ids = [256] + list(range(40, 75))  # its answer repeats itself, so ngram drafts from step 16 on
@@ -28,3 +29,13 @@ def test_generate_meta_and_prometheus_report_acceptance(tiny_model_dir):
     meta = answer["meta_info"]
     assert meta["spec_verify_ct"] >= 1 and meta["spec_accept_length"] >= 1.0 and 0.0 <= meta["spec_accept_rate"] <= 1.0
     assert "moeplex_spec_accept_length_count 1.0" in text and "moeplex_spec_accept_rate_count 1.0" in text
+    # the policy's decisions: every decode step asked; those where ngram drafted verified its drafts
+    verify_steps, drafts = metric(text, "moeplex_spec_verify_steps_total"), metric(text, "moeplex_spec_drafts_verified_total")
+    assert verify_steps == meta["spec_verify_ct"] == metric(text, "moeplex_spec_requests_drafting_total")
+    assert verify_steps <= drafts <= 2 * verify_steps
+    gained = round(meta["spec_accept_length"] * meta["spec_verify_ct"])  # tokens the verify steps gave
+    assert gained + metric(text, "moeplex_spec_plain_steps_total") == 19  # 20 tokens: the first from the prompt
+
+
+def metric(text: str, name: str) -> float:
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))

@@ -257,7 +257,17 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
         spec, "--disable-speculative-backoff",
         "draft for every decoding request at every step; by default a request whose drafts missed twice running "
         "pauses drafting for 2, 4, ... 64 tokens (plain steps, under the overlap schedule where the drafter allows), "
-        "so a workload the drafter cannot predict costs about what it costs without speculation",
+        "so a workload the drafter cannot predict costs about what it costs without speculation (--speculative-policy fixed)",
+    )
+    flag(
+        spec, "--speculative-policy",
+        "how many drafts each request verifies per step: adaptive chooses 0..steps per request every step to "
+        "maximize the batch's expected tokens per second, from the verify step's cost measured at start-up per "
+        "(requests, rows per request) and each request's running acceptance per position (so it drafts fully at "
+        "batch 1 and stops by itself where a verify row costs what a decode row does); fixed drafts "
+        "--speculative-num-steps for every decoding request, with backoff. Output is the same either way "
+        "(default: %(default)s)",
+        choices=("adaptive", "fixed"),
     )
 
 

@@ -33,6 +33,13 @@ def add_parser(sub) -> None:
         "num_nextn_predict_layers is set to N (default 0: none)",
     )
     p.add_argument(
+        "--mtp-acceptance", type=float, default=None, metavar="RATE",
+        help="with --mtp: synthetic weights instead of random ones, a target close to a fixed next-token map and an "
+        "MTP layer whose drafts it accepts at RATE per position (e.g. 0.8: accept length about 3 with 3 steps), "
+        "for measuring nextn; recorded in config.json, so --load-format dummy makes the same weights "
+        "(docs/speculative.md says how they are made)",
+    )
+    p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a config.json field, VALUE as JSON (e.g. --set num_hidden_layers=4); repeatable",
     )
@@ -55,9 +62,11 @@ def _overrides(pairs: list[str]) -> dict:
 def run(args) -> int:
     folder = write_checkpoint(
         args.out, args.arch, args.preset, args.seed, overrides=_overrides(args.set), config_only=args.config_only,
-        fp8=args.fp8, show_progress=True, mtp=args.mtp,
+        fp8=args.fp8, show_progress=True, mtp=args.mtp, mtp_acceptance=args.mtp_acceptance,
     )
     what = "config (no weights)" if args.config_only else "random fp8 checkpoint" if args.fp8 else "random checkpoint"
     layers = f" with {args.mtp} MTP layer(s)" if args.mtp else ""
+    if args.mtp_acceptance is not None:
+        what = f"synthetic checkpoint (MTP drafts accepted at {args.mtp_acceptance} per position)"
     print(f"wrote a {args.arch} ({args.preset}) {what}{layers} to {folder}")
     return 0

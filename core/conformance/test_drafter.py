@@ -72,7 +72,9 @@ def test_output_is_unchanged_and_proposals_are_well_formed(moeplex_plugin, draft
 
     params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
     want = [r.output_ids for r in engine(model_folder).generate(PROMPTS, params)]
-    spec = engine(model_folder, speculative_algorithm=moeplex_plugin.name, speculative_num_steps=steps)
+    # the fixed policy asks the drafter at every decode step (the adaptive one asks as its measured costs say)
+    spec = engine(model_folder, speculative_algorithm=moeplex_plugin.name, speculative_num_steps=steps,
+                  speculative_policy="fixed")
     drafter, vocab = spec.speculation.drafter, spec.vocab_size
     asked = []
     propose = drafter.propose

@@ -36,6 +36,9 @@ class DrafterCaps:
     needs_hidden: bool = False  # reads the target's hidden states (before the final norm) in `observe`
     gives_probs: bool = False  # returns draft probabilities (rejection sampling with q); else drafts are point masses
     architectures: frozenset[str] | None = None  # model_type values it supports; None: every architecture
+    # proposing costs little (host lookups, no forward): the adaptive policy asks for every request first and
+    # then chooses among the drafts; otherwise it asks only for the drafts it chose to verify
+    cheap_proposals: bool = False
 
 
 @attrs.define

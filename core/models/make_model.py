@@ -21,6 +21,7 @@ from ..quant import quantize_blocks
 from . import architecture
 from .loader import FP8_QUANTIZATION_CONFIG, SCALE_SUFFIX
 from .random_weights import named_random_tensor
+from .synthetic_mtp import CONFIG_KEY, synthetic_tensor
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 CHAT_TEMPLATE = (
@@ -83,6 +84,7 @@ def write_checkpoint(
     fp8: bool = False,
     show_progress: bool = False,
     mtp: int = 0,
+    mtp_acceptance: float | None = None,
 ) -> str:
     """Write config, generation config, tokenizer and random safetensors weights of `arch`/`preset` to `folder`.
 
@@ -90,7 +92,9 @@ def write_checkpoint(
     for folders run with --load-format dummy; `fp8` writes a DeepSeek-V3 style fp8 checkpoint (every
     linear projection but lm_head in float8_e4m3fn with `weight_scale_inv` block scales); `mtp` writes
     that many multi-token-prediction layers (deepseek_v3; config.json's num_nextn_predict_layers says how
-    many the folder holds, 0 without them).
+    many the folder holds, 0 without them); `mtp_acceptance` makes the weights synthetic instead of random: a
+    target close to a fixed next-token map and an MTP layer whose drafts it accepts at that rate per position
+    (synthetic_mtp.py; config.json records it, so --load-format dummy makes the same weights).
     """
     from ..selection import resolve  # deferred: selection reads the plugin registry
     from .setup import build_model
@@ -111,6 +115,10 @@ def write_checkpoint(
         raise ValueError(f"--mtp {mtp}: multi-token-prediction layers exist for deepseek_v3 only, 0 or more")
     if getattr(module, "HAS_MTP", False):
         config["num_nextn_predict_layers"] = mtp
+    if mtp_acceptance is not None:
+        if not mtp or not 0.0 <= mtp_acceptance <= 1.0:
+            raise ValueError(f"--mtp-acceptance {mtp_acceptance}: a rate in 0..1, with --mtp 1 or more (deepseek_v3)")
+        config[CONFIG_KEY] = {"acceptance": mtp_acceptance}
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise NotADirectoryError(f"{folder} is a file; make-model writes a folder there")
     os.makedirs(folder, exist_ok=True)
@@ -125,7 +133,10 @@ def write_checkpoint(
     engine_config = EngineConfig(model=folder, show_progress=False)
     model = build_model(folder, engine_config, resolve(engine_config), mtp=mtp > 0)
     targets = progress(model.weight_targets().items(), desc="making random weights", unit="tensor", enabled=show_progress)
-    tensors = {name: named_random_tensor(name, t.shape, seed).contiguous() for name, t in targets}
+    if mtp_acceptance is not None:
+        tensors = {name: synthetic_tensor(name, t.shape, seed, config).contiguous() for name, t in targets}
+    else:
+        tensors = {name: named_random_tensor(name, t.shape, seed).contiguous() for name, t in targets}
     if fp8:
         tensors = quantize_tensors(tensors, model.fp8_weight_names())
     _save_shards(folder, tensors, max_shard_bytes)

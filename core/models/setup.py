@@ -23,6 +23,7 @@ from .expert_format import expert_weight_format
 from .loader import CheckpointReader, load_checkpoint
 from .mtp import mtp_layer_count, require_mtp_weights
 from .random_weights import named_random_tensor
+from .synthetic_mtp import acceptance_of, synthetic_tensor
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +141,16 @@ def init_dummy_weights(model: MoECausalLM, seed: int, show_progress: bool = Fals
     parallel layout (and every replica of an expert) holds the same model.
     """
     device = next(model.parameters()).device
+    synthetic = acceptance_of(model.hf_config) is not None  # make-model --mtp-acceptance: its synthetic weights
     with torch.no_grad():
         targets = model.weight_targets().items()
         for name, target in progress(targets, desc="making dummy weights", unit="tensor", enabled=show_progress):
             if target.copy is None:
                 continue  # another rank's expert
-            tensor = named_random_tensor(name, target.shape, seed, device)
+            if synthetic:
+                tensor = synthetic_tensor(name, target.shape, seed, model.hf_config, device)
+            else:
+                tensor = named_random_tensor(name, target.shape, seed, device)
             if target.select is not None:
                 dim, start, length = target.select
                 tensor = tensor.narrow(dim, start, length)

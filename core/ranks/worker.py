@@ -31,10 +31,15 @@ log = logging.getLogger(__name__)
 def group_stats(engine: Engine) -> GroupStats:
     scheduler, kv, cache = engine.scheduler, engine.kv, engine.prefix_cache
     counts = (len(scheduler.running), len(scheduler.waiting), kv.num_pages, kv.num_free_pages, kv.page_size)
+    spec = engine.speculation
+    decisions = {} if spec is None else dict(
+        spec_verify_steps=spec.counts.verify_steps, spec_plain_steps=spec.counts.plain_steps,
+        spec_drafts=spec.counts.drafts, spec_drafting=spec.counts.drafting,
+    )
     if cache is None:
-        return GroupStats(*counts)
+        return GroupStats(*counts, **decisions)
     return GroupStats(*counts, cache.num_pages, cache.queried_tokens, cache.hit_tokens, cache.evicted_pages,
-                      cache.evictable_pages)
+                      cache.evictable_pages, **decisions)
 
 
 class _Seen:

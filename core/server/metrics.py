@@ -79,6 +79,7 @@ class ServerMetrics:
         self.kv_usage.set_function(lambda: stats().kv_pages_used / max(stats().kv_pages_total, 1))
         self.kv_pages_cached.set_function(lambda: stats().kv_pages_cached)
         self.registry.register(PrefixCacheCounters(stats))
+        self.registry.register(SpeculationCounters(stats))
 
     def watch_transfers(self, transfers: Callable[[], object]) -> None:
         """Disaggregation: the leader's TransferStats (None on a co-located server) at scrape time."""
@@ -122,6 +123,29 @@ class PrefixCacheCounters:
         for counter, name, documentation in self.COUNTERS:
             family = CounterMetricFamily(name, documentation)
             family.add_metric([], stats.cache_total(counter))
+            yield family
+
+
+class SpeculationCounters:
+    """The draft policy's decisions (--speculative-policy), summed over the DP groups, at scrape time: decode
+    steps that verified drafts and that did not, drafts verified, requests that drafted (per verify step, summed);
+    drafts per verify step and requests drafting per verify step are the ratios."""
+
+    COUNTERS = (
+        ("verify_steps", "moeplex_spec_verify_steps", "Decode steps that verified drafts (speculative decoding)"),
+        ("plain_steps", "moeplex_spec_plain_steps", "Decode steps in which the draft policy drafted for no request"),
+        ("drafts", "moeplex_spec_drafts_verified", "Draft tokens verified"),
+        ("drafting", "moeplex_spec_requests_drafting", "Requests that verified drafts, summed over verify steps"),
+    )
+
+    def __init__(self, stats: Callable[[], object]):
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats()
+        for counter, name, documentation in self.COUNTERS:
+            family = CounterMetricFamily(name, documentation)
+            family.add_metric([], stats.spec_total(counter))
             yield family
 
 

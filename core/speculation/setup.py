@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
+import attrs
 import torch
 
 from ..batch_builder import ScheduledSeq, build_forward_batch
 from ..cuda_graph import Capture, CudaGraphCapture
 from ..interfaces import DrafterContext, ForwardBatch
 from ..kv_cache import KVPool
+from ..transfer import to_device
 from .checks import check_model, check_speculation
+from .costs import StepCosts, grid_sizes, time_size
 from .graphs import graphs_for
+
+log = logging.getLogger(__name__)
 
 
 def has_mtp_layers(hf_config) -> bool:
@@ -39,3 +47,73 @@ def drafter_context(model, kv: KVPool, config, device: torch.device, kv_layer_id
 
     return DrafterContext(model, kv, config, device, tuple(kv_layer_ids), batch_of, graphs_for_step,
                           vocab_size=int(model.hf_config["vocab_size"]))
+
+
+CONTEXT = 128  # tokens of context each measured request reads (its KV: the pool's scratch page, repeated)
+
+
+def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidden: bool, agree, world,
+                       overlap: bool = False, eager: bool = False) -> StepCosts:
+    """The adaptive policy's cost model (costs.py), measured on this engine's own forward paths: a plain step
+    through `runner.forward` (graphs where they are captured), a verify step through `runner.verify_forward`
+    with logits on every row, built the way ModelRunner.prepare builds them (decode rows, or one extend per
+    request). Each measured request reads CONTEXT tokens and writes its rows, all in the pool's scratch page,
+    so measuring takes no page from anyone, at start-up or between steps. With `overlap` (plain steps run under
+    the overlap schedule) a plain step is timed as half of two steps launched back to back, the second built
+    while the first runs, read once at the end: its host work hides as the schedule hides it.
+
+    Every rank measures the same sizes at the same time (their collectives pair up: TP ranks schedule the same
+    requests, so they ask for a size at the same step; under DP attention all sizes are measured at start-up,
+    `eager`, as they are under the overlap schedule, where a step in flight must not see its graphs replayed) and keeps each shape's slowest rank, so every rank decides from the same numbers. Expert-load
+    recording and the runner's hooks are off meanwhile: these steps serve no request."""
+    pages = [kv.scratch_page] * kv.pages_for(CONTEXT + config.speculative_num_steps + 1)
+
+    def run(n: int, k: int) -> None:
+        plain = k == 0
+        seqs = []
+        for _ in range(n):
+            if plain:
+                seqs.append(ScheduledSeq([0], CONTEXT, pages))
+            elif decode_rows:
+                seqs += [ScheduledSeq([0], CONTEXT + j, pages) for j in range(k)]
+            else:
+                seqs.append(ScheduledSeq([0] * k, CONTEXT, pages))
+        batch = build_forward_batch(seqs, kv, runner.device)
+        batch = agree(batch if plain else attrs.evolve(batch, overlap_split=False))
+        if plain:
+            logits = runner.forward(batch)
+            if overlap:
+                logits = runner.forward(agree(build_forward_batch(seqs, kv, runner.device)))
+        else:
+            rows = to_device(batch.input_ids.device, torch.arange(n * k, dtype=torch.int64))[0]
+            logits, _ = runner.verify_forward(batch, rows, with_hidden)
+        torch.argmax(logits, dim=-1).tolist()  # the host reads the tokens, as a step does
+
+    def measure_size(n: int) -> list[float]:
+        start = time.perf_counter()
+        recorders = list(getattr(runner.model.moe_runtime, "recorders", ()))
+        recording = [r.recording for r in recorders]
+        hooks, runner.hooks = runner.hooks, None
+        try:
+            for r in recorders:
+                r.recording = False
+            costs = time_size(n, config.speculative_num_steps + 1, run,
+                              lambda flag: any(row[0] for row in world.all_gather_ints([int(flag)])))
+        finally:
+            runner.hooks = hooks
+            for r, was in zip(recorders, recording):
+                r.recording = was
+        if overlap:
+            costs[0] /= 2
+        if world.size > 1:  # the slowest rank's times, on every rank
+            gathered = world.all_gather_ints([round(c * 1e7) for c in costs])
+            costs = [max(column) * 1e-7 for column in zip(*gathered)]
+        log.info("speculative step costs of %d requests (ms): plain %.3f, verify x1..x%d %s (measured in %.2f s)", n,
+                 costs[0] * 1e3, len(costs) - 1, " ".join(f"{c * 1e3:.3f}" for c in costs[1:]),
+                 time.perf_counter() - start)
+        return costs
+
+    costs = StepCosts(grid_sizes(config.max_running_requests), measure_size)
+    if eager:
+        costs.measure_all()
+    return costs

@@ -9,12 +9,11 @@ never stores a rejected one; their slots are overwritten by later steps, and who
 accepted length go back to the free list.
 
 A step that drafts runs without the overlap schedule: the drafts of step N+1 depend on the tokens step N
-accepts. Backoff keeps a drafter that cannot predict a request from costing it much: after two verify steps
-running in which a request's drafts all missed, it pauses drafting for 2, 4, ... MAX_PAUSE of its tokens
-(... IDLE_PAUSE where the drafter had nothing to say: that costs only the asking), and any accepted draft
-ends the pause. A step in which no request drafts is
-a plain step; where the drafter needs no hidden states (it sees every token through DraftRequest), such steps
-take the engine's ordinary path, overlap schedule included.
+accepts. How many drafts each request verifies is the policy's choice (policy.py): adaptive (a measured
+step-cost model and each request's running acceptance) or fixed (every due request drafts num_steps, with
+backoff after misses). A step in which no request drafts is a plain step; where the drafter needs no hidden
+states (it sees every token through DraftRequest), such steps take the engine's ordinary path, overlap schedule
+included. Drafting less never changes a token (verify.py), so the policy changes speed only.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import numbers
 
 from typing import Callable, Sequence
 
+import attrs
 import torch
 
 from ..forward_batch import ForwardBatch
@@ -33,12 +33,28 @@ from ..request import Request
 from ..sampler import FAILED, Sampler
 from ..scheduler import ScheduledWork
 from ..transfer import to_device
+from .policy import AdaptivePolicy, FixedPolicy
 from .verify import verify
 
 log = logging.getLogger(__name__)
 
-MAX_PAUSE = 64  # tokens: the longest a request goes without drafts after its drafts kept missing
-IDLE_PAUSE = 8  # tokens: the longest after the drafter had nothing to say (asking again is cheap)
+@attrs.define
+class SpecCounts:
+    """Since start-up, the policy's decisions (/metrics): decode steps with and without drafts, the drafts
+    verified, and the requests that drafted, summed over the verify steps."""
+
+    verify_steps: int = 0
+    plain_steps: int = 0
+    drafts: int = 0
+    drafting: int = 0
+
+    def step(self, drafts: Sequence[Sequence[int]]) -> None:
+        if any(drafts):
+            self.verify_steps += 1
+            self.drafts += sum(len(d) for d in drafts)
+            self.drafting += sum(1 for d in drafts if d)
+        else:
+            self.plain_steps += 1
 
 
 def is_decoding(item: ScheduledWork) -> bool:
@@ -47,16 +63,16 @@ def is_decoding(item: ScheduledWork) -> bool:
 
 
 class SpeculativeDecoding:
-    def __init__(self, drafter: Drafter, kv: KVPool, vocab_size: int, decode_rows: bool = False, backoff: bool = True,
-                 name: str = ""):
+    def __init__(self, drafter: Drafter, kv: KVPool, vocab_size: int, decode_rows: bool = False,
+                 policy: AdaptivePolicy | FixedPolicy | None = None, name: str = ""):
         self.drafter = drafter
         self.kv = kv
         self.vocab_size = vocab_size
         self.name = name or type(drafter).__name__  # the --speculative-algorithm value, for the log
         self.refused = 0  # requests' drafts dropped for an id outside the vocabulary
-        self.backoff = backoff
-        self._misses: dict[str, int] = {}  # per request: verify steps running whose drafts all missed
-        self._resume_at: dict[str, int] = {}  # per paused request: the output length at which it drafts again
+        self.policy = policy if policy is not None else FixedPolicy(drafter.num_steps)
+        self.counts = SpecCounts()
+        self._choice = None  # ((rids, rooms), counts): drafts_in's choice, reused by draft() in the same step
         # verify steps as decode rows (ModelRunner.prepare): where the attention backend's paged decode reads
         # only fixed-size tensors (triton), so those batches replay the decode CUDA graphs; else as extends
         # (the torch backend's per-request SDPA over a prefix is the cheaper of its two paths)
@@ -73,29 +89,59 @@ class SpeculativeDecoding:
         the drafter sees every token through DraftRequest and needs no hidden states from such a step."""
         return not self.drafter.caps.needs_hidden
 
-    def due(self, request: Request) -> bool:
-        """Whether the request drafts when it next decodes (it has a token to draft from and is not paused)."""
-        return bool(request.output_ids) and len(request.output_ids) >= self._resume_at.get(request.rid, 0)
+    def room(self, request: Request) -> int:
+        """Drafts the request can verify now: its reserved pages and its max_new_tokens bound them."""
+        return min(self.lookahead, request.params.max_new_tokens - len(request.output_ids) - 1,
+                   len(request.pages) * self.kv.page_size - request.num_tokens)
+
+    def wants_drafts(self, running: Sequence[Request]) -> bool:
+        """Whether the policy would draft for some of these running requests (those that decode): then the step
+        in flight is read first. Drafts count with their chance of coming: a step that drafts nothing would have
+        given up the overlap schedule for nothing."""
+        decoding = [r for r in running if r.output_ids]
+        rooms = [min(self.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in decoding]
+        return any(self.policy.choose(decoding, rooms, expect_offers=True))
 
     def drafts_in(self, work: Sequence[ScheduledWork]) -> bool:
-        return any(is_decoding(item) and self.due(item.request) for item in work)
+        """Whether the step takes the speculative path (with no step in flight; asking a cheap drafter costs
+        nothing then)."""
+        return any(self._first_choice([item.request for item in work if is_decoding(item)]))
+
+    def _first_choice(self, requests: Sequence[Request]) -> list[int]:
+        """The policy's choice before asking the drafter; drafts_in's is kept for the draft() of the same step."""
+        rooms = [self.room(r) for r in requests]
+        key = ([(r.rid, len(r.output_ids)) for r in requests], rooms)  # the same requests, at the same tokens
+        if self._choice is not None and self._choice[0] == key:
+            return self._choice[1]
+        counts = self.policy.choose(requests, rooms, expect_offers=not self.drafter.caps.cheap_proposals)
+        self._choice = (key, counts)
+        return counts
 
     def draft(self, work: Sequence[ScheduledWork]) -> list[list[int]]:
-        """Per scheduled item, the drafts it verifies this step (none for prompt chunks and paused requests)."""
-        rows = [i for i, item in enumerate(work) if is_decoding(item) and self.due(item.request)]
+        """Per scheduled item, the drafts it verifies this step (none for prompt chunks and undrafted requests).
+
+        A drafter whose proposals are cheap is asked for every request the policy might draft for, and the
+        policy then chooses among what it proposed; any other is asked only for the drafts the policy chose."""
+        decoding = [i for i, item in enumerate(work) if is_decoding(item)]
+        requests = [work[i].request for i in decoding]
+        cheap = self.drafter.caps.cheap_proposals
+        counts = self._first_choice(requests)
+        self._choice = None  # the records change after this step
         drafts: list[list[int]] = [[] for _ in work]
-        if not rows:
+        asked = [j for j, m in enumerate(counts) if m > 0]
+        if not asked:
             return drafts
-        asked = [work[i].request for i in rows]
         proposed = self.drafter.propose(
-            [DraftRequest(r.rid, r.all_ids, r.num_cached, tuple(r.pages)) for r in asked]
+            [DraftRequest(r.rid, r.all_ids, r.num_cached, tuple(r.pages)) for r in (requests[j] for j in asked)]
         ).tokens
-        for i, request, tokens in zip(rows, asked, proposed):
-            room = min(self.lookahead, request.params.max_new_tokens - len(request.output_ids) - 1,
-                       len(request.pages) * self.kv.page_size - request.num_tokens)
-            drafts[i] = self._in_vocabulary(request, list(tokens))[: max(room, 0)]
-            if not drafts[i] and room > 0:
-                self._missed(request, IDLE_PAUSE)  # asked, with room, and nothing to say
+        made = [[] for _ in requests]
+        for j, tokens in zip(asked, proposed):
+            made[j] = self._in_vocabulary(requests[j], list(tokens[: counts[j]]))
+            self.policy.offered(requests[j], bool(made[j]))
+        if cheap:
+            counts = self.policy.choose(requests, [len(m) for m in made])
+        for j, i in enumerate(decoding):
+            drafts[i] = made[j][: counts[j]]
         return drafts
 
     def _in_vocabulary(self, request: Request, tokens: list[int]) -> list[int]:
@@ -110,17 +156,6 @@ class SpeculativeDecoding:
                         self.vocab_size - 1)
         self.refused += 1
         return []
-
-    def _missed(self, request: Request, longest: int = MAX_PAUSE) -> None:
-        if not self.backoff:
-            return
-        misses = self._misses[request.rid] = self._misses.get(request.rid, 0) + 1
-        if misses >= 2:
-            self._resume_at[request.rid] = len(request.output_ids) + min(2 ** (misses - 1), longest)
-
-    def _hit(self, request: Request) -> None:
-        self._misses.pop(request.rid, None)
-        self._resume_at.pop(request.rid, None)
 
     @staticmethod
     def logit_rows(work: Sequence[ScheduledWork], drafts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
@@ -139,6 +174,8 @@ class SpeculativeDecoding:
             logprobs: Sampler) -> list[Request]:
         """The step of `batch` (already agreed between ranks); the requests that finished in it."""
         rows, due = self.logit_rows(work, drafts)
+        if any(is_decoding(item) for item in work):
+            self.counts.step(drafts)
         logits, hidden = forward(batch, to_device(batch.input_ids.device, torch.tensor(rows, dtype=torch.int64))[0],
                                  self.drafter.caps.needs_hidden)
         starts = [item.request.num_cached for item in work]
@@ -162,10 +199,7 @@ class SpeculativeDecoding:
                 request.spec_verify_steps += 1
                 request.spec_draft_tokens += len(drafts[i])
                 request.spec_accepted_tokens += accepted
-                if accepted:
-                    self._hit(request)
-                else:
-                    self._missed(request)
+                self.policy.record(request, len(drafts[i]), accepted)
             logprobs.record_accepted(request, tokens)
             if self._append_run(request, tokens, span, append, fail, logprobs):
                 finished.append(request)
@@ -213,5 +247,5 @@ class SpeculativeDecoding:
         ))
 
     def finished(self, request: Request) -> None:
-        self._hit(request)
+        self.policy.finished(request.rid)
         self.drafter.finished(request.rid)

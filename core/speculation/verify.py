@@ -6,7 +6,9 @@ and then adds argmax p_j at the first mismatch (or after the last draft): the to
 gives. Sampling (Leviathan et al. 2023, Chen et al. 2023) accepts draft d_k with probability
 min(1, p_k(d_k) / q_k(d_k)) (q_k(d_k) = 1 for a drafter of point masses), on rejection draws from the
 normalized max(p_k - q_k, 0) and stops, and after m acceptances draws a bonus token from p_m: every
-emitted token is distributed as the target's own. p_k is filtered (temperature, top-k, top-p, min-p) by
+emitted token is distributed as the target's own. For point-mass drafts (ngram, nextn) this is done by
+drawing the target's token at each row and keeping the draft while they agree (accept_drawn), which emits the
+very tokens plain sampling draws from the same random stream. p_k is filtered (temperature, top-k, top-p, min-p) by
 the same function as the non-speculative sampler; a request with a seed draws all of this from its own
 random stream, so the same seed gives the same output.
 """
@@ -46,7 +48,11 @@ def verify(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[S
         span = logits[starts[i] : starts[i] + len(drafts[i]) + 1]
         probs = filtered_probs(span, [requests[i].params] * span.shape[0])
         q = draft_probs[i] if draft_probs is not None else None
-        out[i] = accept_sampled(probs, drafts[i], _generator(requests[i], logits.device), q)
+        generator = _generator(requests[i], logits.device)
+        if q is None:  # point masses: the target's own draws, so no token depends on the drafts
+            out[i] = accept_drawn(probs, drafts[i], generator)
+        else:
+            out[i] = accept_sampled(probs, drafts[i], generator, q)
     return out
 
 
@@ -62,6 +68,26 @@ def accept_greedy(draft: Sequence[int], best: Sequence[int], finite: Sequence[bo
         if not finite[k]:
             return out + [FAILED]
         if k == len(draft) or draft[k] != token:
+            return out + [token]
+        out.append(token)
+    raise AssertionError("a verify span has one row more than its drafts")
+
+
+def accept_drawn(probs: torch.Tensor, draft: Sequence[int], generator: torch.Generator | None) -> list[int]:
+    """Drafts that are point masses: draw the target's token at each verify row as the plain sampler would
+    (the same filtered probabilities, one multinomial draw from the request's stream per emitted token), keep
+    the draft while it equals the draw, and emit the draw at the first difference. That is rejection sampling
+    with q = the draft's point mass (draft d kept with probability p(d); on rejection the draw is distributed
+    as p without d, renormalized), and it consumes a seeded request's stream exactly as plain decoding does: a
+    seed gives the same tokens whatever was drafted, with any policy, and the same as without speculation."""
+    mass = probs.sum(-1)
+    drawable = (torch.isfinite(mass) & (mass > 0)).tolist()
+    out = []
+    for k in range(len(draft) + 1):
+        if not drawable[k]:
+            return out + [FAILED]
+        token = int(torch.multinomial(probs[k], 1, generator=generator)[0])
+        if k == len(draft) or token != draft[k]:
             return out + [token]
         out.append(token)
     raise AssertionError("a verify span has one row more than its drafts")

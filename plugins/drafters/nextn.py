@@ -12,6 +12,13 @@ The chain's steps are decode batches of one row per request, and so is `observe`
 decode rows (a few kept positions per request, each a row reading the cache up to itself): both go through
 `context.graphs_for`, which replays them from CUDA graphs on a GPU engine that captured its own decode steps.
 Prompts and other extends run eagerly (their logits only at each request's last position).
+
+A request that does not draft costs the layer nothing: `observe` keeps the target's hidden rows of the positions
+it kept (Pending), and the layer runs over them in one batch when the request is next asked to draft (or when
+it holds MAX_PENDING rows, or its rows come from a prompt chunk longer than that): the same rows, the same KV
+slots, computed a little later. A request that ends while rows are pending never gets them written: a later
+request reusing those positions from the prefix cache drafts from whatever MTP rows its pages hold there (worse
+drafts, never another token).
 """
 
 from __future__ import annotations
@@ -32,12 +39,26 @@ class ChainStart:
     hidden: torch.Tensor  # [H] the layer's output hidden at that position (the next step's input)
 
 
+MAX_PENDING = 64  # rows of target hidden states kept per request before the MTP layer catches up on them
+
+
+@attrs.define
+class Pending:
+    """Kept positions start .. start+len(next_ids)-1 of a request, not yet through the MTP layer."""
+
+    start: int
+    next_ids: list[int]
+    pages: tuple
+    hidden: list[torch.Tensor]  # the target's pre-norm hidden rows, in pieces of [rows, H]
+
+
 class NextNDrafter(Drafter):
     caps = DrafterCaps(needs_weights=True, needs_hidden=True, architectures=frozenset({"deepseek_v3"}))
 
     def __init__(self, num_steps: int):
         super().__init__(num_steps)
         self.starts: dict[str, ChainStart] = {}
+        self.pending: dict[str, Pending] = {}
 
     def kv_layers(self, model) -> list[list[tuple[int, ...]]]:
         return list(model.mtp_kv_shapes()[:1])  # the first MTP layer only: it serves every step
@@ -61,6 +82,36 @@ class NextNDrafter(Drafter):
 
     @torch.inference_mode()
     def observe(self, step: TargetStep) -> None:
+        """Keep the kept positions' hidden rows; the layer runs now only for the requests over MAX_PENDING."""
+        due, at = [], 0
+        for rid, start, ids, pages in zip(step.rids, step.starts, step.next_ids, step.pages):
+            rows = step.hidden[at : at + len(ids)]
+            at += len(ids)
+            held = self.pending.get(rid)
+            if held is not None and held.start + len(held.next_ids) != start:  # not where it left off: start over
+                held = None
+            if held is None:
+                held = self.pending[rid] = Pending(start, [], (), [])
+            held.next_ids.extend(ids)
+            held.pages = tuple(pages)
+            held.hidden.append(rows)
+            if len(held.next_ids) > MAX_PENDING:
+                due.append(rid)
+        self.catch_up(due)
+
+    @torch.inference_mode()
+    def catch_up(self, rids: Sequence[str]) -> None:
+        """Run the MTP layer over the pending rows of these requests, in one batch."""
+        held = [(rid, self.pending.pop(rid)) for rid in rids if rid in self.pending]
+        if held:
+            self.run_now(TargetStep(
+                rids=[rid for rid, _ in held], starts=[p.start for _, p in held], next_ids=[p.next_ids for _, p in held],
+                pages=[p.pages for _, p in held], hidden=torch.cat([row for _, p in held for row in p.hidden]),
+            ))
+
+    @torch.inference_mode()
+    def run_now(self, step: TargetStep) -> None:
+        """The MTP layer over the kept positions of `step`: their KV rows, and each request's chain start."""
         context = self.context
         counts = [len(ids) for ids in step.next_ids]
         hidden = self.layer.from_target(step.hidden)
@@ -81,6 +132,7 @@ class NextNDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> Drafts:
+        self.catch_up([request.rid for request in requests])
         tokens: list[list[int]] = []
         chains = []  # (row in tokens, request) of the requests whose chain goes on
         starts = []  # their chain starts' hidden states
@@ -119,3 +171,4 @@ class NextNDrafter(Drafter):
 
     def finished(self, rid: str) -> None:
         self.starts.pop(rid, None)
+        self.pending.pop(rid, None)

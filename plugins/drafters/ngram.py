@@ -40,7 +40,7 @@ def lookup(ids: np.ndarray, max_n: int, min_n: int, count: int) -> list[int]:
 
 
 class NgramDrafter(Drafter):
-    caps = DrafterCaps()
+    caps = DrafterCaps(cheap_proposals=True)  # a suffix match over the host token list
     max_n = 4  # longest suffix matched
     min_n = 1  # shortest suffix matched
     window = 4096  # only the latest tokens are searched: a step costs O(window), not O(sequence)

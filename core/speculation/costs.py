@@ -1,0 +1,120 @@
+"""The step-cost model of the adaptive draft policy: seconds per step for (requests, rows per request).
+
+Measured on the engine's own forward paths (setup.measure_step_costs) per batch size of a grid (1, 2, 4, ...
+up to --max-running-requests), each size the first time a step of that many requests asks (then cached), for
+rows per request 1 .. steps + 1: a plain step (one decode row per request, the overlap schedule's path where
+it is on) and a verify step (the speculative path: built on the host, logits on every row, read back). A step
+of n requests uses the smallest measured size >= n, as a graph replay pads to it.
+
+Noise from other work on the machine only ever adds time, so each shape is run ROUNDS times interleaved with
+the others (a burst of interference spoils one run of a shape, not all of them; more rounds while a round still
+finds a shape faster), keeps its fastest run, and
+costs at most what a step with more rows per request, or more requests, costs (fewer rows never do more work;
+a plain step does no more than a verify step of one row per request).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+ROUNDS = 3  # timed runs of each shape, interleaved with the size's other shapes ...
+MAX_ROUNDS = 8  # ... and more, up to this, while a round still finds a shape 10% faster
+
+# run(n, k) runs one step of n requests and k rows each (k 0: the plain step), synchronized
+Run = Callable[[int, int], None]
+
+
+def grid_sizes(max_requests: int) -> list[int]:
+    """1, 2, 4, ... below the largest batch, and the largest batch."""
+    sizes, n = [], 1
+    while n < max_requests:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max_requests]
+
+
+def time_size(n: int, rows_per_request: int, run: Run, any_rank: Callable[[bool], bool] = lambda flag: flag) -> list[float]:
+    """[plain, verify x1, ..., verify x rows_per_request] seconds for steps of n requests. `any_rank(flag)`:
+    whether the flag is set on any rank (every rank must run as many rounds: the steps' collectives pair up)."""
+    shapes = range(rows_per_request + 1)
+    for k in shapes:  # warm-up: first-use allocations, autotuning
+        run(n, k)
+    best = [float("inf")] * len(shapes)
+    for round in range(MAX_ROUNDS):
+        improved = False
+        for k in shapes:
+            start = time.perf_counter()
+            run(n, k)
+            took = time.perf_counter() - start
+            improved |= took < best[k] * 0.9
+            best[k] = min(best[k], took)
+        if round + 1 >= ROUNDS and not any_rank(improved):
+            break
+    for k in reversed(range(rows_per_request)):  # the envelope: more rows never cost less
+        best[k] = min(best[k], best[k + 1])
+    return best
+
+
+class StepCosts:
+    """`cost(n, rows, verify)`: seconds of a plain step of n requests, or of a verify step of `rows` rows in all
+    (rows / n per request, fractional where requests draft different counts: interpolated linearly).
+    `measure_size(n)` gives [plain, verify x1, ...] for a grid size; it runs once per size, on first use."""
+
+    def __init__(self, sizes: Sequence[int], measure_size: Callable[[int], Sequence[float]]):
+        self.sizes = list(sizes)
+        self.measure_size = measure_size
+        self.measured: dict[int, list[float]] = {}
+
+    def cost(self, n: int, rows: int, verify: bool) -> float:
+        j = bisect.bisect_left(self.sizes, n)
+        size = self.sizes[min(j, len(self.sizes) - 1)]
+        costs = self.at(size)
+        scale = max(n / size, 1.0)  # beyond the grid: the largest size's cost per request
+        if not verify:
+            return costs[0] * scale
+        return _interpolate(costs[1:], rows / n) * scale
+
+    def verify_curve(self, n: int, rows: np.ndarray) -> np.ndarray:
+        """cost(n, rows[i], verify=True) for every entry of `rows`, at once."""
+        j = bisect.bisect_left(self.sizes, n)
+        size = self.sizes[min(j, len(self.sizes) - 1)]
+        values = np.asarray(self.at(size)[1:])
+        k = np.asarray(rows, dtype=np.float64) / n
+        width = len(values)
+        inside = np.interp(k, np.arange(1, width + 1), values)
+        return np.where(k > width, values[-1] * k / width, inside) * max(n / size, 1.0)
+
+    def at(self, size: int) -> list[float]:
+        if size not in self.measured:
+            costs = self.measured[size] = list(self.measure_size(size))
+            for smaller in (n for n in self.measured if n < size):  # fewer requests never cost more
+                self.measured[smaller] = [min(a, b) for a, b in zip(self.measured[smaller], costs)]
+        return self.measured[size]
+
+    def measure_all(self) -> None:
+        for size in self.sizes:
+            self.at(size)
+
+    def table(self) -> str:
+        """The sizes measured so far, in ms (a markdown table)."""
+        if not self.measured:
+            return "(no step measured yet)"
+        width = len(next(iter(self.measured.values()))) - 1
+        head = "| requests | plain | " + " | ".join(f"verify x{k + 1}" for k in range(width)) + " |"
+        rows = [f"| {n} | " + " | ".join(f"{c * 1e3:.3f}" for c in self.measured[n]) + " |"
+                for n in sorted(self.measured)]
+        return "\n".join([head, "|---" * (width + 2) + "|", *rows])
+
+
+def _interpolate(values: Sequence[float], k: float) -> float:
+    if k <= 1:
+        return values[0]
+    if k >= len(values):
+        return values[-1] * k / len(values)
+    lo = int(k)
+    w = k - lo
+    return values[lo - 1] * (1 - w) + values[lo] * w

@@ -1,0 +1,204 @@
+"""How many drafts each decoding request verifies in a step: fixed (with backoff) or adaptive.
+
+Adaptive: each request keeps its running acceptance per draft position (a_k: the chance draft k is accepted
+given drafts 1..k-1 were), so its j-th draft is worth prod_{k<=j} a_k expected tokens. The step's cost comes
+from StepCosts (measured per (requests, rows per request) at start-up). Every step the policy adds drafts in
+order of their worth, over all requests at once, and keeps the count that maximizes the batch's expected
+tokens per second, (requests + worth of the drafts) / cost(requests, rows): a verify step costs more than a
+plain one by a fixed part (host work outside the overlap schedule) and a part per row, so at batch 1 a
+request with any record drafts fully, and where a verify row costs about what a decode row does it stops.
+
+Whether the drafter proposes anything at all is a second record (offer_rate): where the drafter is asked
+only for the requests the policy chose (its proposals cost forwards: nextn), a draft is worth its chance of
+coming too; a drafter with cheap proposals (DrafterCaps.cheap_proposals: ngram) is asked first and the policy
+then chooses among the drafts it actually made. The offer record also decides, before scheduling, whether
+a step will draft at all (then it cannot run under the overlap schedule).
+
+The record is recent: counts shrink by RECENCY at every verify of the request and by RECOVERY per token it
+decodes without drafts, so a request whose drafts stopped landing drifts back to the prior (all requests'
+record, itself recovering towards PRIOR with every new request) and is tried again later; a request that
+never lands drafts costs one verify every few dozen tokens. Backoff (the fixed policy's pause after misses)
+is this rule with the cost model replaced by "a miss costs a pause". Decisions depend only on tokens and on
+the cost table (the same on every rank), never on timing during serving, so TP ranks decide alike.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..request import Request
+from .costs import StepCosts
+
+PRIOR = 0.6  # a new drafter's assumed acceptance per position, before any request has a record
+PRIOR_WEIGHT = 2.0  # how many verifies the prior counts as
+RECENCY = 0.8  # a request's counts shrink by this at each of its verify steps: the last few dominate
+RECOVERY = 0.97  # ... and by this per token it decodes without drafts: the record fades back to the prior
+
+
+class Acceptance:
+    """Decayed counts of tried / accepted drafts per position: one request's, or all requests' (the prior)."""
+
+    def __init__(self, steps: int):
+        self.tried = np.zeros(steps)
+        self.accepted = np.zeros(steps)
+
+    def record(self, drafted: int, accepted: int, recency: float = RECENCY) -> None:
+        """Drafts 1..accepted were accepted, draft accepted+1 (if drafted) was rejected, later ones were not reached."""
+        self.tried *= recency
+        self.accepted *= recency
+        self.tried[: min(accepted + 1, drafted)] += 1.0
+        self.accepted[:accepted] += 1.0
+
+    def fade(self, factor: float) -> None:
+        self.tried *= factor
+        self.accepted *= factor
+
+    def rates(self, prior: np.ndarray, weight: float = PRIOR_WEIGHT) -> np.ndarray:
+        return (self.accepted + weight * prior) / (self.tried + weight)
+
+
+class AdaptivePolicy:
+    name = "adaptive"
+
+    def __init__(self, steps: int, costs: StepCosts):
+        self.steps, self.costs = steps, costs
+        self.all = Acceptance(steps)
+        self._own: dict[str, Acceptance] = {}
+        self._seen_at: dict[str, int] = {}  # per request: its output length when its record last changed
+        self._offers: dict[str, tuple[float, float, int]] = {}  # per request: decayed (asked, proposed something),
+        # and its output length then
+        self.offers = (0.0, 0.0)  # the same over all requests
+        self._may_draft: dict[int, bool] = {}
+
+    def prior(self) -> np.ndarray:
+        return self.all.rates(np.full(self.steps, PRIOR))
+
+    def worth(self, request: Request) -> np.ndarray:
+        """Expected tokens each of the request's drafts 1..steps adds (nonincreasing)."""
+        return self._worth_matrix([request])[0]
+
+    def offer_rate(self, request: Request) -> float:
+        """The chance the drafter proposes something when asked for this request."""
+        everyone = (self.offers[1] + PRIOR_WEIGHT) / (self.offers[0] + PRIOR_WEIGHT)
+        asked, given, at = self._offers.get(request.rid, (0.0, 0.0, 0))
+        fade = RECOVERY ** max(len(request.output_ids) - at, 0)  # as the acceptance record fades
+        return (given * fade + PRIOR_WEIGHT * everyone) / (asked * fade + PRIOR_WEIGHT)
+
+    def choose(self, requests: Sequence[Request], rooms: Sequence[int], expect_offers: bool = False) -> list[int]:
+        """Drafts per request (0..min(steps, room)) for a step of these decoding requests. `expect_offers`: the
+        drafter is not asked yet (its drafts may not come), so each draft is worth its chance of coming too.
+        Vectorized over the batch: it runs on the host every step."""
+        n, steps = len(requests), self.steps
+        if n == 0:
+            return []
+        if not self.may_draft(n):
+            return [0] * n
+        worth = self._worth_matrix(requests)
+        if expect_offers:
+            worth *= np.array([self.offer_rate(r) for r in requests])[:, None]
+        allowed = np.arange(steps)[None, :] < np.clip(np.asarray(rooms), 0, steps)[:, None]
+        flat = np.where(allowed, worth, -1.0).ravel()
+        order = np.argsort(-flat, kind="stable")[: int(allowed.sum())]  # equal worth: the earlier request first
+        plain = n / self.costs.cost(n, n, verify=False)
+        if not len(order):
+            return [0] * n
+        rates = (n + np.cumsum(flat[order])) / self.costs.verify_curve(n, n + np.arange(1, len(order) + 1))
+        best = int(np.argmax(rates))
+        if rates[best] <= plain * (1 + 1e-9):
+            return [0] * n
+        return np.bincount(order[: best + 1] // steps, minlength=n).tolist()
+
+    def may_draft(self, n: int) -> bool:
+        """Whether any draft could pay in a step of n decoding requests: a draft adds at most one token, so where
+        (n + d) / cost(n, n + d) never beats the plain step's n / cost for any d, nothing is worth looking at
+        (where a verify row costs what a decode row does: large batches). Cached per n."""
+        if n not in self._may_draft:
+            d = np.arange(1, n * self.steps + 1)
+            best = float(np.max((n + d) / self.costs.verify_curve(n, n + d)))
+            self._may_draft[n] = best > n / self.costs.cost(n, n, verify=False) * (1 + 1e-9)
+        return self._may_draft[n]
+
+    def _worth_matrix(self, requests: Sequence[Request]) -> np.ndarray:
+        """[requests, steps]: worth() of each request, at once."""
+        tried, accepted = np.zeros((len(requests), self.steps)), np.zeros((len(requests), self.steps))
+        for i, request in enumerate(requests):
+            own = self._own.get(request.rid)
+            if own is None:
+                continue
+            faded = len(request.output_ids) - self._seen_at[request.rid]
+            if faded > 0:
+                own.fade(RECOVERY ** faded)
+                self._seen_at[request.rid] = len(request.output_ids)
+            tried[i], accepted[i] = own.tried, own.accepted
+        prior = self.prior()[None, :]
+        return np.cumprod((accepted + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT), axis=1)
+
+    def record(self, request: Request, drafted: int, accepted: int) -> None:
+        own = self._own.get(request.rid)
+        if own is None:
+            own = self._own[request.rid] = Acceptance(self.steps)
+            self.all.fade(RECOVERY ** 8)  # each new request moves all requests' record a little back to PRIOR
+            self.offers = (self.offers[0] * RECOVERY ** 8, self.offers[1] * RECOVERY ** 8)
+        own.record(drafted, accepted)
+        self.all.record(drafted, accepted, recency=0.98)
+        self._seen_at[request.rid] = len(request.output_ids)
+
+    def offered(self, request: Request, given: bool) -> None:
+        """The drafter was asked for the request, and proposed something (or nothing)."""
+        asked, got, at = self._offers.get(request.rid, (0.0, 0.0, 0))
+        fade = RECENCY * RECOVERY ** max(len(request.output_ids) - at, 0)
+        self._offers[request.rid] = (asked * fade + 1.0, got * fade + float(given), len(request.output_ids))
+        self.offers = (self.offers[0] * 0.98 + 1.0, self.offers[1] * 0.98 + float(given))
+
+    def finished(self, rid: str) -> None:
+        self._offers.pop(rid, None)
+        self._own.pop(rid, None)
+        self._seen_at.pop(rid, None)
+
+
+MAX_PAUSE = 64  # tokens: the longest a request goes without drafts after its drafts kept missing
+IDLE_PAUSE = 8  # tokens: the longest after the drafter had nothing to say (asking again is cheap)
+
+
+class FixedPolicy:
+    """Every due request drafts `steps`; with backoff, after two verify steps running in which its drafts all
+    missed a request pauses for 2, 4, ... MAX_PAUSE of its tokens (IDLE_PAUSE where the drafter had nothing to say)."""
+
+    name = "fixed"
+
+    def __init__(self, steps: int, backoff: bool = True):
+        self.steps, self.backoff = steps, backoff
+        self._misses: dict[str, int] = {}
+        self._resume_at: dict[str, int] = {}
+
+    def due(self, request: Request) -> bool:
+        return len(request.output_ids) >= self._resume_at.get(request.rid, 0)
+
+    def may_draft(self, n: int) -> bool:
+        return True
+
+    def choose(self, requests: Sequence[Request], rooms: Sequence[int], expect_offers: bool = False) -> list[int]:
+        return [min(self.steps, max(room, 0)) if self.due(r) else 0 for r, room in zip(requests, rooms)]
+
+    def record(self, request: Request, drafted: int, accepted: int) -> None:
+        if accepted:
+            self.finished(request.rid)
+        elif drafted:
+            self.missed(request)
+
+    def offered(self, request: Request, given: bool) -> None:
+        if not given:
+            self.missed(request, IDLE_PAUSE)
+
+    def missed(self, request: Request, longest: int = MAX_PAUSE) -> None:
+        if not self.backoff:
+            return
+        misses = self._misses[request.rid] = self._misses.get(request.rid, 0) + 1
+        if misses >= 2:
+            self._resume_at[request.rid] = len(request.output_ids) + min(2 ** (misses - 1), longest)
+
+    def finished(self, rid: str) -> None:
+        self._misses.pop(rid, None)
+        self._resume_at.pop(rid, None)

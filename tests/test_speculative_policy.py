@@ -1,0 +1,194 @@
+"""The adaptive draft policy: its choices follow the step-cost model and each request's acceptance, its cost model
+is measured lazily per batch size and robust to noise, and no token depends on the policy (greedy and seeded
+sampling, fixed vs adaptive vs no speculation)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeplex.config import EngineConfig
+from moeplex.engine import Engine
+from moeplex.request import Request
+from moeplex.sampling import SamplingParams
+from moeplex.speculation import costs as costs_module
+from moeplex.speculation.costs import StepCosts, grid_sizes, time_size
+from moeplex.speculation.policy import AdaptivePolicy, FixedPolicy
+
+import script_drafters
+from test_speculative import PAGE, PROMPTS, conserved, script_distribution, scripted  # noqa: F401 (a fixture)
+
+STEPS = 3
+
+
+def table(plain: float, per_row: float, fixed: float = 0.0):
+    """A cost model: a plain step costs `plain`; a verify step `fixed` more plus `per_row` per row beyond one."""
+    return lambda n: [plain] + [plain + fixed + per_row * n * (k - 1) for k in range(1, STEPS + 2)]
+
+
+def request(rid: str, outputs: int = 1) -> Request:
+    r = Request(rid, [1, 2, 3], SamplingParams(max_new_tokens=100))
+    r.output_ids.extend([5] * outputs)
+    return r
+
+
+def test_cheap_rows_draft_fully_and_dear_rows_not_at_all():
+    cheap = AdaptivePolicy(STEPS, StepCosts(grid_sizes(64), table(1.0, 0.001)))
+    assert cheap.choose([request("a")], [STEPS]) == [STEPS]
+    # a verify row costs what a decode row does: no draft can pay (each is accepted with probability < 1)
+    dear = AdaptivePolicy(STEPS, StepCosts(grid_sizes(64), lambda n: [n * 1.0] + [n * k * 1.0 for k in range(1, 5)]))
+    assert dear.choose([request(str(i)) for i in range(8)], [STEPS] * 8) == [0] * 8
+    assert not dear.may_draft(8) and cheap.may_draft(8)  # dear: not even a sure draft pays, so no page is reserved
+    # room (pages, max_new_tokens) bounds the choice
+    assert cheap.choose([request("a"), request("b")], [1, 0]) == [1, 0]
+
+
+def test_a_request_that_misses_stops_drafting_while_one_that_lands_goes_on():
+    policy = AdaptivePolicy(STEPS, StepCosts(grid_sizes(64), table(1.0, 0.1, fixed=0.1)))
+    good, bad = request("good"), request("bad")
+    for _ in range(6):
+        policy.record(good, STEPS, STEPS)
+        policy.record(bad, STEPS, 0)
+    assert policy.choose([good, bad], [STEPS, STEPS]) == [STEPS, 0]
+    # tokens decoded without drafts fade the bad record back toward the prior: it is tried again later
+    bad.output_ids.extend([5] * 200)
+    assert policy.choose([good, bad], [STEPS, STEPS])[1] > 0
+
+
+def test_the_batch_decides_together_at_the_fixed_cost_of_a_verify_step():
+    """A verify step's fixed cost is paid once for the batch: one weak request alone does not pay for it, but
+    it is worth a few rows where others already make the step a verify step (and the positions that pay)."""
+    costs = StepCosts(grid_sizes(64), table(1.0, 0.1, fixed=0.7))
+    policy = AdaptivePolicy(STEPS, costs)
+    weak, strong = request("weak"), request("strong")
+    for _ in range(4):  # the first draft lands half the time, the second never
+        policy.record(weak, STEPS, 1)
+        policy.record(weak, STEPS, 0)
+        policy.record(strong, STEPS, STEPS)
+    assert policy.choose([weak], [STEPS]) == [0]
+    assert policy.choose([weak, strong], [STEPS, STEPS]) == [1, STEPS]
+
+
+def test_the_fixed_policy_is_backoff():
+    policy = FixedPolicy(STEPS)
+    r = request("r", outputs=4)
+    assert policy.choose([r], [2]) == [2]
+    policy.record(r, STEPS, 0)
+    policy.record(r, STEPS, 0)
+    assert policy.choose([r], [STEPS]) == [0]  # paused for 2 of its tokens
+    r.output_ids.extend([5, 5])
+    assert policy.choose([r], [STEPS]) == [STEPS]
+
+
+def test_step_costs_measure_each_size_once_on_first_use_and_interpolate():
+    asked = []
+
+    def measure(n):
+        asked.append(n)
+        return table(1.0 * n, 0.5)(n)
+
+    costs = StepCosts(grid_sizes(12), measure)
+    assert costs.sizes == [1, 2, 4, 8, 12] and asked == []
+    assert costs.cost(3, 3, verify=False) == 4.0  # 3 requests: the size 4 measurement, as a graph pads to it
+    assert costs.cost(3, 6, verify=True) == pytest.approx(4.0 + 0.5 * 4 * 1)  # 2 rows per request
+    assert costs.cost(3, 9, verify=True) == pytest.approx(4.0 + 0.5 * 4 * 2)
+    assert costs.cost(3, 4, verify=True) == pytest.approx(4.0 + 0.5 * 4 * (4 / 3 - 1))  # fractional rows
+    assert costs.cost(4, 4, verify=False) == 4.0 and asked == [4]
+    assert costs.cost(24, 24, verify=False) == pytest.approx(12.0 * 2)  # beyond the grid: per request
+    assert asked == [4, 12]
+
+
+def test_a_noisy_small_batch_costs_at_most_what_a_larger_one_does():
+    noisy = {1: [9.0, 9.0, 9.5, 9.5, 9.5], 2: [2.0, 2.1, 2.4, 2.6, 3.0]}  # size 1 measured during a burst
+    costs = StepCosts([1, 2], lambda n: noisy[n])
+    assert costs.cost(1, 1, verify=False) == 9.0
+    costs.at(2)
+    assert costs.measured[1] == [2.0, 2.1, 2.4, 2.6, 3.0]
+
+
+def test_timing_keeps_the_fastest_run_and_more_rows_never_cost_less(monkeypatch):
+    """A fake clock: shape k takes base[k], plus a spike on some runs; the table is the spike-free one with the
+    envelope applied (verify x2 measured slower than x3 costs what x3 does)."""
+    base = [1.0, 1.1, 1.6, 1.5, 2.0]
+    clock, runs = [0.0], []
+
+    def run(n, k):
+        runs.append(k)
+        clock[0] += base[k] + (5.0 if len(runs) % 4 == 0 else 0.0)
+
+    monkeypatch.setattr(costs_module.time, "perf_counter", lambda: clock[0])
+    assert time_size(1, 4, run) == pytest.approx([1.0, 1.1, 1.5, 1.5, 2.0])
+
+
+def config(folder: str, **overrides) -> EngineConfig:
+    base = dict(model=folder, dtype="fp32", show_progress=False, max_total_tokens=2048, page_size=PAGE,
+                speculative_num_steps=STEPS)
+    return EngineConfig(**{**base, **overrides})
+
+
+def run(folder, params, policy_costs=None, **overrides):
+    engine = Engine(config(folder, **overrides))
+    if policy_costs is not None:  # a cost model where the choice depends on each request's record
+        engine.speculation.policy = AdaptivePolicy(STEPS, StepCosts(grid_sizes(64), policy_costs))
+    return engine, engine.generate(PROMPTS, params)
+
+
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+SEEDED = [SamplingParams(max_new_tokens=24, temperature=0.9, top_k=30, seed=s, ignore_eos=True) for s in (3, 4, 5)]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_no_token_depends_on_the_policy(tiny_model_dir, params):
+    """ngram on prompts it can and cannot predict: the fixed policy drafts every step, the adaptive one (under a
+    cost model where a row costs something) only where the record pays; both give the tokens of decoding without speculation, seeded sampling included (each emitted token is the target's
+    own draw from the request's stream)."""
+    folder = tiny_model_dir("qwen3_moe")
+    want = [r.output_ids for r in Engine(config(folder)).generate(PROMPTS, params)]
+    fixed, got_fixed = run(folder, params, speculative_algorithm="ngram", speculative_policy="fixed",
+                           disable_speculative_backoff=True)
+    adaptive, got_adaptive = run(folder, params, table(1.0, 0.04, fixed=0.2), speculative_algorithm="ngram")
+    for got in (got_fixed, got_adaptive):
+        assert [r.output_ids for r in got] == want
+    drafted = [sum(r.spec_draft_tokens for r in got) for got in (got_fixed, got_adaptive)]
+    assert 0 < drafted[1] < drafted[0]  # the policies decided differently
+    assert adaptive.speculation.counts.plain_steps > 0 and adaptive.speculation.counts.verify_steps > 0
+    for engine in (fixed, adaptive):
+        assert conserved(engine)
+
+
+def test_the_measured_cost_model_changes_no_token(tiny_model_dir):
+    """The default: costs measured on this machine's own steps (noisy here, so its choices are anyone's guess)."""
+    folder = tiny_model_dir("mixtral")
+    want = [r.output_ids for r in Engine(config(folder)).generate(PROMPTS, SEEDED)]
+    engine, got = run(folder, SEEDED, speculative_algorithm="ngram")
+    assert [r.output_ids for r in got] == want
+    assert 4 in engine.step_costs.measured  # three requests: the size a graph would pad them to
+    assert conserved(engine)
+
+
+def test_the_adaptive_policy_drafts_fully_for_the_oracle_and_stops_for_the_adversary(tiny_model_dir,
+                                                                                      script_distribution):
+    folder = tiny_model_dir("deepseek_v3")
+    plain = Engine(config(folder)).generate(PROMPTS, GREEDY)
+    want = [r.output_ids for r in plain]
+    scripted(PROMPTS, want)
+    costs = table(1.0, 0.02, fixed=0.1)
+    _, oracle = run(folder, GREEDY, costs, speculative_algorithm="test-oracle")
+    assert [r.output_ids for r in oracle] == want
+    assert all(r.spec_accepted_tokens == r.spec_draft_tokens > 0 for r in oracle)
+    assert sum(r.spec_verify_steps for r in oracle) <= sum(-(-23 // (STEPS + 1)) for _ in oracle)  # full drafts
+    adversary, got = run(folder, GREEDY, costs, speculative_algorithm="test-adversary")
+    assert [r.output_ids for r in got] == want
+    # it tries (the prior is optimistic), misses, and stops: far fewer verify steps than decode steps
+    assert 0 < adversary.speculation.counts.verify_steps <= 3 * 4 < adversary.speculation.counts.plain_steps
+    assert conserved(adversary)
+
+
+def test_under_the_overlap_schedule_every_size_is_measured_at_start_up(tiny_model_dir):
+    """A step may be in flight when a size is first asked for: its graph outputs must not be replayed over, so
+    the whole grid is measured before serving; output as without speculation."""
+    folder = tiny_model_dir("mixtral")
+    want = [r.output_ids for r in Engine(config(folder)).generate(PROMPTS, GREEDY)]
+    engine = Engine(config(folder, speculative_algorithm="ngram", overlap_schedule=True, max_running_requests=4))
+    assert engine.overlap_schedule and sorted(engine.step_costs.measured) == [1, 2, 4]
+    assert [r.output_ids for r in engine.generate(PROMPTS, GREEDY)] == want
+    assert conserved(engine)
