@@ -136,7 +136,7 @@ class SpeculativeDecoding:
         ).tokens
         made = [[] for _ in requests]
         for j, tokens in zip(asked, proposed):
-            made[j] = self._in_vocabulary(requests[j], list(tokens[: counts[j]]))
+            made[j] = self._in_vocabulary(requests[j], list(tokens))[: counts[j]]  # a bad id anywhere: none of it
             self.policy.offered(requests[j], bool(made[j]))
         if cheap:
             counts = self.policy.choose(requests, [len(m) for m in made])
