@@ -109,6 +109,8 @@ class EngineConfig:
     speculative_num_steps: int = attrs.field(default=3, validator=_positive)
     speculative_num_draft_tokens: int | None = attrs.field(default=None, validator=_positive)
     disable_speculative_backoff: bool = False  # draft for every decoding request every step, however often it misses
+    # structured outputs (docs/structured_outputs.md): the grammar_backend plugin that turns constraints into masks
+    grammar_backend: str = "xgrammar"
     # prefill/decode disaggregation (docs/pd.md): this server's role, how KV pages move, and the deadlines
     disaggregation_mode: str = attrs.field(default="none", validator=_one_of(DISAGGREGATION_MODES))
     disaggregation_transfer_backend: str = "zmq"

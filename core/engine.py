@@ -25,6 +25,7 @@ import torch
 from .config import EngineConfig
 from .cuda_graph import decode_graphs
 from .forward_batch import ForwardBatch
+from .grammar.book import REJECTED, TERMINATED, GrammarBook
 from .in_flight import InFlight
 from .interfaces import BatchMeta
 from .hooks import make_plugin_manager
@@ -38,6 +39,7 @@ from .parallel import ParallelState
 from .prefix_cache import PrefixCache
 from .disagg.rank import RankTransfers
 from .progress import progress as progress_bar
+from .registry import lookup
 from .request import FinishReason, Request, check_prompt
 from .sampler import FAILED, Sampler
 from .sampling import SamplingParams
@@ -131,6 +133,10 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model)
         self.eos_ids = _eos_ids(config.model, self.model.hf_config)
         self.vocab_size = self.model.hf_config["vocab_size"]
+        # structured outputs: checked now (an unknown backend fails at start-up), built on the first constrained request
+        self.grammar = GrammarBook.for_backend(
+            lookup("grammar_backend", config.grammar_backend), self.tokenizer, self.vocab_size, self.eos_ids
+        )
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
@@ -148,7 +154,11 @@ class Engine:
         check_prompt(prompt_ids, self.vocab_size, self.kv.capacity_tokens)
         if room is not None and self.pd is None:
             raise ValueError("a bootstrap room needs --disaggregation-mode prefill or decode")
+        if params.constraint is not None and self.speculation is not None:
+            raise ValueError("structured outputs (a JSON schema, regex or grammar) do not run with speculative decoding yet")
         request = Request(rid if rid is not None else str(next(self._ids)), prompt_ids, params)
+        if params.constraint is not None:
+            self.grammar.add(request.rid, params.constraint)  # compiles while the prompt is prefilled
         if room is None or self.pd.add(request, room):
             self.scheduler.add(request)
         self._requests[request.rid] = request
@@ -231,6 +241,9 @@ class Engine:
         finished = []
         if spec is not None and self.in_flight is not None and any(spec.due(r) for r in self.scheduler.running):
             finished, self.in_flight = self._complete(self.in_flight), None  # drafts need the token in flight
+        elif self.in_flight is not None and any(r.rid in self.grammar for r in self.in_flight.requests):
+            # a constrained request's next mask needs its matcher advanced by the token in flight
+            finished, self.in_flight = self._complete(self.in_flight), None
         work = self.scheduler.schedule()
         finished += self._drain_dropped()
         # (a request resumed fully cached may be due while a step is still in flight: it decodes plainly this once)
@@ -281,6 +294,7 @@ class Engine:
             logits = logits[to_device(logits.device, torch.tensor(due))[0]]
         for row, request in enumerate(requests):
             request.pending_rows.append(row)
+        logits = self.grammar.mask(logits, [r.rid for r in requests])  # structured outputs: forbidden tokens at -inf
         return InFlight.start(requests, logits, self.sampler.draw(logits, requests))
 
     def _complete(self, step: InFlight | None) -> list[Request]:
@@ -291,7 +305,7 @@ class Engine:
         finished = []
         for row, request in enumerate(step.requests):
             if tokens[row] == FAILED and not request.finished:
-                request.finish(FinishReason.ABORT, error=SAMPLING_FAILED)
+                request.finish(FinishReason.ABORT, error=self.grammar.errors.get(request.rid, SAMPLING_FAILED))
                 self._retire(request)
                 finished.append(request)
         live = [row for row, request in enumerate(step.requests) if not request.finished]
@@ -341,8 +355,13 @@ class Engine:
         grown_from = len(request.text)
         if detok is not None:
             request.text += detok.push(token)
-        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+        grammar = self.grammar.accept(request.rid, token)
+        if grammar == REJECTED:
+            request.finish(FinishReason.ABORT, error=f"token {token} breaks the request's structured-output constraint")
+        elif token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
             request.finish(FinishReason.STOP, stop_reason=token)
+        elif grammar == TERMINATED:  # the constrained output is complete: nothing else may follow
+            request.finish(FinishReason.STOP)
         elif detok is not None and params.stop and self._hit_stop_string(request, grown_from):
             pass
         elif len(request.output_ids) >= params.max_new_tokens:
@@ -373,6 +392,7 @@ class Engine:
             self.scheduler.finish(request)
         if self.speculation is not None:
             self.speculation.finished(request)
+        self.grammar.finished(request.rid)
         self._requests.pop(request.rid, None)
         detok = self._detok.pop(request.rid, None)
         if detok is not None and request.finish_reason != FinishReason.STOP:

@@ -12,6 +12,8 @@ import math
 
 import attrs
 
+from .interfaces.grammar import Constraint
+
 GREEDY_TEMPERATURE = 1e-5  # below this a temperature is greedy: 1/t stays far from float32's limits
 # stop strings are matched against every step's new text: bounded so that costs O(new text + these), not more
 MAX_STOP_STRINGS = 32
@@ -74,6 +76,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
     ignore_eos: bool = False
     logprobs: int = attrs.field(default=0, validator=_non_negative)  # top-K log-probabilities per step
+    constraint: Constraint | None = None  # structured output: a JSON schema, regex or grammar the output follows
 
     @property
     def greedy(self) -> bool:

@@ -186,6 +186,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     add_balancing_flags(parser)
     add_speculative_flags(parser)
+    add_grammar_flags(parser)
     add_disaggregation_flags(parser)
     flag(parser, "--seed", "global random seed (default: %(default)s)")
 
@@ -253,6 +254,17 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
         "draft for every decoding request at every step; by default a request whose drafts missed twice running "
         "pauses drafting for 2, 4, ... 64 tokens (plain steps, under the overlap schedule where the drafter allows), "
         "so a workload the drafter cannot predict costs about what it costs without speculation",
+    )
+
+
+def add_grammar_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("structured outputs (see docs/structured_outputs.md)")
+    flag(
+        group, "--grammar-backend",
+        "grammar_backend plugin that turns JSON schemas, regexes and EBNF grammars (response_format, json_schema, "
+        "regex, ebnf) into token masks: xgrammar, llguidance, or any installed one (`moeplex plugins`) "
+        "(default: %(default)s)",
+        metavar="NAME",
     )
 
 

@@ -1,0 +1,108 @@
+"""The engine's grammar state: one matcher per constrained request, made off the step loop while its prompt is
+prefilled, the mask of a step filled for every constrained row at once, and each sampled token fed back.
+
+The backend is built on the first constrained request (reading a large vocabulary takes about a second), so an
+engine that never sees one never pays for it."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..interfaces import Constraint, GrammarBackend, GrammarError, GrammarMatcher, GrammarVocab
+from .compiler import GrammarCompiler
+from .mask import apply_bitmask, bitmask_rows
+
+REJECTED = "rejected"  # the matcher refused the sampled token
+TERMINATED = "terminated"  # the output is complete
+
+
+class GrammarBook:
+    def __init__(self, make_backend: Callable[[], GrammarBackend]):
+        self._make_backend = make_backend
+        self.compiler: GrammarCompiler | None = None
+        self._pool: ThreadPoolExecutor | None = None  # matchers are built apart from compiles: no pool waits on itself
+        self._matchers: dict[str, Future] = {}
+        self.errors: dict[str, str] = {}  # rid -> why its constraint failed (the request fails with it)
+        self.mask_wait_seconds = 0.0  # time steps spent waiting for a compile or a matcher
+        self.mask_waits = 0
+
+    @classmethod
+    def for_backend(cls, backend_cls: type[GrammarBackend], tokenizer: Any, vocab_size: int, eos_ids) -> "GrammarBook":
+        def make() -> GrammarBackend:
+            if tokenizer is None:
+                raise GrammarError("structured outputs need the model's tokenizer.json")
+            return backend_cls(GrammarVocab(tokenizer, vocab_size, tuple(sorted(eos_ids))))
+
+        return cls(make)
+
+    def _start(self) -> GrammarCompiler:
+        if self.compiler is None:
+            self.compiler = GrammarCompiler(self._make_backend())
+            self._pool = ThreadPoolExecutor(2, thread_name_prefix="grammar-matcher")
+        return self.compiler
+
+    def add(self, rid: str, constraint: Constraint) -> None:
+        """Start compiling (or find in the cache) and build the request's matcher in the background."""
+        compiled = self._start().submit(constraint)
+        self._matchers[rid] = self._pool.submit(lambda: self.compiler.backend.matcher(compiled.result()))
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._matchers
+
+    def _matcher(self, rid: str) -> GrammarMatcher | None:
+        future = self._matchers[rid]
+        if not future.done():
+            start = time.perf_counter()
+            future.exception()  # waits
+            self.mask_wait_seconds += time.perf_counter() - start
+            self.mask_waits += 1
+        try:
+            return future.result()
+        except GrammarError as exc:
+            self.errors[rid] = str(exc)
+            return None
+
+    def mask(self, logits: torch.Tensor, rids: Sequence[str]) -> torch.Tensor:
+        """The one point where constraints meet sampling: `logits` [B, V] with every constrained row's forbidden
+        tokens at -inf (a row whose constraint failed to compile all NaN, so the sampler fails just that row)."""
+        rows = [row for row, rid in enumerate(rids) if rid in self._matchers]
+        if not rows:
+            return logits
+        live, matchers, broken = [], [], []
+        for row in rows:
+            matcher = self._matcher(rids[row])
+            (broken if matcher is None else live).append(row)
+            if matcher is not None:
+                matchers.append(matcher)
+        if broken:
+            logits = logits.index_fill(0, torch.tensor(broken, device=logits.device), float("nan"))
+        if live:
+            bitmask = bitmask_rows(len(live), -(-logits.shape[-1] // 32))
+            self.compiler.backend.fill_masks(matchers, bitmask, range(len(live)))
+            logits = apply_bitmask(logits, bitmask, torch.tensor(live))
+        return logits
+
+    def accept(self, rid: str, token: int) -> str | None:
+        """Feed the sampled token; REJECTED, TERMINATED, or None while the output goes on."""
+        if rid not in self._matchers:
+            return None
+        matcher = self._matcher(rid)
+        if matcher is None or not matcher.accept(token):
+            return REJECTED
+        return TERMINATED if matcher.is_terminated() else None
+
+    def finished(self, rid: str) -> str | None:
+        """Drop the request's matcher; the reason its constraint failed, if it did."""
+        future = self._matchers.pop(rid, None)
+        if future is not None:
+            future.cancel()
+        return self.errors.pop(rid, None)
+
+    def close(self) -> None:
+        if self.compiler is not None:
+            self.compiler.close()
+            self._pool.shutdown(wait=False, cancel_futures=True)
