@@ -20,6 +20,12 @@ REJECTED = "rejected"  # the matcher refused the sampled token
 TERMINATED = "terminated"  # the output is complete
 
 
+def make_backend(backend_cls: type[GrammarBackend], tokenizer: Any, vocab_size: int, eos_ids) -> GrammarBackend:
+    if tokenizer is None:
+        raise GrammarError("structured outputs need the model's tokenizer.json")
+    return backend_cls(GrammarVocab(tokenizer, vocab_size, tuple(sorted(eos_ids))))
+
+
 class GrammarBook:
     def __init__(self, make_backend: Callable[[], GrammarBackend]):
         self._make_backend = make_backend
@@ -32,12 +38,7 @@ class GrammarBook:
 
     @classmethod
     def for_backend(cls, backend_cls: type[GrammarBackend], tokenizer: Any, vocab_size: int, eos_ids) -> "GrammarBook":
-        def make() -> GrammarBackend:
-            if tokenizer is None:
-                raise GrammarError("structured outputs need the model's tokenizer.json")
-            return backend_cls(GrammarVocab(tokenizer, vocab_size, tuple(sorted(eos_ids))))
-
-        return cls(make)
+        return cls(lambda: make_backend(backend_cls, tokenizer, vocab_size, eos_ids))
 
     def _start(self) -> GrammarCompiler:
         if self.compiler is None:

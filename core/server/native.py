@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
+import attrs
+
 from .endpoint import MAX_SEED, MAX_TOP_LOGPROBS, Plan, expand, choice_params
 from .errors import bad_request
 from .group import RequestGroup
@@ -18,6 +20,7 @@ from ..request import accept_length, accept_rate
 from .outputs import Completion
 from .schema import BOOLEAN, INTEGER, NUMBER, STRING, AnyOf, Field, ListOf, ObjectOf
 from .served_model import ServedModel
+from .structured import NATIVE_FIELDS, from_native
 
 SAMPLING = ObjectOf(
     [
@@ -37,6 +40,7 @@ SAMPLING = ObjectOf(
         Field("frequency_penalty", NUMBER, 0, "not supported", choices=(0,)),
         Field("presence_penalty", NUMBER, 0, "not supported", choices=(0,)),
         Field("repetition_penalty", NUMBER, 1, "not supported", choices=(1,)),
+        *NATIVE_FIELDS,
     ],
     describe="an object of sampling parameters",
 )
@@ -76,7 +80,10 @@ class GenerateEndpoint:
             self.model.check_prompt(ids, param)
             self.model.check_length(len(ids), sampling["max_new_tokens"], "sampling_params.max_new_tokens")
             self.model.check_token_ids(sampling["stop_token_ids"] or (), "sampling_params.stop_token_ids")
-            requests += expand([ids], n, lambda j: _params(sampling, logprobs, j))
+            constraint = from_native(sampling)
+            self.model.constraints.check(constraint, "sampling_params")
+            expanded = expand([ids], n, lambda j: _params(sampling, logprobs, j))
+            requests += [(p, attrs.evolve(sp, constraint=constraint)) for p, sp in expanded] if constraint else expanded
         return Plan(requests, values["stream"], n, values)
 
     def _prompt_ids(self, values: dict[str, Any]) -> list[list[int]]:

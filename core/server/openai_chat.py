@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
+import attrs
+
 from .endpoint import MAX_TOP_LOGPROBS, Plan, expand
 from .errors import bad_request
 from .group import RequestGroup
@@ -11,6 +13,7 @@ from .openai_common import chat_logprobs, finish_fields, header, params_for_choi
 from .outputs import Completion, Output
 from .schema import BOOLEAN, INTEGER, OBJECT, STRING, AnyOf, Field, ListOf, ObjectOf
 from .served_model import ServedModel
+from .structured import from_response_format, response_format_field
 
 ROLES = ("system", "developer", "user", "assistant")
 TEXT_PART = ObjectOf([Field("type", STRING, None, required=True, choices=("text",)), Field("text", STRING, None, required=True)])
@@ -45,7 +48,7 @@ class ChatEndpoint:
             Field("logprobs", BOOLEAN, False, "return the log-probability of each generated token"),
             Field("top_logprobs", INTEGER, 0, "with logprobs: the K most likely tokens at each step", minimum=0,
                   maximum=MAX_TOP_LOGPROBS),
-            Field("response_format", OBJECT, None, "only plain text", choices=({"type": "text"},)),
+            response_format_field(),
             Field("tools", ListOf(OBJECT, "an array of tools"), None, "not supported", choices=([],)),
             Field("tool_choice", AnyOf(STRING, OBJECT), None, "not supported", choices=("none", "auto")),
             Field("parallel_tool_calls", BOOLEAN, None, "accepted and ignored (no tools)"),
@@ -63,6 +66,10 @@ class ChatEndpoint:
         model.check_length(len(ids), max_tokens, "max_tokens")
         engine_logprobs = max(values["top_logprobs"], 1) if values["logprobs"] else 0
         requests = expand([ids], values["n"], lambda j: params_for_choice(values, model, max_tokens, engine_logprobs, j))
+        constraint = from_response_format(values["response_format"])
+        if constraint is not None:
+            model.constraints.check(constraint, "response_format")
+            requests = [(ids, attrs.evolve(params, constraint=constraint)) for ids, params in requests]
         return Plan(requests, values["stream"], values["n"], values)
 
     def _logprobs(self, plan: Plan, entries) -> dict | None:

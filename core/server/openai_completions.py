@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
+import attrs
+
 from .endpoint import MAX_TOP_LOGPROBS, Plan, expand
 from .group import RequestGroup
 from .openai_common import (
@@ -12,6 +14,7 @@ from .openai_common import (
 from .outputs import Completion, Output
 from .schema import BOOLEAN, INTEGER, STRING, AnyOf, Field, ListOf
 from .served_model import ServedModel
+from .structured import from_response_format, response_format_field
 
 PROMPT = AnyOf(
     STRING,
@@ -35,6 +38,7 @@ class CompletionsEndpoint:
             Field("echo", BOOLEAN, False, "not supported", choices=(False,)),
             Field("suffix", STRING, None, "not supported", choices=("",)),
             Field("best_of", INTEGER, None, "not supported beyond 1", choices=(1,)),
+            response_format_field(),
         ]
 
     def plan(self, values: dict[str, Any]) -> Plan:
@@ -48,6 +52,10 @@ class CompletionsEndpoint:
         top = values["logprobs"]
         engine_logprobs = 0 if top is None else max(top, 1)
         requests = expand(prompts, values["n"], lambda j: params_for_choice(values, model, max_tokens, engine_logprobs, j))
+        constraint = from_response_format(values["response_format"])
+        if constraint is not None:
+            model.constraints.check(constraint, "response_format")
+            requests = [(ids, attrs.evolve(params, constraint=constraint)) for ids, params in requests]
         return Plan(requests, values["stream"], values["n"], values)
 
     def _prompt_ids(self, prompt) -> list[list[int]]:
