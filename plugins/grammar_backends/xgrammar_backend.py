@@ -69,10 +69,20 @@ class XGrammarBackend(GrammarBackend):
         super().__init__(vocab)
         from transformers import PreTrainedTokenizerFast  # xgrammar reads the vocabulary's byte encoding from it
 
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=vocab.tokenizer)
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab.vocab_size, stop_token_ids=list(vocab.eos_ids) or None
+        # xgrammar takes every vocabulary entry as text, special added tokens (bos, pad, chat markers) included, so
+        # a JSON string could hold "<|pad|>" that the detokenizer then drops; an empty entry is never allowed
+        detected = xgr.TokenizerInfo.from_huggingface(
+            PreTrainedTokenizerFast(tokenizer_object=vocab.tokenizer), vocab_size=vocab.vocab_size,
+            stop_token_ids=list(vocab.eos_ids) or None,
         )
+        encoded = [""] * vocab.vocab_size
+        for text, token in vocab.tokenizer.get_vocab(with_added_tokens=True).items():
+            if token < vocab.vocab_size:
+                encoded[token] = text
+        for token, added in vocab.tokenizer.get_added_tokens_decoder().items():
+            if added.special and token < vocab.vocab_size:
+                encoded[token] = ""
+        info = xgr.TokenizerInfo.from_vocab_and_metadata(encoded, detected.dump_metadata())
         # moeplex keeps its own cache (keyed by the constraint); xgrammar's would hold a second copy
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self.batch = xgr.BatchGrammarMatcher()
