@@ -12,6 +12,7 @@ import sys
 import tempfile
 
 from ..server import ServerSettings
+from ..server.settings import REASONING_PARSERS, TOOL_CALL_PARSERS
 from ..server.processes import EngineStopped, serve
 from .flags import add_engine_flags, engine_config
 
@@ -64,6 +65,16 @@ def add_parser(sub) -> None:
         help="on a GPU, serve at once instead of first running one prefill step of each size class up to "
         "--max-batched-tokens (which compiles their kernels before a client waits on them)",
     )
+    http.add_argument(
+        "--tool-call-parser", choices=TOOL_CALL_PARSERS,
+        help="how the model writes tool calls, read back into tool_calls for tool_choice auto: deepseek_v3, qwen3 "
+        "(also Qwen2.5's <tool_call> blocks) or mistral (see docs/structured_outputs.md; default: none, calls stay text)",
+    )
+    http.add_argument(
+        "--reasoning-parser", choices=REASONING_PARSERS,
+        help="split the model's thinking (<think>...</think>) into reasoning_content: deepseek_r1 or qwen3 "
+        "(default: none)",
+    )
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="server log level (default: info)")
     add_engine_flags(p)
     p.set_defaults(run=run)
@@ -83,6 +94,8 @@ def run(args) -> int:
         gil_switch_interval=args.gil_switch_interval,
         expert_load_dir=args.expert_load_dir,
         warmup=not args.skip_warmup,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     check_port_free(args.host, args.port)  # before the model loads, not after
     config = engine_config(args)  # rank 0 draws the loading bar when stderr is a terminal

@@ -49,9 +49,10 @@ class ChatTemplate:
         source = _template_source(folder, config)
         return cls(source or DEFAULT_CHAT_TEMPLATE, special, is_default=source is None)
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """`tools`: the request's tools, which templates of tool-calling models show the model (None: no tools)."""
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+            return self.template.render(messages=messages, tools=tools, add_generation_prompt=True, **self.special_tokens)
         except jinja2.exceptions.TemplateError as exc:
             raise bad_request(f"the chat template refused the messages: {exc}", "messages") from None
 
