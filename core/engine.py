@@ -129,6 +129,7 @@ class Engine:
         # prefill/decode disaggregation: this rank's transfer backend and the pages it holds or expects
         self.pd = RankTransfers.create(self) if config.disaggregation_mode != "none" else None
         self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet
+        self._read_early: list[Request] = []  # finished by a step in flight read before the next draw (grammar)
         self.sampler = Sampler()
         self.tokenizer = load_tokenizer(config.model)
         self.eos_ids = _eos_ids(config.model, self.model.hf_config)
@@ -241,9 +242,6 @@ class Engine:
         finished = []
         if spec is not None and self.in_flight is not None and any(spec.due(r) for r in self.scheduler.running):
             finished, self.in_flight = self._complete(self.in_flight), None  # drafts need the token in flight
-        elif self.in_flight is not None and any(r.rid in self.grammar for r in self.in_flight.requests):
-            # a constrained request's next mask needs its matcher advanced by the token in flight
-            finished, self.in_flight = self._complete(self.in_flight), None
         work = self.scheduler.schedule()
         finished += self._drain_dropped()
         # (a request resumed fully cached may be due while a step is still in flight: it decodes plainly this once)
@@ -251,6 +249,8 @@ class Engine:
             return finished + self._speculative_step(work)
         batch = self._agree(self.runner.prepare(work, self.in_flight))
         launched = self._launch(work, batch) if batch is not None else None
+        finished += self._read_early
+        self._read_early = []
         if self.overlap_schedule:
             launched, self.in_flight = self.in_flight, launched
         return finished + self._complete(launched)
@@ -294,6 +294,10 @@ class Engine:
             logits = logits[to_device(logits.device, torch.tensor(due))[0]]
         for row, request in enumerate(requests):
             request.pending_rows.append(row)
+        if self.in_flight is not None and any(r.rid in self.grammar for r in requests):
+            # a constrained request's mask needs its matcher advanced by the token in flight: read it now, while the
+            # device runs this step's forward (the mask is filled on the host meanwhile; only the draw waits for it)
+            self._read_early, self.in_flight = self._complete(self.in_flight), None
         logits = self.grammar.mask(logits, [r.rid for r in requests])  # structured outputs: forbidden tokens at -inf
         return InFlight.start(requests, logits, self.sampler.draw(logits, requests))
 

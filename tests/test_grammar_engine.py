@@ -119,3 +119,17 @@ def test_a_constraint_that_does_not_compile_fails_only_its_request(tiny_model_di
     assert engine.grammar.compiler.misses == 2
     run(engine, [Constraint(REGEX, "ok|no")])
     assert engine.grammar.compiler.hits >= 1  # the same text compiled once
+
+
+def test_overlap_schedule_gives_the_same_tokens(tiny_model_dir):
+    """Constrained and free requests in one batch: under the overlap schedule (a constrained request's token read
+    while the next forward runs, before that step's draw) every request gets the tokens it gets without it."""
+    outputs = []
+    for overlap in (False, True):
+        engine = Engine(EngineConfig(model=tiny_model_dir("qwen3_moe"), overlap_schedule=overlap, **ENGINE))
+        prompts = [engine.encode(f"Request {i}:") for i in range(6)]
+        params = [SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=i % 2 == 1,
+                                 constraint=Constraint(JSON_SCHEMA, json.dumps(SCHEMAS[i])) if i % 2 == 0 else None)
+                  for i in range(6)]
+        outputs.append([(r.output_ids, r.finish_reason) for r in engine.generate(prompts, params)])
+    assert outputs[0] == outputs[1]
