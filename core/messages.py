@@ -171,6 +171,8 @@ class GroupStats:
     cache_queried_tokens: int = 0  # since start-up: tokens looked up in the prefix cache at admission
     cache_hit_tokens: int = 0  # of those, tokens found cached
     cache_evicted_pages: int = 0
+    grammar_mask_waits: int = 0  # since start-up: steps that waited for a constraint's compile or matcher
+    grammar_mask_wait_seconds: float = 0.0  # the time they waited
 
 
 @pickled_as_fields
@@ -218,6 +220,10 @@ class LoopStats:
     def cache_total(self, counter: str) -> int:
         """A prefix-cache counter summed over the DP groups: queried_tokens, hit_tokens or evicted_pages."""
         return sum(getattr(g, f"cache_{counter}") for g in self.groups)
+
+    def grammar_total(self, counter: str) -> float:
+        """A grammar counter summed over the DP groups: mask_waits or mask_wait_seconds."""
+        return sum(getattr(g, f"grammar_{counter}") for g in self.groups)
 
     @property
     def page_size(self) -> int:

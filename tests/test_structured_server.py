@@ -128,3 +128,8 @@ def test_openai_client_parses_into_a_pydantic_model(live):
     )
     trip = completion.choices[0].message.parsed
     assert isinstance(trip, Trip) and trip.city in ("paris", "rome") and 1 <= trip.days <= 9
+
+
+def test_metrics_count_mask_waits(client):
+    body = client.get("/metrics").text
+    assert "moeplex_grammar_mask_waits_total" in body and "moeplex_grammar_mask_wait_seconds_total" in body

@@ -20,10 +20,19 @@ def allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
+def _to(device: torch.device, bitmask: torch.Tensor) -> torch.Tensor:
+    """The bitmask on `device`; already pinned (bitmask_rows), so the copy starts without another host copy."""
+    if device.type == "cpu":
+        return bitmask
+    if bitmask.is_pinned():
+        return bitmask.to(device, non_blocking=True)
+    return to_device(device, bitmask)[0]
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """`logits` [B, V] with forbidden tokens at -inf; `bitmask` holds one row per entry of `rows` (the logits rows
     it constrains; every row when None). The copy to the device does not wait for it (pinned memory)."""
-    mask = to_device(logits.device, bitmask)[0]
+    mask = _to(logits.device, bitmask)
     keep = allowed(mask, logits.shape[-1])
     if rows is None:
         return logits.masked_fill(~keep, float("-inf"))

@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 def group_stats(engine: Engine) -> GroupStats:
     scheduler, kv, cache = engine.scheduler, engine.kv, engine.prefix_cache
     counts = (len(scheduler.running), len(scheduler.waiting), kv.num_pages, kv.num_free_pages, kv.page_size)
+    grammar = dict(grammar_mask_waits=engine.grammar.mask_waits, grammar_mask_wait_seconds=engine.grammar.mask_wait_seconds)
     if cache is None:
-        return GroupStats(*counts)
-    return GroupStats(*counts, cache.num_pages, cache.queried_tokens, cache.hit_tokens, cache.evicted_pages)
+        return GroupStats(*counts, **grammar)
+    return GroupStats(*counts, cache.num_pages, cache.queried_tokens, cache.hit_tokens, cache.evicted_pages, **grammar)
 
 
 class _Seen:

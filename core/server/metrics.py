@@ -73,6 +73,7 @@ class ServerMetrics:
         self.kv_usage.set_function(lambda: stats().kv_pages_used / max(stats().kv_pages_total, 1))
         self.kv_pages_cached.set_function(lambda: stats().kv_pages_cached)
         self.registry.register(PrefixCacheCounters(stats))
+        self.registry.register(GrammarCounters(stats))
 
     def watch_transfers(self, transfers: Callable[[], object]) -> None:
         """Disaggregation: the leader's TransferStats (None on a co-located server) at scrape time."""
@@ -116,6 +117,26 @@ class PrefixCacheCounters:
         for counter, name, documentation in self.COUNTERS:
             family = CounterMetricFamily(name, documentation)
             family.add_metric([], stats.cache_total(counter))
+            yield family
+
+
+class GrammarCounters:
+    """Structured outputs: the steps that waited for a grammar (a compile or matcher not ready when the request's
+    token was drawn), summed over the DP groups, read at scrape time."""
+
+    COUNTERS = (
+        ("mask_waits", "moeplex_grammar_mask_waits", "Steps that waited for a structured-output grammar"),
+        ("mask_wait_seconds", "moeplex_grammar_mask_wait_seconds", "Seconds steps waited for structured-output grammars"),
+    )
+
+    def __init__(self, stats: Callable[[], object]):
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats()
+        for counter, name, documentation in self.COUNTERS:
+            family = CounterMetricFamily(name, documentation)
+            family.add_metric([], stats.grammar_total(counter))
             yield family
 
 
