@@ -136,7 +136,8 @@ class Engine:
         self.vocab_size = self.model.hf_config["vocab_size"]
         # structured outputs: checked now (an unknown backend fails at start-up), built on the first constrained request
         self.grammar = GrammarBook.for_backend(
-            lookup("grammar_backend", config.grammar_backend), self.tokenizer, self.vocab_size, self.eos_ids
+            lookup("grammar_backend", config.grammar_backend), self.tokenizer, self.vocab_size, self.eos_ids,
+            needs_rollback=self.speculation is not None,
         )
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
@@ -155,8 +156,6 @@ class Engine:
         check_prompt(prompt_ids, self.vocab_size, self.kv.capacity_tokens)
         if room is not None and self.pd is None:
             raise ValueError("a bootstrap room needs --disaggregation-mode prefill or decode")
-        if params.constraint is not None and self.speculation is not None:
-            raise ValueError("structured outputs (a JSON schema, regex or grammar) do not run with speculative decoding yet")
         request = Request(rid if rid is not None else str(next(self._ids)), prompt_ids, params)
         if params.constraint is not None:
             self.grammar.add(request.rid, params.constraint)  # compiles while the prompt is prefilled
@@ -266,6 +265,7 @@ class Engine:
         self.hooks.hook.moeplex_batch_scheduled(batch=batch)
         finished = self.speculation.run(
             work, batch, drafts, self.runner.verify_forward, self.scheduler, self._append, self._fail, self.sampler,
+            mask=self.grammar.mask_drafts,
         )
         self.balancing.after_forward()
         return finished

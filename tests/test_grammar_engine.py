@@ -133,3 +133,24 @@ def test_overlap_schedule_gives_the_same_tokens(tiny_model_dir):
                   for i in range(6)]
         outputs.append([(r.output_ids, r.finish_reason) for r in engine.generate(prompts, params)])
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_speculative_drafts_are_checked_by_the_matcher(tiny_model_dir, backend):
+    """ngram drafts (from a prompt that repeats itself) verified against masked rows: a draft the grammar forbids
+    is rejected and rolled back; the tokens are those of decoding without speculation, and they follow the
+    schema."""
+    schemas = SCHEMAS[:6]
+    outputs = []
+    for spec in ("none", "ngram"):
+        engine = Engine(EngineConfig(model=tiny_model_dir("deepseek_v3"), speculative_algorithm=spec,
+                                     grammar_backend=backend, disable_speculative_backoff=True, **ENGINE))
+        prompts = [engine.encode('{"name": "ab", "age": 7} ' * 3 + f"#{i}") for i in range(len(schemas))]
+        params = [SamplingParams(max_new_tokens=48, temperature=0.0, constraint=Constraint(JSON_SCHEMA, json.dumps(s)))
+                  for s in schemas]
+        requests = engine.generate(prompts, params)
+        check_json(engine, requests, schemas)
+        outputs.append([r.output_ids for r in requests])
+        if spec == "ngram":
+            assert sum(r.spec_draft_tokens for r in requests) > 0
+    assert outputs[0] == outputs[1]

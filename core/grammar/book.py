@@ -27,8 +27,9 @@ def make_backend(backend_cls: type[GrammarBackend], tokenizer: Any, vocab_size: 
 
 
 class GrammarBook:
-    def __init__(self, make_backend: Callable[[], GrammarBackend]):
+    def __init__(self, make_backend: Callable[[], GrammarBackend], needs_rollback: bool = False):
         self._make_backend = make_backend
+        self.needs_rollback = needs_rollback  # speculative decoding: rejected drafts are rolled back
         self.compiler: GrammarCompiler | None = None
         self._pool: ThreadPoolExecutor | None = None  # matchers are built apart from compiles: no pool waits on itself
         self._matchers: dict[str, Future] = {}
@@ -37,12 +38,16 @@ class GrammarBook:
         self.mask_waits = 0
 
     @classmethod
-    def for_backend(cls, backend_cls: type[GrammarBackend], tokenizer: Any, vocab_size: int, eos_ids) -> "GrammarBook":
-        return cls(lambda: make_backend(backend_cls, tokenizer, vocab_size, eos_ids))
+    def for_backend(cls, backend_cls: type[GrammarBackend], tokenizer: Any, vocab_size: int, eos_ids,
+                    needs_rollback: bool = False) -> "GrammarBook":
+        return cls(lambda: make_backend(backend_cls, tokenizer, vocab_size, eos_ids), needs_rollback)
 
     def _start(self) -> GrammarCompiler:
         if self.compiler is None:
-            self.compiler = GrammarCompiler(self._make_backend())
+            backend = self._make_backend()
+            if self.needs_rollback and not backend.caps.rollback:
+                raise GrammarError(f"{type(backend).__name__} cannot roll back rejected speculative drafts")
+            self.compiler = GrammarCompiler(backend)
             self._pool = ThreadPoolExecutor(2, thread_name_prefix="grammar-matcher")
         return self.compiler
 
@@ -86,6 +91,36 @@ class GrammarBook:
             self.compiler.backend.fill_masks(matchers, bitmask, range(len(live)))
             logits = apply_bitmask(logits, bitmask, torch.tensor(live))
         return logits
+
+    def mask_drafts(self, logits: torch.Tensor, rids: Sequence[str], drafts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Speculative verify: `logits` holds len(drafts[i]) + 1 rows per request. Row k of a constrained request is
+        masked with its matcher advanced by its first k drafts (then rolled back): a draft the grammar forbids has
+        no probability under the target, so verification rejects it and everything after it."""
+        rows, fills, broken, at = [], [], [], 0
+        for rid, draft in zip(rids, drafts):
+            if rid in self._matchers:
+                matcher = self._matcher(rid)
+                if matcher is None:
+                    broken.extend(range(at, at + len(draft) + 1))
+                else:
+                    fills.append((matcher, draft, len(rows)))
+                    rows.extend(range(at, at + len(draft) + 1))
+            at += len(draft) + 1
+        if broken:
+            logits = logits.index_fill(0, torch.tensor(broken, device=logits.device), float("nan"))
+        if not rows:
+            return logits
+        bitmask = bitmask_rows(len(rows), -(-logits.shape[-1] // 32))
+        for matcher, draft, first in fills:
+            accepted = 0
+            for k in range(len(draft) + 1):
+                matcher.fill_mask(bitmask, first + k)
+                if k == len(draft) or not matcher.accept(draft[k]):
+                    break  # rows after a forbidden draft stay unmasked: verification never reaches them
+                accepted += 1
+            if accepted:
+                matcher.rollback(accepted)
+        return apply_bitmask(logits, bitmask, torch.tensor(rows))
 
     def accept(self, rid: str, token: int) -> str | None:
         """Feed the sampled token; REJECTED, TERMINATED, or None while the output goes on."""

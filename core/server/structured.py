@@ -85,14 +85,15 @@ class ConstraintChecker:
     def check(self, constraint: Constraint | None, param: str) -> None:
         if constraint is None:
             return
-        if self.speculative:
-            raise bad_request(f"{param}: structured outputs do not run with speculative decoding yet", param)
         with self._lock:
             if self._compiler is None:
                 try:
                     self._compiler = self._make()
                 except GrammarError as exc:
                     raise bad_request(f"{param}: {exc}", param) from None
+        if self.speculative and not self._compiler.backend.caps.rollback:
+            raise bad_request(f"{param}: the grammar backend cannot roll back rejected speculative drafts; serve "
+                              "structured outputs with another --grammar-backend or without speculative decoding", param)
         try:
             self._compiler.check(constraint)
         except GrammarError as exc:
