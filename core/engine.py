@@ -158,7 +158,7 @@ class Engine:
             raise ValueError("a bootstrap room needs --disaggregation-mode prefill or decode")
         request = Request(rid if rid is not None else str(next(self._ids)), prompt_ids, params)
         if params.constraint is not None:
-            self.grammar.add(request.rid, params.constraint)  # compiles while the prompt is prefilled
+            self.grammar.add(request.rid, params.constraint, params.constraint_after)  # compiles during the prefill
         if room is None or self.pd.add(request, room):
             self.scheduler.add(request)
         self._requests[request.rid] = request
@@ -294,7 +294,7 @@ class Engine:
             logits = logits[to_device(logits.device, torch.tensor(due))[0]]
         for row, request in enumerate(requests):
             request.pending_rows.append(row)
-        if self.in_flight is not None and any(r.rid in self.grammar for r in requests):
+        if self.in_flight is not None and any(self.grammar.tracks(r.rid) for r in requests):
             # a constrained request's mask needs its matcher advanced by the token in flight: read it now, while the
             # device runs this step's forward (the mask is filled on the host meanwhile; only the draw waits for it)
             self._read_early, self.in_flight = self._complete(self.in_flight), None
@@ -359,7 +359,7 @@ class Engine:
         grown_from = len(request.text)
         if detok is not None:
             request.text += detok.push(token)
-        grammar = self.grammar.accept(request.rid, token)
+        grammar = self.grammar.accept(request.rid, token, request.text)
         if grammar == REJECTED:
             request.finish(FinishReason.ABORT, error=f"token {token} breaks the request's structured-output constraint")
         elif token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):

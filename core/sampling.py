@@ -77,6 +77,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int = attrs.field(default=0, validator=_non_negative)  # top-K log-probabilities per step
     constraint: Constraint | None = None  # structured output: a JSON schema, regex or grammar the output follows
+    constraint_after: str = ""  # the constraint starts once the output holds this text ("</think>": the answer)
 
     @property
     def greedy(self) -> bool:

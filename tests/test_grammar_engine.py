@@ -154,3 +154,19 @@ def test_speculative_drafts_are_checked_by_the_matcher(tiny_model_dir, backend):
         if spec == "ngram":
             assert sum(r.spec_draft_tokens for r in requests) > 0
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_constraint_after_the_thinking_applies_to_the_answer_only(tiny_model_dir, overlap):
+    """constraint_after (a reasoning model's "</think>"): the output is free up to the marker, then follows the
+    constraint. The marker here is a character the free output holds, so the free part is that output's prefix."""
+    engine = Engine(EngineConfig(model=tiny_model_dir("mixtral"), overlap_schedule=overlap, **ENGINE))
+    prompt = engine.encode("Think first:")
+    [free] = engine.generate([prompt], SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True))
+    marker = next(ch for ch in free.text if ch.isprintable() and ch != "\ufffd")
+    cut = free.text.index(marker) + 1
+    regex = "(yes|no)"
+    [answer] = engine.generate([prompt], SamplingParams(max_new_tokens=48, temperature=0.0, constraint_after=marker,
+                                                        constraint=Constraint(REGEX, regex)))
+    assert answer.text.startswith(free.text[:cut]), (free.text, answer.text)
+    assert answer.finish_reason == FinishReason.STOP and re.fullmatch(regex, answer.text[answer.text.index(marker) + 1:])

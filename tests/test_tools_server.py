@@ -101,3 +101,18 @@ def test_round_trip_with_the_tool_result(client):
 def test_bad_tool_requests_are_400s(client, kwargs):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=4, **kwargs)
+
+
+def test_reasoning_parser_splits_the_thinking(tiny_model_dir):
+    """deepseek_r1: the output starts inside the thinking; a random model never closes it, so all of it is
+    reasoning_content (a response_format waits for the answer, which never comes), streamed and not alike."""
+    engine = Engine(EngineConfig(model=tiny_model_dir("deepseek_v3"), **ENGINE))
+    app = build_app(engine, ServerSettings(api_key=KEY, served_model_name="tiny", reasoning_parser="deepseek_r1"))
+    with LiveServer(app) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+        kwargs = dict(model="tiny", messages=QUESTION, max_tokens=12, temperature=0, response_format={"type": "json_object"})
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    assert message.reasoning_content and not message.content
+    assert streamed == message.reasoning_content

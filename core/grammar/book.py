@@ -33,6 +33,7 @@ class GrammarBook:
         self.compiler: GrammarCompiler | None = None
         self._pool: ThreadPoolExecutor | None = None  # matchers are built apart from compiles: no pool waits on itself
         self._matchers: dict[str, Future] = {}
+        self._waiting_for: dict[str, str] = {}  # rid -> the text after which its constraint starts
         self.errors: dict[str, str] = {}  # rid -> why its constraint failed (the request fails with it)
         self.mask_wait_seconds = 0.0  # time steps spent waiting for a compile or a matcher
         self.mask_waits = 0
@@ -51,13 +52,22 @@ class GrammarBook:
             self._pool = ThreadPoolExecutor(2, thread_name_prefix="grammar-matcher")
         return self.compiler
 
-    def add(self, rid: str, constraint: Constraint) -> None:
-        """Start compiling (or find in the cache) and build the request's matcher in the background."""
+    def add(self, rid: str, constraint: Constraint, after: str = "") -> None:
+        """Start compiling (or find in the cache) and build the request's matcher in the background. `after`: the
+        constraint starts once the output's text holds it (the end of a reasoning model's thinking)."""
         compiled = self._start().submit(constraint)
         self._matchers[rid] = self._pool.submit(lambda: self.compiler.backend.matcher(compiled.result()))
+        if after:
+            self._waiting_for[rid] = after
+
+    def tracks(self, rid: str) -> bool:
+        """Whether the request has a constraint, applying now or once its thinking ends: either way its token in
+        flight must be read before its next mask is made."""
+        return rid in self._matchers
 
     def __contains__(self, rid: str) -> bool:
-        return rid in self._matchers
+        """Whether the request's next token is constrained."""
+        return rid in self._matchers and rid not in self._waiting_for
 
     def _matcher(self, rid: str) -> GrammarMatcher | None:
         future = self._matchers[rid]
@@ -75,7 +85,7 @@ class GrammarBook:
     def mask(self, logits: torch.Tensor, rids: Sequence[str]) -> torch.Tensor:
         """The one point where constraints meet sampling: `logits` [B, V] with every constrained row's forbidden
         tokens at -inf (a row whose constraint failed to compile all NaN, so the sampler fails just that row)."""
-        rows = [row for row, rid in enumerate(rids) if rid in self._matchers]
+        rows = [row for row, rid in enumerate(rids) if rid in self]
         if not rows:
             return logits
         live, matchers, broken = [], [], []
@@ -98,7 +108,7 @@ class GrammarBook:
         no probability under the target, so verification rejects it and everything after it."""
         rows, fills, broken, at = [], [], [], 0
         for rid, draft in zip(rids, drafts):
-            if rid in self._matchers:
+            if rid in self:
                 matcher = self._matcher(rid)
                 if matcher is None:
                     broken.extend(range(at, at + len(draft) + 1))
@@ -122,9 +132,15 @@ class GrammarBook:
                 matcher.rollback(accepted)
         return apply_bitmask(logits, bitmask, torch.tensor(rows))
 
-    def accept(self, rid: str, token: int) -> str | None:
-        """Feed the sampled token; REJECTED, TERMINATED, or None while the output goes on."""
+    def accept(self, rid: str, token: int, text: str = "") -> str | None:
+        """Feed the sampled token (`text`: the output so far, with it); REJECTED, TERMINATED, or None while the
+        output goes on."""
         if rid not in self._matchers:
+            return None
+        after = self._waiting_for.get(rid)
+        if after is not None:
+            if after in text:
+                del self._waiting_for[rid]  # the constraint applies from the next token on
             return None
         matcher = self._matcher(rid)
         if matcher is None or not matcher.accept(token):
@@ -133,6 +149,7 @@ class GrammarBook:
 
     def finished(self, rid: str) -> str | None:
         """Drop the request's matcher; the reason its constraint failed, if it did."""
+        self._waiting_for.pop(rid, None)
         future = self._matchers.pop(rid, None)
         if future is not None:
             future.cancel()

@@ -14,7 +14,7 @@ from .outputs import Completion, Output
 from .schema import BOOLEAN, INTEGER, OBJECT, STRING, AnyOf, Field, ListOf, ObjectOf
 from .served_model import ServedModel
 from .structured import from_response_format, response_format_field
-from .reasoning import ReasoningParser, ReasoningStream
+from .reasoning import END, ReasoningParser, ReasoningStream
 from .tools.parsers import ToolCallParser
 from .tools.request import ToolPlan, tool_call_json, tool_fields
 from .tools.stream import ToolStream
@@ -86,7 +86,10 @@ class ChatEndpoint:
         constraint = constraint or tools.constraint
         if constraint is not None:
             model.constraints.check(constraint, "tools" if tools.constrained else "response_format")
-            requests = [(ids, attrs.evolve(params, constraint=constraint)) for ids, params in requests]
+            # with a reasoning parser the constraint is the answer's: it starts after the thinking, unless the
+            # template closed the thinking in the prompt (Qwen3 with thinking off)
+            after = END if self.reasoning is not None and not text.rstrip().endswith(END) else ""
+            requests = [(ids, attrs.evolve(params, constraint=constraint, constraint_after=after)) for ids, params in requests]
         return Plan(requests, values["stream"], values["n"], values)
 
     def _logprobs(self, plan: Plan, entries) -> dict | None:
