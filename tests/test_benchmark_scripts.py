@@ -88,3 +88,11 @@ def test_serving_against_offline_on_cpu(tmp_path):
     assert all(float(row[12]) > 0 and float(row[-1]) > 0 for row in runs), out
     summary = table_rows(out, "3")
     assert len(summary) == 1 and float(summary[0][3].split()[0]) > 0, out
+
+
+def test_structured_outputs_benchmark(tmp_path):
+    out = run("structured_outputs.py", tmp_path / "so.md", "--runs", "1", "--batches", "1", "2", "--output-len", "6",
+              "--tokenizer-vocab", "1024", "--schemas", "3")
+    rows = table_rows(out, "1") + table_rows(out, "2")
+    assert len(rows) == 2 and all(row[-2].endswith("%") for row in rows), out
+    assert table_rows(out, "cold") and table_rows(out, "cached"), out
