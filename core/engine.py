@@ -39,7 +39,6 @@ from .parallel import ParallelState
 from .prefix_cache import PrefixCache
 from .disagg.rank import RankTransfers
 from .progress import progress as progress_bar
-from .registry import lookup
 from .request import FinishReason, Request, check_prompt
 from .sampler import FAILED, Sampler
 from .sampling import SamplingParams
@@ -135,9 +134,8 @@ class Engine:
         self.eos_ids = _eos_ids(config.model, self.model.hf_config)
         self.vocab_size = self.model.hf_config["vocab_size"]
         # structured outputs: checked now (an unknown backend fails at start-up), built on the first constrained request
-        self.grammar = GrammarBook.for_backend(
-            lookup("grammar_backend", config.grammar_backend), self.tokenizer, self.vocab_size, self.eos_ids,
-            needs_rollback=self.speculation is not None,
+        self.grammar = GrammarBook.named(
+            config.grammar_backend, self.tokenizer, self.vocab_size, self.eos_ids, needs_rollback=self.speculation is not None
         )
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}

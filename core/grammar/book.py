@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .. import registry
 from ..interfaces import Constraint, GrammarBackend, GrammarError, GrammarMatcher, GrammarVocab
 from .compiler import GrammarCompiler
 from .mask import apply_bitmask, bitmask_rows
@@ -39,9 +40,13 @@ class GrammarBook:
         self.mask_waits = 0
 
     @classmethod
-    def for_backend(cls, backend_cls: type[GrammarBackend], tokenizer: Any, vocab_size: int, eos_ids,
-                    needs_rollback: bool = False) -> "GrammarBook":
-        return cls(lambda: make_backend(backend_cls, tokenizer, vocab_size, eos_ids), needs_rollback)
+    def named(cls, name: str, tokenizer: Any, vocab_size: int, eos_ids, needs_rollback: bool = False) -> "GrammarBook":
+        """The book of the grammar_backend plugin `name`: an unknown name fails now, naming the installed ones; the
+        plugin (and its library) is imported with the first constrained request."""
+        if name not in registry.discover("grammar_backend"):
+            registry.lookup("grammar_backend", name)  # raises the PluginError that names what is installed
+        make = lambda: make_backend(registry.lookup("grammar_backend", name), tokenizer, vocab_size, eos_ids)  # noqa: E731
+        return cls(make, needs_rollback)
 
     def _start(self) -> GrammarCompiler:
         if self.compiler is None:

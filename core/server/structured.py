@@ -79,8 +79,11 @@ class ConstraintChecker:
 
     @classmethod
     def for_engine(cls, config, tokenizer: Any, vocab_size: int, eos_ids) -> "ConstraintChecker":
-        backend_cls = lookup("grammar_backend", config.grammar_backend)
-        return cls(lambda: GrammarCompiler(make_backend(backend_cls, tokenizer, vocab_size, eos_ids)), config.speculative)
+        def make() -> GrammarCompiler:  # the plugin and its library load with the first constrained request
+            backend_cls = lookup("grammar_backend", config.grammar_backend)
+            return GrammarCompiler(make_backend(backend_cls, tokenizer, vocab_size, eos_ids))
+
+        return cls(make, config.speculative)
 
     def check(self, constraint: Constraint | None, param: str) -> None:
         if constraint is None:
