@@ -122,9 +122,12 @@ def main() -> None:
                         "151643 GPU)")
     parser.add_argument("--qwen-layers", type=int, default=48, help="GPU: Qwen3-30B-A3B decoder layers (default: all)")
     parser.add_argument("--schemas", type=int, default=40, help="distinct schemas compiled (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads (default: %(default)s)")
     parser.add_argument("--out", help="also write the tables to this file")
     args = parser.parse_args()
     gpu = args.device != "cpu"
+    if not gpu:
+        torch.set_num_threads(args.threads)
     batches = args.batches or ([1, 8, 32, 64] if gpu else [1, 8])
     output_len = args.output_len or (128 if gpu else 24)
     vocab = args.tokenizer_vocab or (151643 if gpu else 4096)
