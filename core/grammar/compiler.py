@@ -27,7 +27,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
-        self.compile_seconds: list[float] = []  # one entry per compile that ran (cache misses)
+        self.compile_seconds: collections.deque[float] = collections.deque(maxlen=4096)  # the latest compiles' times
 
     def submit(self, constraint: Constraint) -> Future:
         """The future of `constraint`'s compiled grammar (raising GrammarError if it does not compile)."""
