@@ -314,6 +314,7 @@ class Engine:
         if any(step.requests[row].params.logprobs > 0 for row in live):
             requests = [step.requests[row] for row in live]
             self.sampler.record_logprobs(step.logits[live], requests, [tokens[row] for row in live])
+        self.grammar.accept_step([step.requests[row].rid for row in live], [tokens[row] for row in live])
         for row in live:
             request = step.requests[row]
             request.pending_rows.pop(0)

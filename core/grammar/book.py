@@ -35,6 +35,7 @@ class GrammarBook:
         self._pool: ThreadPoolExecutor | None = None  # matchers are built apart from compiles: no pool waits on itself
         self._matchers: dict[str, Future] = {}
         self._waiting_for: dict[str, str] = {}  # rid -> the text after which its constraint starts
+        self._accepted: dict[str, tuple[int, str | None]] = {}  # rid -> (token, outcome) fed by accept_step
         self.errors: dict[str, str] = {}  # rid -> why its constraint failed (the request fails with it)
         self.mask_wait_seconds = 0.0  # time steps spent waiting for a compile or a matcher
         self.mask_waits = 0
@@ -137,11 +138,28 @@ class GrammarBook:
                 matcher.rollback(accepted)
         return apply_bitmask(logits, bitmask, torch.tensor(rows))
 
+    def accept_step(self, rids: Sequence[str], tokens: Sequence[int]) -> None:
+        """A step's sampled tokens fed to their constrained requests' matchers at once (the backend's batch API);
+        `accept` then reads each result."""
+        pairs = [(rid, token) for rid, token in zip(rids, tokens) if rid in self]
+        if not pairs:
+            return
+        matchers = [self._matcher(rid) for rid, _ in pairs]
+        live = [(pair, m) for pair, m in zip(pairs, matchers) if m is not None]
+        if not live:
+            return
+        oks = self.compiler.backend.accept_tokens([m for _, m in live], [token for (_, token), _ in live])
+        for ((rid, token), matcher), ok in zip(live, oks):
+            self._accepted[rid] = (token, REJECTED if not ok else TERMINATED if matcher.is_terminated() else None)
+
     def accept(self, rid: str, token: int, text: str = "") -> str | None:
         """Feed the sampled token (`text`: the output so far, with it); REJECTED, TERMINATED, or None while the
         output goes on."""
         if rid not in self._matchers:
             return None
+        done = self._accepted.pop(rid, None)
+        if done is not None and done[0] == token:
+            return done[1]
         after = self._waiting_for.get(rid)
         if after is not None:
             if after in text:
@@ -155,6 +173,7 @@ class GrammarBook:
     def finished(self, rid: str) -> str | None:
         """Drop the request's matcher; the reason its constraint failed, if it did."""
         self._waiting_for.pop(rid, None)
+        self._accepted.pop(rid, None)
         future = self._matchers.pop(rid, None)
         if future is not None:
             future.cancel()

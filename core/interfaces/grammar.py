@@ -105,3 +105,7 @@ class GrammarBackend(abc.ABC):
         """Fill bitmask[rows[i]] for matchers[i]; a backend with a batch API overrides this."""
         for matcher, row in zip(matchers, rows):
             matcher.fill_mask(bitmask, row)
+
+    def accept_tokens(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
+        """matchers[i].accept(tokens[i]) for every i (a step's tokens); a backend with a batch API overrides this."""
+        return [matcher.accept(token) for matcher, token in zip(matchers, tokens)]

@@ -106,6 +106,9 @@ class XGrammarBackend(GrammarBackend):
         grammar, is_json = compiled
         return XGrammarMatcher(grammar, self.json_safe if is_json else None)
 
+    def accept_tokens(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
+        return list(self.batch.batch_accept_token([m.inner for m in matchers], list(tokens)))
+
     def fill_masks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         self.batch.batch_fill_next_token_bitmask([m.inner for m in matchers], bitmask, list(rows))
         json_rows = [row for m, row in zip(matchers, rows) if m.json_safe is not None]
