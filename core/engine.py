@@ -26,6 +26,7 @@ import torch
 from .config import EngineConfig
 from .cuda_graph import decode_graphs
 from .forward_batch import ForwardBatch
+from .grammar.book import REJECTED, TERMINATED, GrammarBook
 from .in_flight import InFlight
 from .interfaces import BatchMeta
 from .hooks import make_plugin_manager
@@ -143,10 +144,15 @@ class Engine:
         # prefill/decode disaggregation: this rank's transfer backend and the pages it holds or expects
         self.pd = RankTransfers.create(self) if config.disaggregation_mode != "none" else None
         self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet
+        self._read_early: list[Request] = []  # finished by a step in flight read before the next draw (grammar)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_ids = _eos_ids(config.model, self.model.hf_config)
         self.vocab_size = self.model.hf_config["vocab_size"]
         self.sampler = Sampler(LogitAdjuster(self.vocab_size, self.device, self.eos_ids))
+        # structured outputs: checked now (an unknown backend fails at start-up), built on the first constrained request
+        self.grammar = GrammarBook.named(
+            config.grammar_backend, self.tokenizer, self.vocab_size, self.eos_ids, needs_rollback=self.speculation is not None
+        )
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
@@ -167,6 +173,8 @@ class Engine:
         if room is not None and self.pd is None:
             raise ValueError("a bootstrap room needs --disaggregation-mode prefill or decode")
         request = Request(rid if rid is not None else str(next(self._ids)), prompt_ids, params)
+        if params.constraint is not None:
+            self.grammar.add(request.rid, params.constraint, params.constraint_after)  # compiles during the prefill
         if room is None or self.pd.add(request, room):
             self.scheduler.add(request)
         self._requests[request.rid] = request
@@ -260,6 +268,8 @@ class Engine:
             spec.counts.step(())  # a decode step the policy left without drafts
         batch = self._agree(self.runner.prepare(work, self.in_flight))
         launched = self._launch(work, batch) if batch is not None else None
+        finished += self._read_early
+        self._read_early = []
         if self.overlap_schedule:
             launched, self.in_flight = self.in_flight, launched
         return finished + self._complete(launched)
@@ -275,6 +285,7 @@ class Engine:
         self.hooks.hook.moeplex_batch_scheduled(batch=batch)
         finished = self.speculation.run(
             work, batch, drafts, self.runner.verify_forward, self.scheduler, self._append, self._fail, self.sampler,
+            mask=self.grammar.mask_drafts,
         )
         self.balancing.after_forward()
         return finished
@@ -308,7 +319,12 @@ class Engine:
         requests = [work[row].request for row in due]
         if len(due) < len(work):  # some requests are mid-prompt
             logits = logits[to_device(logits.device, torch.tensor(due))[0]]
-        drawn = self.sampler.sample(logits, requests)
+        if self.in_flight is not None and any(self.grammar.tracks(r.rid) for r in requests):
+            # a constrained request's mask needs its matcher advanced by the token in flight: read it now, while the
+            # device runs this step's forward (the mask is filled on the host meanwhile; only the draw waits for it)
+            self._read_early, self.in_flight = self._complete(self.in_flight), None
+        logits = self.grammar.mask(logits, [r.rid for r in requests])  # structured outputs: forbidden tokens at -inf
+        drawn = self.sampler.sample(logits, requests)  # penalties and biases, then the draw, all on the device
         for row, request in enumerate(requests):
             request.pending_rows.append(row)
         return InFlight.start(requests, logits, drawn)
@@ -321,13 +337,14 @@ class Engine:
         finished = []
         for row, request in enumerate(step.requests):
             if tokens[row] == FAILED and not request.finished:
-                request.finish(FinishReason.ABORT, error=SAMPLING_FAILED)
+                request.finish(FinishReason.ABORT, error=self.grammar.errors.get(request.rid, SAMPLING_FAILED))
                 self._retire(request)
                 finished.append(request)
         live = [row for row, request in enumerate(step.requests) if not request.finished]
         if any(step.requests[row].params.logprobs > 0 for row in live):
             requests = [step.requests[row] for row in live]
             self.sampler.record_logprobs(step.logits[live], requests, [tokens[row] for row in live])
+        self.grammar.accept_step([step.requests[row].rid for row in live], [tokens[row] for row in live])
         for row in live:
             request = step.requests[row]
             request.pending_rows.pop(0)
@@ -371,9 +388,14 @@ class Engine:
         grown_from = len(request.text)
         if detok is not None:
             request.text += detok.push(token)
+        grammar = self.grammar.accept(request.rid, token, request.text)
         stops_count = len(request.output_ids) >= params.min_tokens  # before min_tokens, nothing but the length stops it
-        if stops_count and (token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos)):
+        if grammar == REJECTED:
+            request.finish(FinishReason.ABORT, error=f"token {token} breaks the request's structured-output constraint")
+        elif stops_count and (token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos)):
             request.finish(FinishReason.STOP, stop_reason=token)
+        elif grammar == TERMINATED:  # the constrained output is complete: nothing else may follow
+            request.finish(FinishReason.STOP)
         elif stops_count and detok is not None and params.stop and self._hit_stop_string(request, grown_from):
             pass
         elif len(request.output_ids) >= params.max_new_tokens:
@@ -405,6 +427,7 @@ class Engine:
         if self.speculation is not None:
             self.speculation.finished(request)
         self.sampler.release(request)
+        self.grammar.finished(request.rid)
         self._requests.pop(request.rid, None)
         detok = self._detok.pop(request.rid, None)
         if detok is not None and request.finish_reason != FinishReason.STOP:

@@ -182,6 +182,8 @@ class GroupStats:
     spec_plain_steps: int = 0
     spec_drafts: int = 0
     spec_drafting: int = 0
+    grammar_mask_waits: int = 0  # since start-up: steps that waited for a constraint's compile or matcher
+    grammar_mask_wait_seconds: float = 0.0  # the time they waited
 
 
 @pickled_as_fields
@@ -237,6 +239,10 @@ class LoopStats:
     def spec_total(self, counter: str) -> int:
         """A speculative-decoding counter summed over the DP groups: verify_steps, plain_steps, drafts, drafting."""
         return sum(getattr(g, f"spec_{counter}") for g in self.groups)
+
+    def grammar_total(self, counter: str) -> float:
+        """A grammar counter summed over the DP groups: mask_waits or mask_wait_seconds."""
+        return sum(getattr(g, f"grammar_{counter}") for g in self.groups)
 
     @property
     def page_size(self) -> int:

@@ -102,7 +102,8 @@ class LogitAdjuster:
         generated[i] tokens before it, the last len(prior[i]) of them (speculative drafts ahead of a verify row)
         not yet recorded. Returns `logits` itself when no row asks for anything, or when `in_place` (nobody reads
         the model's own logits afterwards: no logprobs asked for)."""
-        rows = [i for i, r in enumerate(owners) if r.params.adjusts_logits]
+        # a request that finished meanwhile (its token in flight read early) is drawn for nothing: no slot for it
+        rows = [i for i, r in enumerate(owners) if r.params.adjusts_logits and not r.finished]
         if not rows:
             return logits
         if not in_place:
@@ -159,7 +160,7 @@ class LogitAdjuster:
     @torch.inference_mode()  # the logits are inference tensors; the state is only ever touched here
     def record(self, tokens: torch.Tensor, owners: Sequence[Request]) -> None:
         """Count the drawn `tokens` [R] (on the device; FAILED rows skipped) for the owners that keep counts."""
-        rows = [i for i, r in enumerate(owners) if r.params.counts_tokens]
+        rows = [i for i, r in enumerate(owners) if r.params.counts_tokens and not r.finished]
         if not rows:
             return
         index, slots = self._ids([*rows, *(self._slot(owners[i]) for i in rows)]).view(2, -1)

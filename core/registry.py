@@ -12,7 +12,9 @@ from typing import Any
 import attrs
 
 from .interfaces import deprecation
-from .interfaces import Balancer, Dispatcher, Drafter, KVTransfer, MoEKernel, OverlapStrategy, PluginError
+from .interfaces import (
+    Balancer, Dispatcher, Drafter, GrammarBackend, KVTransfer, MoEKernel, OverlapStrategy, PluginError,
+)
 
 KINDS = {
     "dispatcher": ("moeplex.dispatchers", Dispatcher),
@@ -21,6 +23,7 @@ KINDS = {
     "overlap": ("moeplex.overlap", OverlapStrategy),
     "kv_transfer": ("moeplex.kv_transfer", KVTransfer),
     "drafter": ("moeplex.drafters", Drafter),
+    "grammar_backend": ("moeplex.grammar_backends", GrammarBackend),
 }
 
 

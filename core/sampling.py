@@ -12,6 +12,8 @@ import math
 
 import attrs
 
+from .interfaces.grammar import Constraint
+
 GREEDY_TEMPERATURE = 1e-5  # below this a temperature is greedy: 1/t stays far from float32's limits
 # stop strings are matched against every step's new text: bounded so that costs O(new text + these), not more
 MAX_STOP_STRINGS = 32
@@ -106,6 +108,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_tuple)
     ignore_eos: bool = False
     logprobs: int = attrs.field(default=0, validator=_non_negative)  # top-K log-probabilities per step
+    constraint: Constraint | None = None  # structured output: a JSON schema, regex or grammar the output follows
+    constraint_after: str = ""  # the constraint starts once the output holds this text ("</think>": the answer)
     # penalties and biases (docs/serving.md gives each one's source): OpenAI's additive ones over the generated
     # tokens, the multiplicative repetition penalty over prompt and output (vLLM, SGLang), a per-token bias
     frequency_penalty: float = attrs.field(default=0.0, validator=_penalty)

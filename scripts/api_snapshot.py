@@ -38,12 +38,19 @@ def _signature(obj) -> str:
         return "(...)"
 
 
+def _stable_repr(value) -> str:
+    """repr with sets in sorted order (a set's own order follows string hashing, which changes per process)."""
+    if isinstance(value, (set, frozenset)) and value:
+        return f"{type(value).__name__}({{{', '.join(sorted(map(_stable_repr, value)))}}})"
+    return repr(value)
+
+
 def _default(field) -> str:
     if field.default is attrs.NOTHING:
         return ""
     if isinstance(field.default, attrs.Factory):
         return " = <factory>"
-    return f" = {field.default!r}"
+    return f" = {_stable_repr(field.default)}"
 
 
 def describe_class(cls: type) -> list[str]:
@@ -81,7 +88,7 @@ def describe(name: str, obj) -> list[str]:
     if inspect.isfunction(obj):
         return [f"def {name}{_signature(obj)}"]
     if isinstance(obj, (str, int, float, tuple, frozenset)):
-        return [f"value {obj!r}"]
+        return [f"value {_stable_repr(obj)}"]
     return [f"alias {obj!r}"]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 import attrs
@@ -90,6 +92,38 @@ class NotAPlugin:
     pass
 
 
+def _xgrammar():
+    from moeplex.plugins.grammar_backends.xgrammar_backend import XGrammarBackend, XGrammarMatcher
+
+    return XGrammarBackend, XGrammarMatcher
+
+
+class LeakyMask(_xgrammar()[0]):
+    """Its mask allows every token: what a backend with a stale or unfilled mask does."""
+
+    def fill_masks(self, matchers, bitmask, rows):
+        bitmask[list(rows)] = -1
+
+
+class _ForgetfulMatcher(_xgrammar()[1]):
+    def rollback(self, count):
+        pass  # declares rollback, does nothing
+
+
+class ForgetfulRollback(_xgrammar()[0]):
+    def matcher(self, compiled):
+        grammar, is_json = compiled
+        return _ForgetfulMatcher(grammar, self.json_safe if is_json else None)
+
+
+class HoldsTheGil(_xgrammar()[0]):
+    """Compiles in a C loop that never lets go of the GIL (as a binding that forgets to release it would)."""
+
+    def compile(self, constraint):
+        ctypes.PyDLL(None).usleep(500_000)  # a C call through PyDLL keeps the GIL: half a second of nothing else
+        return super().compile(constraint)
+
+
 ENTRY_POINTS = {
     "moeplex.dispatchers": {
         "fake-masked": "fake_plugins:MaskedOnlyDispatcher",
@@ -106,6 +140,11 @@ ENTRY_POINTS = {
     },
     "moeplex.balancers": {
         "fake-starves-idle": "fake_plugins:StarvesIdleExperts",
+    },
+    "moeplex.grammar_backends": {
+        "fake-leaky-mask": "fake_plugins:LeakyMask",
+        "fake-forgetful-rollback": "fake_plugins:ForgetfulRollback",
+        "fake-holds-the-gil": "fake_plugins:HoldsTheGil",
     },
 }
 

@@ -101,3 +101,11 @@ def test_penalties_benchmark_on_cpu(tmp_path):
     out = run("penalties.py", tmp_path / "pen.md", "--preset", "tiny", "--runs", "1", "--batches", "2",
               "--output-len", "4", "--threads", "1")
     assert table_rows(out, "2")
+
+
+def test_structured_outputs_benchmark(tmp_path):
+    out = run("structured_outputs.py", tmp_path / "so.md", "--runs", "1", "--batches", "1", "2", "--output-len", "6",
+              "--tokenizer-vocab", "1024", "--schemas", "3")
+    rows = table_rows(out, "1") + table_rows(out, "2")
+    assert len(rows) == 2 and all(row[-2].endswith("%") for row in rows), out
+    assert table_rows(out, "cold") and table_rows(out, "cached"), out

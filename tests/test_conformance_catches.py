@@ -49,3 +49,20 @@ def test_drafter_suite_fails_each_broken_drafter_where_the_ngram_one_passes(draf
     outcomes = run_conformance([f"drafter:{name}" for name in ["ngram", *broken]], "belong_to_the_request")
     by_name = {test.split("[")[1].rstrip("]"): outcome for test, outcome in outcomes.items()}
     assert by_name == {"ngram": "passed", **{name: "failed" for name in broken}}, outcomes
+
+
+def test_grammar_suite_fails_a_mask_that_lets_invalid_tokens_through(fake_distribution):
+    outcomes = run_conformance("grammar_backend:fake-leaky-mask", "following_the_mask")
+    assert outcomes and all(o == "failed" for o in outcomes.values()), outcomes
+
+
+def test_grammar_suite_fails_a_backend_that_cannot_roll_back(fake_distribution):
+    outcomes = run_conformance("grammar_backend:fake-forgetful-rollback", "rollback or regex")
+    assert outcomes["test_rollback_restores_the_state[fake-forgetful-rollback]"] == "failed", outcomes
+    assert all(o == "passed" for test, o in outcomes.items() if "regex" in test), outcomes
+
+
+def test_grammar_suite_fails_a_backend_that_blocks_while_compiling(fake_distribution):
+    outcomes = run_conformance("grammar_backend:fake-holds-the-gil", "leaves_other_threads or cannot_compile")
+    assert outcomes["test_compiling_leaves_other_threads_running[fake-holds-the-gil]"] == "failed", outcomes
+    assert all(o == "passed" for test, o in outcomes.items() if "cannot_compile" in test), outcomes

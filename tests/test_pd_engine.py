@@ -175,3 +175,22 @@ def test_decode_waits_for_pages_then_reserves(engines):
     d.abort(first.rid)
     d.step()
     assert [rid for rid, _ in d.pd.take_reserved()] == [second.rid]
+
+
+def test_a_constrained_request_decodes_as_colocated(engines):
+    """Structured outputs across the split: P masks the first token, D builds the matcher, feeds it that token and
+    masks the rest; the output is the co-located one, and it follows the schema."""
+    import json
+
+    from moeplex.interfaces import Constraint
+
+    p, d, co = engines
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    params = SamplingParams(max_new_tokens=32, temperature=0.0, constraint=Constraint("json_schema", json.dumps(schema)))
+    prompt = list(range(5, 14))
+    reference = co.generate([prompt], params)[0]
+    rp, rd = run_pd(p, d, prompt, params, room=11)
+    assert rd.output_ids == reference.output_ids and rp.output_ids == reference.output_ids[:1]
+    value = json.loads(rd.text)
+    assert value["ok"] in (True, False) and value["n"] in (1, 2, 3) and set(value) == {"ok", "n"}

@@ -187,6 +187,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, serving: bool = True) -> N
     )
     add_balancing_flags(parser)
     add_speculative_flags(parser)
+    add_grammar_flags(parser)
     if serving:
         add_disaggregation_flags(parser)
     else:
@@ -285,6 +286,17 @@ class ServeOnly(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         parser.error(f"{option_string} is a flag of `moeplex serve` (the server's role in prefill/decode "
                      "disaggregation); an offline command runs prefill and decode in one process and takes none of them")
+
+
+def add_grammar_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("structured outputs (see docs/structured_outputs.md)")
+    flag(
+        group, "--grammar-backend",
+        "grammar_backend plugin that turns JSON schemas, regexes and EBNF grammars (response_format, json_schema, "
+        "regex, ebnf) into token masks: xgrammar, llguidance, or any installed one (`moeplex plugins`) "
+        "(default: %(default)s)",
+        metavar="NAME",
+    )
 
 
 def add_disaggregation_flags(parser: argparse.ArgumentParser) -> None:

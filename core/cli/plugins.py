@@ -11,12 +11,12 @@ from ..interfaces import API_VERSION
 
 
 TITLES = {"dispatcher": "dispatchers", "moe_kernel": "MoE kernels", "balancer": "balancers", "overlap": "overlap strategies",
-          "kv_transfer": "KV transfer backends", "drafter": "drafters"}
+          "kv_transfer": "KV transfer backends", "drafter": "drafters", "grammar_backend": "grammar backends"}
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plugins", help="list installed dispatchers, MoE kernels, balancers, overlap strategies, KV transfer "
-                       "backends and drafters")
+                       "backends, drafters and grammar backends")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table: the kinds' "
                    "lists of plugins, and under \"api\" moeplex's version and API_VERSION")
     p.set_defaults(run=run)

@@ -12,6 +12,7 @@ import sys
 import tempfile
 
 from ..server import ServerSettings
+from ..server.settings import REASONING_PARSERS, TOOL_CALL_PARSERS
 from ..server.processes import EngineStopped, serve
 from .flags import add_engine_flags, engine_config
 
@@ -69,6 +70,16 @@ def add_parser(sub) -> None:
         help="answer 400 to a request that carries a field this server does not know, instead of ignoring it with "
         "a warning in the log and its name in the X-Moeplex-Ignored-Fields response header (vLLM's default)",
     )
+    http.add_argument(
+        "--tool-call-parser", choices=TOOL_CALL_PARSERS,
+        help="how the model writes tool calls, read back into tool_calls for tool_choice auto: deepseek_v3, qwen3 "
+        "(also Qwen2.5's <tool_call> blocks) or mistral (see docs/structured_outputs.md; default: none, calls stay text)",
+    )
+    http.add_argument(
+        "--reasoning-parser", choices=REASONING_PARSERS,
+        help="split the model's thinking (<think>...</think>) into reasoning_content: deepseek_r1 or qwen3 "
+        "(default: none)",
+    )
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="server log level (default: info)")
     add_engine_flags(p)
     p.set_defaults(run=run)
@@ -89,6 +100,8 @@ def run(args) -> int:
         expert_load_dir=args.expert_load_dir,
         warmup=not args.skip_warmup,
         strict_request_fields=args.strict_request_fields,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     check_port_free(args.host, args.port)  # before the model loads, not after
     config = engine_config(args)  # rank 0 draws the loading bar when stderr is a terminal

@@ -27,7 +27,7 @@ def pytest_addoption(parser):
         action="append",
         default=[],
         metavar="KIND:NAME",
-        help="run the moeplex conformance suite of KIND (dispatcher, moe_kernel, balancer, overlap, kv_transfer, drafter) on the "
+        help="run the moeplex conformance suite of KIND (dispatcher, moe_kernel, balancer, overlap, kv_transfer, drafter, grammar_backend) on the "
         "installed plugin NAME; repeatable. Without it every installed plugin of every kind is tested.",
     )
 

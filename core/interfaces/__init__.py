@@ -1,5 +1,5 @@
 """The public plugin API: every contract a dispatcher, MoE kernel, balancer, overlap strategy, KV transfer
-backend or drafter implements.
+backend, drafter or grammar backend implements.
 
 A plugin imports moeplex only through the modules in PUBLIC_MODULES: this one (contracts,
 capabilities, layouts, ForwardBatch, PluginError) and `moeplex.interfaces.kernels` (fp8
@@ -15,6 +15,19 @@ from .context import MoEContext
 from .dispatcher import Dispatcher, DispatcherCaps
 from .drafter import DraftRequest, Drafter, DrafterCaps, DrafterContext, Drafts, TargetStep
 from .errors import PluginError
+from .grammar import (
+    CONSTRAINT_KINDS,
+    EBNF,
+    JSON_OBJECT,
+    JSON_SCHEMA,
+    REGEX,
+    Constraint,
+    GrammarBackend,
+    GrammarBackendCaps,
+    GrammarError,
+    GrammarMatcher,
+    GrammarVocab,
+)
 from .kv_transfer import KVRegion, KVTransfer, KVTransferCaps, TransferStatus, kv_regions, page_runs
 from .layouts import (
     ALL_LAYOUTS,

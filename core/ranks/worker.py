@@ -32,14 +32,15 @@ def group_stats(engine: Engine) -> GroupStats:
     scheduler, kv, cache = engine.scheduler, engine.kv, engine.prefix_cache
     counts = (len(scheduler.running), len(scheduler.waiting), kv.num_pages, kv.num_free_pages, kv.page_size)
     spec = engine.speculation
-    decisions = {} if spec is None else dict(
+    extra = {} if spec is None else dict(
         spec_verify_steps=spec.counts.verify_steps, spec_plain_steps=spec.counts.plain_steps,
         spec_drafts=spec.counts.drafts, spec_drafting=spec.counts.drafting,
     )
+    extra.update(grammar_mask_waits=engine.grammar.mask_waits, grammar_mask_wait_seconds=engine.grammar.mask_wait_seconds)
     if cache is None:
-        return GroupStats(*counts, **decisions)
+        return GroupStats(*counts, **extra)
     return GroupStats(*counts, cache.num_pages, cache.queried_tokens, cache.hit_tokens, cache.evicted_pages,
-                      cache.evictable_pages, **decisions)
+                      cache.evictable_pages, **extra)
 
 
 class _Seen:

@@ -28,6 +28,8 @@ from .metrics import ServerMetrics
 from .middleware import ApiKeyAuth, HttpMetrics
 from .native import GenerateEndpoint
 from .openai_chat import ChatEndpoint
+from .reasoning import reasoning_parser
+from .tools.parsers import PARSERS
 from .openai_completions import CompletionsEndpoint
 from .served_model import ServedModel
 from .settings import ServerSettings
@@ -69,7 +71,8 @@ def build_app(
     loop.pd = pd_side(loop, facts)
     metrics.watch_transfers(lambda: loop.transfers)
     model = ServedModel(facts, settings.served_model_name or facts.config.model, load_tokenizer(facts.config.model))
-    endpoints = [CompletionsEndpoint(model), ChatEndpoint(model), GenerateEndpoint(model)]
+    chat = ChatEndpoint(model, PARSERS.get(settings.tool_call_parser), reasoning_parser(settings.reasoning_parser))
+    endpoints = [CompletionsEndpoint(model), chat, GenerateEndpoint(model)]
     info = InfoRoutes(model, loop, metrics, settings, endpoints)
     bodies = BodyReader(settings.max_request_bytes, settings.read_timeout)
     routes = [Route(e.path, generation_route(e, loop, bodies, settings.strict_request_fields), methods=["POST"]) for e in endpoints]

@@ -50,12 +50,13 @@ class ChatTemplate:
         return cls(source or DEFAULT_CHAT_TEMPLATE, special, is_default=source is None)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
-               **variables) -> str:
-        """The prompt text; `variables` (chat_template_kwargs) reach the template beside the messages. With
+               tools: list[dict] | None = None, **variables) -> str:
+        """The prompt text; `tools`: the request's tools, which templates of tool-calling models show the model
+        (None: no tools); `variables` (chat_template_kwargs) reach the template beside the messages. With
         continue_final_message the text ends where the last message's content ends (its closing tokens cut)."""
         try:
-            text = self.template.render(
-                **{**variables, "messages": messages, "add_generation_prompt": add_generation_prompt, **self.special_tokens})
+            text = self.template.render(**{**variables, "messages": messages, "tools": tools,
+                                           "add_generation_prompt": add_generation_prompt, **self.special_tokens})
         except jinja2.exceptions.TemplateError as exc:
             raise bad_request(f"the chat template refused the messages: {exc}", "messages") from None
         if continue_final_message:

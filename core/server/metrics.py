@@ -78,8 +78,9 @@ class ServerMetrics:
         self.kv_pages_evictable.set_function(lambda: stats().kv_pages_evictable)
         self.kv_usage.set_function(lambda: stats().kv_pages_used / max(stats().kv_pages_total, 1))
         self.kv_pages_cached.set_function(lambda: stats().kv_pages_cached)
-        self.registry.register(PrefixCacheCounters(stats))
-        self.registry.register(SpeculationCounters(stats))
+        self.registry.register(SummedCounters(stats, "cache_total", PREFIX_CACHE_COUNTERS))
+        self.registry.register(SummedCounters(stats, "spec_total", SPECULATION_COUNTERS))
+        self.registry.register(SummedCounters(stats, "grammar_total", GRAMMAR_COUNTERS))
 
     def watch_transfers(self, transfers: Callable[[], object]) -> None:
         """Disaggregation: the leader's TransferStats (None on a co-located server) at scrape time."""
@@ -106,47 +107,43 @@ class ServerMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-class PrefixCacheCounters:
-    """The prefix cache's counters, summed over the DP groups, read from the engine's statistics at scrape time."""
+class SummedCounters:
+    """Counters of the engine's statistics summed over the DP groups, read at scrape time: `total` names the
+    LoopStats method that sums one (cache_total, spec_total, grammar_total)."""
 
-    COUNTERS = (
-        ("queried_tokens", "moeplex_prefix_cache_queried_tokens", "Tokens looked up in the prefix cache at admission"),
-        ("hit_tokens", "moeplex_prefix_cache_hit_tokens", "Looked-up tokens found in the prefix cache"),
-        ("evicted_pages", "moeplex_prefix_cache_evicted_pages", "KV pages evicted from the prefix cache"),
-    )
-
-    def __init__(self, stats: Callable[[], object]):
+    def __init__(self, stats: Callable[[], object], total: str, counters: tuple[tuple[str, str, str], ...]):
         self.stats = stats
+        self.total = total
+        self.counters = counters
 
     def collect(self):
-        stats = self.stats()
-        for counter, name, documentation in self.COUNTERS:
+        total = getattr(self.stats(), self.total)
+        for counter, name, documentation in self.counters:
             family = CounterMetricFamily(name, documentation)
-            family.add_metric([], stats.cache_total(counter))
+            family.add_metric([], total(counter))
             yield family
 
 
-class SpeculationCounters:
-    """The draft policy's decisions (--speculative-policy), summed over the DP groups, at scrape time: decode
-    steps that verified drafts and that did not, drafts verified, requests that drafted (per verify step, summed);
-    drafts per verify step and requests drafting per verify step are the ratios."""
-
-    COUNTERS = (
-        ("verify_steps", "moeplex_spec_verify_steps", "Decode steps that verified drafts (speculative decoding)"),
-        ("plain_steps", "moeplex_spec_plain_steps", "Decode steps in which the draft policy drafted for no request"),
-        ("drafts", "moeplex_spec_drafts_verified", "Draft tokens verified"),
-        ("drafting", "moeplex_spec_requests_drafting", "Requests that verified drafts, summed over verify steps"),
-    )
-
-    def __init__(self, stats: Callable[[], object]):
-        self.stats = stats
-
-    def collect(self):
-        stats = self.stats()
-        for counter, name, documentation in self.COUNTERS:
-            family = CounterMetricFamily(name, documentation)
-            family.add_metric([], stats.spec_total(counter))
-            yield family
+PREFIX_CACHE_COUNTERS = (
+    ("queried_tokens", "moeplex_prefix_cache_queried_tokens", "Tokens looked up in the prefix cache at admission"),
+    ("hit_tokens", "moeplex_prefix_cache_hit_tokens", "Looked-up tokens found in the prefix cache"),
+    ("evicted_pages", "moeplex_prefix_cache_evicted_pages", "KV pages evicted from the prefix cache"),
+)
+# the draft policy's decisions (--speculative-policy): decode steps that verified drafts and that did not, drafts
+# verified, requests that drafted (per verify step, summed); drafts per verify step and requests drafting per
+# verify step are the ratios
+SPECULATION_COUNTERS = (
+    ("verify_steps", "moeplex_spec_verify_steps", "Decode steps that verified drafts (speculative decoding)"),
+    ("plain_steps", "moeplex_spec_plain_steps", "Decode steps in which the draft policy drafted for no request"),
+    ("drafts", "moeplex_spec_drafts_verified", "Draft tokens verified"),
+    ("drafting", "moeplex_spec_requests_drafting", "Requests that verified drafts, summed over verify steps"),
+)
+# structured outputs: the steps that waited for a grammar (a compile or matcher not ready when the request's token
+# was drawn)
+GRAMMAR_COUNTERS = (
+    ("mask_waits", "moeplex_grammar_mask_waits", "Steps that waited for a structured-output grammar"),
+    ("mask_wait_seconds", "moeplex_grammar_mask_wait_seconds", "Seconds steps waited for structured-output grammars"),
+)
 
 
 class TransferMetrics:

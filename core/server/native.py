@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
+import attrs
+
 from .endpoint import MAX_SEED, MAX_TOP_LOGPROBS, Plan, expand, choice_params
 from .errors import bad_request
 from .group import RequestGroup
@@ -18,6 +20,7 @@ from ..request import accept_length, accept_rate
 from .outputs import Completion
 from .schema import BOOLEAN, INTEGER, NUMBER, OBJECT, STRING, AnyOf, Field, ListOf, ObjectOf
 from .served_model import ServedModel
+from .structured import NATIVE_FIELDS, from_native
 
 SAMPLING = ObjectOf(
     [
@@ -43,6 +46,7 @@ SAMPLING = ObjectOf(
         Field("logit_bias", LOGIT_BIAS, None, "token id -> bias added to its logit; -100 bans it, +100 forces it"),
         Field("stream_interval", INTEGER, None, "accepted and ignored: every step's tokens are streamed", minimum=1),
         Field("custom_params", OBJECT, None, refused="no custom logit processor is loaded"),
+        *NATIVE_FIELDS,
     ],
     describe="an object of sampling parameters",
 )
@@ -95,7 +99,10 @@ class GenerateEndpoint:
             if prompt_logprobs is not None and start >= len(ids):
                 raise bad_request(f"logprob_start_len {start} is not a position of the {len(ids)}-token prompt",
                                   "logprob_start_len")
-            requests += expand([ids], n, lambda j: _params(sampling, logprobs, j, prompt_logprobs))
+            constraint = from_native(sampling)
+            self.model.constraints.check(constraint, "sampling_params")
+            expanded = expand([ids], n, lambda j: _params(sampling, logprobs, j, prompt_logprobs))
+            requests += [(p, attrs.evolve(sp, constraint=constraint)) for p, sp in expanded] if constraint else expanded
         return Plan(requests, values["stream"], n, values)
 
     def _prompt_ids(self, values: dict[str, Any]) -> list[list[int]]:

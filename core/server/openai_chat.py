@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
+import attrs
+
 from .chat_template import ChatTemplate
 from .endpoint import MAX_TOP_LOGPROBS, Plan, expand
 from .errors import bad_request
@@ -15,33 +17,48 @@ from .openai_common import (
 from .outputs import Completion, Output
 from .schema import BOOLEAN, INTEGER, OBJECT, STRING, AnyOf, Field, ListOf, ObjectOf
 from .served_model import ServedModel
+from .structured import from_response_format, response_format_field
+from .reasoning import END, ReasoningParser, ReasoningStream
+from .tools.parsers import ToolCallParser
+from .tools.request import ToolPlan, tool_call_json, tool_fields
+from .tools.stream import ToolStream
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_PART = ObjectOf([Field("type", STRING, None, required=True, choices=("text",)), Field("text", STRING, None, required=True)])
 MESSAGE = ObjectOf(
     [
         Field("role", STRING, None, required=True, choices=ROLES),
         Field("content", AnyOf(STRING, ListOf(TEXT_PART, "an array of text parts")), None, "text, or text parts"),
         Field("name", STRING, None, "accepted and ignored"),
+        Field("tool_calls", ListOf(OBJECT, "an array of tool calls"), None, "an assistant's calls (as answered before)"),
+        Field("tool_call_id", STRING, None, "a tool message: the call it answers"),
     ],
     describe="a message object",
 )
 
 
 def _flatten(message: dict) -> dict:
-    """A message as chat templates expect it: role and content as one string."""
+    """A message as chat templates expect it: role and content as one string (and an assistant's tool calls, a
+    tool result's call id, where given)."""
     content = message["content"]
     if isinstance(content, list):
         content = "".join(part["text"] for part in content)
-    return {"role": message["role"], "content": content or ""}
+    flat = {"role": message["role"], "content": content or ""}
+    for key in ("tool_calls", "tool_call_id"):
+        if message[key] is not None:
+            flat[key] = message[key]
+    return flat
 
 
 class ChatEndpoint:
     path = "/v1/chat/completions"
     summary = "OpenAI chat completion (streaming with stream: true)"
 
-    def __init__(self, model: ServedModel):
+    def __init__(self, model: ServedModel, tool_parser: ToolCallParser | None = None,
+                 reasoning: ReasoningParser | None = None):
         self.model = model
+        self.reasoning = reasoning  # --reasoning-parser: the thinking goes to reasoning_content
+        self.tool_parser = tool_parser  # --tool-call-parser: how this model family writes calls (tool_choice auto)
         self.fields = [
             Field("messages", ListOf(MESSAGE, "an array of messages", min_items=1), None, required=True),
             *sampling_fields(max_tokens_default=None),
@@ -49,10 +66,8 @@ class ChatEndpoint:
             Field("logprobs", BOOLEAN, False, "return the log-probability of each generated token"),
             Field("top_logprobs", INTEGER, 0, "with logprobs: the K most likely tokens at each step", minimum=0,
                   maximum=MAX_TOP_LOGPROBS),
-            Field("response_format", OBJECT, None, "only plain text", choices=({"type": "text"},)),
-            Field("tools", ListOf(OBJECT, "an array of tools"), None, "not supported", choices=([],)),
-            Field("tool_choice", AnyOf(STRING, OBJECT), None, "not supported", choices=("none", "auto")),
-            Field("parallel_tool_calls", BOOLEAN, None, "accepted and ignored (no tools)"),
+            response_format_field(),
+            *tool_fields(),
             # vLLM's and SGLang's chat extensions
             Field("add_generation_prompt", BOOLEAN, True, "end the prompt with the template's assistant header"),
             Field("continue_final_message", BOOLEAN, False, "leave the last (assistant) message open for the model to "
@@ -91,6 +106,8 @@ class ChatEndpoint:
         model.check_name(values["model"])
         if values["top_logprobs"] and not values["logprobs"]:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        tools = ToolPlan.of(values)
+        values["tool_plan"] = tools
         messages = [_flatten(m) for m in values["messages"]]
         if values["continue_final_message"] and (values["add_generation_prompt"] or messages[-1]["role"] != "assistant"):
             raise bad_request("continue_final_message needs add_generation_prompt: false and a last assistant message",
@@ -102,13 +119,23 @@ class ChatEndpoint:
             variables["reasoning_effort"] = values["reasoning_effort"]
         text = self._template(values["chat_template"]).render(
             messages, add_generation_prompt=values["add_generation_prompt"],
-            continue_final_message=values["continue_final_message"], **variables)
+            continue_final_message=values["continue_final_message"], tools=tools.tools, **variables)
         ids = truncate(model.encode(text, "messages", values["add_special_tokens"]), values)
         model.check_prompt(ids, "messages")
         max_tokens = values["max_completion_tokens"] or values["max_tokens"] or model.room_after(len(ids))
         model.check_length(len(ids), max_tokens, "max_tokens")
         engine_logprobs = max(values["top_logprobs"], 1) if values["logprobs"] else 0
         requests = expand([ids], values["n"], lambda j: params_for_choice(values, model, max_tokens, engine_logprobs, j))
+        constraint = from_response_format(values["response_format"])
+        if constraint is not None and tools.constrained:
+            raise bad_request("response_format cannot be combined with tool_choice required or a named function", "response_format")
+        constraint = constraint or tools.constraint
+        if constraint is not None:
+            model.constraints.check(constraint, "tools" if tools.constrained else "response_format")
+            # with a reasoning parser the constraint is the answer's: it starts after the thinking, unless the
+            # template closed the thinking in the prompt (Qwen3 with thinking off)
+            after = END if self.reasoning is not None and not text.rstrip().endswith(END) else ""
+            requests = [(ids, attrs.evolve(params, constraint=constraint, constraint_after=after)) for ids, params in requests]
         return Plan(requests, values["stream"], values["n"], values)
 
     def _logprobs(self, plan: Plan, entries) -> dict | None:
@@ -124,11 +151,19 @@ class ChatEndpoint:
     def response(self, plan: Plan, group: RequestGroup, completions: list[Completion]) -> dict:
         choices = []
         for c in completions:
+            reasoning, text = self.reasoning.split(c.text) if self.reasoning is not None else (None, c.text)
+            content, calls = plan.options["tool_plan"].split(text, self.tool_parser)
+            content = self._echo(plan) + content  # echo: the last assistant message's content first (vLLM)
+            message = {"role": "assistant", "content": content or (None if calls else "")}
+            if self.reasoning is not None:
+                message["reasoning_content"] = reasoning or None
+            if calls:
+                message["tool_calls"] = [tool_call_json(call) for call in calls]
             choice = {
                 "index": c.index,
-                "message": {"role": "assistant", "content": self._echo(plan) + c.text},
+                "message": message,
                 "logprobs": self._logprobs(plan, c.logprobs),
-                **finish_fields(c.finish_reason, c.stop_reason),
+                **_finish(c.finish_reason, c.stop_reason, calls),
             }
             if plan.options["return_token_ids"]:
                 choice["token_ids"] = c.token_ids
@@ -147,20 +182,40 @@ class ChatEndpoint:
             delta = {"role": "assistant", "content": self._echo(plan)}
             yield {**base, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}],
                    **usage_chunk_fields(plan.options, completions, plan.n)}
+        tools = [ToolStream(plan.options["tool_plan"], self.tool_parser) for _ in range(group.size)]
+        thinking = [self.reasoning.stream() if self.reasoning is not None else None for _ in range(group.size)]
         async for output in group.outputs():
             completions[output.index].add(output)
-            yield {**base, "choices": [self._chunk_choice(plan, output)],
-                   **usage_chunk_fields(plan.options, completions, plan.n)}
+            choice = self._chunk_choice(plan, output, tools[output.index], thinking[output.index])
+            yield {**base, "choices": [choice], **usage_chunk_fields(plan.options, completions, plan.n)}
         if (plan.options["stream_options"] or {}).get("include_usage"):
             yield {**base, "choices": [], "usage": usage(completions, plan.n)}
 
-    def _chunk_choice(self, plan: Plan, o: Output) -> dict:
+    def _chunk_choice(self, plan: Plan, o: Output, tools: ToolStream, thinking: ReasoningStream | None) -> dict:
+        reasoning, text = thinking.push(o.text, final=o.finished) if thinking is not None else ("", o.text)
+        content, calls = tools.push(text), []
+        if o.finished:
+            rest, calls = tools.finish()
+            content += rest
+        delta = {"content": content} if content or not o.finished else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if calls:
+            delta["tool_calls"] = [tool_call_json(call, i) for i, call in enumerate(calls)]
         choice = {
             "index": o.index,
-            "delta": {"content": o.text} if o.text or not o.finished else {},
+            "delta": delta,
             "logprobs": self._logprobs(plan, o.logprobs),
-            **finish_fields(o.finish_reason, o.stop_reason),
+            **_finish(o.finish_reason, o.stop_reason, calls),
         }
         if plan.options["return_token_ids"]:
             choice["token_ids"] = list(o.token_ids)
         return choice
+
+
+def _finish(reason: str | None, stop_reason, calls) -> dict:
+    """finish_reason is tool_calls where the output ended in calls (OpenAI's value)."""
+    fields = finish_fields(reason, stop_reason)
+    if calls and reason == "stop":
+        fields["finish_reason"] = "tool_calls"
+    return fields

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
+import attrs
+
 from .endpoint import MAX_TOP_LOGPROBS, Plan, expand
 from .group import RequestGroup
 from .openai_common import (
@@ -13,6 +15,7 @@ from .openai_common import (
 from .outputs import Completion, Output
 from .schema import BOOLEAN, INTEGER, OBJECT, STRING, AnyOf, Field, ListOf
 from .served_model import ServedModel
+from .structured import from_response_format, response_format_field
 
 PROMPT = AnyOf(
     STRING,
@@ -37,7 +40,7 @@ class CompletionsEndpoint:
             Field("add_special_tokens", BOOLEAN, True, "let the tokenizer add its special tokens (a BOS) to text prompts"),
             Field("suffix", STRING, None, "only empty: no insertion mode", choices=("",)),
             Field("best_of", INTEGER, None, "only 1", choices=(1,)),
-            Field("response_format", OBJECT, None, "only plain text", choices=({"type": "text"},)),
+            response_format_field(),
         ]
 
     def plan(self, values: dict[str, Any]) -> Plan:
@@ -55,6 +58,10 @@ class CompletionsEndpoint:
             prompt_top = max(prompt_top or 0, top)
         requests = expand(prompts, values["n"], lambda j: params_for_choice(
             values, model, max_tokens, engine_logprobs, j, prompt_logprobs=prompt_top))
+        constraint = from_response_format(values["response_format"])
+        if constraint is not None:
+            model.constraints.check(constraint, "response_format")
+            requests = [(ids, attrs.evolve(params, constraint=constraint)) for ids, params in requests]
         return Plan(requests, values["stream"], values["n"], values)
 
     def _prompt_ids(self, prompt, add_special_tokens: bool) -> list[list[int]]:

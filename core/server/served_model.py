@@ -14,6 +14,7 @@ from ..context_limit import context_length, context_problem
 from ..ranks.leader import EngineFacts
 from .chat_template import ChatTemplate
 from .errors import bad_request
+from .structured import ConstraintChecker
 
 
 class ServedModel:
@@ -31,6 +32,9 @@ class ServedModel:
         self.chat_template = ChatTemplate.from_folder(self.path)
         self.bos_token_id = hf_config.get("bos_token_id")
         self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
+        eos = hf_config.get("eos_token_id")  # only for compiling: whether a constraint compiles does not depend on it
+        eos_ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        self.constraints = ConstraintChecker.for_engine(facts.config, tokenizer, self.vocab_size, eos_ids)
         config = facts.config
         self._no_prompt_logprobs = (  # why prompt logprobs cannot be computed here, if they cannot
             "not computed with speculative decoding" if config.speculative else

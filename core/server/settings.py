@@ -7,6 +7,10 @@ import tempfile
 import attrs
 
 
+TOOL_CALL_PARSERS = ("deepseek_v3", "qwen3", "mistral")  # core/server/tools/parsers.py
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # core/server/reasoning.py
+
+
 def _positive(instance, attribute, value):
     if value <= 0:
         raise ValueError(f"{attribute.name} must be positive, got {value}")
@@ -31,3 +35,6 @@ class ServerSettings:
     # that receives the engine's round reports gets the GIL back from the event loop within this interval rather
     # than Python's 5 ms default (the forward steps themselves run in the rank processes)
     gil_switch_interval: float = attrs.field(default=1e-4, validator=_positive)
+    # how the model writes tool calls (tool_choice auto) and its thinking: parsers by model family, none by default
+    tool_call_parser: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_(TOOL_CALL_PARSERS)))
+    reasoning_parser: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_(REASONING_PARSERS)))

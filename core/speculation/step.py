@@ -171,7 +171,7 @@ class SpeculativeDecoding:
 
     def run(self, work: Sequence[ScheduledWork], batch: ForwardBatch, drafts: Sequence[Sequence[int]],
             forward: Callable, scheduler, append: Callable[[Request, int], bool], fail: Callable[[Request], None],
-            logprobs: Sampler) -> list[Request]:
+            logprobs: Sampler, mask: Callable | None = None) -> list[Request]:
         """The step of `batch` (already agreed between ranks); the requests that finished in it."""
         rows, due = self.logit_rows(work, drafts)
         if any(is_decoding(item) for item in work):
@@ -185,6 +185,8 @@ class SpeculativeDecoding:
             if request.num_cached <= len(request.prompt_ids):  # a prompt chunk: its pages may be shared now
                 scheduler.cache_progress(request)
         requests = [work[i].request for i in due]
+        if mask is not None:  # structured outputs: each verify row masked at its draft's position in the grammar
+            logits = mask(logits, [r.rid for r in requests], [drafts[i] for i in due])
         results = verify(logprobs.adjust_verify(logits, requests, [drafts[i] for i in due]), requests,
                          [drafts[i] for i in due])
         finished, at = [], 0

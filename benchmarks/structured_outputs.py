@@ -1,0 +1,192 @@
+"""Structured outputs: decode tokens/s with a JSON-schema constraint against unconstrained decoding, in one
+process and one engine, and the grammar compile time (p50/p99, cold and cached).
+
+    .venv/bin/python benchmarks/structured_outputs.py --runs 3                   CPU, tiny Qwen3-MoE
+    python benchmarks/structured_outputs.py --device cuda --runs 3               H200: Qwen3-30B-A3B shapes, dummy weights
+
+Both rows of a batch decode greedily exactly --output-len tokens per request: unconstrained with ignore_eos; the
+constrained one under a JSON schema (an object with one string too long to close within --output-len tokens), so
+both do the same number of steps; inside the string nearly every token is allowed, so both pick from about the
+same tokens and reach about as many experts, and only the mask's cost differs. The mask of a vocabulary is what costs: the
+checkpoint's tokenizer is replaced by a synthetic byte-level BPE of --tokenizer-vocab tokens (the model's size by
+default on a GPU: 151,643 like Qwen's; merges of JSON-like text), since no real tokenizer can be downloaded here.
+Decode tokens/s counts the tokens after every request's first one over the wall time of those steps; median of
+--runs, min-max beside it. Compile: --schemas distinct schemas (nested objects, enums, patterns, bounded arrays)
+through a fresh compiler of the --grammar-backend, each once cold and once from the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from moeplex.config import EngineConfig
+from moeplex.engine import Engine
+from moeplex.grammar.book import make_backend
+from moeplex.grammar.compiler import GrammarCompiler
+from moeplex.interfaces import JSON_SCHEMA, Constraint
+from moeplex.models.make_model import BOS, EOS, PAD, write_checkpoint
+from moeplex.registry import lookup
+from moeplex.sampling import SamplingParams
+
+ALPHABET = list('abcdefghijklmnopqrstuvwxyz0123456789{}[]":,. _-')
+
+
+def synthetic_tokenizer(size: int, seed: int = 0) -> Tokenizer:
+    """A byte-level BPE of `size` ids: bytes 0-255, bos/eos/pad at 256-258, then merges of JSON-like pieces."""
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    mapping = {c: i for i, c in enumerate(sorted(byte_chars, key=_byte_of))}
+    vocab = dict(mapping)
+    vocab.update({BOS: 256, EOS: 257, PAD: 258})
+    rng = random.Random(seed)
+    pieces = [c if c != " " else "Ġ" for c in ALPHABET]
+    tokens, merges = list(pieces), []
+    while len(vocab) < size:
+        a, b = rng.choice(tokens), rng.choice(tokens)
+        if len(a) + len(b) > 12 or a + b in vocab:
+            continue
+        vocab[a + b] = len(vocab)
+        merges.append((a, b))
+        tokens.append(a + b)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([BOS, EOS, PAD])
+    return tokenizer
+
+
+def _byte_of(char: str) -> int:
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    code = ord(char)
+    return code if code in printable else [b for b in range(256) if b not in printable][code - 256]
+
+
+def long_schema(tokens: int) -> Constraint:
+    """An object whose one string field cannot close within `tokens` tokens (no token spells more than 12
+    characters). Inside a JSON string nearly every token is allowed, so the model picks from about the same tokens
+    as unconstrained and routes to about as many experts: a schema of digits only would make the constrained run
+    faster on MoE models (a handful of distinct tokens reach fewer experts) and hide the mask's cost."""
+    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 12 * tokens + 1}},
+              "required": ["text"], "additionalProperties": False}
+    return Constraint(JSON_SCHEMA, json.dumps(schema))
+
+
+def compile_schemas(count: int) -> list[Constraint]:
+    out = []
+    for i in range(count):
+        props = {f"field_{i}_{j}": kind for j, kind in enumerate([
+            {"type": "string", "pattern": "^[a-z]{1,8}$"}, {"enum": ["a", "b", f"c{i}"]},
+            {"type": "integer", "minimum": 0, "maximum": 100 + i},
+            {"type": "array", "items": {"type": "number"}, "maxItems": 4},
+            {"type": "object", "properties": {"x": {"type": "boolean"}, "y": {"anyOf": [{"type": "null"}, {"type": "string"}]}},
+             "required": ["x"], "additionalProperties": False},
+        ])}
+        out.append(Constraint(JSON_SCHEMA, json.dumps({"type": "object", "properties": props, "required": list(props)[:3],
+                                                        "additionalProperties": False})))
+    return out
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def decode_rate(engine: Engine, prompts, params, device: str) -> float:
+    requests = [engine.add_request(p, params) for p in prompts]
+    while any(not r.output_ids for r in requests):
+        engine.step()
+    sync(device)
+    start, first = time.perf_counter(), sum(len(r.output_ids) for r in requests)
+    while engine.has_work:
+        engine.step()
+    sync(device)
+    assert all(r.error is None for r in requests), [r.error for r in requests if r.error]
+    return (sum(len(r.output_ids) for r in requests) - first) / (time.perf_counter() - start)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 8 CPU, 1 8 32 64 GPU")
+    parser.add_argument("--output-len", type=int, default=None, help="tokens per request (default: 24 CPU, 128 GPU)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--grammar-backend", default="xgrammar")
+    parser.add_argument("--tokenizer-vocab", type=int, default=None, help="synthetic tokenizer size (default: 4096 CPU, "
+                        "151643 GPU)")
+    parser.add_argument("--qwen-layers", type=int, default=48, help="GPU: Qwen3-30B-A3B decoder layers (default: all)")
+    parser.add_argument("--schemas", type=int, default=40, help="distinct schemas compiled (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads (default: %(default)s)")
+    parser.add_argument("--out", help="also write the tables to this file")
+    args = parser.parse_args()
+    gpu = args.device != "cpu"
+    if not gpu:
+        torch.set_num_threads(args.threads)
+    batches = args.batches or ([1, 8, 32, 64] if gpu else [1, 8])
+    output_len = args.output_len or (128 if gpu else 24)
+    vocab = args.tokenizer_vocab or (151643 if gpu else 4096)
+    folder = tempfile.mkdtemp()
+    if gpu:
+        write_checkpoint(folder, "qwen3_moe", "30b-a3b", config_only=True, overrides={"num_hidden_layers": args.qwen_layers})
+    else:
+        write_checkpoint(folder, "qwen3_moe", "tiny", seed=0, overrides={"vocab_size": max(vocab, 512)})
+    tokenizer = synthetic_tokenizer(vocab)
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    settings = dict(model=folder, device=args.device, show_progress=False, max_running_requests=max(batches),
+                    max_total_tokens=max(batches) * (output_len + 64) + 1024, grammar_backend=args.grammar_backend)
+    settings.update(dict(dtype="bf16", load_format="dummy", moe_kernel="triton") if gpu else dict(dtype="fp32"))
+    engine = Engine(EngineConfig(**settings))
+    rng = random.Random(0)
+    plain = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    constrained = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True,
+                                 constraint=long_schema(output_len))
+    decode_rate(engine, [[256, 7, 8]], constrained, args.device)  # warm-up: the backend and the schema compile
+    lines = [f"{engine.model.hf_config.get('model_type')} ({'dummy weights, bf16' if gpu else 'tiny, fp32'}), "
+             f"{args.grammar_backend}, tokenizer of {tokenizer.get_vocab_size()} ids, logits of "
+             f"{engine.vocab_size}, {output_len} tokens per request, {args.runs} runs", "",
+             "| batch | unconstrained tok/s (median) | min-max | json_schema tok/s (median) | min-max | overhead | mask waits |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for batch in batches:
+        rates = {"plain": [], "json": []}
+        for _ in range(args.runs):  # alternate, so drift in the machine hits both alike
+            prompts = [[256] + [rng.randrange(3, 250) for _ in range(16)] for _ in range(batch)]
+            rates["plain"].append(decode_rate(engine, prompts, plain, args.device))
+            waits = engine.grammar.mask_waits
+            rates["json"].append(decode_rate(engine, prompts, constrained, args.device))
+            waits = engine.grammar.mask_waits - waits
+        p, j = statistics.median(rates["plain"]), statistics.median(rates["json"])
+        lines.append(f"| {batch} | {p:.1f} | {min(rates['plain']):.1f}-{max(rates['plain']):.1f} | {j:.1f} | "
+                     f"{min(rates['json']):.1f}-{max(rates['json']):.1f} | {100 * (1 - j / p):+.1f}% | {waits} |")
+    backend = make_backend(lookup("grammar_backend", args.grammar_backend), tokenizer, engine.vocab_size, {257})
+    compiler = GrammarCompiler(backend)
+    cold, cached = [], []
+    for constraint in compile_schemas(args.schemas):
+        for into in (cold, cached):
+            start = time.perf_counter()
+            compiler.compile(constraint)
+            into.append(1000 * (time.perf_counter() - start))
+    lines += ["", f"compile of {args.schemas} distinct schemas ({args.grammar_backend}, tokenizer of "
+                  f"{tokenizer.get_vocab_size()} ids)", "", "| | p50 ms | p99 ms | max ms |", "|---|---:|---:|---:|"]
+    for name, values in (("cold", cold), ("cached", cached)):
+        lines.append(f"| {name} | {percentile(values, 0.5):.3f} | {percentile(values, 0.99):.3f} | {max(values):.3f} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

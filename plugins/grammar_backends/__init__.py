@@ -1,0 +1,1 @@
+"""Built-in grammar backends (`moeplex.grammar_backends`): xgrammar (default) and llguidance."""
