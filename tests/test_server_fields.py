@@ -179,3 +179,23 @@ def test_sglang_bench_serving_payloads(server):
             "ignore_eos": True, "stream_options": {"include_usage": True}, "lora_path": None}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and sum(1 for line in r.iter_lines() if line.startswith("data: {")) >= 8
+
+
+def test_vllm_guided_fields_constrain_the_output(api):
+    """vLLM's guided_choice, guided_regex, guided_json and structured_outputs mean what they mean there."""
+    import json
+    import re
+
+    choice = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0.0,
+                                    extra_body={"guided_choice": ["yes", "no", "maybe so"]})
+    assert choice.choices[0].text in ("yes", "no", "maybe so") and choice.choices[0].finish_reason == "stop"
+    digits = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a number"}], max_tokens=8,
+                                         temperature=0.0, extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    assert re.fullmatch("[0-9]{3}", digits.choices[0].message.content)
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"], "additionalProperties": False}
+    obj = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=64, temperature=0.0,
+                                 extra_body={"guided_json": schema})
+    if obj.choices[0].finish_reason == "stop":
+        assert json.loads(obj.choices[0].text)["a"] in ("x", "y")
+    else:  # cut by max_tokens: a prefix of a valid answer
+        assert obj.choices[0].text.lstrip().startswith("{")

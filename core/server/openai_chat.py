@@ -17,7 +17,7 @@ from .openai_common import (
 from .outputs import Completion, Output
 from .schema import BOOLEAN, INTEGER, OBJECT, STRING, AnyOf, Field, ListOf, ObjectOf
 from .served_model import ServedModel
-from .structured import from_response_format, response_format_field
+from .structured import request_constraint, response_format_field
 from .reasoning import END, ReasoningParser, ReasoningStream
 from .tools.parsers import ToolCallParser
 from .tools.request import ToolPlan, tool_call_json, tool_fields
@@ -126,12 +126,12 @@ class ChatEndpoint:
         model.check_length(len(ids), max_tokens, "max_tokens")
         engine_logprobs = max(values["top_logprobs"], 1) if values["logprobs"] else 0
         requests = expand([ids], values["n"], lambda j: params_for_choice(values, model, max_tokens, engine_logprobs, j))
-        constraint = from_response_format(values["response_format"])
+        constraint, asked_by = request_constraint(values)
         if constraint is not None and tools.constrained:
-            raise bad_request("response_format cannot be combined with tool_choice required or a named function", "response_format")
+            raise bad_request(f"{asked_by} cannot be combined with tool_choice required or a named function", asked_by)
         constraint = constraint or tools.constraint
         if constraint is not None:
-            model.constraints.check(constraint, "tools" if tools.constrained else "response_format")
+            model.constraints.check(constraint, "tools" if tools.constrained else asked_by)
             # with a reasoning parser the constraint is the answer's: it starts after the thinking, unless the
             # template closed the thinking in the prompt (Qwen3 with thinking off)
             after = END if self.reasoning is not None and not text.rstrip().endswith(END) else ""

@@ -10,6 +10,7 @@ from .outputs import Completion
 from .endpoint import MAX_TOP_LOGPROBS
 from .schema import BOOLEAN, INTEGER, NUMBER, OBJECT, STRING, AnyOf, Field, ListOf, MapOf, ObjectOf
 from .served_model import ServedModel
+from .structured import GUIDED_FIELDS
 
 MAX_N = 128
 STOP = AnyOf(STRING, ListOf(STRING, "an array of strings"))
@@ -23,7 +24,6 @@ STREAM_OPTIONS = ObjectOf(
 )
 LOGIT_BIAS = MapOf(NUMBER, "an object of token ids to biases in [-100, 100]")
 NOT_LOADED = "this server loads no LoRA adapters"
-GUIDED = "vLLM's guided decoding fields are not read; see docs/serving.md for structured outputs"
 
 
 def sampling_fields(max_tokens_default: int | None) -> list[Field]:
@@ -79,8 +79,7 @@ def sampling_fields(max_tokens_default: int | None) -> list[Field]:
         Field("service_tier", STRING, None, "accepted and ignored: one tier"),
         Field("store", BOOLEAN, None, "accepted and ignored: nothing is stored"),
         Field("metadata", OBJECT, None, "accepted and ignored"),
-        *(Field(name, AnyOf(STRING, OBJECT, ListOf(STRING, "an array of strings")), None, refused=GUIDED)
-          for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")),
+        *GUIDED_FIELDS,
     ]
 
 

@@ -15,7 +15,7 @@ from .openai_common import (
 from .outputs import Completion, Output
 from .schema import BOOLEAN, INTEGER, OBJECT, STRING, AnyOf, Field, ListOf
 from .served_model import ServedModel
-from .structured import from_response_format, response_format_field
+from .structured import request_constraint, response_format_field
 
 PROMPT = AnyOf(
     STRING,
@@ -58,9 +58,9 @@ class CompletionsEndpoint:
             prompt_top = max(prompt_top or 0, top)
         requests = expand(prompts, values["n"], lambda j: params_for_choice(
             values, model, max_tokens, engine_logprobs, j, prompt_logprobs=prompt_top))
-        constraint = from_response_format(values["response_format"])
+        constraint, asked_by = request_constraint(values)
         if constraint is not None:
-            model.constraints.check(constraint, "response_format")
+            model.constraints.check(constraint, asked_by)
             requests = [(ids, attrs.evolve(params, constraint=constraint)) for ids, params in requests]
         return Plan(requests, values["stream"], values["n"], values)
 

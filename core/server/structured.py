@@ -5,6 +5,7 @@ a schema that cannot compile is a 400 naming the problem."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Any, Callable
 
@@ -13,7 +14,7 @@ from ..grammar.compiler import GrammarCompiler
 from ..interfaces import EBNF, JSON_OBJECT, JSON_SCHEMA, REGEX, Constraint, GrammarError
 from ..registry import lookup
 from .errors import bad_request
-from .schema import BOOLEAN, OBJECT, STRING, Field, ObjectOf
+from .schema import BOOLEAN, OBJECT, STRING, AnyOf, Field, ListOf, ObjectOf
 
 JSON_SCHEMA_SPEC = ObjectOf(
     [
@@ -45,6 +46,69 @@ NATIVE_FIELDS = (
     Field("regex", STRING, None, "the output matches this regular expression"),
     Field("ebnf", STRING, None, "the output follows this EBNF grammar (GBNF dialect, rule root starts)"),
 )
+
+
+JSON_SPEC = AnyOf(STRING, OBJECT)
+CHOICES = ListOf(STRING, "an array of strings", min_items=1)
+STRUCTURED_OUTPUTS = ObjectOf(
+    [
+        Field("json", JSON_SPEC, None, "a JSON Schema (object or JSON text)"),
+        Field("regex", STRING, None, "a regular expression"),
+        Field("choice", CHOICES, None, "the output is one of these strings"),
+        Field("grammar", STRING, None, "an EBNF grammar (GBNF dialect)"),
+        Field("json_object", BOOLEAN, None, "any JSON object"),
+    ],
+    describe="vLLM's structured outputs object",
+)
+# vLLM's names for the same constraints, on both OpenAI endpoints
+GUIDED_FIELDS = (
+    Field("guided_json", JSON_SPEC, None, "vLLM: the output follows this JSON Schema"),
+    Field("guided_regex", STRING, None, "vLLM: the output matches this regular expression"),
+    Field("guided_choice", CHOICES, None, "vLLM: the output is one of these strings"),
+    Field("guided_grammar", STRING, None, "vLLM: the output follows this EBNF grammar (GBNF dialect)"),
+    Field("structured_outputs", STRUCTURED_OUTPUTS, None, "vLLM: one of json, regex, choice, grammar, json_object"),
+    Field("guided_decoding_backend", STRING, None, "accepted and ignored: --grammar-backend chooses the backend"),
+    Field("guided_whitespace_pattern", STRING, None, refused="the grammar backend decides the whitespace in JSON"),
+)
+
+
+def _json_schema(value) -> Constraint:
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return Constraint(JSON_SCHEMA, text)
+
+
+def _one_of_choices(choices: list[str]) -> Constraint:
+    return Constraint(REGEX, "(" + "|".join(re.escape(c) for c in choices) + ")")
+
+
+def from_guided(values: dict) -> list[tuple[str, Constraint]]:
+    """The constraints vLLM's fields ask for, each with the field that asked."""
+    out = []
+    readers = (("guided_json", _json_schema), ("guided_regex", lambda v: Constraint(REGEX, v)),
+               ("guided_choice", _one_of_choices), ("guided_grammar", lambda v: Constraint(EBNF, v)))
+    for name, read in readers:
+        if values.get(name) is not None:
+            out.append((name, read(values[name])))
+    spec = values.get("structured_outputs") or {}
+    readers = (("json", _json_schema), ("regex", lambda v: Constraint(REGEX, v)), ("choice", _one_of_choices),
+               ("grammar", lambda v: Constraint(EBNF, v)), ("json_object", lambda v: Constraint(JSON_OBJECT) if v else None))
+    for name, read in readers:
+        if spec.get(name) is not None and read(spec[name]) is not None:
+            out.append((f"structured_outputs.{name}", read(spec[name])))
+    return out
+
+
+def request_constraint(values: dict) -> tuple[Constraint | None, str]:
+    """(the one constraint an OpenAI request asks for, the field that asked), from response_format or vLLM's
+    fields; asking through two of them is a 400."""
+    asked = from_guided(values)
+    given = from_response_format(values["response_format"])
+    if given is not None:
+        asked.insert(0, ("response_format", given))
+    if len(asked) > 1:
+        raise bad_request(f"give one structured-output constraint; got {', '.join(name for name, _ in asked)}",
+                          asked[1][0])
+    return (asked[0][1], asked[0][0]) if asked else (None, "response_format")
 
 
 def from_response_format(value: dict | None) -> Constraint | None:
