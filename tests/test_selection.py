@@ -128,7 +128,7 @@ def test_start_up_logs_the_selected_plugins_with_their_distributions(caplog):
     v = importlib.metadata.version("moeplex")
     assert lines == [
         f"plugins: dispatcher local (moeplex {v}), moe_kernel torch (moeplex {v}), "
-        f"balancer static (moeplex {v}), overlap none (moeplex {v})"
+        f"balancer static (moeplex {v}), overlap none (moeplex {v}), grammar_backend xgrammar (moeplex {v})"
     ]
 
 
@@ -138,7 +138,8 @@ def test_start_up_line_names_the_drafter_and_the_transfer_backend(caplog):
         resolve(config(speculative_algorithm="ngram", disaggregation_mode="prefill",
                        disaggregation_transfer_backend="loopback"), has_gpu=False, announce=True)
     line = [r.getMessage() for r in caplog.records if r.name == "moeplex.selection"][0]
-    assert line.endswith(f"overlap none (moeplex {v}), drafter ngram (moeplex {v}), kv_transfer loopback (moeplex {v})")
+    assert line.endswith(f"overlap none (moeplex {v}), grammar_backend xgrammar (moeplex {v}), drafter ngram (moeplex {v}), "
+                         f"kv_transfer loopback (moeplex {v})")
 
 
 def test_fp8_rows_need_a_kernel_that_takes_them(fake_distribution):

@@ -40,6 +40,15 @@ class Bootstrap:
         return f"{host}:{self.port}"
 
 
+def refuse_bootstrap(values: dict) -> None:
+    """A co-located server given a disaggregated request (a router pointed at the wrong server): a 400 naming it,
+    rather than serving it as if the fields were unknown extras."""
+    given = next((name for name in FIELDS if values.get(name) is not None), None)
+    if given is not None:
+        raise bad_request(f"{given} is for a prefill or decode server; this one is co-located (--disaggregation-mode "
+                          "none)", given)
+
+
 def take_bootstrap(values: dict, role: str) -> Bootstrap:
     """Pop the bootstrap fields off a request body (a 400 naming what is missing or wrong)."""
     given = {name: values.pop(name, None) for name in FIELDS}

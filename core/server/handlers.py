@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 
-from ..disagg.frontend import take_bootstrap
+from ..disagg.frontend import refuse_bootstrap, take_bootstrap
 from .body import CLIENT_CLOSED, BodyReader, parse_json
 from .endpoint import Endpoint
 from .engine_loop import EngineLoop
@@ -34,6 +34,8 @@ def generation_route(endpoint: Endpoint, loop: EngineLoop, bodies: BodyReader,
         values = await run_in_threadpool(parse_json, body)
         side = loop.pd  # a prefill or decode server takes the router's bootstrap fields
         boot = take_bootstrap(values, side.role) if side is not None and isinstance(values, dict) else None
+        if side is None and isinstance(values, dict):
+            refuse_bootstrap(values)
         ignored: list[str] = []
         if not strict:
             values, ignored = prune(values, endpoint.fields)
