@@ -84,7 +84,7 @@ def main() -> None:
     per_token = kv_bytes_per_token(folder)
     budget = args.budget_tokens * per_token
     page = 16
-    lines = [f"DeepSeek-V3 {args.preset} (MLA), fp32, 2 gloo ranks on {processor().split(",")[0]}; KV budget {budget / 2**20:.1f} MiB "
+    lines = [f"DeepSeek-V3 {args.preset} (MLA), fp32, 2 gloo ranks on {processor().split(',')[0]}; KV budget {budget / 2**20:.1f} MiB "
              f"per rank ({per_token} bytes per token per rank); sequences of {args.context_tokens} tokens "
              f"({args.prompt_len} prompt); `python benchmarks/dp_attention_kv.py --runs {args.runs}`", "",
              "| layout | KV tokens per rank | distinct tokens held | largest decode batch | output tok/s (median) | min-max |",
