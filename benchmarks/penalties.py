@@ -15,7 +15,6 @@ import argparse
 import random
 import statistics
 import tempfile
-import time
 
 import torch
 
@@ -24,6 +23,7 @@ from moeplex.engine import Engine
 from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
 
+from timing import decode_rate
 from report import emit, processor
 
 PROMPT_LEN = 32
@@ -31,21 +31,7 @@ PENALIZED = dict(frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty
                  logit_bias={"11": 2.0, "13": -5.0, "17": 1.5})
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
-
-def decode_rate(engine: Engine, prompts, params, device: str) -> float:
-    requests = [engine.add_request(p, params) for p in prompts]
-    while any(not r.output_ids for r in requests):
-        engine.step()
-    sync(device)
-    start, first = time.perf_counter(), sum(len(r.output_ids) for r in requests)
-    while engine.has_work:
-        engine.step()
-    sync(device)
-    return (sum(len(r.output_ids) for r in requests) - first) / (time.perf_counter() - start)
 
 
 
@@ -93,7 +79,7 @@ def main() -> None:
         rates = {arm: [] for arm in arms}
         for _ in range(args.runs):
             for arm, params in arms.items():
-                rates[arm].append(decode_rate(engine, prompts, params, args.device))
+                rates[arm].append(decode_rate(engine, prompts, params, args.device)[0])
         none, pen = (statistics.median(rates[a]) for a in arms)
         lines.append(f"| {batch} | {none:.1f} | {min(rates['none']):.1f}-{max(rates['none']):.1f} | {pen:.1f} | "
                      f"{min(rates['penalties']):.1f}-{max(rates['penalties']):.1f} | {pen / none:.3f} |")

@@ -43,6 +43,7 @@ from moeplex.config import SCHEDULE_POLICIES, EngineConfig
 from moeplex.engine import Engine
 from moeplex.models.make_model import WEIGHTED_PRESETS, write_checkpoint
 from moeplex.sampling import SamplingParams
+from timing import sync
 
 SIZES = {  # flag -> (CPU default, GPU default)
     "groups": (4, 8), "prompts_per_group": (8, 16), "system_len": (1024, 2048), "question_len": (32, 64),
@@ -86,10 +87,6 @@ WORKLOADS = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "no-reuse
 def params(args) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
 
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def kv_tokens(args) -> int:

@@ -54,6 +54,7 @@ from moeplex.engine import Engine
 from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
 from moeplex.speculation import step as spec_step
+from timing import decode_rate, sync
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import script_drafters  # noqa: E402  (the test-only oracle and adversary)
@@ -116,22 +117,7 @@ def forced_acceptance(on: bool):
         spec_step.verify, script_drafters.FALLBACK = real, False
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
-
-def decode_rate(engine: Engine, prompts, params, device: str) -> tuple[float, list]:
-    """(decode tokens/s, the finished requests): the clock starts once every request has its first token."""
-    requests = [engine.add_request(p, params) for p in prompts]
-    while any(not r.output_ids for r in requests):
-        engine.step()
-    sync(device)
-    start, first = time.perf_counter(), sum(len(r.output_ids) for r in requests)
-    while engine.has_work:
-        engine.step()
-    sync(device)
-    return (sum(len(r.output_ids) for r in requests) - first) / (time.perf_counter() - start), requests
 
 
 def steady_rate(engine: Engine, prompts, params, batch: int, device: str) -> tuple[float, list]:

@@ -36,6 +36,7 @@ from moeplex.interfaces import JSON_SCHEMA, Constraint
 from moeplex.models.make_model import BOS, EOS, PAD, write_checkpoint
 from moeplex.registry import lookup
 from moeplex.sampling import SamplingParams
+from timing import decode_rate
 
 ALPHABET = list('abcdefghijklmnopqrstuvwxyz0123456789{}[]":,. _-')
 
@@ -94,22 +95,7 @@ def compile_schemas(count: int) -> list[Constraint]:
     return out
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
-
-def decode_rate(engine: Engine, prompts, params, device: str) -> float:
-    requests = [engine.add_request(p, params) for p in prompts]
-    while any(not r.output_ids for r in requests):
-        engine.step()
-    sync(device)
-    start, first = time.perf_counter(), sum(len(r.output_ids) for r in requests)
-    while engine.has_work:
-        engine.step()
-    sync(device)
-    assert all(r.error is None for r in requests), [r.error for r in requests if r.error]
-    return (sum(len(r.output_ids) for r in requests) - first) / (time.perf_counter() - start)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -162,9 +148,9 @@ def main() -> None:
         rates = {"plain": [], "json": []}
         for _ in range(args.runs):  # alternate, so drift in the machine hits both alike
             prompts = [[256] + [rng.randrange(3, 250) for _ in range(16)] for _ in range(batch)]
-            rates["plain"].append(decode_rate(engine, prompts, plain, args.device))
+            rates["plain"].append(decode_rate(engine, prompts, plain, args.device)[0])
             waits = engine.grammar.mask_waits
-            rates["json"].append(decode_rate(engine, prompts, constrained, args.device))
+            rates["json"].append(decode_rate(engine, prompts, constrained, args.device)[0])
             waits = engine.grammar.mask_waits - waits
         p, j = statistics.median(rates["plain"]), statistics.median(rates["json"])
         lines.append(f"| {batch} | {p:.1f} | {min(rates['plain']):.1f}-{max(rates['plain']):.1f} | {j:.1f} | "
