@@ -34,13 +34,13 @@ def add_parser(sub) -> None:
     p.add_argument("--logprobs", type=int, default=0, metavar="K", help="report the top-K log-probabilities per step")
     p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
                    help="report every prompt token's log-probability and the top-K (prompt_logprobs in the output)")
-    p.add_argument("--frequency-penalty", type=float, default=0.0,
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
                    help="in [-2, 2]: subtract it times each generated token's count from its logit (default: 0)")
-    p.add_argument("--presence-penalty", type=float, default=0.0,
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
                    help="in [-2, 2]: subtract it from the logit of every token generated so far (default: 0)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
                    help="> 0: divide positive (multiply negative) logits of prompt and output tokens by it (default: 1, off)")
-    p.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens before eos may end it")
+    p.add_argument("--min-tokens", type=int, default=0, metavar="N", help="generate at least this many tokens before eos may end it")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_engine_flags(p, serving=False)
     p.set_defaults(run=run)
