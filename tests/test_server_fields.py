@@ -199,3 +199,11 @@ def test_vllm_guided_fields_constrain_the_output(api):
         assert json.loads(obj.choices[0].text)["a"] in ("x", "y")
     else:  # cut by max_tokens: a prefix of a valid answer
         assert obj.choices[0].text.lstrip().startswith("{")
+
+
+def test_ignored_field_names_of_any_text_fit_in_a_header(server):
+    body = {"prompt": PROMPT, "max_tokens": 1, "Ā\n": 1, **{f"x{i}": i for i in range(40)}}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    named = r.headers["x-moeplex-ignored-fields"]
+    assert named.startswith("\\u0100\\n, x0, x1") and named.endswith("and 9 more")

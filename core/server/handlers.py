@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Awaitable, Callable
 
@@ -23,6 +24,16 @@ log = logging.getLogger("moeplex.server")
 IGNORED_FIELDS_HEADER = "X-Moeplex-Ignored-Fields"  # the request fields this server dropped, comma-separated
 
 
+MAX_NAMED = 32  # a body of a thousand unknown keys names the first ones, not a header of any size
+
+
+def header_list(names: list[str]) -> str:
+    """Names as one header value: ASCII with JSON's escapes (a key may hold any character; a header may not)."""
+    shown = [json.dumps(name)[1:-1] for name in names[:MAX_NAMED]]
+    more = len(names) - len(shown)
+    return ", ".join(shown) + (f", and {more} more" if more else "")
+
+
 def generation_route(endpoint: Endpoint, loop: EngineLoop, bodies: BodyReader,
                      strict: bool = False) -> Callable[[HttpRequest], Awaitable[Response]]:
     """`strict`: a field no declaration names is a 400 (--strict-request-fields); otherwise it is dropped, logged
@@ -41,7 +52,7 @@ def generation_route(endpoint: Endpoint, loop: EngineLoop, bodies: BodyReader,
             values, ignored = prune(values, endpoint.fields)
         if ignored:
             log.warning("%s: ignored request fields this server does not know: %s", endpoint.path, ", ".join(ignored))
-        headers = {IGNORED_FIELDS_HEADER: ", ".join(ignored)} if ignored else None
+        headers = {IGNORED_FIELDS_HEADER: header_list(ignored)} if ignored else None
         plan = await run_in_threadpool(lambda: endpoint.plan(parse(values, endpoint.fields)))
         requests = plan.requests
         if boot is not None:
