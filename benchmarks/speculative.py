@@ -54,6 +54,7 @@ from moeplex.engine import Engine
 from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
 from moeplex.speculation import step as spec_step
+from report import emit
 from timing import decode_rate, sync
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -259,11 +260,7 @@ def main() -> None:
                                              config_only=True, mtp=1, mtp_acceptance=args.mtp_acceptance)
                 lines += rows_for(f"DeepSeek-V3 shapes, 4 layers + synthetic MTP ({args.mtp_acceptance}), bf16",
                                   synthetic, ["none"] + with_mtp[len(plain):], args)
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

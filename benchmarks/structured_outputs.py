@@ -36,6 +36,7 @@ from moeplex.interfaces import JSON_SCHEMA, Constraint
 from moeplex.models.make_model import BOS, EOS, PAD, write_checkpoint
 from moeplex.registry import lookup
 from moeplex.sampling import SamplingParams
+from report import emit
 from timing import decode_rate
 
 ALPHABET = list('abcdefghijklmnopqrstuvwxyz0123456789{}[]":,. _-')
@@ -167,11 +168,7 @@ def main() -> None:
                   f"{tokenizer.get_vocab_size()} ids)", "", "| | p50 ms | p99 ms | max ms |", "|---|---:|---:|---:|"]
     for name, values in (("cold", cold), ("cached", cached)):
         lines.append(f"| {name} | {percentile(values, 0.5):.3f} | {percentile(values, 0.99):.3f} | {max(values):.3f} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ from moeplex.interfaces import JSON_SCHEMA, Constraint
 from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
 
+from report import emit  # benchmarks/report.py, beside this file
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -96,11 +98,7 @@ def main() -> None:
     lines.append(f"| moeplex / vLLM | {med['moeplex'][0] / med['vllm'][0]:.2f}x | | {med['moeplex'][1] / med['vllm'][1]:.2f}x | | | |")
     lines.append("")
     lines.append(f"first constrained output, vLLM: {runs['vllm'][-1].get('sample', '')!r}")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":
