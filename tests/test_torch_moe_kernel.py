@@ -1,8 +1,10 @@
 """The `torch` MoE kernel's standard layout (pairs sorted by expert once, grouped GEMMs) equals the
 per-expert loop it replaced, and both equal every pair written out in fp64: on the conformance
 routings (ids of -1, idle experts, one expert taking everything, no tokens), at decode and prefill
-sizes, in each dtype, and on CPU through each path: rows padded per expert into batched matmuls,
-`torch._grouped_mm`, and the loop other devices take."""
+sizes, in each dtype, and on CPU through each way cpu_experts.py measures (`torch._grouped_mm`, oneDNN
+per-expert linears, rows padded per expert into batched matmuls, every expert on every token) and the loop
+other devices take; and that the choice between them is measured once per shape."""
+
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch.nn.functional as F
 
 from moeplex.conformance.routing import ROUTINGS, make_hidden, make_routing
 from moeplex.interfaces import ExpertWeights, MoEContext, StandardLayout
-from moeplex.plugins.moe_kernels import torch_ref
+from moeplex.plugins.moe_kernels import cpu_experts, torch_ref
 from moeplex.plugins.moe_kernels.torch_ref import TorchMoEKernel
 
 HIDDEN, INTERMEDIATE = 64, 32
@@ -45,11 +47,9 @@ def case(routing, tokens, experts, top_k, dtype, seed=0):
     return make_hidden(tokens, HIDDEN, seed).to(dtype), route, w13, w2
 
 
-ONEDNN_BF16 = torch_ref._onednn_runs(torch.bfloat16)
-
-
-PATHS = [(dtype, path) for dtype in (torch.float32, torch.bfloat16) for path in ("padded_bmm", "grouped_mm", "loop", "packed")
-         if not (path == "packed" and dtype == torch.float32)]  # packing is for oneDNN's bf16/fp16 only
+ONEDNN_BF16 = cpu_experts.onednn_runs(torch.bfloat16)
+ALL_WAYS = ("grouped_mm", "onednn", "padded_bmm", "every_expert", "loop")
+PATHS = [(dtype, way) for dtype in (torch.float32, torch.bfloat16) for way in ALL_WAYS]
 
 
 @pytest.mark.parametrize("dtype,path", PATHS, ids=[f"{str(d).removeprefix('torch.')}-{p}" for d, p in PATHS])
@@ -57,20 +57,19 @@ PATHS = [(dtype, path) for dtype in (torch.float32, torch.bfloat16) for path in 
     "routing,tokens,experts,top_k",
     [(name, 48, 16, 4) for name in ROUTINGS] + [("random", 0, 8, 2), ("random", 1, 8, 1), ("random", 120, 32, 8)],
 )
-def test_standard_layout_matches_the_loop_and_every_pair(routing, tokens, experts, top_k, dtype, path, monkeypatch):
-    if path == "packed" and not ONEDNN_BF16:
-        pytest.skip("the packed path runs bf16 on CPUs where oneDNN does (AVX-512-BF16 / AMX); this one has neither")
+def test_standard_layout_matches_the_loop_and_every_pair(routing, tokens, experts, top_k, dtype, path):
+    """Each way, forced, on every conformance routing (the measured choice only picks among them)."""
+    if path not in cpu_experts.ways_for(dtype) + ("loop",):
+        pytest.skip(f"{path} is not a way for {dtype} on this processor (oneDNN: {cpu_experts.onednn_runs(dtype)})")
     hidden, route, w13, w2 = case(routing, tokens, experts, top_k, dtype)
-    monkeypatch.setattr(torch_ref, "_use_padded_bmm", lambda x, counts, weights: path == "padded_bmm")
-    if path == "loop":  # the loop over experts that GPUs (and weights in another dtype than the activations) take
-        monkeypatch.setattr(torch_ref, "_use_grouped_mm", lambda x, weights: False)
     layout = StandardLayout(hidden, route.topk_ids, route.topk_weights, experts)
     ctx = MoEContext(HIDDEN, INTERMEDIATE, experts, top_k, dtype, torch.device("cpu"))
-    weights = (w13, w2)
-    if path == "packed":
-        weights = torch_ref.PackedExperts(w13, w2)
-        monkeypatch.setattr(torch_ref.PackedExperts, "takes", lambda self, hidden, topk_ids: True)
-    result = TorchMoEKernel(ctx).apply(layout, weights)
+    kernel = TorchMoEKernel(ctx)
+    if path == "loop":  # the loop over experts that GPUs (and activations in another dtype) take
+        result = kernel.apply(layout, (w13, w2))
+    else:
+        forced = cpu_experts.Choice((1,), (path,))
+        result = kernel.apply(layout, cpu_experts.CpuExperts(w13, w2, top_k, forced))
     assert result.weights_applied and result.summed and result.hidden.dtype == dtype
     reference = per_pair_reference(hidden, route.topk_ids, route.topk_weights, w13, w2)
     assert result.hidden.shape == reference.shape
@@ -80,55 +79,73 @@ def test_standard_layout_matches_the_loop_and_every_pair(routing, tokens, expert
     torch.testing.assert_close(result.hidden, former, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype] * scale)
 
 
-def test_padded_bmm_is_taken_only_where_it_wins():
-    """bf16 at decode sizes with most experts hit: the batched matmuls; one token, fp32, or one expert
-    crowded with every row: not."""
-    _, route, w13, w2 = case("random", 48, 16, 4, torch.bfloat16)
-    x = torch.zeros(8, HIDDEN, dtype=torch.bfloat16)
-    assert torch_ref._use_padded_bmm(x, [1] * 8 + [0] * 8, (w13, w2)) == torch_ref._onednn_runs(torch.bfloat16)
-    assert not torch_ref._use_padded_bmm(x, [8] + [0] * 15, (w13, w2))  # one expert hit
-    assert not torch_ref._use_padded_bmm(x.float(), [1] * 8 + [0] * 8, (w13.float(), w2.float()))
-    crowded = torch.zeros(200, HIDDEN, dtype=torch.bfloat16)
-    assert not torch_ref._use_padded_bmm(crowded, [185] + [1] * 15, (w13, w2))  # 16 x 185 rows for 200
+def test_padded_bmm_falls_back_when_one_expert_is_crowded():
+    """16 experts padded to 185 rows each for 200 rows would be 15x the work: the grouped GEMMs run instead."""
+    _, _, w13, w2 = case("random", 4, 16, 4, torch.float32)
+    x = torch.randn(200, HIDDEN)
+    counts = [185] + [1] * 15
+    torch.testing.assert_close(cpu_experts.padded_bmm(x, counts, (w13, w2)), cpu_experts.grouped_mm(x, counts, (w13, w2)))
 
 
-@pytest.mark.skipif(not torch_ref._onednn_runs(torch.float16), reason="the packed path runs fp16 where oneDNN does")
-def test_packed_experts_ignore_an_expert_that_overflows_for_tokens_that_did_not_pick_it():
+@pytest.mark.skipif(not cpu_experts.onednn_runs(torch.float16), reason="every_expert runs fp16 where oneDNN does")
+def test_every_expert_ignores_an_expert_that_overflows_for_tokens_that_did_not_pick_it():
     """Every expert runs on every token: one that overflows fp16 (inf) for a token that did not pick it must
     add nothing to that token (inf x 0 would be NaN), as the sorted path never computes it."""
     hidden, route, w13, w2 = case("random", 12, 8, 2, torch.float16)
     w13[0] *= 4096  # expert 0 overflows on any row; no token picks it
     topk_ids = torch.where(route.topk_ids == 0, 1 + route.topk_ids.max() % 7, route.topk_ids)
     topk_ids[:, 1] = torch.where(topk_ids[:, 0] == topk_ids[:, 1], 1 + topk_ids[:, 0] % 7, topk_ids[:, 1])
-    layout = StandardLayout(hidden, topk_ids, route.topk_weights, 8)
-    kernel = TorchMoEKernel(MoEContext(HIDDEN, INTERMEDIATE, 8, 2, torch.float16, torch.device("cpu")))
-    packed = torch_ref.PackedExperts(w13, w2)
-    assert packed.takes(hidden, topk_ids)
-    out = kernel.apply(layout, packed).hidden
+    experts = cpu_experts.CpuExperts(w13, w2, 2, cpu_experts.Choice((1,), ("every_expert",)))
+    out = experts.run(hidden, topk_ids, route.topk_weights)
     assert torch.isfinite(out).all()
     reference = per_pair_reference(hidden, topk_ids, route.topk_weights, w13, w2)
     scale = max(reference.abs().max().item(), 1.0)
     torch.testing.assert_close(out.double(), reference, rtol=0, atol=TOLERANCE[torch.bfloat16] * scale)
 
 
-@pytest.mark.skipif(not ONEDNN_BF16, reason="the packed path runs bf16 on CPUs where oneDNN does (AVX-512-BF16 / AMX)")
-def test_packed_experts_are_prepared_for_bf16_on_cpu_and_taken_at_decode_sizes():
-    """prepare_weights packs bf16 weights on CPU (fp32 keeps the plain pair); the packed path is taken
-    from as many pairs as experts up to 128 tokens, and gives what the sorted path gives."""
-    _, route, w13, w2 = case("random", 48, 16, 4, torch.bfloat16)
-    ctx = MoEContext(HIDDEN, INTERMEDIATE, 16, 4, torch.bfloat16, torch.device("cpu"))
+def test_the_choice_is_measured_once_per_shape_and_the_fastest_way_is_kept(monkeypatch):
+    """prepare_weights times each way the dtype allows at three sizes and keeps the fastest per size; the
+    next layer of the same shape reuses the choice (no second measurement), another shape is measured."""
+    ctx = MoEContext(HIDDEN, INTERMEDIATE, 16, 4, torch.float32, torch.device("cpu"))
     kernel = TorchMoEKernel(ctx)
-    packed = kernel.prepare_weights(ExpertWeights(w13, w2))
-    assert isinstance(packed, torch_ref.PackedExperts) and packed[0] is w13 and packed[1] is w2
-    plain = kernel.prepare_weights(ExpertWeights(w13.float(), w2.float()))
-    assert not isinstance(plain, torch_ref.PackedExperts)
-    ids = torch.zeros(4, 4, dtype=torch.long)
-    assert packed.takes(torch.zeros(4, HIDDEN, dtype=torch.bfloat16), ids)  # 16 pairs, 16 experts
-    assert not packed.takes(torch.zeros(3, HIDDEN, dtype=torch.bfloat16), ids[:3])  # 12 pairs
-    assert not packed.takes(torch.zeros(129, HIDDEN, dtype=torch.bfloat16), torch.zeros(129, 4, dtype=torch.long))
-    assert not packed.takes(torch.zeros(4, HIDDEN), ids)  # activations in another dtype
-    hidden = make_hidden(48, HIDDEN, 0).to(torch.bfloat16)
-    layout = StandardLayout(hidden, route.topk_ids, route.topk_weights, 16)
-    torch.testing.assert_close(
-        kernel.apply(layout, packed).hidden, kernel.apply(layout, (w13, w2)).hidden, rtol=2e-2, atol=2e-2
-    )
+    slow = {"grouped_mm", "onednn"}
+    calls, now = [], [0.0]
+    real_run = cpu_experts.CpuExperts.run
+
+    def timed(self, hidden, topk_ids, topk_weights, way=None):
+        calls.append((hidden.shape[0], way))
+        # the measurement's clock: onednn costs 2 ms at the smallest size, grouped_mm everywhere else
+        now[0] += 0.002 if way == ("onednn" if hidden.shape[0] == self.sizes()[0] else "grouped_mm") else 0.001
+        return real_run(self, hidden, topk_ids, topk_weights, way)
+
+    monkeypatch.setattr(cpu_experts.CpuExperts, "run", timed)
+    monkeypatch.setattr(cpu_experts, "measuring_clock", lambda: lambda: now[0])
+    _, _, w13, w2 = case("random", 4, 16, 4, torch.float32)
+    first = kernel.prepare_weights(ExpertWeights(w13, w2))
+    if not cpu_experts.onednn_runs(torch.float32):
+        assert first.choice.ways == ("grouped_mm",) * 3 and not calls
+        return
+    sizes = first.sizes()
+    assert first.choice.sizes == sizes == (2, 16, 128)
+    assert first.choice.ways == ("grouped_mm", "onednn", "onednn")
+    assert {way for _, way in calls} == set(slow) and {t for t, _ in calls} == set(sizes)
+    measured = len(calls)
+    second = kernel.prepare_weights(ExpertWeights(w13.clone(), w2.clone()))
+    assert second.choice is first.choice and len(calls) == measured
+    other = kernel.prepare_weights(ExpertWeights(w13[:8].clone(), w2[:8].clone()))
+    assert len(calls) > measured and other.choice.sizes == (1, 8, 64)
+    assert first.choice.way(1) == "grouped_mm" and first.choice.way(20) == "onednn" and first.choice.way(4000) == "onednn"
+
+
+def test_gpu_style_weights_and_mixed_dtypes_take_the_loop():
+    """Weights on another device than CPU are not measured; activations in another dtype than the weights
+    take the loop (which casts the weights), with the same result."""
+    hidden, route, w13, w2 = case("random", 24, 16, 4, torch.float32)
+    kernel = TorchMoEKernel(MoEContext(HIDDEN, INTERMEDIATE, 16, 4, torch.float32, torch.device("cpu")))
+    prepared = kernel.prepare_weights(ExpertWeights(w13, w2))
+    assert isinstance(prepared, cpu_experts.CpuExperts) and prepared[0] is w13 and prepared[1] is w2
+    layout = StandardLayout(hidden.double(), route.topk_ids, route.topk_weights, 16)
+    out = kernel.apply(layout, prepared).hidden
+    assert out.dtype == torch.float64 and not prepared.takes(hidden.double())
+    reference = per_pair_reference(hidden, route.topk_ids, route.topk_weights, w13, w2)
+    torch.testing.assert_close(out, reference, rtol=0, atol=1e-5 * max(reference.abs().max().item(), 1.0))

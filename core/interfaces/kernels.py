@@ -1,4 +1,4 @@
-"""Public helpers for plugins: fp8 quantization, row permutation and layout planning.
+"""Public helpers for plugins: fp8 quantization, row permutation, layout planning and CPU kernel choice.
 
 The core uses the same functions from their home modules (moeplex.quant, moeplex.kernels,
 moeplex.moe.adapters); this module is the one door a plugin imports them through, so those
@@ -6,6 +6,7 @@ homes may move without breaking a plugin. Importing it imports Triton (its kerne
 Triton kernels), which is why `moeplex.interfaces` itself does not import it.
 """
 
+from moeplex.kernels.cpu import measuring_clock, onednn_runs
 from moeplex.kernels.fp8 import quantize_rows, silu_mul_quantize
 from moeplex.kernels.permute import gather_rows, weighted_pair_sum
 from moeplex.moe.adapters import ContiguousPlan, LayoutAdapter, plan_contiguous
@@ -24,6 +25,8 @@ __all__ = [
     "dequantize_activations",
     "dequantize_blocks",
     "gather_rows",
+    "measuring_clock",  # CPU kernels choose by timing candidates at start-up: the clock to time them with
+    "onednn_runs",  # whether oneDNN runs a dtype on this processor
     "plan_contiguous",
     "quantize_activations",
     "quantize_blocks",

@@ -18,7 +18,8 @@ from ..kv_cache import KVPool
 from ..moe.layer import MoELayer
 from ..parallel import Group
 from ..targets import Target, parameter_target
-from .parallel_layers import MergedColumnLinear, RowLinear
+from .cpu_linear import CpuLinears
+from .parallel_layers import Linear, MergedColumnLinear, RowLinear
 
 
 @attrs.frozen
@@ -227,7 +228,7 @@ class MoECausalLM(nn.Module, abc.ABC):
         self.model.embed_tokens = nn.Embedding(vocab, hidden)
         self.model.layers = nn.ModuleList(layers)
         self.model.norm = RMSNorm(hidden, config["rms_norm_eps"])
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.lm_head = Linear(hidden, vocab, bias=False)
         self.mtp_layers = nn.ModuleList()  # multi-token-prediction layers, built on request (DeepSeek-V3: models/mtp.py)
         self.requires_grad_(False)
 
@@ -307,3 +308,4 @@ class MoECausalLM(nn.Module, abc.ABC):
             self.lm_head.weight = self.model.embed_tokens.weight
         for layer in self.moe_layers():
             layer.finish_loading()
+        CpuLinears().pack(self)  # on a CPU: oneDNN's packed weights where they were measured faster

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import Group
 from ..targets import Target
+from .cpu_linear import linear
 
 
 def mark_shard(param: torch.Tensor, dim: int, tp: Group) -> None:
@@ -20,9 +20,18 @@ def _split(total: int, tp: Group, what: str) -> int:
     return total // tp.size
 
 
+class Linear(nn.Linear):
+    """nn.Linear that takes oneDNN's packed weight on a CPU where that was measured faster (cpu_linear.py)."""
+
+    onednn_weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.onednn_weight)
+
+
 def column_linear(in_features: int, out_features: int, tp: Group = Group(), bias: bool = False, what: str = "output size") -> nn.Linear:
     """Output features split over the ranks; no communication."""
-    layer = nn.Linear(in_features, _split(out_features, tp, what), bias=bias)
+    layer = Linear(in_features, _split(out_features, tp, what), bias=bias)
     if tp.size > 1:
         mark_shard(layer.weight, 0, tp)
         if bias:
@@ -33,6 +42,8 @@ def column_linear(in_features: int, out_features: int, tp: Group = Group(), bias
 class RowLinear(nn.Module):
     """Input features split over the ranks; partial products summed by all-reduce, bias added once."""
 
+    onednn_weight = None  # cpu_linear.py
+
     def __init__(self, in_features: int, out_features: int, tp: Group = Group(), bias: bool = False, what: str = "input size"):
         super().__init__()
         self.tp = tp
@@ -42,7 +53,7 @@ class RowLinear(nn.Module):
             mark_shard(self.weight, 1, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(linear(x, self.weight, None, self.onednn_weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -55,6 +66,8 @@ class MergedColumnLinear(nn.Module):
     own group (GQA key-value heads may be replicated over fewer ranks than the queries).
     """
 
+    onednn_weight = None  # cpu_linear.py
+
     def __init__(self, in_features: int, parts: dict[str, tuple[int, Group]], bias: bool = False, what: str = "output size"):
         super().__init__()
         self.parts = {name: (_split(out, group, f"{name} {what}"), group) for name, (out, group) in parts.items()}
@@ -63,7 +76,7 @@ class MergedColumnLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(sum(self.sizes)), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return linear(x, self.weight, self.bias, self.onednn_weight).split(self.sizes, dim=-1)
 
     def part_names(self, parent: str) -> list[str]:
         """Checkpoint names of the parts' weights; `parent` is the prefix of the module holding this one."""

@@ -1,0 +1,34 @@
+"""What CPU paths choose by: whether oneDNN runs a dtype on this processor, and the clock to time candidates with.
+
+Kernels on a CPU are chosen by measuring them at start-up (processors differ: a Xeon with AMX, an EPYC
+without it), never by the processor's name; these two helpers are what every such measurement shares.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Callable
+
+import torch
+
+
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has kernels for this dtype on this processor (fp32 wherever torch was built with it;
+    bf16 and fp16 where the processor has the instructions: AVX-512-BF16 / AMX, AVX-512-FP16)."""
+    return _onednn_runs(dtype)
+
+
+@functools.cache
+def _onednn_runs(dtype: torch.dtype) -> bool:
+    if dtype == torch.float32:
+        return torch.backends.mkldnn.is_available()
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float16 and torch.ops.mkldnn._is_mkldnn_fp16_supported()
+
+
+def measuring_clock() -> Callable[[], float]:
+    """The calling thread's CPU time where torch runs its ops on that thread alone (time other jobs on the
+    machine take from it is not counted), else the wall clock."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
