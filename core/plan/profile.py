@@ -29,17 +29,32 @@ class ExpertTable:
             points[pairs / hit] = us / hit  # two M with the same rows per expert: the later row wins
         return cls(tuple(sorted(points.items())), source, **kind)
 
-    def us_per_expert(self, rows: float) -> float:
-        """Log-log interpolation between measured rows; past the largest, linear in rows (compute-bound)."""
+    def us_per_expert(self, rows: float, min_us_per_row: float = 0.0) -> float:
+        """Log-log interpolation between measured rows; past the largest, the last two points' log-log trend.
+
+        Past the table the kernel still gains efficiency as rows grow (slope below 1), so the trend continues,
+        bounded by linear in rows (the last point's rate) and by `min_us_per_row` (the best rate measured for
+        this kernel: profile.expert_table passes it).
+        """
         xs = [r for r, _ in self.rows]
         if rows <= xs[0]:
             return self.rows[0][1]
         if rows >= xs[-1]:
-            return self.rows[-1][1] * rows / xs[-1]
+            linear = self.rows[-1][1] * rows / xs[-1]
+            if len(self.rows) < 2:
+                return linear
+            (x0, y0), (x1, y1) = self.rows[-2], self.rows[-1]
+            trend = y1 * (rows / x1) ** (math.log(y1 / y0) / math.log(x1 / x0))
+            return max(min(trend, linear), rows * min_us_per_row)
         i = bisect.bisect_right(xs, rows)
         (x0, y0), (x1, y1) = self.rows[i - 1], self.rows[i]
         t = (math.log(rows) - math.log(x0)) / (math.log(x1) - math.log(x0))
         return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
+
+    def best_tflops(self) -> float:
+        """The highest FLOP rate any point of the table reached (3 GEMMs of hidden x intermediate per row)."""
+        flops_per_row = 6.0 * self.shape[0] * self.shape[1]
+        return max(r * flops_per_row / us for r, us in self.rows) / 1e6
 
     def scaled(self, factor_at) -> "ExpertTable":
         rows = tuple((r, us * factor_at(r, us)) for r, us in self.rows)
@@ -63,15 +78,19 @@ class Profile:
 
     def by_ep(self, key: str, ep: int) -> float:
         """A published per-EP-size figure, interpolated linearly in log2(EP) and held at the ends."""
+        return self.interpolated(key, ep)
+
+    def interpolated(self, key: str, x: float) -> float:
+        """A table of [x, value] points, interpolated linearly in log2(x) and held at the ends."""
         points = self.values[key]
         xs = [p[0] for p in points]
-        if ep <= xs[0]:
+        if x <= xs[0]:
             return points[0][1]
-        if ep >= xs[-1]:
+        if x >= xs[-1]:
             return points[-1][1]
-        i = bisect.bisect_right(xs, ep)
+        i = bisect.bisect_right(xs, x)
         (x0, y0), (x1, y1) = points[i - 1], points[i]
-        t = (math.log2(ep) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
+        t = (math.log2(x) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
         return y0 + t * (y1 - y0)
 
     def slowdown(self, key: str, tokens: float) -> float:
@@ -106,6 +125,10 @@ class Profile:
         size = hidden * intermediate
         best = min(tables, key=lambda t: abs(math.log(t.shape[0] * t.shape[1] / size)))
         return best, size / (best.shape[0] * best.shape[1])
+
+    def expert_rate_cap(self, kernel: str, dtype: str) -> float:
+        """The best TFLOP/s any expert table of this kernel and dtype measured: what extrapolation may not beat."""
+        return max(t.best_tflops() for t in self.moe.values() if t.kernel == kernel and t.dtype == dtype)
 
 
 def _read_json(name_or_path: str) -> dict:
