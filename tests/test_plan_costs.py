@@ -223,3 +223,20 @@ def test_permute_parts_add_up(hw):
     # padded rows 1000 + 2 x 64 = 1128; grouping writes and reads 2128 rows of 2000 B = 4.256 µs, + floor
     assert group == pytest.approx(2128 * 2000 / 1e6 + 2.0)
     assert group + summing == pytest.approx(costs.permute_us(hw, 1000, 2, 1000))
+
+
+def test_a_one_point_table_at_its_expert_count_rescales_the_general_curve():
+    from moeplex.plan.profile import _from_json
+
+    rows = [[1, 1, 1, 10.0], [100, 100, 1, 100.0]]  # general: 10 µs at 1 row, 100 µs at 100 rows
+    data = {"name": "t", "launches": {"source": "test"}, "moe_tables": {
+        "general": {"kernel": "triton", "dtype": "bf16", "shape": [10, 20], "rows": rows, "source": "test"},
+        "untuned": {"kernel": "triton", "dtype": "bf16", "shape": [10, 20], "local_experts": 4, "only_at_local_experts": True,
+                    "rows": [[100, 100, 1, 150.0]], "source": "test"}}}
+    hw = _from_json(data)
+    table, factor = hw.expert_table("triton", "bf16", 10, 20, local_experts=4)
+    assert factor == pytest.approx(1.5)  # passes through 150 µs at 100 rows
+    assert table.us_per_expert(1) * factor == pytest.approx(15.0)
+    table, factor = hw.expert_table("triton", "bf16", 10, 20, local_experts=8)  # any other count: the general table
+    assert factor == 1.0 and table.source == "test"
+    assert hw.expert_rate_cap("triton", "bf16") == pytest.approx(100 * 1200 / 100.0 / 1e6)  # the untuned point is not a cap

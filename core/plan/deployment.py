@@ -139,7 +139,7 @@ def predict_step(
         ExpertLoad(shape.experts, workload.zipf_skew, workload.recorded_load), mean_pairs, layout.ep, slots,
         layout.balancer, num_nodes=nodes, num_groups=1,  # one expert group: the balancer places globally
     )
-    table, size = hw.expert_table(layout.moe_kernel, layout.dtype, shape.hidden, shape.expert_intermediate)
+    table, size = hw.expert_table(layout.moe_kernel, layout.dtype, shape.hidden, shape.expert_intermediate, local)
     cap = hw.expert_rate_cap(layout.moe_kernel, layout.dtype)
     counts = hw.launches[shape.arch]
     eager = not (decode and layout.graphs)

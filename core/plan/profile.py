@@ -21,6 +21,7 @@ class ExpertTable:
     kernel: str = "triton"
     dtype: str = "bf16"
     shape: tuple[int, int] = (7168, 2048)  # (hidden, expert intermediate) the table was measured at
+    only_at_local_experts: int = 0  # a table of one untuned configuration: used at that local expert count only
 
     @classmethod
     def from_measured(cls, measured: list[list[float]], source: str, **kind) -> "ExpertTable":
@@ -58,7 +59,7 @@ class ExpertTable:
 
     def scaled(self, factor_at) -> "ExpertTable":
         rows = tuple((r, us * factor_at(r, us)) for r, us in self.rows)
-        return ExpertTable(rows, self.source + " (derived)", self.kernel, self.dtype, self.shape)
+        return ExpertTable(rows, self.source + " (derived)", self.kernel, self.dtype, self.shape, self.only_at_local_experts)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class Profile:
         t = (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))
         return y0 + t * (y1 - y0)
 
-    def expert_table(self, kernel: str, dtype: str, hidden: int, intermediate: int) -> tuple[ExpertTable, float]:
+    def expert_table(self, kernel: str, dtype: str, hidden: int, intermediate: int, local_experts: int = 0) -> tuple[ExpertTable, float]:
         """The table of `kernel` in `dtype` and the factor its times take for experts of this shape.
 
         A table measured at the same shape is used as it is; otherwise the nearest one is scaled by the
@@ -119,6 +120,14 @@ class Profile:
         further from the bandwidth than big ones).
         """
         tables = [t for t in self.moe.values() if t.kernel == kernel and t.dtype == dtype]
+        exact = [t for t in tables if t.only_at_local_experts and t.only_at_local_experts == local_experts and t.shape == (hidden, intermediate)]
+        tables = [t for t in tables if not t.only_at_local_experts]
+        if exact and tables:
+            # one point measured at exactly this expert count (e.g. without a tuned tile table): the general
+            # table's curve, scaled to pass through it
+            base, size = self.expert_table(kernel, dtype, hidden, intermediate)
+            rows, us = exact[0].rows[-1]
+            return base, size * us / (base.us_per_expert(rows) * size)
         if not tables:
             have = ", ".join(sorted(f"{t.kernel} {t.dtype}" for t in self.moe.values()))
             raise ValueError(f"profile {self.name} has no expert table for moe kernel {kernel} in {dtype}; it has: {have}")
@@ -128,7 +137,7 @@ class Profile:
 
     def expert_rate_cap(self, kernel: str, dtype: str) -> float:
         """The best TFLOP/s any expert table of this kernel and dtype measured: what extrapolation may not beat."""
-        return max(t.best_tflops() for t in self.moe.values() if t.kernel == kernel and t.dtype == dtype)
+        return max(t.best_tflops() for t in self.moe.values() if t.kernel == kernel and t.dtype == dtype and not t.only_at_local_experts)
 
 
 def _read_json(name_or_path: str) -> dict:
@@ -144,7 +153,10 @@ def _from_json(data: dict) -> Profile:
         if isinstance(entry, dict) and "value" in entry:
             values[key], sources[key] = entry["value"], entry["source"]
     tables = {
-        key: ExpertTable.from_measured(t["rows"], t["source"], kernel=t["kernel"], dtype=t["dtype"], shape=tuple(t["shape"]))
+        key: ExpertTable.from_measured(
+            t["rows"], t["source"], kernel=t["kernel"], dtype=t["dtype"], shape=tuple(t["shape"]),
+            only_at_local_experts=t["local_experts"] if t.get("only_at_local_experts") else 0,
+        )
         for key, t in data["moe_tables"].items()
         if isinstance(t, dict)
     }
