@@ -42,7 +42,7 @@ def attention_core_us(
     flops_us = pairs * flops_per_pair / (hw.matmul_bf16_tflops * 1e6)
     if not decode:
         if "attention_slowdown" in hw.values:
-            return max(flops_us * hw.slowdown("attention_slowdown", queries), hw.kernel_floor_us)
+            return max(flops_us * hw.slowdown("attention_slowdown", seq_len or queries), hw.kernel_floor_us)
         if "attention_prefill_tflops" in hw.values:
             rate = hw.interpolated("attention_prefill_tflops", max(seq_len, queries))
             return max(pairs * flops_per_pair / (rate * 1e6), hw.kernel_floor_us)

@@ -193,8 +193,14 @@ def predict_step(
         ops += [Op("embedding, final norm, lm_head, sampling", counts["outside"], outside_gpu)]
         step = max(timeline_us(ops, host), gpu_step)
         notes.append(f"eager: {host} µs of host per launch; host-bound share of the step {1 - gpu_step / step:.0%}")
+    elif "graph_gap_us" in hw.values:
+        # a replayed graph still spends a little between consecutive kernels (measured per launch)
+        moe_launches = sum(op.launches for op in eager_ops.layer_ops(half if tbo else layer, counts, hw, decode)) * (2 if tbo else 1)
+        dense_launches = sum(op.launches for op in eager_ops.dense_layer_ops(dense, counts, decode))
+        launches = shape.moe_layers * moe_launches + dense_layers * dense_launches + counts["outside"]
+        step = gpu_step + launches * hw.graph_gap_us
+    split["host"] = (step - gpu_step) / max(shape.moe_layers, 1)  # host launches (eager) or graph gaps, per MoE layer
     split["dense"] = dense_layers * dense.compute() / max(shape.moe_layers, 1)  # spread per MoE layer, for the split
-    split["host"] = (step - gpu_step) / max(shape.moe_layers, 1)  # GPU idle waiting for the host's launches, per MoE layer
     return StepPrediction(mode, t, step, split, bal, notes)
 
 
