@@ -2,7 +2,7 @@
 # The `--profile` step of `moeplex plan` (docs/plan.md): re-measure, on one lent H200, the tables the shipped
 # profile core/plan/profiles/h200.json reads, and the dense costs it still prices at the peak. Results go to OUT;
 # updating the profile from them is a reviewed edit (each number keeps its table and command as its source).
-#   bash benchmarks/plan_profile.sh OUT        (about 9 minutes)
+#   bash benchmarks/plan_profile.sh OUT        (about 8 minutes; under the 10-minute limit of one device call)
 set -o pipefail
 out=$(realpath "${1:-.}")
 export PYTHONUNBUFFERED=1
