@@ -43,3 +43,34 @@ def test_deepep_normal_syncs_twice():
     # h = 5: layout launched at 5, 10 -> GPU done 15; wait; dispatch launched 20 -> 120; wait;
     # plan at 125, 130, 135 (no GPU time); grouping at 140 -> 170; summing at 145 -> 190; combine at 150 -> 230
     assert timeline_us(ops, 5.0) == pytest.approx(230.0)
+
+
+class _Hw:
+    deepep_normal_fixed_us = 10.0
+    launches = {"deepep-normal": {"launches_before_wait": 2, "plan_launches": 3, "group_launches": 1, "sum_launches": 1, "combine_launches": 1}}
+
+
+COUNTS = {"small_per_layer": 6, "small_before_attention": 2, "outside": 9}
+
+
+def test_layer_ops_follow_the_code_order_with_one_sync_per_extend_layer():
+    from moeplex.plan.eager import dense_layer_ops, layer_ops
+
+    layer = LayerCosts(10.0, 20.0, 5.0, 2.0, 3.0, router=1.0, experts=30.0)
+    ops = layer_ops(layer, COUNTS, _Hw(), decode=False)
+    assert [op.name for op in ops][:3] == ["input norms, rope, cache writes", "attention projections", "attention kernel"]
+    assert [op.sync_before for op in ops].count(True) == 1 and ops[2].sync_before
+    # 2 small + 2 projections + attention + o_proj + 3 small + router + 3 expert launches (no transfers, no shared experts)
+    assert sum(op.launches for op in ops) == 13
+    assert not any(op.sync_before for op in layer_ops(layer, COUNTS, _Hw(), decode=True))  # decode reads no host list
+    assert sum(op.launches for op in dense_layer_ops(layer.dense_layer(7.0), COUNTS, False)) == 2 + 2 + 1 + 1 + 3 + 2
+
+
+def test_an_eager_tbo_layer_is_the_longer_of_the_overlapped_gpu_and_both_halves_launches():
+    from moeplex.plan.eager import overlapped_layer_ops
+
+    half = LayerCosts(10.0, 20.0, 5.0, 2.0, 3.0, router=1.0, experts=30.0)  # 13 launches a micro-batch
+    (op,) = overlapped_layer_ops(half, layer_gpu=100.0, host_us=10.0, counts=COUNTS, hw=_Hw())
+    assert op.sync_before and op.gpu_us == pytest.approx(2 * 13 * 10.0)  # host-bound: 260 µs
+    (op,) = overlapped_layer_ops(half, layer_gpu=500.0, host_us=10.0, counts=COUNTS, hw=_Hw())
+    assert op.gpu_us == pytest.approx(500.0)
