@@ -64,3 +64,18 @@ def test_plan_gemm_benchmark_runs_at_toy_size(tmp_path):
     measured = load_profile(str(profile))  # the file the --profile step writes is a profile the model reads
     assert [p[0] for p in measured.gemm_slowdown] == [4, 16] and "plan_gemm.py" in measured.sources["gemm_slowdown"]
     assert main(["plan", "check", "--only", "own", "--profile", str(profile)]) == 0
+
+
+def test_plan_launch_benchmark_runs_at_toy_size(tmp_path):
+    """benchmarks/plan_launch.py (the --profile step's launch costs) on the CPU: the eager part only."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    out = tmp_path / "launch.md"
+    args = [sys.executable, "plan_launch.py", "--device", "cpu", "--kernels", "20", "--runs", "2", "--out", str(out)]
+    done = subprocess.run(args, cwd=bench, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = out.read_text()
+    assert "eager launch from Python" in text and "skipped: needs CUDA" in text

@@ -51,7 +51,12 @@ def test_experts_hit_and_time():
     table = ExpertTable(((1.0, 10.0), (100.0, 100.0)), "test")
     assert table.us_per_expert(10.0) == pytest.approx(10 ** 1.5)  # log-log midway
     assert table.us_per_expert(0.5) == 10.0  # held below the first point
-    assert table.us_per_expert(200.0) == pytest.approx(200.0)  # linear in rows past the last point
+    # past the last point: the last two points' log-log trend (slope 0.5 here): 100 x 2^0.5
+    assert table.us_per_expert(200.0) == pytest.approx(100 * 2**0.5)
+    # ... never faster than the best measured rate (here 0.9 µs per row), never slower than linear
+    assert table.us_per_expert(200.0, min_us_per_row=0.9) == pytest.approx(180.0)
+    steep = ExpertTable(((1.0, 1.0), (10.0, 100.0)), "test")  # slope 2: capped at linear
+    assert steep.us_per_expert(20.0) == pytest.approx(200.0)
     # 2 pairs over 4 experts: 1.75 hit, 2/1.75 rows each
     expected = 1.75 * table.us_per_expert(2 / 1.75) * 0.5
     assert costs.experts_us(table, 0.5, 2, 4) == pytest.approx(expected)
@@ -175,3 +180,63 @@ def test_measured_slowdowns_scale_the_roofline(hw):
     assert costs.gemm_us(hw, 1000, 1000, 1000) == pytest.approx(20.0)  # 1.0 at 1000 tokens
     assert costs.gemm_us(hw, 10, 10_000, 1000) == pytest.approx(2 * (1e7 * 2 + 10 * 11_000 * 2) / 1e6)
     assert hw.slowdown("attention_slowdown", 100) == 1.0  # not measured: the roofline as it is
+
+
+def test_expert_rate_cap_is_the_best_rate_measured():
+    # 3 GEMMs of 10 x 20 per row = 1200 FLOP per row: 100 rows in 1 µs = 0.12 TFLOP/s; 10 rows in 1 µs = 0.012
+    table = ExpertTable(((10.0, 1.0), (100.0, 1.0)), "test", shape=(10, 20))
+    assert table.best_tflops() == pytest.approx(0.12)
+    # experts_us turns it into a floor per row: 1200 / 0.12e6 = 0.01 µs per row
+    pairs, local = 1e6, 1  # one expert with 1e6 rows: trend 1 µs (slope 0), floor 1e6 x 0.01 = 1e4 µs
+    assert costs.experts_us(table, 1.0, pairs, local, best_tflops=0.12) == pytest.approx(1e4)
+
+
+def test_router_runs_in_fp32_on_cuda_cores(hw):
+    values = dict(ROUND, fp32_tflops=10.0)
+    fp = Profile("round", values, {}, {}, {})
+    # 1000 tokens x 1000 hidden x 100 experts: 2e8 FLOP / 10e12 = 20 µs; bytes 4e5 + 1000 x (2000 + 4000 + 400) = 6.8e6 -> 6.8 µs
+    assert costs.router_us(fp, 1000, 1000, 100) == pytest.approx(20.0)
+    assert costs.router_us(fp, 1, 10, 10) == 2.0  # the floor
+    assert costs.router_us(fp, 0, 10, 10) == 0.0
+
+
+def test_small_kernels_are_bandwidth_bound_at_prefill_sizes(hw):
+    # 4 kernels each reading and writing [1000, 1000] bf16: 4e6 B / 1e12 B/s = 4 µs each
+    assert costs.small_kernels_us(hw, 4, 1000, 1000) == pytest.approx(16.0)
+    assert costs.small_kernels_us(hw, 4, 1, 1000) == pytest.approx(8.0)  # decode: the 2 µs floor each
+    assert costs.small_kernels_us(hw, 0, 1000, 1000) == 0.0
+
+
+def test_prefill_attention_at_the_published_flash_rate(hw):
+    values = dict(ROUND, attention_prefill_tflops=[[1024, 25.0], [4096, 50.0]])
+    fa = Profile("round", values, {}, {}, {})
+    # 1e6 pairs x 1e5 FLOP = 1e11 FLOP; at 2048 tokens the rate is midway in log2: 37.5 TFLOP/s -> 2666.7 µs
+    assert costs.attention_core_us(fa, 2048, 1e6, 1, 100_000, decode=False, seq_len=2048) == pytest.approx(1e11 / 37.5e6)
+    assert costs.attention_core_us(fa, 8192, 1e6, 1, 100_000, decode=False, seq_len=8192) == pytest.approx(2000.0)  # held
+    # a measured slowdown table (the --profile step) wins over the published rate
+    measured = Profile("round", dict(values, attention_slowdown=[[1, 3.0]]), {}, {}, {})
+    assert costs.attention_core_us(measured, 2048, 1e6, 1, 100_000, decode=False, seq_len=2048) == pytest.approx(3000.0)
+
+
+def test_permute_parts_add_up(hw):
+    group, summing = costs.permute_parts_us(hw, 1000, 2, 1000)
+    # padded rows 1000 + 2 x 64 = 1128; grouping writes and reads 2128 rows of 2000 B = 4.256 µs, + floor
+    assert group == pytest.approx(2128 * 2000 / 1e6 + 2.0)
+    assert group + summing == pytest.approx(costs.permute_us(hw, 1000, 2, 1000))
+
+
+def test_a_one_point_table_at_its_expert_count_rescales_the_general_curve():
+    from moeplex.plan.profile import _from_json
+
+    rows = [[1, 1, 1, 10.0], [100, 100, 1, 100.0]]  # general: 10 µs at 1 row, 100 µs at 100 rows
+    data = {"name": "t", "launches": {"source": "test"}, "moe_tables": {
+        "general": {"kernel": "triton", "dtype": "bf16", "shape": [10, 20], "rows": rows, "source": "test"},
+        "untuned": {"kernel": "triton", "dtype": "bf16", "shape": [10, 20], "local_experts": 4, "only_at_local_experts": True,
+                    "rows": [[100, 100, 1, 150.0]], "source": "test"}}}
+    hw = _from_json(data)
+    table, factor = hw.expert_table("triton", "bf16", 10, 20, local_experts=4)
+    assert factor == pytest.approx(1.5)  # passes through 150 µs at 100 rows
+    assert table.us_per_expert(1) * factor == pytest.approx(15.0)
+    table, factor = hw.expert_table("triton", "bf16", 10, 20, local_experts=8)  # any other count: the general table
+    assert factor == 1.0 and table.source == "test"
+    assert hw.expert_rate_cap("triton", "bf16") == pytest.approx(100 * 1200 / 100.0 / 1e6)  # the untuned point is not a cap

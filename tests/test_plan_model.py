@@ -39,8 +39,11 @@ def test_step_is_the_sum_of_its_layers(hw, v3):
     lay = RoleLayout(gpus=16, ep=16, dispatcher="deepep-ll", redundant_experts=0, balancer="static")
     step = predict_step(hw, v3, lay, wl, "decode", 64)
     s = step.split_us
-    moe_layer = s["attention"] + s["experts"] + s["idle"] + s["other"] + s["dispatch"] + s["combine"]
+    moe_layer = s["attention"] + s["experts"] + s["idle"] + s["other"] + s["dispatch"] + s["combine"] + s["host"]
     outside = step.step_us - v3.moe_layers * moe_layer - v3.moe_layers * s["dense"]
+    # a replayed graph's gaps: per MoE layer 7 + 6 small kernels, 2 projections, attention, o_proj, router, dispatch,
+    # 3 expert launches, combine, 2 shared-expert GEMMs = 25; per dense layer 19; 9 outside
+    assert s["host"] * v3.moe_layers == pytest.approx((58 * 25 + 3 * 19 + 9) * hw.graph_gap_us)
     # outside the layers: the lm_head over the batch's 64 requests and the step's few small kernels
     expected = costs.gemm_us(hw, 64, v3.hidden, v3.vocab) + hw.launches["deepseek_v3"]["outside"] * hw.kernel_floor_us
     assert outside == pytest.approx(expected)
@@ -117,3 +120,17 @@ def test_nothing_on_the_serving_path_imports_the_planner():
             if any(n == "moeplex.plan" or n.startswith("moeplex.plan.") for n in names if n):
                 offenders.append(f"{path.relative_to(core)}:{node.lineno}")
     assert not offenders
+
+
+def test_prefill_is_eager_and_turns_host_bound_when_launches_are_slow(hw):
+    from moeplex.plan.profile import Profile
+
+    qwen = model_shape(load_config("qwen3_moe:30b-a3b"))
+    launches = {**hw.launches, "qwen3_moe": {**hw.launches["qwen3_moe"], "eager_host_us": 1000.0}}
+    slow = Profile(hw.name, hw.values, hw.sources, hw.moe, launches)
+    fast = predict_step(hw, qwen, LOCAL, Workload(128, 32, zipf_skew=0.0), "prefill", 128)
+    step = predict_step(slow, qwen, LOCAL, Workload(128, 32, zipf_skew=0.0), "prefill", 128)
+    # per layer 2 small + 2 projections + attention + o_proj + 3 small + router + 3 expert launches = 13; 9 outside
+    host = (48 * 13 + 9) * 1000.0
+    assert host < step.step_us < host + fast.step_us
+    assert step.split_us["host"] > 0.9 * host / 48

@@ -68,15 +68,23 @@ def own_cases(profile: str = "h200") -> list[Case]:
 
 
 def _comm(layout: RoleLayout, mode: str, tokens: int, profile: str) -> Callable[[], float]:
+    """The dispatch benchmark's layer (identity experts) from an idle GPU: GPU terms, and for DeepEP normal the
+    host timeline of its launches and two syncs at DeepSeek-V3's eager host cost per launch (eager.py)."""
     def run() -> float:
-        from .costs import permute_us
+        from .costs import permute_parts_us
         from .deployment import _dispatch_us
+        from .eager import LayerCosts, normal_dispatch_ops
+        from .host import timeline_us
 
         hw = load_profile(profile)
         shape = model_shape(load_config("deepseek_v3:v3"))
         d, c, contiguous = _dispatch_us(hw, layout, shape, tokens, mode == "decode")
-        local = shape.experts // layout.ep
-        return d + c + (permute_us(hw, tokens * shape.top_k, local, shape.hidden) if contiguous else 0.0)
+        if not contiguous:
+            return d + c
+        group, summing = permute_parts_us(hw, tokens * shape.top_k, shape.experts // layout.ep, shape.hidden)
+        layer = LayerCosts(0, 0, 0, 0, 0, group=group, summing=summing, dispatch=d, combine=c, normal_mode=True)
+        ops = normal_dispatch_ops(layer, hw.launches["deepep-normal"], hw.deepep_normal_fixed_us)
+        return timeline_us(ops, hw.launches["deepseek_v3"]["eager_host_us"])
 
     return run
 

@@ -26,20 +26,49 @@ def gemm_us(hw: Profile, tokens: float, k: int, n: int, dtype: str = "bf16") -> 
     return max(roofline * hw.slowdown("gemm_slowdown", tokens), hw.kernel_floor_us)
 
 
-def attention_core_us(hw: Profile, queries: float, pairs: float, kv_bytes_per_token: int, flops_per_pair: int, decode: bool) -> float:
+def attention_core_us(
+    hw: Profile, queries: float, pairs: float, kv_bytes_per_token: int, flops_per_pair: int, decode: bool, seq_len: float = 0.0
+) -> float:
     """Scores and weighted values over `pairs` (query, key) pairs.
 
     Decode reads each query's whole KV (`pairs` keys of `kv_bytes_per_token`) and is bound by it or its
-    FLOPs; prefill is bound by FLOPs at the measured bf16 matmul rate (no attention kernel of ours is
-    profiled alone yet: this is the term most likely to read fast).
+    FLOPs. Prefill is bound by FLOPs at the rate a causal flash kernel reaches at this prompt length
+    (`seq_len`): a measured table (`attention_slowdown`, from the --profile step) where the profile has
+    one, else the published FlashAttention-2 rate (`attention_prefill_tflops`: torch SDPA's flash backend
+    is FlashAttention-2), else the bf16 matmul peak.
     """
     if queries <= 0:
         return 0.0
     flops_us = pairs * flops_per_pair / (hw.matmul_bf16_tflops * 1e6)
     if not decode:
-        return max(flops_us * hw.slowdown("attention_slowdown", queries), hw.kernel_floor_us)
+        if "attention_slowdown" in hw.values:
+            return max(flops_us * hw.slowdown("attention_slowdown", seq_len or queries), hw.kernel_floor_us)
+        if "attention_prefill_tflops" in hw.values:
+            rate = hw.interpolated("attention_prefill_tflops", max(seq_len, queries))
+            return max(pairs * flops_per_pair / (rate * 1e6), hw.kernel_floor_us)
+        return max(flops_us, hw.kernel_floor_us)
     bytes_us = pairs * kv_bytes_per_token / (hw.hbm_gbps * 1e3)
     return max(flops_us, bytes_us, hw.kernel_floor_us)
+
+
+def router_us(hw: Profile, tokens: float, hidden: int, experts: int) -> float:
+    """The router GEMM: fp32 weights and fp32 math (core/moe/router.py; TF32 stays off), so CUDA cores, not tensor cores."""
+    if tokens <= 0:
+        return 0.0
+    flops = 2.0 * tokens * hidden * experts
+    moved = hidden * experts * 4.0 + tokens * (hidden * 2.0 + hidden * 4.0 + experts * 4.0)  # weight, bf16 in, fp32 copy, logits
+    return max(flops / (hw.fp32_tflops * 1e6), moved / (hw.hbm_gbps * 1e3), hw.kernel_floor_us)
+
+
+def small_kernels_us(hw: Profile, launches: int, tokens: float, hidden: int) -> float:
+    """Norms, rope, cache writes, top-k sums: each reads and writes about one [tokens, hidden] bf16 activation.
+
+    A few tokens (decode) leave each at the per-kernel floor; a prefill chunk makes each one bandwidth-bound.
+    """
+    if launches <= 0:
+        return 0.0
+    per_kernel = 2 * tokens * hidden * 2.0 / (hw.hbm_gbps * 1e3)
+    return launches * max(per_kernel, hw.kernel_floor_us)
 
 
 def experts_hit(pairs: float, local_experts: int) -> float:
@@ -49,12 +78,16 @@ def experts_hit(pairs: float, local_experts: int) -> float:
     return local_experts * (1.0 - (1.0 - 1.0 / local_experts) ** pairs)
 
 
-def experts_us(table: ExpertTable, size_factor: float, pairs: float, local_experts: int) -> float:
-    """Routed experts on one GPU: hit experts x the measured time per hit expert at their rows."""
+def experts_us(table: ExpertTable, size_factor: float, pairs: float, local_experts: int, best_tflops: float = 0.0) -> float:
+    """Routed experts on one GPU: hit experts x the measured time per hit expert at their rows.
+
+    `best_tflops` (the best rate measured for this kernel) bounds the extrapolation past the table.
+    """
     hit = experts_hit(pairs, local_experts)
     if hit == 0:
         return 0.0
-    return hit * table.us_per_expert(pairs / hit) * size_factor
+    min_us_per_row = 6.0 * table.shape[0] * table.shape[1] / (best_tflops * 1e6) if best_tflops > 0 else 0.0
+    return hit * table.us_per_expert(pairs / hit, min_us_per_row) * size_factor
 
 
 def ranks_reached(peers: int, top_k: int) -> float:
@@ -106,17 +139,25 @@ def deepep_ll_us(hw: Profile, tokens: float, hidden: int, top_k: int, ep: int, f
     return d, c
 
 
-def permute_us(hw: Profile, pairs: float, local_experts: int, hidden: int) -> float:
-    """Grouping received rows per expert (padded to 128) and summing them back: HBM traffic both ways.
+def permute_parts_us(hw: Profile, pairs: float, local_experts: int, hidden: int) -> tuple[float, float]:
+    """(grouping, summing) µs: received rows grouped per expert (padded to 128), then summed back per token.
 
     Paid by the contiguous layout (DeepEP normal + DeepGEMM or triton); the masked layout is written in
-    place by the low-latency dispatch.
+    place by the low-latency dispatch. Grouping writes the padded rows from the received ones; summing
+    reads every pair's row back and writes the token's sum. HBM speed, one kernel each.
     """
     if pairs <= 0:
-        return 0.0
+        return 0.0, 0.0
     padded = pairs + local_experts * KERNEL_ALIGN / 2
-    moved = 2 * (padded + pairs) * hidden * 2.0  # write the grouped rows, read them back (and the sources)
-    return moved / (hw.hbm_gbps * 1e3) + 2 * hw.kernel_floor_us
+    bw = hw.hbm_gbps * 1e3
+    group = (padded + pairs) * hidden * 2.0 / bw
+    total = 2 * (padded + pairs) * hidden * 2.0 / bw
+    return group + hw.kernel_floor_us, total - group + hw.kernel_floor_us
+
+
+def permute_us(hw: Profile, pairs: float, local_experts: int, hidden: int) -> float:
+    """Grouping and summing together (permute_parts_us)."""
+    return sum(permute_parts_us(hw, pairs, local_experts, hidden))
 
 
 def sm_slowdown(hw: Profile, comm_sms: int) -> float:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import costs
+from . import eager as eager_ops
+from .eager import LayerCosts
+from .host import Op, timeline_us
 from .imbalance import ExpertLoad, balancedness
 from .profile import Profile
 from .shapes import ModelShape
@@ -12,7 +15,7 @@ from .shapes import ModelShape
 DISPATCHERS = ("local", "deepep-normal", "deepep-ll", "deepep-auto")
 MOE_KERNELS = ("triton", "deepgemm")
 OVERLAPS = ("none", "tbo")
-SPLIT_TERMS = ("attention", "dense", "dispatch", "experts", "combine", "idle", "other")
+SPLIT_TERMS = ("attention", "dense", "dispatch", "experts", "combine", "idle", "other", "host")
 
 
 @dataclass(frozen=True)
@@ -87,9 +90,11 @@ def _dispatch_us(hw: Profile, layout: RoleLayout, shape: ModelShape, tokens: flo
     return d, c, True
 
 
-def _attention_us(hw: Profile, shape: ModelShape, layout: RoleLayout, tokens: float, pairs: float, decode: bool) -> float:
+def _attention_us(hw: Profile, shape: ModelShape, layout: RoleLayout, tokens: float, pairs: float, decode: bool, seq_len: float) -> dict[str, float]:
+    """The attention block's GPU time in launch order: projections before the attention kernel, the kernel, o_proj."""
     dtype = layout.dtype
-    gemms = sum(costs.gemm_us(hw, tokens, k, n, dtype) for k, n in shape.attention_gemms)
+    *before, out = shape.attention_gemms
+    gemms = sum(costs.gemm_us(hw, tokens, k, n, dtype) for k, n in before)
     if decode:
         # MLA's absorbed per-head products, batched over heads: priced as one [tokens, k] x [k, heads * n]
         gemms += sum(costs.gemm_us(hw, tokens, k, heads * n, "bf16") for heads, k, n in shape.attention_bmm_gemms)
@@ -101,25 +106,31 @@ def _attention_us(hw: Profile, shape: ModelShape, layout: RoleLayout, tokens: fl
             heads, nope, lora = shape.attention_bmm_gemms[0]
             v = shape.attention_bmm_gemms[1][2]
             gemms += costs.gemm_us(hw, tokens, lora, heads * (nope + v), dtype)
-    core = costs.attention_core_us(hw, tokens, pairs, shape.kv_bytes_per_token, per_pair, decode)
-    return gemms + core
+    core = costs.attention_core_us(hw, tokens, pairs, shape.kv_bytes_per_token, per_pair, decode, seq_len)
+    return {"projections": gemms, "core": core, "o_proj": costs.gemm_us(hw, tokens, *out, dtype)}
 
 
 def predict_step(
     hw: Profile, shape: ModelShape, layout: RoleLayout, workload: Workload, mode: str, tokens_per_gpu: float
 ) -> StepPrediction:
-    """One forward step of `mode` (prefill or decode) with `tokens_per_gpu` tokens on every GPU."""
+    """One forward step of `mode` (prefill or decode) with `tokens_per_gpu` tokens on every GPU.
+
+    With CUDA graphs (decode) the step is its kernels' GPU time; an eager step (prefill, decode without
+    graphs) walks the host's launches and syncs against it (host.py, eager.py).
+    """
     layout.check(shape)
     decode = mode == "decode"
     t = float(tokens_per_gpu)
     if decode:
         requests, context = t, workload.input_len + workload.output_len / 2
         pairs = t * context
+        seq = context
     else:
         requests = t / workload.input_len
         # whole prompts when they fit the step; a chunk of a longer prompt otherwise (its keys up to the middle)
         pairs = requests * workload.input_len * (workload.input_len + 1) / 2 if t >= workload.input_len else t * (workload.input_len / 2)
         requests = max(requests, 1.0)
+        seq = workload.input_len
     slots = shape.experts + layout.redundant_experts
     local = slots // layout.ep
     mean_pairs = t * shape.top_k
@@ -128,52 +139,68 @@ def predict_step(
         ExpertLoad(shape.experts, workload.zipf_skew, workload.recorded_load), mean_pairs, layout.ep, slots,
         layout.balancer, num_nodes=nodes, num_groups=1,  # one expert group: the balancer places globally
     )
-    table, size = hw.expert_table(layout.moe_kernel, layout.dtype, shape.hidden, shape.expert_intermediate)
+    table, size = hw.expert_table(layout.moe_kernel, layout.dtype, shape.hidden, shape.expert_intermediate, local)
+    cap = hw.expert_rate_cap(layout.moe_kernel, layout.dtype)
+    counts = hw.launches[shape.arch]
+    eager = not (decode and layout.graphs)
 
-    def moe_layer(tok: float, pairs_kv: float) -> dict[str, float]:
-        attn = _attention_us(hw, shape, layout, tok, pairs_kv, decode)
+    def moe_layer(tok: float, pairs_kv: float) -> LayerCosts:
+        attn = _attention_us(hw, shape, layout, tok, pairs_kv, decode, seq)
         mean = tok * shape.top_k
-        experts_mean = costs.experts_us(table, size, mean, local)
-        experts_max = costs.experts_us(table, size, mean / bal, local)
+        experts_mean = costs.experts_us(table, size, mean, local, cap)
+        experts_max = costs.experts_us(table, size, mean / bal, local, cap)
         d, c, contiguous = _dispatch_us(hw, layout, shape, tok, decode)
         shared = 0.0
         if shape.shared_intermediate:
             shared = costs.gemm_us(hw, tok, shape.hidden, 2 * shape.shared_intermediate, layout.dtype)
             shared += costs.gemm_us(hw, tok, shape.shared_intermediate, shape.hidden, layout.dtype)
-        router = costs.gemm_us(hw, tok, shape.hidden, shape.experts, "bf16")
-        permute = costs.permute_us(hw, mean / bal, local, shape.hidden) if contiguous else 0.0
-        small = hw.launches[shape.arch]["small_per_layer"] * (hw.kernel_floor_us if (layout.graphs or not decode) else hw.eager_launch_us)
-        return {
-            "attention": attn,
-            "dense": 0.0,
-            "dispatch": d / bal,  # the busiest rank receives (and sends back) 1/balancedness of the mean
-            "experts": experts_mean,
-            "combine": c / bal,
-            "idle": experts_max - experts_mean,  # the busiest rank's extra expert time, which every rank waits for
-            "other": shared + router + permute + small,
-        }
+        group, summing = costs.permute_parts_us(hw, mean / bal, local, shape.hidden) if contiguous else (0.0, 0.0)
+        return LayerCosts(
+            attn["projections"], attn["core"], attn["o_proj"],
+            small_before=costs.small_kernels_us(hw, counts["small_before_attention"], tok, shape.hidden),
+            small_after=costs.small_kernels_us(hw, counts["small_per_layer"] - counts["small_before_attention"] - 1, tok, shape.hidden),
+            router=costs.router_us(hw, tok, shape.hidden, shape.experts), experts=experts_mean, idle=experts_max - experts_mean,
+            shared=shared, group=group, summing=summing,
+            dispatch=d / bal, combine=c / bal,  # the busiest rank receives (and sends back) 1/balancedness of the mean
+            normal_mode=contiguous,
+        )
 
-    split = moe_layer(t, pairs)
+    layer = moe_layer(t, pairs)
+    split = layer.split()
     notes = []
-    compute = split["attention"] + split["experts"] + split["idle"] + split["other"]
-    comm = split["dispatch"] + split["combine"]
-    layer_us = compute + comm
-    if layout.overlap == "tbo" and t >= 2:
-        half = moe_layer(t / 2, pairs / 2)  # our tbo cuts at half the requests (decode) or tokens (prefill)
-        # DeepEP normal's kernels hold SMs the other micro-batch's compute then lacks; low-latency ones wait in hooks
-        stretch = costs.sm_slowdown(hw, hw.deepep_normal_sms) if dispatcher_for(layout, decode) == "deepep-normal" else 1.0
-        c_half = (half["attention"] + half["experts"] + half["idle"] + half["other"]) * stretch
-        m_half = half["dispatch"] + half["combine"]
-        layer_us = costs.overlapped_layer_us(c_half, m_half)
-        notes.append(f"tbo: compute half {c_half:.0f} µs x2 against transfers half {m_half:.0f} µs x2 per layer")
-    dense_layers = shape.layers - shape.moe_layers
     dense_mlp = costs.gemm_us(hw, t, shape.hidden, 2 * shape.dense_intermediate, layout.dtype) + costs.gemm_us(
         hw, t, shape.dense_intermediate, shape.hidden, layout.dtype
     )
-    dense_layer = split["attention"] + dense_mlp + hw.launches[shape.arch]["small_per_layer"] * hw.kernel_floor_us
-    outside = costs.gemm_us(hw, requests, shape.hidden, shape.vocab, "bf16") + hw.launches[shape.arch]["outside"] * hw.kernel_floor_us
-    step = shape.moe_layers * layer_us + dense_layers * dense_layer + outside
-    split["dense"] = dense_layers * dense_layer / max(shape.moe_layers, 1)  # spread per MoE layer, for the split
+    dense = layer.dense_layer(dense_mlp)
+    outside_gpu = costs.gemm_us(hw, requests, shape.hidden, shape.vocab, "bf16") + counts["outside"] * hw.kernel_floor_us
+    stretch = costs.sm_slowdown(hw, hw.deepep_normal_sms) if layer.normal_mode else 1.0
+    tbo = layout.overlap == "tbo" and t >= 2
+    if tbo:
+        half = moe_layer(t / 2, pairs / 2)  # our tbo cuts at half the requests (decode) or tokens (prefill)
+        # DeepEP normal's kernels hold SMs the other micro-batch's compute then lacks; low-latency ones wait in hooks
+        c_half, m_half = half.compute() * stretch, half.dispatch + half.combine
+        layer_gpu = costs.overlapped_layer_us(c_half, m_half)
+        notes.append(f"tbo: compute half {c_half:.0f} µs x2 against transfers half {m_half:.0f} µs x2 per layer")
+    else:
+        layer_gpu = layer.compute() + layer.dispatch + layer.combine
+    dense_layers = shape.layers - shape.moe_layers
+    gpu_step = shape.moe_layers * layer_gpu + dense_layers * dense.compute() + outside_gpu
+    step = gpu_step
+    if eager:
+        host = counts["eager_host_us"]
+        moe_ops = eager_ops.overlapped_layer_ops(half, layer_gpu, host, counts, hw) if tbo else eager_ops.layer_ops(layer, counts, hw, decode)
+        ops = eager_ops.dense_layer_ops(dense, counts, decode) * dense_layers + moe_ops * shape.moe_layers
+        ops += [Op("embedding, final norm, lm_head, sampling", counts["outside"], outside_gpu)]
+        step = max(timeline_us(ops, host), gpu_step)
+        notes.append(f"eager: {host} µs of host per launch; host-bound share of the step {1 - gpu_step / step:.0%}")
+    elif "graph_gap_us" in hw.values:
+        # a replayed graph still spends a little between consecutive kernels (measured per launch)
+        moe_launches = sum(op.launches for op in eager_ops.layer_ops(half if tbo else layer, counts, hw, decode)) * (2 if tbo else 1)
+        dense_launches = sum(op.launches for op in eager_ops.dense_layer_ops(dense, counts, decode))
+        launches = shape.moe_layers * moe_launches + dense_layers * dense_launches + counts["outside"]
+        step = gpu_step + launches * hw.graph_gap_us
+    split["host"] = (step - gpu_step) / max(shape.moe_layers, 1)  # host launches (eager) or graph gaps, per MoE layer
+    split["dense"] = dense_layers * dense.compute() / max(shape.moe_layers, 1)  # spread per MoE layer, for the split
     return StepPrediction(mode, t, step, split, bal, notes)
 
 

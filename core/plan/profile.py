@@ -21,6 +21,7 @@ class ExpertTable:
     kernel: str = "triton"
     dtype: str = "bf16"
     shape: tuple[int, int] = (7168, 2048)  # (hidden, expert intermediate) the table was measured at
+    only_at_local_experts: int = 0  # a table of one untuned configuration: used at that local expert count only
 
     @classmethod
     def from_measured(cls, measured: list[list[float]], source: str, **kind) -> "ExpertTable":
@@ -29,21 +30,36 @@ class ExpertTable:
             points[pairs / hit] = us / hit  # two M with the same rows per expert: the later row wins
         return cls(tuple(sorted(points.items())), source, **kind)
 
-    def us_per_expert(self, rows: float) -> float:
-        """Log-log interpolation between measured rows; past the largest, linear in rows (compute-bound)."""
+    def us_per_expert(self, rows: float, min_us_per_row: float = 0.0) -> float:
+        """Log-log interpolation between measured rows; past the largest, the last two points' log-log trend.
+
+        Past the table the kernel still gains efficiency as rows grow (slope below 1), so the trend continues,
+        bounded by linear in rows (the last point's rate) and by `min_us_per_row` (the best rate measured for
+        this kernel: profile.expert_table passes it).
+        """
         xs = [r for r, _ in self.rows]
         if rows <= xs[0]:
             return self.rows[0][1]
         if rows >= xs[-1]:
-            return self.rows[-1][1] * rows / xs[-1]
+            linear = self.rows[-1][1] * rows / xs[-1]
+            if len(self.rows) < 2:
+                return linear
+            (x0, y0), (x1, y1) = self.rows[-2], self.rows[-1]
+            trend = y1 * (rows / x1) ** (math.log(y1 / y0) / math.log(x1 / x0))
+            return max(min(trend, linear), rows * min_us_per_row)
         i = bisect.bisect_right(xs, rows)
         (x0, y0), (x1, y1) = self.rows[i - 1], self.rows[i]
         t = (math.log(rows) - math.log(x0)) / (math.log(x1) - math.log(x0))
         return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
 
+    def best_tflops(self) -> float:
+        """The highest FLOP rate any point of the table reached (3 GEMMs of hidden x intermediate per row)."""
+        flops_per_row = 6.0 * self.shape[0] * self.shape[1]
+        return max(r * flops_per_row / us for r, us in self.rows) / 1e6
+
     def scaled(self, factor_at) -> "ExpertTable":
         rows = tuple((r, us * factor_at(r, us)) for r, us in self.rows)
-        return ExpertTable(rows, self.source + " (derived)", self.kernel, self.dtype, self.shape)
+        return ExpertTable(rows, self.source + " (derived)", self.kernel, self.dtype, self.shape, self.only_at_local_experts)
 
 
 @dataclass(frozen=True)
@@ -63,15 +79,19 @@ class Profile:
 
     def by_ep(self, key: str, ep: int) -> float:
         """A published per-EP-size figure, interpolated linearly in log2(EP) and held at the ends."""
+        return self.interpolated(key, ep)
+
+    def interpolated(self, key: str, x: float) -> float:
+        """A table of [x, value] points, interpolated linearly in log2(x) and held at the ends."""
         points = self.values[key]
         xs = [p[0] for p in points]
-        if ep <= xs[0]:
+        if x <= xs[0]:
             return points[0][1]
-        if ep >= xs[-1]:
+        if x >= xs[-1]:
             return points[-1][1]
-        i = bisect.bisect_right(xs, ep)
+        i = bisect.bisect_right(xs, x)
         (x0, y0), (x1, y1) = points[i - 1], points[i]
-        t = (math.log2(ep) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
+        t = (math.log2(x) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
         return y0 + t * (y1 - y0)
 
     def slowdown(self, key: str, tokens: float) -> float:
@@ -92,7 +112,7 @@ class Profile:
         t = (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))
         return y0 + t * (y1 - y0)
 
-    def expert_table(self, kernel: str, dtype: str, hidden: int, intermediate: int) -> tuple[ExpertTable, float]:
+    def expert_table(self, kernel: str, dtype: str, hidden: int, intermediate: int, local_experts: int = 0) -> tuple[ExpertTable, float]:
         """The table of `kernel` in `dtype` and the factor its times take for experts of this shape.
 
         A table measured at the same shape is used as it is; otherwise the nearest one is scaled by the
@@ -100,12 +120,24 @@ class Profile:
         further from the bandwidth than big ones).
         """
         tables = [t for t in self.moe.values() if t.kernel == kernel and t.dtype == dtype]
+        exact = [t for t in tables if t.only_at_local_experts and t.only_at_local_experts == local_experts and t.shape == (hidden, intermediate)]
+        tables = [t for t in tables if not t.only_at_local_experts]
+        if exact and tables:
+            # one point measured at exactly this expert count (e.g. without a tuned tile table): the general
+            # table's curve, scaled to pass through it
+            base, size = self.expert_table(kernel, dtype, hidden, intermediate)
+            rows, us = exact[0].rows[-1]
+            return base, size * us / (base.us_per_expert(rows) * size)
         if not tables:
             have = ", ".join(sorted(f"{t.kernel} {t.dtype}" for t in self.moe.values()))
             raise ValueError(f"profile {self.name} has no expert table for moe kernel {kernel} in {dtype}; it has: {have}")
         size = hidden * intermediate
         best = min(tables, key=lambda t: abs(math.log(t.shape[0] * t.shape[1] / size)))
         return best, size / (best.shape[0] * best.shape[1])
+
+    def expert_rate_cap(self, kernel: str, dtype: str) -> float:
+        """The best TFLOP/s any expert table of this kernel and dtype measured: what extrapolation may not beat."""
+        return max(t.best_tflops() for t in self.moe.values() if t.kernel == kernel and t.dtype == dtype and not t.only_at_local_experts)
 
 
 def _read_json(name_or_path: str) -> dict:
@@ -121,7 +153,10 @@ def _from_json(data: dict) -> Profile:
         if isinstance(entry, dict) and "value" in entry:
             values[key], sources[key] = entry["value"], entry["source"]
     tables = {
-        key: ExpertTable.from_measured(t["rows"], t["source"], kernel=t["kernel"], dtype=t["dtype"], shape=tuple(t["shape"]))
+        key: ExpertTable.from_measured(
+            t["rows"], t["source"], kernel=t["kernel"], dtype=t["dtype"], shape=tuple(t["shape"]),
+            only_at_local_experts=t["local_experts"] if t.get("only_at_local_experts") else 0,
+        )
         for key, t in data["moe_tables"].items()
         if isinstance(t, dict)
     }
