@@ -132,8 +132,8 @@ class CpuExperts(tuple):
             1, topk_ids.clamp_min(0), torch.where(picked, topk_weights, 0).to(hidden.dtype)
         )
         act = F.silu(gate).mul_(up).mul_(dense[:, :, None])
-        # an expert a token did not pick can overflow (fp16: inf), and inf x 0 is NaN: such rows are zero
-        act.masked_fill_(dense[:, :, None] == 0, 0)
+        if hidden.dtype == torch.float16:  # an expert a token did not pick can overflow fp16's range (inf), and
+            act.masked_fill_(dense[:, :, None] == 0, 0)  # inf x 0 is NaN: such rows are zero (bf16 has fp32's range)
         return torch.ops.mkldnn._linear_pointwise(act.reshape(tokens, -1), down_w, None, "none", [], "")
 
     # --- the measurement -----------------------------------------------------------------------------
