@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moeplex.attention import TorchAttention
-from moeplex.attention.torch_ref import decode_padded, decode_per_request, gather_kv, ragged_attention
+from moeplex.attention.torch_ref import PagedGather, decode_padded, decode_per_request, gather_kv, ragged_attention
 from moeplex.batch_builder import ScheduledSeq, build_forward_batch
 from moeplex.config import EngineConfig
 from moeplex.forward_batch import ForwardMode
@@ -68,6 +68,8 @@ def test_per_request_decode_matches_reference_and_padded_path(case, dtype):
     assert (ours.double() - reference).abs().max() <= tol * reference.abs().max()
     torch.testing.assert_close(ours, decode_padded(q, keys, values, batch, 0.2), rtol=tol, atol=tol)
     torch.testing.assert_close(TorchAttention().decode(q, keys, values, batch, 0.2), ours, rtol=0, atol=0)
+    # whole pages gathered and cut to each request's length: the same rows, so the same result to the bit
+    torch.testing.assert_close(decode_per_request(q, keys, values, batch, 0.2, by_pages=True), ours, rtol=0, atol=0)
     # the extend entry point given a decode batch (keys already gathered) takes the same path
     gathered = ragged_attention(q, gather_kv(keys, batch), gather_kv(values, batch), batch, 0.2)
     same = 1e-6 if dtype == torch.float32 else tol  # bf16: one rounding apart where the widths differ
@@ -109,3 +111,30 @@ def test_models_decode_as_with_the_padded_path(tiny_model_dir, arch):
     for mine, theirs in zip(ours, reference):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
     assert tokens == reference_tokens
+
+
+def test_paged_gather_is_measured_once_per_cache_shape_on_a_batch_big_enough(monkeypatch):
+    """The first decode batch with MIN_ROWS cached rows times both gathers on its own requests and the faster
+    is kept for that cache shape (a clock that makes pages cheaper chooses pages); a smaller batch before it
+    gathers by slots and decides nothing."""
+    kv = KVPool(600, PAGE, [[(2, 8), (2, 8)]], torch.float32, "cpu")
+    keys, values = kv.layer(0)
+    gather = PagedGather()
+    small = decode_batch(kv, [5, 9])
+    assert not gather.by_pages(keys, values, small) and not gather.choices
+    kv = KVPool(600, PAGE, [[(2, 8), (2, 8)]], torch.float32, "cpu")
+    keys, values = kv.layer(0)
+    big = decode_batch(kv, [300] * 4)
+    now, calls = [0.0], []
+    real = __import__("moeplex.attention.torch_ref", fromlist=["request_rows"]).request_rows
+
+    def rows(key_cache, value_cache, batch, lengths, by_pages, shared=False):
+        calls.append(by_pages)
+        now[0] += 1.0 if by_pages else 2.0
+        return real(key_cache, value_cache, batch, lengths, by_pages, shared)
+
+    monkeypatch.setattr("moeplex.attention.torch_ref.request_rows", rows)
+    monkeypatch.setattr("moeplex.kernels.cpu.measuring_clock", lambda: lambda: now[0])
+    assert gather.by_pages(keys, values, big) and set(calls) == {True, False}
+    measured = len(calls)
+    assert gather.by_pages(keys, values, big) and len(calls) == measured  # decided: no second measurement

@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from ..forward_batch import ForwardBatch
-from .torch_ref import paged_decode_attention, ragged_attention
+from .torch_ref import PagedGather, paged_decode_attention, ragged_attention
 
 
 class AttentionBackend(abc.ABC):
@@ -47,6 +47,9 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self):
+        self.gather = PagedGather()  # on CPU: pages or slots, measured once per cache shape
+
     def decode(self, q, key_cache, value_cache, batch, scale):
-        return paged_decode_attention(q, key_cache, value_cache, batch, scale)
+        return paged_decode_attention(q, key_cache, value_cache, batch, scale, self.gather)
 
