@@ -149,3 +149,14 @@ def test_gpu_style_weights_and_mixed_dtypes_take_the_loop():
     assert out.dtype == torch.float64 and not prepared.takes(hidden.double())
     reference = per_pair_reference(hidden, route.topk_ids, route.topk_weights, w13, w2)
     torch.testing.assert_close(out, reference, rtol=0, atol=1e-5 * max(reference.abs().max().item(), 1.0))
+
+
+def test_no_packed_copy_where_host_memory_is_short(monkeypatch):
+    """When a packed copy of the layer would not fit, only the ways that need none are timed and nothing is packed."""
+    monkeypatch.setattr(cpu_experts, "packed_copy_fits", lambda nbytes: False)
+    _, _, w13, w2 = case("random", 4, 16, 4, torch.float32)
+    experts = TorchMoEKernel(MoEContext(HIDDEN, INTERMEDIATE, 16, 4, torch.float32, torch.device("cpu"))).prepare_weights(
+        ExpertWeights(w13, w2)
+    )
+    assert set(experts.choice.ways) == {"grouped_mm"} and not experts._packed
+    assert set(cpu_experts.ways_for(torch.bfloat16, may_pack=False)) <= {"grouped_mm", "padded_bmm"}

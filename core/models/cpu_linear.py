@@ -6,7 +6,7 @@ they tie); on a Xeon the two are close. So the choice is timed, not assumed: `Cp
 three row counts (a decode step of one request, a decode batch, a prefill chunk) for each distinct weight
 shape and dtype, and a layer whose shape gains gets a packed copy of its weight (`onednn_weight`); each call
 takes the way measured fastest at the nearest row count. The packed copy doubles that weight's memory; it
-is made only where it wins, and a model whose weights then change (none of the dense ones do) would pack
+is made only where it wins and only while it fits (at most a quarter of the free host memory), and a model whose weights then change (none of the dense ones do) would pack
 again by calling `pack` again.
 """
 
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cpu import measuring_clock, onednn_runs
+from ..kernels.cpu import measuring_clock, onednn_runs, packed_copy_fits
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class CpuLinears:
             if weight.device.type != "cpu" or weight.dim() != 2 or not onednn_runs(weight.dtype):
                 continue
             faster = self.faster(weight)
-            if any(faster):
+            if any(faster) and packed_copy_fits(weight.nbytes):
                 module.onednn_weight = Packed(weight.detach(), faster)
                 packed += 1
         return packed

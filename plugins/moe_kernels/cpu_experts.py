@@ -7,7 +7,8 @@ are fine; on an AMD EPYC without AMX, MKL's fp32 GEMMs of a few rows run at a th
 and oneDNN's per-expert linears are 1.5-2x faster (benchmarks/results/cpu_throughput.md). So nothing here
 is chosen by processor name: `CpuExperts` times every way the dtype allows, on this layer's weights and
 synthetic routings of three sizes (a few tokens, a decode batch, a prefill chunk), keeps the fastest per
-size, and packs weights only for the ways it kept. All layers of a model share a shape, so the kernel
+size, and packs weights only for the ways it kept (and times the packed ways only while a packed copy of the
+layer fits: `packed_copy_fits`, a quarter of the free host memory). All layers of a model share a shape, so the kernel
 measures once per (shape, dtype) and hands the choice to every layer (`Choice`).
 
 The ways, each `(hidden, topk_ids, topk_weights) -> [tokens, H]` (weights applied, pairs summed; ids of
@@ -33,7 +34,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from moeplex.interfaces.kernels import measuring_clock, onednn_runs
+from moeplex.interfaces.kernels import measuring_clock, onednn_runs, packed_copy_fits
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +42,14 @@ EVERY_EXPERT_TOKENS = 128  # every expert on every token reads each weight once 
 ROUNDS = 3  # timed calls of each way at each size, interleaved; the fastest counts (noise only adds time)
 
 
-def ways_for(dtype: torch.dtype) -> tuple[str, ...]:
+def ways_for(dtype: torch.dtype, may_pack: bool = True) -> tuple[str, ...]:
+    """The ways worth timing for weights of `dtype`; `may_pack` False: only those that need no packed copy."""
     if not onednn_runs(dtype):
         return ("grouped_mm",)
     if dtype == torch.float32:  # fp32 batched matmuls and dense-over-experts go to MKL: never faster (measured)
-        return ("grouped_mm", "onednn")
+        return ("grouped_mm", "onednn") if may_pack else ("grouped_mm",)
+    if not may_pack:
+        return ("grouped_mm", "padded_bmm")
     return ("grouped_mm", "onednn", "padded_bmm", "every_expert")
 
 
@@ -145,7 +149,7 @@ class CpuExperts(tuple):
 
     def _measure(self) -> Choice:
         w13, w2 = self
-        ways = ways_for(w13.dtype)
+        ways = ways_for(w13.dtype, may_pack=packed_copy_fits(w13.nbytes + w2.nbytes))
         sizes = self.sizes()
         if len(ways) == 1:
             return Choice(sizes, ways * len(sizes))
