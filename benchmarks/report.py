@@ -27,3 +27,14 @@ def processor() -> str:
     except (OSError, StopIteration):
         name = platform.processor()
     return f"{name}, {torch.get_num_threads()} torch threads"
+
+
+def cpu_features() -> str:
+    """The instruction sets CPU kernels choose by (oneDNN's bf16/fp16 paths, AMX tiles), from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return "flags unknown"
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+    return ", ".join(f"{flag} {'yes' if flag in flags else 'no'}" for flag in wanted)
