@@ -36,7 +36,7 @@ from .model_runner import ModelRunner
 from .models.base import read_config
 from .models.setup import load_model
 from .moe.rebalance import ExpertBalancing, RebalanceReport
-from .parallel import ParallelState
+from .parallel import Group, ParallelState
 from .prefix_cache import PrefixCache
 from .disagg.rank import RankTransfers
 from .progress import progress as progress_bar
@@ -149,9 +149,12 @@ class Engine:
         self.eos_ids = _eos_ids(config.model, self.model.hf_config)
         self.vocab_size = self.model.hf_config["vocab_size"]
         self.sampler = Sampler(LogitAdjuster(self.vocab_size, self.device, self.eos_ids))
-        # structured outputs: checked now (an unknown backend fails at start-up), built on the first constrained request
+        # structured outputs: checked now (an unknown backend fails at start-up), built on the first constrained request;
+        # the DP group's first rank fills the masks for its tensor-parallel ranks (with speculative decoding each rank
+        # keeps its own matchers: every accepted draft token would otherwise cost one more collective)
         self.grammar = GrammarBook.named(
-            config.grammar_backend, self.tokenizer, self.vocab_size, self.eos_ids, needs_rollback=self.speculation is not None
+            config.grammar_backend, self.tokenizer, self.vocab_size, self.eos_ids, needs_rollback=self.speculation is not None,
+            group=self.parallel.attn if self.speculation is None else Group(),
         )
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}

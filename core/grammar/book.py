@@ -1,6 +1,10 @@
 """The engine's grammar state: one matcher per constrained request, made off the step loop while its prompt is
 prefilled, the mask of a step filled for every constrained row at once, and each sampled token fed back.
 
+Tensor-parallel ranks of one DP group schedule the same requests and draw the same tokens: only the group's leader
+(its first rank) compiles, holds matchers and fills masks; it sends each step's mask, and the outcome of each step's
+tokens (go on, rejected, complete), to the others, which so agree with it by construction and do none of the work.
+
 The backend is built on the first constrained request (reading a large vocabulary takes about a second), so an
 engine that never sees one never pays for it."""
 
@@ -14,11 +18,13 @@ import torch
 
 from .. import registry
 from ..interfaces import Constraint, GrammarBackend, GrammarError, GrammarMatcher, GrammarVocab
+from ..parallel import Group
 from .compiler import GrammarCompiler
-from .mask import apply_bitmask, bitmask_rows
+from .mask import StepMask
 
 REJECTED = "rejected"  # the matcher refused the sampled token
 TERMINATED = "terminated"  # the output is complete
+OUTCOMES = (None, REJECTED, TERMINATED)  # as the leader sends them: their index
 
 
 def make_backend(backend_cls: type[GrammarBackend], tokenizer: Any, vocab_size: int, eos_ids) -> GrammarBackend:
@@ -28,26 +34,31 @@ def make_backend(backend_cls: type[GrammarBackend], tokenizer: Any, vocab_size: 
 
 
 class GrammarBook:
-    def __init__(self, make_backend: Callable[[], GrammarBackend], needs_rollback: bool = False):
+    def __init__(self, make_backend: Callable[[], GrammarBackend], needs_rollback: bool = False, group: Group = Group()):
+        """`group`: the tensor-parallel ranks that share this book's masks (its rank 0 leads); size 1: no sharing."""
         self._make_backend = make_backend
         self.needs_rollback = needs_rollback  # speculative decoding: rejected drafts are rolled back
+        self.group = group
+        self.leads = group.rank == 0
         self.compiler: GrammarCompiler | None = None
         self._pool: ThreadPoolExecutor | None = None  # matchers are built apart from compiles: no pool waits on itself
-        self._matchers: dict[str, Future] = {}
+        self._matchers: dict[str, Future | None] = {}  # None on a rank that does not lead: the leader holds it
         self._waiting_for: dict[str, str] = {}  # rid -> the text after which its constraint starts
         self._accepted: dict[str, tuple[int, str | None]] = {}  # rid -> (token, outcome) fed by accept_step
         self.errors: dict[str, str] = {}  # rid -> why its constraint failed (the request fails with it)
         self.mask_wait_seconds = 0.0  # time steps spent waiting for a compile or a matcher
         self.mask_waits = 0
+        self.filled_rows = 0  # mask rows this rank filled (only the leader fills)
 
     @classmethod
-    def named(cls, name: str, tokenizer: Any, vocab_size: int, eos_ids, needs_rollback: bool = False) -> "GrammarBook":
+    def named(cls, name: str, tokenizer: Any, vocab_size: int, eos_ids, needs_rollback: bool = False,
+              group: Group = Group()) -> "GrammarBook":
         """The book of the grammar_backend plugin `name`: an unknown name fails now, naming the installed ones; the
-        plugin (and its library) is imported with the first constrained request."""
+        plugin (and its library) is imported with the first constrained request (on the leader only)."""
         if name not in registry.discover("grammar_backend"):
             registry.lookup("grammar_backend", name)  # raises the PluginError that names what is installed
         make = lambda: make_backend(registry.lookup("grammar_backend", name), tokenizer, vocab_size, eos_ids)  # noqa: E731
-        return cls(make, needs_rollback)
+        return cls(make, needs_rollback, group)
 
     def _start(self) -> GrammarCompiler:
         if self.compiler is None:
@@ -61,8 +72,11 @@ class GrammarBook:
     def add(self, rid: str, constraint: Constraint, after: str = "") -> None:
         """Start compiling (or find in the cache) and build the request's matcher in the background. `after`: the
         constraint starts once the output's text holds it (the end of a reasoning model's thinking)."""
-        compiled = self._start().submit(constraint)
-        self._matchers[rid] = self._pool.submit(lambda: self.compiler.backend.matcher(compiled.result()))
+        if self.leads:
+            compiled = self._start().submit(constraint)
+            self._matchers[rid] = self._pool.submit(lambda: self.compiler.backend.matcher(compiled.result()))
+        else:
+            self._matchers[rid] = None
         if after:
             self._waiting_for[rid] = after
 
@@ -94,63 +108,91 @@ class GrammarBook:
         rows = [row for row, rid in enumerate(rids) if rid in self]
         if not rows:
             return logits
-        live, matchers, broken = [], [], []
-        for row in rows:
-            matcher = self._matcher(rids[row])
-            (broken if matcher is None else live).append(row)
-            if matcher is not None:
-                matchers.append(matcher)
-        if broken:
-            logits = logits.index_fill(0, torch.tensor(broken, device=logits.device), float("nan"))
+        words = -(-logits.shape[-1] // 32)
+        if self.leads:
+            mask = StepMask.allowing_all(len(rows), words)
+            self._fill(mask, [(self._matcher(rids[row]), i) for i, row in enumerate(rows)])
+        else:
+            mask = StepMask.receiving(len(rows), words, logits.device)
+        return self._shared(mask, logits.device).apply(logits, rows)
+
+    def _fill(self, mask: StepMask, fills: list[tuple[GrammarMatcher | None, int]]) -> None:
+        """Fill mask rows (the backend's batch API); a row without a matcher (its compile failed) is marked failed."""
+        live = [(matcher, row) for matcher, row in fills if matcher is not None]
+        for matcher, row in fills:
+            if matcher is None:
+                mask.fail(row)
         if live:
-            bitmask = bitmask_rows(len(live), -(-logits.shape[-1] // 32))
-            self.compiler.backend.fill_masks(matchers, bitmask, range(len(live)))
-            logits = apply_bitmask(logits, bitmask, torch.tensor(live))
-        return logits
+            self.compiler.backend.fill_masks([m for m, _ in live], mask.bitmask, [row for _, row in live])
+            self.filled_rows += len(live)
+
+    def _shared(self, mask: StepMask, device: torch.device) -> StepMask:
+        """The leader's mask on every rank of the group, on `device` (one broadcast on the device's group: on a
+        GPU the host does not wait for it)."""
+        if self.group.size == 1:
+            return mask
+        mask = mask.to(device)
+        self.group.broadcast(mask.buffer)
+        return mask
 
     def mask_drafts(self, logits: torch.Tensor, rids: Sequence[str], drafts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Speculative verify: `logits` holds len(drafts[i]) + 1 rows per request. Row k of a constrained request is
         masked with its matcher advanced by its first k drafts (then rolled back): a draft the grammar forbids has
         no probability under the target, so verification rejects it and everything after it."""
-        rows, fills, broken, at = [], [], [], 0
+        rows, fills, at = [], [], 0
         for rid, draft in zip(rids, drafts):
             if rid in self:
-                matcher = self._matcher(rid)
-                if matcher is None:
-                    broken.extend(range(at, at + len(draft) + 1))
-                else:
-                    fills.append((matcher, draft, len(rows)))
-                    rows.extend(range(at, at + len(draft) + 1))
+                fills.append((self._matcher(rid) if self.leads else None, draft, len(rows)))
+                rows.extend(range(at, at + len(draft) + 1))
             at += len(draft) + 1
-        if broken:
-            logits = logits.index_fill(0, torch.tensor(broken, device=logits.device), float("nan"))
         if not rows:
             return logits
-        bitmask = bitmask_rows(len(rows), -(-logits.shape[-1] // 32))
+        words = -(-logits.shape[-1] // 32)
+        if not self.leads:
+            return self._shared(StepMask.receiving(len(rows), words, logits.device), logits.device).apply(logits, rows)
+        mask = StepMask.allowing_all(len(rows), words)
         for matcher, draft, first in fills:
+            if matcher is None:
+                for k in range(len(draft) + 1):
+                    mask.fail(first + k)
+                continue
             accepted = 0
             for k in range(len(draft) + 1):
-                matcher.fill_mask(bitmask, first + k)
+                matcher.fill_mask(mask.bitmask, first + k)
+                self.filled_rows += 1
                 if k == len(draft) or not matcher.accept(draft[k]):
                     break  # rows after a forbidden draft stay unmasked: verification never reaches them
                 accepted += 1
             if accepted:
                 matcher.rollback(accepted)
-        return apply_bitmask(logits, bitmask, torch.tensor(rows))
+        return self._shared(mask, logits.device).apply(logits, rows)
 
     def accept_step(self, rids: Sequence[str], tokens: Sequence[int]) -> None:
         """A step's sampled tokens fed to their constrained requests' matchers at once (the backend's batch API);
-        `accept` then reads each result."""
+        `accept` then reads each result (on every rank of the group: the leader sends them)."""
         pairs = [(rid, token) for rid, token in zip(rids, tokens) if rid in self]
         if not pairs:
             return
+        outcomes = self._outcomes(pairs) if self.leads else [None] * len(pairs)
+        for (rid, token), outcome in zip(pairs, self._agreed(outcomes)):
+            self._accepted[rid] = (token, outcome)
+
+    def _outcomes(self, pairs: list[tuple[str, int]]) -> list[str | None]:
         matchers = [self._matcher(rid) for rid, _ in pairs]
-        live = [(pair, m) for pair, m in zip(pairs, matchers) if m is not None]
-        if not live:
-            return
-        oks = self.compiler.backend.accept_tokens([m for _, m in live], [token for (_, token), _ in live])
-        for ((rid, token), matcher), ok in zip(live, oks):
-            self._accepted[rid] = (token, REJECTED if not ok else TERMINATED if matcher.is_terminated() else None)
+        live = [i for i, m in enumerate(matchers) if m is not None]
+        outcomes = [REJECTED] * len(pairs)  # a failed constraint refuses every token
+        if live:
+            oks = self.compiler.backend.accept_tokens([matchers[i] for i in live], [pairs[i][1] for i in live])
+            for i, ok in zip(live, oks):
+                outcomes[i] = REJECTED if not ok else TERMINATED if matchers[i].is_terminated() else None
+        return outcomes
+
+    def _agreed(self, outcomes: list[str | None]) -> list[str | None]:
+        """The leader's outcomes on every rank of the group (a few integers over the host group)."""
+        if self.group.size == 1:
+            return outcomes
+        codes = torch.tensor([OUTCOMES.index(o) for o in outcomes], dtype=torch.int64)
+        return [OUTCOMES[code] for code in self.group.broadcast(codes, host=True).tolist()]
 
     def accept(self, rid: str, token: int, text: str = "") -> str | None:
         """Feed the sampled token (`text`: the output so far, with it); REJECTED, TERMINATED, or None while the
@@ -165,10 +207,9 @@ class GrammarBook:
             if after in text:
                 del self._waiting_for[rid]  # the constraint applies from the next token on
             return None
-        matcher = self._matcher(rid)
-        if matcher is None or not matcher.accept(token):
-            return REJECTED
-        return TERMINATED if matcher.is_terminated() else None
+        # a token fed outside a step's batch (a decode server's first token, an accepted draft): every rank of the
+        # group gets here at the same point, so the leader's outcome reaches them as accept_step's do
+        return self._agreed(self._outcomes([(rid, token)]) if self.leads else [None])[0]
 
     def finished(self, rid: str) -> str | None:
         """Drop the request's matcher; the reason its constraint failed, if it did."""

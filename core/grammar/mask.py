@@ -20,21 +20,54 @@ def allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def _to(device: torch.device, bitmask: torch.Tensor) -> torch.Tensor:
-    """The bitmask on `device`; already pinned (bitmask_rows), so the copy starts without another host copy."""
-    if device.type == "cpu":
-        return bitmask
-    if bitmask.is_pinned():
-        return bitmask.to(device, non_blocking=True)
-    return to_device(device, bitmask)[0]
+class StepMask:
+    """One step's masks in one flat int32 buffer: the bitmask of its constrained rows, [rows, words], then one word
+    per row that is 1 where the row's constraint failed to compile (its logits become NaN, so the sampler fails
+    just that row). One buffer, so the tensor-parallel ranks of a DP group receive it in one broadcast."""
 
+    def __init__(self, buffer: torch.Tensor, rows: int, words: int, any_failed: bool | None = None):
+        self.buffer, self.rows, self.words = buffer, rows, words
+        self.any_failed = any_failed  # None: not known on the host (a mask received on a device)
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """`logits` [B, V] with forbidden tokens at -inf; `bitmask` holds one row per entry of `rows` (the logits rows
-    it constrains; every row when None). The copy to the device does not wait for it (pinned memory)."""
-    mask = _to(logits.device, bitmask)
-    keep = allowed(mask, logits.shape[-1])
-    if rows is None:
-        return logits.masked_fill(~keep, float("-inf"))
-    index = to_device(logits.device, rows)[0]
-    return logits.index_put((index,), logits[index].masked_fill(~keep, float("-inf")))
+    @classmethod
+    def allowing_all(cls, rows: int, words: int) -> "StepMask":
+        """A host mask to fill: every token allowed, no row failed; pinned where a CUDA device will read it."""
+        buffer = torch.full((rows * (words + 1),), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        buffer[rows * words :] = 0
+        return cls(buffer, rows, words, any_failed=False)
+
+    @classmethod
+    def receiving(cls, rows: int, words: int, device: torch.device) -> "StepMask":
+        """Room on `device` for a mask another rank sends."""
+        return cls(torch.empty(rows * (words + 1), dtype=torch.int32, device=device), rows, words)
+
+    @property
+    def bitmask(self) -> torch.Tensor:
+        """[rows, words], contiguous (backends fill it in place)."""
+        return self.buffer[: self.rows * self.words].view(self.rows, self.words)
+
+    @property
+    def failed(self) -> torch.Tensor:
+        return self.buffer[self.rows * self.words :]
+
+    def fail(self, row: int) -> None:
+        self.failed[row] = 1
+        self.any_failed = True
+
+    def to(self, device: torch.device) -> "StepMask":
+        """This mask on `device`; from pinned memory the copy does not make the host wait."""
+        if device.type == "cpu":
+            return self
+        buffer = self.buffer.to(device, non_blocking=True) if self.buffer.is_pinned() else to_device(device, self.buffer)[0]
+        return StepMask(buffer, self.rows, self.words, self.any_failed)
+
+    def apply(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """`logits` [B, V] with the forbidden tokens of rows[i] at -inf (mask row i), failed rows all NaN."""
+        mask = self.to(logits.device)
+        keep = allowed(mask.bitmask, logits.shape[-1])
+        every = len(rows) == logits.shape[0]  # rows are ascending: then they are 0..B-1, and no gather is needed
+        index = None if every else to_device(logits.device, torch.tensor(rows))[0]
+        masked = (logits if every else logits[index]).masked_fill(~keep, float("-inf"))
+        if mask.any_failed is not False:
+            masked = masked.masked_fill(mask.failed.bool()[:, None], float("nan"))
+        return masked if every else logits.index_put((index,), masked)
