@@ -20,7 +20,7 @@ from .. import registry
 from ..interfaces import Constraint, GrammarBackend, GrammarError, GrammarMatcher, GrammarVocab
 from ..parallel import Group
 from .compiler import GrammarCompiler
-from .mask import StepMask
+from .mask import BitTable, StepMask
 
 REJECTED = "rejected"  # the matcher refused the sampled token
 TERMINATED = "terminated"  # the output is complete
@@ -49,6 +49,7 @@ class GrammarBook:
         self.mask_wait_seconds = 0.0  # time steps spent waiting for a compile or a matcher
         self.mask_waits = 0
         self.filled_rows = 0  # mask rows this rank filled (only the leader fills)
+        self._table = BitTable()
 
     @classmethod
     def named(cls, name: str, tokenizer: Any, vocab_size: int, eos_ids, needs_rollback: bool = False,
@@ -114,7 +115,7 @@ class GrammarBook:
             self._fill(mask, [(self._matcher(rids[row]), i) for i, row in enumerate(rows)])
         else:
             mask = StepMask.receiving(len(rows), words, logits.device)
-        return self._shared(mask, logits.device).apply(logits, rows)
+        return self._shared(mask, logits.device).apply(logits, rows, self._table)
 
     def _fill(self, mask: StepMask, fills: list[tuple[GrammarMatcher | None, int]]) -> None:
         """Fill mask rows (the backend's batch API); a row without a matcher (its compile failed) is marked failed."""
@@ -149,7 +150,8 @@ class GrammarBook:
             return logits
         words = -(-logits.shape[-1] // 32)
         if not self.leads:
-            return self._shared(StepMask.receiving(len(rows), words, logits.device), logits.device).apply(logits, rows)
+            mask = self._shared(StepMask.receiving(len(rows), words, logits.device), logits.device)
+            return mask.apply(logits, rows, self._table)
         mask = StepMask.allowing_all(len(rows), words)
         for matcher, draft, first in fills:
             if matcher is None:
@@ -165,7 +167,7 @@ class GrammarBook:
                 accepted += 1
             if accepted:
                 matcher.rollback(accepted)
-        return self._shared(mask, logits.device).apply(logits, rows)
+        return self._shared(mask, logits.device).apply(logits, rows, self._table)
 
     def accept_step(self, rids: Sequence[str], tokens: Sequence[int]) -> None:
         """A step's sampled tokens fed to their constrained requests' matchers at once (the backend's batch API);

@@ -8,16 +8,21 @@ import torch
 from ..transfer import to_device
 
 
-def bitmask_rows(rows: int, words: int) -> torch.Tensor:
-    """A CPU bitmask of `rows` rows, all tokens allowed; pinned where a CUDA device will read it."""
-    return torch.full((rows, words), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+class BitTable:
+    """For each byte value b, a row of 8 additive logit masks: 0.0 where bit i of b is set, -inf where not. Adding
+    table[bytes of the bitmask] to the logits masks every row in one gather and one add, the cheapest form on a
+    CPU (half the time of unpacking the bits with shifts and a masked_fill) and one kernel each on a GPU. One table
+    per device and dtype, made once."""
 
+    def __init__(self):
+        self._tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
-def allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, vocab_size] bool from [rows, words] int32 bits, on the bitmask's device."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = (bitmask[:, :, None] >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    def __call__(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        table = self._tables.get((device, dtype))
+        if table is None:
+            bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+            table = self._tables[(device, dtype)] = torch.where(bits.bool(), 0.0, float("-inf")).to(device, dtype)
+        return table
 
 
 class StepMask:
@@ -61,13 +66,16 @@ class StepMask:
         buffer = self.buffer.to(device, non_blocking=True) if self.buffer.is_pinned() else to_device(device, self.buffer)[0]
         return StepMask(buffer, self.rows, self.words, self.any_failed)
 
-    def apply(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """`logits` [B, V] with the forbidden tokens of rows[i] at -inf (mask row i), failed rows all NaN."""
+    def apply(self, logits: torch.Tensor, rows: list[int], table: BitTable) -> torch.Tensor:
+        """`logits` [B, V] with the forbidden tokens of rows[i] at -inf (mask row i), failed rows all NaN. The int32
+        words are read as little-endian bytes (every host and GPU here): byte j holds tokens 8j..8j+7."""
         mask = self.to(logits.device)
-        keep = allowed(mask.bitmask, logits.shape[-1])
+        width = logits.shape[-1]
+        lookup = table(logits.device, logits.dtype)
+        add = lookup[mask.bitmask.view(torch.uint8).int()].view(self.rows, -1)[:, :width]
         every = len(rows) == logits.shape[0]  # rows are ascending: then they are 0..B-1, and no gather is needed
         index = None if every else to_device(logits.device, torch.tensor(rows))[0]
-        masked = (logits if every else logits[index]).masked_fill(~keep, float("-inf"))
+        masked = (logits if every else logits[index]) + add
         if mask.any_failed is not False:
             masked = masked.masked_fill(mask.failed.bool()[:, None], float("nan"))
         return masked if every else logits.index_put((index,), masked)

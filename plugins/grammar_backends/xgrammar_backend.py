@@ -112,5 +112,7 @@ class XGrammarBackend(GrammarBackend):
     def fill_masks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         self.batch.batch_fill_next_token_bitmask([m.inner for m in matchers], bitmask, list(rows))
         json_rows = [row for m, row in zip(matchers, rows) if m.json_safe is not None]
-        if json_rows:
+        if len(json_rows) == bitmask.shape[0]:  # every row (the usual batch of JSON requests): one op in place
+            bitmask.bitwise_and_(self.json_safe)
+        elif json_rows:
             bitmask[json_rows] &= self.json_safe
