@@ -325,15 +325,16 @@ class Engine:
         if self.in_flight is not None and any(self.grammar.tracks(r.rid) for r in requests):
             # a constrained request's mask needs its matcher advanced by the token in flight: read it now, while the
             # device runs this step's forward (the mask is filled on the host meanwhile; only the draw waits for it)
-            self._read_early, self.in_flight = self._complete(self.in_flight), None
+            self._read_early, self.in_flight = self._complete(self.in_flight, fill_ahead=False), None
         logits = self.grammar.mask(logits, [r.rid for r in requests])  # structured outputs: forbidden tokens at -inf
         drawn = self.sampler.sample(logits, requests)  # penalties and biases, then the draw, all on the device
         for row, request in enumerate(requests):
             request.pending_rows.append(row)
         return InFlight.start(requests, logits, drawn)
 
-    def _complete(self, step: InFlight | None) -> list[Request]:
-        """Read a launched step's tokens into its requests; those that finish with them."""
+    def _complete(self, step: InFlight | None, fill_ahead: bool = True) -> list[Request]:
+        """Read a launched step's tokens into its requests; those that finish with them. `fill_ahead`: the next
+        masks may fill in the background (a step read early for its mask is masked right away: no point)."""
         if step is None:
             return []
         tokens = step.token_list()
@@ -347,7 +348,7 @@ class Engine:
         if any(step.requests[row].params.logprobs > 0 for row in live):
             requests = [step.requests[row] for row in live]
             self.sampler.record_logprobs(step.logits[live], requests, [tokens[row] for row in live])
-        self.grammar.accept_step([step.requests[row].rid for row in live], [tokens[row] for row in live])
+        self.grammar.accept_step([step.requests[row].rid for row in live], [tokens[row] for row in live], fill_ahead)
         for row in live:
             request = step.requests[row]
             request.pending_rows.pop(0)

@@ -20,6 +20,7 @@ from .. import registry
 from ..interfaces import Constraint, GrammarBackend, GrammarError, GrammarMatcher, GrammarVocab
 from ..parallel import Group
 from .compiler import GrammarCompiler
+from .ahead import MasksAhead
 from .mask import BitTable, StepMask
 
 REJECTED = "rejected"  # the matcher refused the sampled token
@@ -50,6 +51,7 @@ class GrammarBook:
         self.mask_waits = 0
         self.filled_rows = 0  # mask rows this rank filled (only the leader fills)
         self._table = BitTable()
+        self.ahead = MasksAhead()  # the next step's masks, filled while the engine runs the next forward
 
     @classmethod
     def named(cls, name: str, tokenizer: Any, vocab_size: int, eos_ids, needs_rollback: bool = False,
@@ -111,11 +113,29 @@ class GrammarBook:
             return logits
         words = -(-logits.shape[-1] // 32)
         if self.leads:
-            mask = StepMask.allowing_all(len(rows), words)
-            self._fill(mask, [(self._matcher(rids[row]), i) for i, row in enumerate(rows)])
+            mask = self._filled_ahead([rids[row] for row in rows], words)
         else:
             mask = StepMask.receiving(len(rows), words, logits.device)
         return self._shared(mask, logits.device).apply(logits, rows, self._table)
+
+    def _filled_ahead(self, rids: list[str], words: int) -> StepMask:
+        """The rows of `rids` (in order) from the mask filled ahead; those it lacks (a request that joined the batch
+        since, or one whose constraint failed) filled or marked now."""
+        late, start = self.ahead.late, time.perf_counter()
+        ahead = self.ahead.take(words)
+        if late:  # the step waits for its mask: counted, as a wait for a compile is
+            self.mask_wait_seconds += time.perf_counter() - start
+            self.mask_waits += 1
+        found, rows = ahead if ahead is not None else (None, {})
+        at = [rows.get(rid) for rid in rids]
+        if found is not None and at == list(range(found.rows)):
+            return found  # the same requests in the same order: the usual decode step
+        mask = StepMask.allowing_all(len(rids), words)
+        hits = [i for i, j in enumerate(at) if j is not None]
+        if hits:
+            mask.bitmask[hits] = found.bitmask[[at[i] for i in hits]]
+        self._fill(mask, [(self._matcher(rids[i]), i) for i, j in enumerate(at) if j is None])
+        return mask
 
     def _fill(self, mask: StepMask, fills: list[tuple[GrammarMatcher | None, int]]) -> None:
         """Fill mask rows (the backend's batch API); a row without a matcher (its compile failed) is marked failed."""
@@ -140,6 +160,7 @@ class GrammarBook:
         """Speculative verify: `logits` holds len(drafts[i]) + 1 rows per request. Row k of a constrained request is
         masked with its matcher advanced by its first k drafts (then rolled back): a draft the grammar forbids has
         no probability under the target, so verification rejects it and everything after it."""
+        self.ahead.drop()  # drafts move the matchers (and roll them back)
         rows, fills, at = [], [], 0
         for rid, draft in zip(rids, drafts):
             if rid in self:
@@ -169,17 +190,27 @@ class GrammarBook:
                 matcher.rollback(accepted)
         return self._shared(mask, logits.device).apply(logits, rows, self._table)
 
-    def accept_step(self, rids: Sequence[str], tokens: Sequence[int]) -> None:
+    def accept_step(self, rids: Sequence[str], tokens: Sequence[int], fill_ahead: bool = False) -> None:
         """A step's sampled tokens fed to their constrained requests' matchers at once (the backend's batch API);
-        `accept` then reads each result (on every rank of the group: the leader sends them)."""
+        `accept` then reads each result (on every rank of the group: the leader sends them). `fill_ahead`: start
+        filling the next step's masks of the requests that go on now, in a worker thread."""
         pairs = [(rid, token) for rid, token in zip(rids, tokens) if rid in self]
         if not pairs:
             return
         outcomes = self._outcomes(pairs) if self.leads else [None] * len(pairs)
         for (rid, token), outcome in zip(pairs, self._agreed(outcomes)):
             self._accepted[rid] = (token, outcome)
+        if fill_ahead and self.leads:
+            going = [rid for (rid, _), outcome in zip(pairs, outcomes) if outcome is None]
+            self.ahead.start(self._fill_rows, going, [self._matchers[rid].result() for rid in going],
+                             self.compiler.backend.vocab.bitmask_words)
+
+    def _fill_rows(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        self.compiler.backend.fill_masks(matchers, bitmask, rows)
+        self.filled_rows += len(rows)
 
     def _outcomes(self, pairs: list[tuple[str, int]]) -> list[str | None]:
+        self.ahead.drop()  # the matchers move
         matchers = [self._matcher(rid) for rid, _ in pairs]
         live = [i for i, m in enumerate(matchers) if m is not None]
         outcomes = [REJECTED] * len(pairs)  # a failed constraint refuses every token
@@ -226,3 +257,4 @@ class GrammarBook:
         if self.compiler is not None:
             self.compiler.close()
             self._pool.shutdown(wait=False, cancel_futures=True)
+        self.ahead.close()
