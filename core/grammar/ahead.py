@@ -1,18 +1,36 @@
-"""The next step's masks, filled in a worker thread as soon as a step's tokens are accepted: the engine then
-schedules, builds and runs the next forward while the masks fill (a CPU engine fills on another core; a GPU engine
-under the overlap schedule fills while the device computes anyway and asks for none).
+"""A step's tokens fed to their matchers, and the next step's masks filled, in a worker thread: started as soon as
+the tokens are read, while the engine schedules, builds and runs the next forward (a CPU engine works on another
+core; xgrammar drops the GIL while it fills). The outcome the step loop needs at once (go on, rejected, complete)
+is read off the mask each token was drawn under, where the backend declares that its matchers accept every token
+their mask allows and end exactly on an end token (GrammarBackendCaps.ends_at_end_token).
 
-A mask filled ahead is only good while no matcher has moved since: the book drops it before any matcher moves."""
+What is filled ahead is only good while no matcher moves otherwise: the book drops it before moving one."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
-from ..interfaces import GrammarMatcher
 from .mask import StepMask
 
-Fill = Callable[[Sequence[GrammarMatcher], "object", Sequence[int]], None]  # backend.fill_masks
+REJECTED = "rejected"  # the matcher refused the sampled token
+TERMINATED = "terminated"  # the output is complete
+OUTCOMES = (None, REJECTED, TERMINATED)  # as the leader of a DP group sends them: their index
+
+Work = Callable[[], tuple[StepMask, list[str]]]  # -> the next mask (a row per request, in order), rids refused
+
+
+def foreseen(mask: StepMask, rows: dict[str, int], pairs: Sequence[tuple[str, int]], end_ids) -> list[str | None] | None:
+    """Each (rid, token)'s outcome, read off row rows[rid] of the mask it was drawn under; None where a request
+    has no row there (then the matchers must tell)."""
+    outcomes, words = [], mask.bitmask.numpy()  # numpy reads one word in a tenth of torch's time
+    for rid, token in pairs:
+        row = rows.get(rid)
+        if row is None:
+            return None
+        allowed = (int(words[row, token >> 5]) >> (token & 31)) & 1
+        outcomes.append(REJECTED if not allowed else TERMINATED if token in end_ids else None)
+    return outcomes
 
 
 class MasksAhead:
@@ -21,38 +39,32 @@ class MasksAhead:
         self._job: Future | None = None
         self._rows: dict[str, int] = {}  # rid -> its row of the mask being filled
 
-    def start(self, fill: Fill, rids: Sequence[str], matchers: Sequence[GrammarMatcher], words: int) -> None:
-        """Fill one row per request, in this order, in the worker thread."""
-        self.drop()
-        if rids:
-            self._rows = {rid: row for row, rid in enumerate(rids)}
-            self._job = self._pool.submit(self._fill, fill, list(matchers), words)
-
-    @staticmethod
-    def _fill(fill: Fill, matchers: list[GrammarMatcher], words: int) -> StepMask:
-        mask = StepMask.allowing_all(len(matchers), words)
-        fill(matchers, mask.bitmask, range(len(matchers)))
-        return mask
-
     @property
     def late(self) -> bool:
-        """Whether a mask is still filling (taking it now waits)."""
+        """Whether the work is still running (taking its mask now waits)."""
         return self._job is not None and not self._job.done()
 
-    def take(self, words: int) -> tuple[StepMask, dict[str, int]] | None:
-        """The mask filled ahead and each request's row in it (waiting for it if it is still filling), or None."""
+    def start(self, work: Work, rids: Sequence[str]) -> None:
+        """Run `work` in the worker thread; its mask has one row per rid of `rids`, in order. Drop (or take) the
+        work before first."""
+        assert self._job is None, "the work ahead was neither taken nor dropped"
+        self._rows = {rid: row for row, rid in enumerate(rids)}
+        self._job = self._pool.submit(work)
+
+    def take(self, words: int) -> tuple[StepMask | None, dict[str, int], list[str]]:
+        """(the mask filled ahead, each request's row in it, the requests whose token was refused), waiting for it
+        if the work still runs; no mask where there was none (or one of another width)."""
         job, rows = self._job, self._rows
         self._job, self._rows = None, {}
         if job is None:
-            return None
-        mask = job.result()
-        return (mask, rows) if mask.words == words else None
+            return None, {}, []
+        mask, refused = job.result()
+        return (mask if mask.words == words else None), rows, refused
 
-    def drop(self) -> None:
-        """Forget the mask being filled, once the worker is done with the matchers (they are about to move)."""
-        if self._job is not None:
-            self._job.exception()  # waits; a fill that raised is filled again on the step loop, raising there
-            self._job, self._rows = None, {}
+    def drop(self) -> list[str]:
+        """Wait for the work (the matchers are about to move) and forget its mask; the requests whose token was
+        refused."""
+        return self.take(-1)[2]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

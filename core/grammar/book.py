@@ -20,12 +20,8 @@ from .. import registry
 from ..interfaces import Constraint, GrammarBackend, GrammarError, GrammarMatcher, GrammarVocab
 from ..parallel import Group
 from .compiler import GrammarCompiler
-from .ahead import MasksAhead
+from .ahead import OUTCOMES, REJECTED, TERMINATED, MasksAhead, foreseen
 from .mask import BitTable, StepMask
-
-REJECTED = "rejected"  # the matcher refused the sampled token
-TERMINATED = "terminated"  # the output is complete
-OUTCOMES = (None, REJECTED, TERMINATED)  # as the leader sends them: their index
 
 
 def make_backend(backend_cls: type[GrammarBackend], tokenizer: Any, vocab_size: int, eos_ids) -> GrammarBackend:
@@ -51,7 +47,8 @@ class GrammarBook:
         self.mask_waits = 0
         self.filled_rows = 0  # mask rows this rank filled (only the leader fills)
         self._table = BitTable()
-        self.ahead = MasksAhead()  # the next step's masks, filled while the engine runs the next forward
+        self.ahead = MasksAhead()  # a step's tokens fed and the next masks filled while the engine runs the next forward
+        self._drawn: tuple[StepMask, dict[str, int]] | None = None  # the leader's last host mask, its row per rid
 
     @classmethod
     def named(cls, name: str, tokenizer: Any, vocab_size: int, eos_ids, needs_rollback: bool = False,
@@ -113,7 +110,9 @@ class GrammarBook:
             return logits
         words = -(-logits.shape[-1] // 32)
         if self.leads:
-            mask = self._filled_ahead([rids[row] for row in rows], words)
+            constrained = [rids[row] for row in rows]
+            mask = self._filled_ahead(constrained, words)
+            self._drawn = (mask, {rid: i for i, rid in enumerate(constrained)})
         else:
             mask = StepMask.receiving(len(rows), words, logits.device)
         return self._shared(mask, logits.device).apply(logits, rows, self._table)
@@ -122,12 +121,13 @@ class GrammarBook:
         """The rows of `rids` (in order) from the mask filled ahead; those it lacks (a request that joined the batch
         since, or one whose constraint failed) filled or marked now."""
         late, start = self.ahead.late, time.perf_counter()
-        ahead = self.ahead.take(words)
+        found, rows, refused = self.ahead.take(words)
         if late:  # the step waits for its mask: counted, as a wait for a compile is
             self.mask_wait_seconds += time.perf_counter() - start
             self.mask_waits += 1
-        found, rows = ahead if ahead is not None else (None, {})
-        at = [rows.get(rid) for rid in rids]
+        self._refuse(refused)
+        rows = rows if found is not None else {}
+        at = [rows.get(rid) if rid not in refused else None for rid in rids]
         if found is not None and at == list(range(found.rows)):
             return found  # the same requests in the same order: the usual decode step
         mask = StepMask.allowing_all(len(rids), words)
@@ -160,7 +160,8 @@ class GrammarBook:
         """Speculative verify: `logits` holds len(drafts[i]) + 1 rows per request. Row k of a constrained request is
         masked with its matcher advanced by its first k drafts (then rolled back): a draft the grammar forbids has
         no probability under the target, so verification rejects it and everything after it."""
-        self.ahead.drop()  # drafts move the matchers (and roll them back)
+        self._refuse(self.ahead.drop())  # drafts move the matchers (and roll them back)
+        self._drawn = None
         rows, fills, at = [], [], 0
         for rid, draft in zip(rids, drafts):
             if rid in self:
@@ -192,25 +193,65 @@ class GrammarBook:
 
     def accept_step(self, rids: Sequence[str], tokens: Sequence[int], fill_ahead: bool = False) -> None:
         """A step's sampled tokens fed to their constrained requests' matchers at once (the backend's batch API);
-        `accept` then reads each result (on every rank of the group: the leader sends them). `fill_ahead`: start
-        filling the next step's masks of the requests that go on now, in a worker thread."""
+        `accept` then reads each result (on every rank of the group: the leader sends them). `fill_ahead`: fill the
+        next step's masks in the worker thread; then, where the backend allows, the tokens are fed there too."""
         pairs = [(rid, token) for rid, token in zip(rids, tokens) if rid in self]
         if not pairs:
             return
-        outcomes = self._outcomes(pairs) if self.leads else [None] * len(pairs)
+        feed: list[tuple[str, int]] = []  # tokens the worker feeds (their outcomes foreseen)
+        outcomes = [None] * len(pairs)
+        if self.leads:
+            outcomes = self._foresee(pairs) if fill_ahead else None
+            if outcomes is None:
+                outcomes = self._outcomes(pairs)
+            else:
+                feed = [pair for pair, outcome in zip(pairs, outcomes) if outcome != REJECTED]
         for (rid, token), outcome in zip(pairs, self._agreed(outcomes)):
             self._accepted[rid] = (token, outcome)
-        if fill_ahead and self.leads:
-            going = [rid for (rid, _), outcome in zip(pairs, outcomes) if outcome is None]
-            self.ahead.start(self._fill_rows, going, [self._matchers[rid].result() for rid in going],
-                             self.compiler.backend.vocab.bitmask_words)
+        if fill_ahead and self.leads:  # the matchers taken now: a request may finish while the worker runs
+            fed = [(self._matchers[rid].result(), token) for rid, token in feed]
+            going = [(rid, self._matchers[rid].result()) for (rid, _), outcome in zip(pairs, outcomes) if outcome is None]
+            words = self.compiler.backend.vocab.bitmask_words
+            self.ahead.start(lambda: self._advance(fed, going, words), [rid for rid, _ in going])
 
-    def _fill_rows(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-        self.compiler.backend.fill_masks(matchers, bitmask, rows)
-        self.filled_rows += len(rows)
+    def _foresee(self, pairs: list[tuple[str, int]]) -> list[str | None] | None:
+        """The outcomes read off the mask the tokens were drawn under, where the backend allows it."""
+        self._refuse(self.ahead.drop())
+        drawn, self._drawn = self._drawn, None
+        if drawn is None or not self.compiler.backend.caps.ends_at_end_token:
+            return None
+        return foreseen(*drawn, pairs, self.compiler.backend.vocab.eos_ids)
+
+    def _advance(self, fed: list[tuple[GrammarMatcher, int]], going: list[tuple[str, GrammarMatcher]],
+                 words: int) -> tuple[StepMask, list[str]]:
+        """In the worker: feed the tokens, then fill a mask row per request going on; (the mask, rids refused)."""
+        backend = self.compiler.backend
+        oks = backend.accept_tokens([m for m, _ in fed], [t for _, t in fed]) if fed else []
+        refused_matchers = {id(m) for (m, _), ok in zip(fed, oks) if not ok}
+        # a matcher the outcome said goes on, yet terminated: the backend broke ends_at_end_token
+        refused_matchers |= {id(m) for _, m in going if m.is_terminated()}
+        refused = [rid for rid, m in going if id(m) in refused_matchers]
+        mask = StepMask.allowing_all(len(going), words)
+        live = [(row, m) for row, (_, m) in enumerate(going) if id(m) not in refused_matchers]
+        if live:
+            backend.fill_masks([m for _, m in live], mask.bitmask, [row for row, _ in live])
+            self.filled_rows += len(live)
+        return mask, refused
+
+    def _refuse(self, rids: Sequence[str]) -> None:
+        """Fail the constraint of requests whose token the worker's matcher refused though the mask allowed it, or
+        that ended on a token that is not an end token (a backend that breaks its declared contract): their next
+        mask row is marked failed."""
+        for rid in rids:
+            if rid in self._matchers:
+                failed: Future = Future()
+                failed.set_exception(GrammarError("the grammar backend broke its contract: a token its own mask "
+                                                  "allowed was refused, or ended the output without an end token"))
+                self._matchers[rid] = failed
 
     def _outcomes(self, pairs: list[tuple[str, int]]) -> list[str | None]:
-        self.ahead.drop()  # the matchers move
+        self._refuse(self.ahead.drop())  # the matchers move
+        self._drawn = None
         matchers = [self._matcher(rid) for rid, _ in pairs]
         live = [i for i, m in enumerate(matchers) if m is not None]
         outcomes = [REJECTED] * len(pairs)  # a failed constraint refuses every token

@@ -63,10 +63,13 @@ class XGrammarMatcher(GrammarMatcher):
 
 
 class XGrammarBackend(GrammarBackend):
-    caps = GrammarBackendCaps(rollback=True, batch_fill=True)
+    # a GrammarMatcher terminates only on accepting a stop token (terminate_without_stop_token is off)
+    caps = GrammarBackendCaps(rollback=True, batch_fill=True, ends_at_end_token=True)
 
     def __init__(self, vocab: GrammarVocab):
         super().__init__(vocab)
+        if not vocab.eos_ids:  # xgrammar then finds stop tokens of its own, which the engine does not know
+            self.caps = GrammarBackendCaps(rollback=True, batch_fill=True)
         from transformers import PreTrainedTokenizerFast  # xgrammar reads the vocabulary's byte encoding from it
 
         # xgrammar takes every vocabulary entry as text, special added tokens (bos, pad, chat markers) included, so
