@@ -27,8 +27,11 @@ def test_masked_logits_match_the_bits(dtype, rows):
     logits = torch.randn(4, vocab, generator=generator).to(dtype)
     mask = StepMask.allowing_all(len(rows), 3)
     mask.bitmask.copy_(torch.randint(-2**31, 2**31 - 1, (len(rows), 3), generator=generator, dtype=torch.int64).int())
-    out = mask.apply(logits, rows, BitTable())
+    table = BitTable()
+    out = mask.apply(logits, rows, table)
     assert out.dtype == dtype and torch.equal(out, reference(logits, mask.bitmask, rows))
+    mask.make_additive(table, dtype)  # made ahead, in the grammar's worker thread
+    assert torch.equal(mask.apply(logits, rows, table), out)
 
 
 def test_a_failed_row_is_nan_and_the_rest_masked():

@@ -49,6 +49,7 @@ class GrammarBook:
         self._table = BitTable()
         self.ahead = MasksAhead()  # a step's tokens fed and the next masks filled while the engine runs the next forward
         self._drawn: tuple[StepMask, dict[str, int]] | None = None  # the leader's last host mask, its row per rid
+        self._cpu_dtype: torch.dtype | None = None  # the dtype of CPU logits, masked without sharing (else None)
 
     @classmethod
     def named(cls, name: str, tokenizer: Any, vocab_size: int, eos_ids, needs_rollback: bool = False,
@@ -109,6 +110,7 @@ class GrammarBook:
         if not rows:
             return logits
         words = -(-logits.shape[-1] // 32)
+        self._cpu_dtype = logits.dtype if logits.device.type == "cpu" and self.group.size == 1 else None
         if self.leads:
             constrained = [rids[row] for row in rows]
             mask = self._filled_ahead(constrained, words)
@@ -236,6 +238,8 @@ class GrammarBook:
         if live:
             backend.fill_masks([m for _, m in live], mask.bitmask, [row for row, _ in live])
             self.filled_rows += len(live)
+        if self._cpu_dtype is not None:  # CPU logits: the worker also turns the bits into the form added to them
+            mask.make_additive(self._table, self._cpu_dtype)
         return mask, refused
 
     def _refuse(self, rids: Sequence[str]) -> None:

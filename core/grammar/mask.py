@@ -33,6 +33,17 @@ class StepMask:
     def __init__(self, buffer: torch.Tensor, rows: int, words: int, any_failed: bool | None = None):
         self.buffer, self.rows, self.words = buffer, rows, words
         self.any_failed = any_failed  # None: not known on the host (a mask received on a device)
+        self.additive: torch.Tensor | None = None  # [rows, words * 32] 0 / -inf, where made ahead (CPU logits)
+
+    def make_additive(self, table: "BitTable", dtype: torch.dtype) -> None:
+        """The additive form of the bitmask for CPU logits of `dtype`, made now (in the grammar's worker thread) so
+        that applying it on the step loop is one add."""
+        self.additive = self._additive(table(torch.device("cpu"), dtype), self)
+
+    @staticmethod
+    def _additive(lookup: torch.Tensor, mask: "StepMask") -> torch.Tensor:
+        # index_select: half the CPU time of indexing with a tensor
+        return lookup.index_select(0, mask.bitmask.view(torch.uint8).reshape(-1).int()).view(mask.rows, mask.words * 32)
 
     @classmethod
     def allowing_all(cls, rows: int, words: int) -> "StepMask":
@@ -71,9 +82,10 @@ class StepMask:
         words are read as little-endian bytes (every host and GPU here): byte j holds tokens 8j..8j+7."""
         mask = self.to(logits.device)
         width = logits.shape[-1]
-        lookup = table(logits.device, logits.dtype)
-        # index_select: half the CPU time of indexing with a tensor
-        add = lookup.index_select(0, mask.bitmask.view(torch.uint8).reshape(-1).int()).view(self.rows, -1)[:, :width]
+        add = self.additive
+        if add is None or add.device != logits.device or add.dtype != logits.dtype:
+            add = self._additive(table(logits.device, logits.dtype), mask)
+        add = add[:, :width]
         every = len(rows) == logits.shape[0]  # rows are ascending: then they are 0..B-1, and no gather is needed
         index = None if every else to_device(logits.device, torch.tensor(rows))[0]
         masked = (logits if every else logits[index]) + add
