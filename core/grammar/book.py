@@ -213,8 +213,9 @@ class GrammarBook:
         if fill_ahead and self.leads:  # the matchers taken now: a request may finish while the worker runs
             fed = [(self._matchers[rid].result(), token) for rid, token in feed]
             going = [(rid, self._matchers[rid].result()) for (rid, _), outcome in zip(pairs, outcomes) if outcome is None]
-            words = self.compiler.backend.vocab.bitmask_words
-            self.ahead.start(lambda: self._advance(fed, going, words), [rid for rid, _ in going])
+            # allocated here: pinned memory taken from another thread would open a CUDA context on its device 0
+            mask = StepMask.allowing_all(len(going), self.compiler.backend.vocab.bitmask_words)
+            self.ahead.start(lambda: self._advance(fed, going, mask), [rid for rid, _ in going])
 
     def _foresee(self, pairs: list[tuple[str, int]]) -> list[str | None] | None:
         """The outcomes read off the mask the tokens were drawn under, where the backend allows it."""
@@ -225,15 +226,15 @@ class GrammarBook:
         return foreseen(*drawn, pairs, self.compiler.backend.vocab.eos_ids)
 
     def _advance(self, fed: list[tuple[GrammarMatcher, int]], going: list[tuple[str, GrammarMatcher]],
-                 words: int) -> tuple[StepMask, list[str]]:
-        """In the worker: feed the tokens, then fill a mask row per request going on; (the mask, rids refused)."""
+                 mask: StepMask) -> tuple[StepMask, list[str]]:
+        """In the worker: feed the tokens, then fill `mask`'s row of each request going on; (the mask, rids
+        refused)."""
         backend = self.compiler.backend
         oks = backend.accept_tokens([m for m, _ in fed], [t for _, t in fed]) if fed else []
         refused_matchers = {id(m) for (m, _), ok in zip(fed, oks) if not ok}
         # a matcher the outcome said goes on, yet terminated: the backend broke ends_at_end_token
         refused_matchers |= {id(m) for _, m in going if m.is_terminated()}
         refused = [rid for rid, m in going if id(m) in refused_matchers]
-        mask = StepMask.allowing_all(len(going), words)
         live = [(row, m) for row, (_, m) in enumerate(going) if id(m) not in refused_matchers]
         if live:
             backend.fill_masks([m for _, m in live], mask.bitmask, [row for row, _ in live])
