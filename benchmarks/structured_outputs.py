@@ -11,8 +11,11 @@ same tokens and reach about as many experts, and only the mask's cost differs. T
 checkpoint's tokenizer is replaced by a synthetic byte-level BPE of --tokenizer-vocab tokens (the model's size by
 default on a GPU: 151,643 like Qwen's; merges of JSON-like text), since no real tokenizer can be downloaded here.
 Decode tokens/s counts the tokens after every request's first one over the wall time of those steps; median of
---runs, min-max beside it. Compile: --schemas distinct schemas (nested objects, enums, patterns, bounded arrays)
-through a fresh compiler of the --grammar-backend, each once cold and once from the cache.
+--runs, min-max beside it. "step-loop CPU overhead": the step loop thread's CPU time per token, constrained over
+unconstrained (median of the runs' ratios): on a shared machine the wall-time numbers move with the other
+processes, this one barely; the grammar's worker thread (tokens fed, next masks filled) is not in it.
+Compile: --schemas distinct schemas (nested objects, enums, patterns, bounded arrays) through a fresh compiler of
+the --grammar-backend, each once cold and once from the cache.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from moeplex.engine import Engine
 from moeplex.grammar.book import make_backend
 from moeplex.grammar.compiler import GrammarCompiler
 from moeplex.interfaces import JSON_SCHEMA, Constraint
-from moeplex.models.make_model import BOS, EOS, PAD, write_checkpoint
+from moeplex.models.make_model import BOS, EOS, PAD, WEIGHTED_PRESETS, write_checkpoint
 from moeplex.registry import lookup
 from moeplex.sampling import SamplingParams
 from report import emit
@@ -113,7 +116,12 @@ def main() -> None:
     parser.add_argument("--grammar-backend", default="xgrammar")
     parser.add_argument("--tokenizer-vocab", type=int, default=None, help="synthetic tokenizer size (default: 4096 CPU, "
                         "151643 GPU)")
-    parser.add_argument("--qwen-layers", type=int, default=48, help="GPU: Qwen3-30B-A3B decoder layers (default: all)")
+    parser.add_argument("--preset", default=None, help="Qwen3-MoE shapes (default: 30b-a3b on a GPU, tiny on a CPU)")
+    parser.add_argument("--dummy-weights", action="store_true", default=None,
+                        help="write only config.json and make random weights at load (--load-format dummy; the default "
+                        "on a GPU, and for any preset but tiny and small)")
+    parser.add_argument("--qwen-layers", type=int, default=None, help="decoder layers (default: the preset's; 48 for "
+                        "30b-a3b)")
     parser.add_argument("--schemas", type=int, default=40, help="distinct schemas compiled (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads (default: %(default)s)")
     parser.add_argument("--out", help="also write the tables to this file")
@@ -124,38 +132,56 @@ def main() -> None:
     batches = args.batches or ([1, 8, 32, 64] if gpu else [1, 8])
     output_len = args.output_len or (128 if gpu else 24)
     vocab = args.tokenizer_vocab or (151643 if gpu else 4096)
+    preset = args.preset or ("30b-a3b" if gpu else "tiny")
+    dummy = args.dummy_weights if args.dummy_weights is not None else gpu or preset not in WEIGHTED_PRESETS
+    overrides = {} if args.qwen_layers is None else {"num_hidden_layers": args.qwen_layers}
+    if preset in WEIGHTED_PRESETS:  # a small model's logits as wide as the tokenizer (a released one has its own)
+        overrides["vocab_size"] = max(vocab, 512)
     folder = tempfile.mkdtemp()
-    if gpu:
-        write_checkpoint(folder, "qwen3_moe", "30b-a3b", config_only=True, overrides={"num_hidden_layers": args.qwen_layers})
-    else:
-        write_checkpoint(folder, "qwen3_moe", "tiny", seed=0, overrides={"vocab_size": max(vocab, 512)})
+    write_checkpoint(folder, "qwen3_moe", preset, seed=0, config_only=dummy, overrides=overrides)
     tokenizer = synthetic_tokenizer(vocab)
     tokenizer.save(os.path.join(folder, "tokenizer.json"))
     settings = dict(model=folder, device=args.device, show_progress=False, max_running_requests=max(batches),
                     max_total_tokens=max(batches) * (output_len + 64) + 1024, grammar_backend=args.grammar_backend)
-    settings.update(dict(dtype="bf16", load_format="dummy", moe_kernel="triton") if gpu else dict(dtype="fp32"))
+    settings.update(dict(dtype="bf16", moe_kernel="triton") if gpu else dict(dtype="fp32"))
+    if dummy:
+        settings["load_format"] = "dummy"
     engine = Engine(EngineConfig(**settings))
     rng = random.Random(0)
     plain = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     constrained = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True,
                                  constraint=long_schema(output_len))
     decode_rate(engine, [[256, 7, 8]], constrained, args.device)  # warm-up: the backend and the schema compile
-    lines = [f"{engine.model.hf_config.get('model_type')} ({'dummy weights, bf16' if gpu else 'tiny, fp32'}), "
+    weights = f"{preset}{', dummy weights' if dummy else ''}, {settings['dtype']}"
+    lines = [f"{engine.model.hf_config.get('model_type')} ({weights}, {engine.model.hf_config['num_hidden_layers']} "
+             f"layers), "
              f"{args.grammar_backend}, tokenizer of {tokenizer.get_vocab_size()} ids, logits of "
              f"{engine.vocab_size}, {output_len} tokens per request, {args.runs} runs", "",
-             "| batch | unconstrained tok/s (median) | min-max | json_schema tok/s (median) | min-max | overhead | mask waits |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "| batch | unconstrained tok/s (median) | min-max | json_schema tok/s (median) | min-max | overhead | "
+             "step-loop CPU overhead | mask waits |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def run(prompts, params) -> tuple[float, float]:
+        """(decode tok/s, the step loop thread's CPU seconds per generated token): the CPU time counts only this
+        thread's own work, so other processes on a shared machine barely move it (the wall time they move a lot);
+        work in the grammar's worker thread is not in it (it runs beside the step loop)."""
+        cpu = time.thread_time()
+        rate, requests = decode_rate(engine, prompts, params, args.device)
+        return rate, (time.thread_time() - cpu) / sum(len(r.output_ids) for r in requests)
+
     for batch in batches:
-        rates = {"plain": [], "json": []}
+        rates, cpus, waits = {"plain": [], "json": []}, [], engine.grammar.mask_waits
         for _ in range(args.runs):  # alternate, so drift in the machine hits both alike
             prompts = [[256] + [rng.randrange(3, 250) for _ in range(16)] for _ in range(batch)]
-            rates["plain"].append(decode_rate(engine, prompts, plain, args.device)[0])
-            waits = engine.grammar.mask_waits
-            rates["json"].append(decode_rate(engine, prompts, constrained, args.device)[0])
-            waits = engine.grammar.mask_waits - waits
+            (p, p_cpu), (j, j_cpu) = run(prompts, plain), run(prompts, constrained)
+            rates["plain"].append(p)
+            rates["json"].append(j)
+            cpus.append(j_cpu / p_cpu - 1)
+        waits = engine.grammar.mask_waits - waits
         p, j = statistics.median(rates["plain"]), statistics.median(rates["json"])
         lines.append(f"| {batch} | {p:.1f} | {min(rates['plain']):.1f}-{max(rates['plain']):.1f} | {j:.1f} | "
-                     f"{min(rates['json']):.1f}-{max(rates['json']):.1f} | {100 * (1 - j / p):+.1f}% | {waits} |")
+                     f"{min(rates['json']):.1f}-{max(rates['json']):.1f} | {100 * (1 - j / p):+.1f}% | "
+                     f"{100 * statistics.median(cpus):+.1f}% | {waits} |")
     backend = make_backend(lookup("grammar_backend", args.grammar_backend), tokenizer, engine.vocab_size, {257})
     compiler = GrammarCompiler(backend)
     cold, cached = [], []

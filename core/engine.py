@@ -36,7 +36,7 @@ from .model_runner import ModelRunner
 from .models.base import read_config
 from .models.setup import load_model
 from .moe.rebalance import ExpertBalancing, RebalanceReport
-from .parallel import ParallelState
+from .parallel import Group, ParallelState
 from .prefix_cache import PrefixCache
 from .disagg.rank import RankTransfers
 from .progress import progress as progress_bar
@@ -149,9 +149,12 @@ class Engine:
         self.eos_ids = _eos_ids(config.model, self.model.hf_config)
         self.vocab_size = self.model.hf_config["vocab_size"]
         self.sampler = Sampler(LogitAdjuster(self.vocab_size, self.device, self.eos_ids))
-        # structured outputs: checked now (an unknown backend fails at start-up), built on the first constrained request
+        # structured outputs: checked now (an unknown backend fails at start-up), built on the first constrained request;
+        # the DP group's first rank fills the masks for its tensor-parallel ranks (with speculative decoding each rank
+        # keeps its own matchers: every accepted draft token would otherwise cost one more collective)
         self.grammar = GrammarBook.named(
-            config.grammar_backend, self.tokenizer, self.vocab_size, self.eos_ids, needs_rollback=self.speculation is not None
+            config.grammar_backend, self.tokenizer, self.vocab_size, self.eos_ids, needs_rollback=self.speculation is not None,
+            group=self.parallel.attn if self.speculation is None else Group(),
         )
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
@@ -322,15 +325,16 @@ class Engine:
         if self.in_flight is not None and any(self.grammar.tracks(r.rid) for r in requests):
             # a constrained request's mask needs its matcher advanced by the token in flight: read it now, while the
             # device runs this step's forward (the mask is filled on the host meanwhile; only the draw waits for it)
-            self._read_early, self.in_flight = self._complete(self.in_flight), None
+            self._read_early, self.in_flight = self._complete(self.in_flight, fill_ahead=False), None
         logits = self.grammar.mask(logits, [r.rid for r in requests])  # structured outputs: forbidden tokens at -inf
         drawn = self.sampler.sample(logits, requests)  # penalties and biases, then the draw, all on the device
         for row, request in enumerate(requests):
             request.pending_rows.append(row)
         return InFlight.start(requests, logits, drawn)
 
-    def _complete(self, step: InFlight | None) -> list[Request]:
-        """Read a launched step's tokens into its requests; those that finish with them."""
+    def _complete(self, step: InFlight | None, fill_ahead: bool = True) -> list[Request]:
+        """Read a launched step's tokens into its requests; those that finish with them. `fill_ahead`: the next
+        masks may fill in the background (a step read early for its mask is masked right away: no point)."""
         if step is None:
             return []
         tokens = step.token_list()
@@ -344,7 +348,7 @@ class Engine:
         if any(step.requests[row].params.logprobs > 0 for row in live):
             requests = [step.requests[row] for row in live]
             self.sampler.record_logprobs(step.logits[live], requests, [tokens[row] for row in live])
-        self.grammar.accept_step([step.requests[row].rid for row in live], [tokens[row] for row in live])
+        self.grammar.accept_step([step.requests[row].rid for row in live], [tokens[row] for row in live], fill_ahead)
         for row in live:
             request = step.requests[row]
             request.pending_rows.pop(0)

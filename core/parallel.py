@@ -87,6 +87,12 @@ class Group:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
+    def broadcast(self, tensor: torch.Tensor, host: bool = False) -> torch.Tensor:
+        """Member 0's `tensor` on every member, in place (over the host group when `host`: a CPU tensor)."""
+        if self.size > 1:
+            dist.broadcast(tensor, group=self.host_group if host else self.group, group_src=0)
+        return tensor
+
     @property
     def host_group(self):
         return self.host if self.host is not None else self.group

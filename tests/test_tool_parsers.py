@@ -88,3 +88,44 @@ def test_reasoning_parser_whole_and_streamed(name, text, expected):
         parts.append(stream.push("", final=True))
         assert ("".join(p[0] for p in parts), "".join(p[1] for p in parts)) == expected
         assert not any("<think>" in p[0] or "</think>" in p[0] or "</think>" in p[1] for p in parts)
+
+
+CALL_ENDS = {"deepseek_v3": "<｜tool▁call▁end｜>", "qwen3": "</tool_call>", "mistral": "}"}  # a call is whole after it
+
+
+def second_call_cuts(family: str) -> list[str]:
+    """Every prefix of the family's output that ends after its first call and before its second one is whole."""
+    text, end = OUTPUTS[family], CALL_ENDS[family]
+    first = text.index(end, text.index(json.dumps(ARGS)) + len(json.dumps(ARGS))) + len(end)
+    second = text.rindex(end) + len(end)
+    return [text[:cut] for cut in range(first, second)]
+
+
+@pytest.mark.parametrize("family", sorted(OUTPUTS))
+def test_a_cut_second_call_leaves_the_first_whole_and_no_broken_one(family):
+    """max_tokens cut inside the second of two parallel calls: the first call comes back whole, the cut one not
+    at all (nor as content), streamed in pieces and not."""
+    parser, first = PARSERS[family], PARSERS[family].split(OUTPUTS[family])[1][0]
+    for text in second_call_cuts(family):
+        content, calls = parser.split(text)
+        assert (content, calls) == ("Let me check.", [first]), text
+        stream = ToolStream(auto_plan(), parser)
+        sent = "".join(stream.push(text[i:i + 5]) for i in range(0, len(text), 5))
+        rest, streamed = stream.finish()
+        assert (sent + rest, streamed) == ("Let me check.", [first]), text
+
+
+def test_required_and_named_cut_by_max_tokens_give_only_complete_calls():
+    required = ToolPlan.of({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": True})
+    whole = json.dumps([{"name": "get_weather", "arguments": ARGS}, {"name": "get_time", "arguments": {"tz": "CET"}}])
+    first = ToolCall("get_weather", json.dumps(ARGS))
+    cut_at = whole.index("}, {") + 1
+    for cut in range(cut_at, len(whole) - 1):
+        assert required.split(whole[:cut], None) == ("", [first]), whole[:cut]
+        stream = ToolStream(required, None)
+        sent = "".join(stream.push(whole[:cut][i:i + 3]) for i in range(0, cut, 3))
+        assert sent == "" and stream.finish() == ("", [first])
+    assert required.split(whole[:cut_at - 1], None) == ("", [])  # cut inside the first: nothing complete
+    named = ToolPlan.of({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+                         "parallel_tool_calls": True})
+    assert named.split('{"tz": "UT', None) == ("", [])

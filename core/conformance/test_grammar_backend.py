@@ -114,6 +114,21 @@ def test_following_the_mask_satisfies_an_ebnf_grammar_and_json_object(backend, s
         assert isinstance(json.loads(text), dict), text
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_matcher_ends_exactly_on_an_end_token_where_declared(backend, seed):
+    """GrammarBackendCaps.ends_at_end_token: every token the mask allows is accepted (_walk checks that) and the
+    matcher is terminated after an end token and only then: the engine reads outcomes off the mask."""
+    if not backend.caps.ends_at_end_token:
+        pytest.skip("the backend does not declare ends_at_end_token")
+    for constraint in (_constraint("json_schema", json.dumps(SCHEMA)), _constraint("regex", REGEXES[1])):
+        matcher = backend.matcher(backend.compile(constraint))
+        _, ended, tokens = _walk(backend, constraint, seed)
+        assert ended
+        for token in tokens:
+            assert matcher.accept(token)
+            assert matcher.is_terminated() == (token == EOS), f"terminated is {matcher.is_terminated()} after {token}"
+
+
 def test_rollback_restores_the_state(backend):
     if not backend.caps.rollback:
         pytest.skip("the backend declares no rollback")

@@ -49,6 +49,9 @@ class GrammarBackendCaps:
     kinds: frozenset[str] = frozenset(CONSTRAINT_KINDS)  # constraint kinds it compiles
     rollback: bool = True  # matcher.rollback(n) undoes accepted tokens (speculative drafts need it)
     batch_fill: bool = False  # fill_masks fills many rows in parallel (threads inside the backend)
+    # a matcher accepts every token its mask allows and is terminated exactly once it accepted an end token
+    # (vocab.eos_ids): the engine then reads a step's outcome off the mask and feeds the tokens in a worker thread
+    ends_at_end_token: bool = False
 
 
 @attrs.frozen

@@ -63,10 +63,13 @@ class XGrammarMatcher(GrammarMatcher):
 
 
 class XGrammarBackend(GrammarBackend):
-    caps = GrammarBackendCaps(rollback=True, batch_fill=True)
+    # a GrammarMatcher terminates only on accepting a stop token (terminate_without_stop_token is off)
+    caps = GrammarBackendCaps(rollback=True, batch_fill=True, ends_at_end_token=True)
 
     def __init__(self, vocab: GrammarVocab):
         super().__init__(vocab)
+        if not vocab.eos_ids:  # xgrammar then finds stop tokens of its own, which the engine does not know
+            self.caps = GrammarBackendCaps(rollback=True, batch_fill=True)
         from transformers import PreTrainedTokenizerFast  # xgrammar reads the vocabulary's byte encoding from it
 
         # xgrammar takes every vocabulary entry as text, special added tokens (bos, pad, chat markers) included, so
@@ -112,5 +115,7 @@ class XGrammarBackend(GrammarBackend):
     def fill_masks(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         self.batch.batch_fill_next_token_bitmask([m.inner for m in matchers], bitmask, list(rows))
         json_rows = [row for m, row in zip(matchers, rows) if m.json_safe is not None]
-        if json_rows:
+        if len(json_rows) == bitmask.shape[0]:  # every row (the usual batch of JSON requests): one op in place
+            bitmask.bitwise_and_(self.json_safe)
+        elif json_rows:
             bitmask[json_rows] &= self.json_safe

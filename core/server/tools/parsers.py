@@ -9,6 +9,9 @@ into (name, JSON arguments). `--tool-call-parser NAME` picks one; docs/structure
                  {"name": NAME, "arguments": {ARGUMENTS}}
                  </tool_call>          (one block per call)
     mistral      [TOOL_CALLS][{"name": NAME, "arguments": {ARGUMENTS}}, ...]
+
+Only complete calls are read: an output cut by max_tokens inside its second call gives the first one (its
+finish_reason stays "length"), never a call whose arguments are cut JSON.
 """
 
 from __future__ import annotations
@@ -25,8 +28,37 @@ class ToolCall:
     arguments: str  # a JSON object, as text (what OpenAI's function.arguments carries)
 
 
+_SPACE = re.compile(r"\s*")
+
+
 def _arguments(value) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def complete_items(text: str) -> list:
+    """The values of the JSON array `text` that are complete, in order: all of them, or those before the point
+    where the text was cut (a cut value, and anything after it, is left out)."""
+    decoder = json.JSONDecoder()
+    at = _SPACE.match(text).end()
+    if not text.startswith("[", at):
+        return []
+    items, at = [], at + 1
+    while True:
+        try:
+            value, at = decoder.raw_decode(text, _SPACE.match(text, at).end())
+        except ValueError:
+            return items
+        items.append(value)
+        at = _SPACE.match(text, at).end()
+        if not text.startswith(",", at):
+            return items
+        at += 1
+
+
+def named_calls(values: list) -> list[ToolCall]:
+    """[{"name", "arguments"}, ...] as calls (entries of another shape are left out)."""
+    return [ToolCall(v["name"], _arguments(v.get("arguments", {}))) for v in values
+            if isinstance(v, dict) and isinstance(v.get("name"), str)]
 
 
 class ToolCallParser:
@@ -79,13 +111,13 @@ class MistralParser(ToolCallParser):
 
     def calls(self, text: str) -> list[ToolCall]:
         body = text[len(self.start):].strip()
-        try:
+        if body.startswith("["):
+            return named_calls(complete_items(body))
+        try:  # one call without the array
             value, _ = json.JSONDecoder().raw_decode(body)
         except ValueError:
             return []
-        value = value if isinstance(value, list) else [value]
-        return [ToolCall(c["name"], _arguments(c.get("arguments", {}))) for c in value
-                if isinstance(c, dict) and isinstance(c.get("name"), str)]
+        return named_calls([value])
 
 
 PARSERS = {p.name: p for p in (DeepSeekV3Parser(), Qwen3Parser(), MistralParser())}

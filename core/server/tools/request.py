@@ -18,7 +18,7 @@ import attrs
 from ...interfaces import JSON_SCHEMA, Constraint
 from ..errors import bad_request
 from ..schema import BOOLEAN, OBJECT, STRING, AnyOf, Field, ListOf, ObjectOf
-from .parsers import ToolCall, ToolCallParser
+from .parsers import ToolCall, ToolCallParser, complete_items, named_calls
 
 FUNCTION = ObjectOf(
     [
@@ -98,15 +98,16 @@ class ToolPlan:
         return self.constraint is not None
 
     def split(self, text: str, parser: ToolCallParser | None) -> tuple[str, list[ToolCall]]:
-        """The generated text as (content, tool calls)."""
+        """The generated text as (content, tool calls): complete calls only, so an output cut by max_tokens gives
+        the calls it finished and no content (the grammar made it all calls)."""
         if self.mode == "named":
+            try:
+                json.loads(text)
+            except ValueError:  # cut by max_tokens inside the arguments
+                return "", []
             return "", [ToolCall(self.name, text)]
         if self.mode == "required":
-            try:
-                calls = json.loads(text)
-            except ValueError:  # cut by max_tokens: no complete call
-                return text, []
-            return "", [ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+            return "", named_calls(complete_items(text))
         if self.mode == "auto" and parser is not None:
             return parser.split(text)
         return text, []
