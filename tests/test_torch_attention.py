@@ -119,7 +119,7 @@ def test_paged_gather_is_measured_once_per_cache_shape_on_a_batch_big_enough(mon
     gathers by slots and decides nothing."""
     kv = KVPool(600, PAGE, [[(2, 8), (2, 8)]], torch.float32, "cpu")
     keys, values = kv.layer(0)
-    gather = PagedGather()
+    gather = PagedGather(choices={})  # nothing measured yet
     small = decode_batch(kv, [5, 9])
     assert not gather.by_pages(keys, values, small) and not gather.choices
     kv = KVPool(600, PAGE, [[(2, 8), (2, 8)]], torch.float32, "cpu")

@@ -111,15 +111,16 @@ def request_rows(key_cache, value_cache, batch: ForwardBatch, lengths: list[int]
 
 
 class PagedGather:
-    """Whether decode gathers a request's KV by pages or by slots on this processor: both timed once per cache
-    shape on the first decode batch that has enough rows (its own requests' KV), the faster kept. On an AMD
+    """Whether decode gathers a request's KV by pages or by slots on this processor: both timed once per process
+    and cache shape on the first decode batch that has enough rows (its own requests' KV), the faster kept. On an AMD
     EPYC copying whole 16-token pages beat the per-token copies 1.5x; on a Xeon the per-token copies had won."""
 
     MIN_ROWS = 1024  # a first batch smaller than this decides nothing yet (too little to time)
     ROUNDS = 3
+    MEASURED: dict[tuple, bool] = {}  # per process: a fact about this processor and cache shape
 
-    def __init__(self):
-        self.choices: dict[tuple, bool] = {}
+    def __init__(self, choices: dict[tuple, bool] | None = None):
+        self.choices = self.MEASURED if choices is None else choices
 
     def by_pages(self, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch) -> bool:
         if batch.page_table is None or batch.page_size <= 1 or key_cache.shape[0] % batch.page_size:

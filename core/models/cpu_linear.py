@@ -30,8 +30,16 @@ ROUNDS = 3  # timed calls of each way at each row count, interleaved; the fastes
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
     """F.linear, or oneDNN's linear where the layer was packed and the measurement chose it for this many rows."""
     if packed is not None and x.dtype == weight.dtype and x.dim() == 2 and x.shape[0] and packed.wins(x.shape[0]):
-        return torch.ops.mkldnn._linear_pointwise(x, packed.weight, bias, "none", [], "")
+        return packed_linear(x, packed.weight, bias)
     return F.linear(x, weight, bias)
+
+
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
 
 
 class Packed:
@@ -46,12 +54,15 @@ class Packed:
         return self.faster[at]
 
 
-class CpuLinears:
-    """Measures each (out, in, dtype) once and packs the layers whose shape runs faster through oneDNN."""
+MEASURED: dict[tuple, tuple[bool, ...]] = {}  # (out, in, dtype) -> oneDNN faster at ROWS: a fact about this
+# processor, measured once per process (two engines in one process compute alike)
 
-    def __init__(self, clock=None):
-        self.clock = clock
-        self.choices: dict[tuple, tuple[bool, ...]] = {}
+
+class CpuLinears:
+    """Measures each (out, in, dtype) once per process and packs the layers whose shape runs faster through oneDNN."""
+
+    def __init__(self):
+        self.choices = MEASURED
 
     def pack(self, model: nn.Module) -> int:
         """Give every dense projection of `model` on a CPU (modules with `onednn_weight`) its packing, or none;
@@ -79,13 +90,13 @@ class CpuLinears:
         return self.choices[key]
 
     def _measure(self, weight: torch.Tensor) -> tuple[bool, ...]:
-        clock = self.clock or measuring_clock()
+        clock = measuring_clock()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         gen = torch.Generator().manual_seed(0)
         faster = []
         for rows in ROWS:
             x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
-            ways = (lambda: F.linear(x, weight), lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+            ways = (lambda: plain_linear(x, weight), lambda: packed_linear(x, packed))
             best = [float("inf"), float("inf")]
             for round in range(ROUNDS + 1):  # the first round warms up
                 for i, way in enumerate(ways):

@@ -8,8 +8,10 @@ and oneDNN's per-expert linears are 1.5-2x faster (benchmarks/results/cpu_throug
 is chosen by processor name: `CpuExperts` times every way the dtype allows, on this layer's weights and
 synthetic routings of three sizes (a few tokens, a decode batch, a prefill chunk), keeps the fastest per
 size, and packs weights only for the ways it kept (and times the packed ways only while a packed copy of the
-layer fits: `packed_copy_fits`, a quarter of the free host memory). All layers of a model share a shape, so the kernel
-measures once per (shape, dtype) and hands the choice to every layer (`Choice`).
+layer fits: `packed_copy_fits`, a quarter of the free host memory). The choice is a fact about this processor
+and shape, so it is measured once per process for each (shape, dtype, top-k) and every later layer and engine
+of that shape takes it (MEASURED): all layers of a model share a shape, and two engines in one process compute
+alike.
 
 The ways, each `(hidden, topk_ids, topk_weights) -> [tokens, H]` (weights applied, pairs summed; ids of
 -1 are other ranks' pairs):
@@ -69,15 +71,22 @@ class Choice:
         return self.ways[at]
 
 
+MEASURED: dict[tuple, Choice] = {}  # (w13 shape, w2 shape, dtype, top-k, may pack) -> the choice, per process
+
+
 class CpuExperts(tuple):
     """(w13, w2) as given (the other layouts' loops read them), the packed copies the chosen ways need, and
-    the choice. `choice` None: measure now (the kernel passes the one it measured for an earlier layer)."""
+    the choice. `choice` None: this process's measured one for the shape (measured now if there is none)."""
 
     def __new__(cls, w13: torch.Tensor, w2: torch.Tensor, top_k: int, choice: Choice | None = None):
         self = super().__new__(cls, (w13, w2))
         self.top_k = top_k
         self._packed: dict[str, tuple] = {}
-        self.choice = choice if choice is not None else self._measure()
+        if choice is None:
+            may_pack = packed_copy_fits(w13.nbytes + w2.nbytes)
+            key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, top_k, may_pack)
+            choice = MEASURED.get(key) or MEASURED.setdefault(key, self._measure(ways_for(w13.dtype, may_pack)))
+        self.choice = choice
         self._packed = {way: self._pack(way) for way in set(self.choice.ways) if way in ("onednn", "every_expert")}
         return self
 
@@ -147,9 +156,8 @@ class CpuExperts(tuple):
         experts, k = len(self[0]), self.top_k
         return tuple(sorted({max(1, experts // (2 * k)), max(2, 4 * experts // k), max(4, min(1024, 32 * experts // k))}))
 
-    def _measure(self) -> Choice:
+    def _measure(self, ways: tuple[str, ...]) -> Choice:
         w13, w2 = self
-        ways = ways_for(w13.dtype, may_pack=packed_copy_fits(w13.nbytes + w2.nbytes))
         sizes = self.sizes()
         if len(ways) == 1:
             return Choice(sizes, ways * len(sizes))

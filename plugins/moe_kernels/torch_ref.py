@@ -29,7 +29,7 @@ from moeplex.interfaces import (
 )
 from moeplex.interfaces.kernels import dequantize_activations, dequantize_blocks
 
-from .cpu_experts import Choice, CpuExperts, sorted_pairs
+from .cpu_experts import CpuExperts, sorted_pairs
 
 
 class TorchMoEKernel(MoEKernel):
@@ -40,10 +40,6 @@ class TorchMoEKernel(MoEKernel):
         fp8_payload=True,  # reads rows from layout.fp8 when the dispatcher sent them as fp8
     )
 
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        self._choices: dict[tuple, Choice] = {}  # (w13 shape, w2 shape, dtype) -> the measured ways
-
     def prepare_weights(self, weights: ExpertWeights):
         if weights.format == FP8_BLOCK:
             w13, w2 = dequantize_blocks(weights.w13, weights.w13_scale), dequantize_blocks(weights.w2, weights.w2_scale)
@@ -51,10 +47,7 @@ class TorchMoEKernel(MoEKernel):
             w13, w2 = weights.w13, weights.w2
         if w13.device.type != "cpu" or w13.dtype != w2.dtype:
             return w13, w2
-        key = (tuple(w13.shape), tuple(w2.shape), w13.dtype)
-        experts = CpuExperts(w13, w2, self.ctx.top_k, self._choices.get(key))
-        self._choices[key] = experts.choice
-        return experts
+        return CpuExperts(w13, w2, self.ctx.top_k)
 
     def apply(self, layout, weights) -> ExpertOutput:
         hidden = _activations(layout.hidden, layout.fp8)
