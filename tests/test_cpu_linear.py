@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeplex.kernels.cpu import onednn_runs
+from moeplex.kernels.cpu import MeasuredChoices, onednn_runs
 from moeplex.models import cpu_linear
 from moeplex.models.parallel_layers import Linear, MergedColumnLinear, RowLinear
 from moeplex.parallel import Group
@@ -13,7 +13,7 @@ from moeplex.parallel import Group
 pytestmark = pytest.mark.skipif(not onednn_runs(torch.float32), reason="this torch was built without oneDNN")
 
 
-def measure_with(monkeypatch, packed_faster_at: set[int]) -> None:
+def measure_with(monkeypatch, packed_faster_at: set[int], tmp_path):
     """The measurement's clock: oneDNN's linear costs 1 and F.linear 2 at the row counts given, the reverse elsewhere."""
     now = [0.0]
 
@@ -26,7 +26,9 @@ def measure_with(monkeypatch, packed_faster_at: set[int]) -> None:
     monkeypatch.setattr(cpu_linear, "measuring_clock", lambda: lambda: now[0])
     monkeypatch.setattr(cpu_linear, "plain_linear", timed(2.0, 1.0, cpu_linear.plain_linear))
     monkeypatch.setattr(cpu_linear, "packed_linear", timed(1.0, 2.0, cpu_linear.packed_linear))
-    monkeypatch.setattr(cpu_linear, "MEASURED", {})
+    store = MeasuredChoices(str(tmp_path / f"choices-{len(packed_faster_at)}.json"))  # nothing measured yet
+    monkeypatch.setattr(cpu_linear, "measured_choice", store.get)
+    return store
 
 
 def layers() -> torch.nn.Module:
@@ -40,11 +42,11 @@ def layers() -> torch.nn.Module:
     return model
 
 
-def test_packed_where_measured_faster_and_equal_to_f_linear(monkeypatch):
+def test_packed_where_measured_faster_and_equal_to_f_linear(monkeypatch, tmp_path):
     model = layers()
-    measure_with(monkeypatch, {32, 512})
+    store = measure_with(monkeypatch, {32, 512}, tmp_path)
     assert cpu_linear.CpuLinears().pack(model) == 3
-    assert len(cpu_linear.MEASURED) == 3  # one measurement per weight shape
+    assert len(store.known) == 3  # one measurement per weight shape
     monkeypatch.undo()
     assert model.a.onednn_weight.faster == (False, True, True)
     for rows in (1, 5, 40, 700):
@@ -57,10 +59,10 @@ def test_packed_where_measured_faster_and_equal_to_f_linear(monkeypatch):
         torch.testing.assert_close(torch.cat([q, k], -1), F.linear(x, model.c.weight), rtol=1e-5, atol=1e-5)
 
 
-def test_nothing_packed_where_f_linear_wins_or_memory_is_short(monkeypatch):
+def test_nothing_packed_where_f_linear_wins_or_memory_is_short(monkeypatch, tmp_path):
     layer = Linear(24, 40)
-    measure_with(monkeypatch, set())
+    measure_with(monkeypatch, set(), tmp_path)
     assert cpu_linear.CpuLinears().pack(layer) == 0 and layer.onednn_weight is None
-    measure_with(monkeypatch, {1, 32, 512})
+    measure_with(monkeypatch, {1, 32, 512}, tmp_path)
     monkeypatch.setattr(cpu_linear, "packed_copy_fits", lambda nbytes: False)
     assert cpu_linear.CpuLinears().pack(layer) == 0 and layer.onednn_weight is None

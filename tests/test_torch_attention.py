@@ -113,13 +113,17 @@ def test_models_decode_as_with_the_padded_path(tiny_model_dir, arch):
     assert tokens == reference_tokens
 
 
-def test_paged_gather_is_measured_once_per_cache_shape_on_a_batch_big_enough(monkeypatch):
+def test_paged_gather_is_measured_once_per_cache_shape_on_a_batch_big_enough(monkeypatch, tmp_path):
     """The first decode batch with MIN_ROWS cached rows times both gathers on its own requests and the faster
     is kept for that cache shape (a clock that makes pages cheaper chooses pages); a smaller batch before it
     gathers by slots and decides nothing."""
     kv = KVPool(600, PAGE, [[(2, 8), (2, 8)]], torch.float32, "cpu")
     keys, values = kv.layer(0)
-    gather = PagedGather(choices={})  # nothing measured yet
+    from moeplex.kernels.cpu import MeasuredChoices
+
+    monkeypatch.setattr("moeplex.kernels.cpu.measured_choice", MeasuredChoices(str(tmp_path / "c.json")).get)
+    gather = PagedGather()  # nothing measured yet on this 'machine'
+
     small = decode_batch(kv, [5, 9])
     assert not gather.by_pages(keys, values, small) and not gather.choices
     kv = KVPool(600, PAGE, [[(2, 8), (2, 8)]], torch.float32, "cpu")

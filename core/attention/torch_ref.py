@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..forward_batch import ForwardBatch, ForwardMode
+from ..kernels import cpu as cpu_kernels
 
 
 def write_kv(buffer: torch.Tensor, batch: ForwardBatch, values: torch.Tensor) -> None:
@@ -111,16 +112,14 @@ def request_rows(key_cache, value_cache, batch: ForwardBatch, lengths: list[int]
 
 
 class PagedGather:
-    """Whether decode gathers a request's KV by pages or by slots on this processor: both timed once per process
-    and cache shape on the first decode batch that has enough rows (its own requests' KV), the faster kept. On an AMD
+    """Whether decode gathers a request's KV by pages or by slots on this processor: both timed once per machine
+    (measured_choice) and cache shape on the first decode batch that has enough rows (its own requests' KV), the faster kept. On an AMD
     EPYC copying whole 16-token pages beat the per-token copies 1.5x; on a Xeon the per-token copies had won."""
 
     MIN_ROWS = 1024  # a first batch smaller than this decides nothing yet (too little to time)
     ROUNDS = 3
-    MEASURED: dict[tuple, bool] = {}  # per process: a fact about this processor and cache shape
-
-    def __init__(self, choices: dict[tuple, bool] | None = None):
-        self.choices = self.MEASURED if choices is None else choices
+    def __init__(self):
+        self.choices: dict[tuple, bool] = {}
 
     def by_pages(self, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch) -> bool:
         if batch.page_table is None or batch.page_size <= 1 or key_cache.shape[0] % batch.page_size:
@@ -129,13 +128,12 @@ class PagedGather:
         if key not in self.choices:
             if batch.kv_indices.numel() < self.MIN_ROWS:
                 return False
-            self.choices[key] = self._measure(key_cache, value_cache, batch)
+            what = f"{tuple(key_cache.shape[1:])} {tuple(value_cache.shape[1:])} {key_cache.dtype} page {batch.page_size}"
+            self.choices[key] = cpu_kernels.measured_choice("decode_gather", what, lambda: self._measure(key_cache, value_cache, batch))
         return self.choices[key]
 
     def _measure(self, key_cache, value_cache, batch: ForwardBatch) -> bool:
-        from ..kernels.cpu import measuring_clock
-
-        clock, shared = measuring_clock(), _shares_keys(key_cache, value_cache)
+        clock, shared = cpu_kernels.measuring_clock(), _shares_keys(key_cache, value_cache)
         lengths = batch.kv_indptr.diff().tolist()
         best = {False: float("inf"), True: float("inf")}
         for round in range(self.ROUNDS + 1):  # the first round warms up

@@ -6,7 +6,7 @@ homes may move without breaking a plugin. Importing it imports Triton (its kerne
 Triton kernels), which is why `moeplex.interfaces` itself does not import it.
 """
 
-from moeplex.kernels.cpu import measuring_clock, onednn_runs, packed_copy_fits
+from moeplex.kernels.cpu import measured_choice, measuring_clock, onednn_runs, packed_copy_fits
 from moeplex.kernels.fp8 import quantize_rows, silu_mul_quantize
 from moeplex.kernels.permute import gather_rows, weighted_pair_sum
 from moeplex.moe.adapters import ContiguousPlan, LayoutAdapter, plan_contiguous
@@ -25,6 +25,7 @@ __all__ = [
     "dequantize_activations",
     "dequantize_blocks",
     "gather_rows",
+    "measured_choice",  # a start-up measurement's result, kept per machine so every process chooses alike
     "measuring_clock",  # CPU kernels choose by timing candidates at start-up: the clock to time them with
     "onednn_runs",  # whether oneDNN runs a dtype on this processor
     "packed_copy_fits",  # whether a packed copy of some weights leaves room in host memory

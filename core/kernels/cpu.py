@@ -7,13 +7,17 @@ without it), never by the processor's name; these two helpers are what every suc
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import json
+import logging
 import os
 import time
 from typing import Callable
 
 import torch
 
+log = logging.getLogger(__name__)
 
 def onednn_runs(dtype: torch.dtype) -> bool:
     """Whether oneDNN has kernels for this dtype on this processor (fp32 wherever torch was built with it;
@@ -44,3 +48,86 @@ def packed_copy_fits(nbytes: int) -> bool:
     except (ValueError, OSError):  # no such figure on this system: assume the copy fits
         return True
     return 4 * nbytes <= free
+
+
+def machine_cache_dir() -> str:
+    """Where measurements of this machine are kept between processes (as autotuners keep theirs)."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "moeplex")
+
+
+class MeasuredChoices:
+    """Results of start-up measurements, kept per machine in a JSON file, so that every process on the machine
+    (a server's ranks, a prefill and a decode server, the same command run twice) computes alike: the first
+    process to need a choice measures it while holding the file's lock, the others wait and read it. A choice
+    is keyed by what it depends on: the processor (model name and instruction sets), torch's version and
+    threads, and the caller's own key (a shape, a dtype). Unreadable or unwritable files fall back to
+    measuring in the process (a warning once)."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path or os.path.join(machine_cache_dir(), "cpu_choices.json")
+        self.known: dict[str, object] = {}
+        self._warned = False
+
+    def get(self, kind: str, key: str, measure: Callable[[], object]):
+        full = f"{kind}|{key}|{_machine()}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+        if full in self.known:
+            return self.known[full]
+        try:
+            value = self._from_file(full, measure)
+        except OSError as error:
+            if not self._warned:
+                log.warning("cannot keep CPU kernel choices in %s (%s): measuring in this process only", self.path, error)
+                self._warned = True
+            value = measure()
+        self.known[full] = value
+        return value
+
+    def _from_file(self, full: str, measure: Callable[[], object]):
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                stored = self._read()
+                if full in stored:
+                    return stored[full]
+                value = stored[full] = measure()
+                tmp = f"{self.path}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(stored, f, indent=0, sort_keys=True)
+                os.replace(tmp, self.path)
+                return value
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _read(self) -> dict:
+        try:
+            with open(self.path) as f:
+                stored = json.load(f)
+            return stored if isinstance(stored, dict) else {}
+        except FileNotFoundError:
+            return {}
+        except ValueError:  # a damaged file: measured again and rewritten
+            return {}
+
+
+@functools.cache
+def _machine() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+        name = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        flags = sorted(next(line.split(":", 1)[1] for line in lines if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or platform.machine()
+    isa = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))]
+    return f"{name} [{' '.join(isa)}]"
+
+
+_CHOICES = MeasuredChoices()
+
+
+def measured_choice(kind: str, key: str, measure: Callable[[], object]):
+    """`measure()` once per machine for (kind, key), its JSON-able result kept for every later process (MeasuredChoices)."""
+    return _CHOICES.get(kind, key, measure)

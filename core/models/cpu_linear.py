@@ -3,8 +3,8 @@ whichever this processor runs faster at the layer's shape, measured when the mod
 
 On an AMD EPYC without AMX, MKL's fp32 GEMMs of 8-64 rows run 1.25-1.7x slower than oneDNN's (at one row
 they tie); on a Xeon the two are close. So the choice is timed, not assumed: `CpuLinears` times both at
-three row counts (a decode step of one request, a decode batch, a prefill chunk) for each distinct weight
-shape and dtype, and a layer whose shape gains gets a packed copy of its weight (`onednn_weight`); each call
+three row counts (a decode step of one request, a decode batch, a prefill chunk) once per machine for each
+distinct weight shape and dtype (kept for every later process: `measured_choice`), and a layer whose shape gains gets a packed copy of its weight (`onednn_weight`); each call
 takes the way measured fastest at the nearest row count. The packed copy doubles that weight's memory; it
 is made only where it wins and only while it fits (at most a quarter of the free host memory), and a model whose weights then change (none of the dense ones do) would pack
 again by calling `pack` again.
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.cpu import measuring_clock, onednn_runs, packed_copy_fits
+from ..kernels.cpu import measured_choice, measuring_clock, onednn_runs, packed_copy_fits
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +54,8 @@ class Packed:
         return self.faster[at]
 
 
-MEASURED: dict[tuple, tuple[bool, ...]] = {}  # (out, in, dtype) -> oneDNN faster at ROWS: a fact about this
-# processor, measured once per process (two engines in one process compute alike)
-
-
 class CpuLinears:
-    """Measures each (out, in, dtype) once per process and packs the layers whose shape runs faster through oneDNN."""
-
-    def __init__(self):
-        self.choices = MEASURED
+    """Packs the layers whose shape runs faster through oneDNN, measured once per machine and shape (measured_choice)."""
 
     def pack(self, model: nn.Module) -> int:
         """Give every dense projection of `model` on a CPU (modules with `onednn_weight`) its packing, or none;
@@ -82,12 +75,8 @@ class CpuLinears:
         return packed
 
     def faster(self, weight: torch.Tensor) -> tuple[bool, ...]:
-        key = (tuple(weight.shape), weight.dtype)
-        if key not in self.choices:
-            self.choices[key] = self._measure(weight.detach())
-            log.info("CPU linear %s %s: oneDNN faster at %s rows", tuple(weight.shape),
-                     str(weight.dtype).removeprefix("torch."), [r for r, f in zip(ROWS, self.choices[key]) if f] or "no")
-        return self.choices[key]
+        key = f"{tuple(weight.shape)} {weight.dtype} rows {ROWS}"
+        return tuple(measured_choice("linear", key, lambda: list(self._measure(weight.detach()))))
 
     def _measure(self, weight: torch.Tensor) -> tuple[bool, ...]:
         clock = measuring_clock()

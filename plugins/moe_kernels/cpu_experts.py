@@ -8,10 +8,10 @@ and oneDNN's per-expert linears are 1.5-2x faster (benchmarks/results/cpu_throug
 is chosen by processor name: `CpuExperts` times every way the dtype allows, on this layer's weights and
 synthetic routings of three sizes (a few tokens, a decode batch, a prefill chunk), keeps the fastest per
 size, and packs weights only for the ways it kept (and times the packed ways only while a packed copy of the
-layer fits: `packed_copy_fits`, a quarter of the free host memory). The choice is a fact about this processor
-and shape, so it is measured once per process for each (shape, dtype, top-k) and every later layer and engine
-of that shape takes it (MEASURED): all layers of a model share a shape, and two engines in one process compute
-alike.
+layer fits: `packed_copy_fits`, a quarter of the free host memory). The choice is a fact about this machine
+and shape, so it is measured once per machine for each (shape, dtype, top-k) and kept (`measured_choice`):
+every later layer, engine and process of that shape takes it, so a server's ranks, a prefill and a decode
+server, and the same command run twice all compute alike.
 
 The ways, each `(hidden, topk_ids, topk_weights) -> [tokens, H]` (weights applied, pairs summed; ids of
 -1 are other ranks' pairs):
@@ -36,7 +36,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from moeplex.interfaces.kernels import measuring_clock, onednn_runs, packed_copy_fits
+from moeplex.interfaces.kernels import measured_choice, measuring_clock, onednn_runs, packed_copy_fits
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,8 @@ class Choice:
     """The fastest way per size: sizes[i] tokens (a measured point) -> ways[i]; a call takes the measured
     size nearest its token count (in log scale). `table`: the milliseconds behind it, for the log."""
 
-    sizes: tuple[int, ...]
-    ways: tuple[str, ...]
+    sizes: tuple[int, ...] = attrs.field(converter=tuple)
+    ways: tuple[str, ...] = attrs.field(converter=tuple)
     table: str = ""
 
     def way(self, tokens: int) -> str:
@@ -71,21 +71,18 @@ class Choice:
         return self.ways[at]
 
 
-MEASURED: dict[tuple, Choice] = {}  # (w13 shape, w2 shape, dtype, top-k, may pack) -> the choice, per process
-
-
 class CpuExperts(tuple):
     """(w13, w2) as given (the other layouts' loops read them), the packed copies the chosen ways need, and
-    the choice. `choice` None: this process's measured one for the shape (measured now if there is none)."""
+    the choice. `choice` None: this machine's measured one for the shape (measured now if there is none)."""
 
     def __new__(cls, w13: torch.Tensor, w2: torch.Tensor, top_k: int, choice: Choice | None = None):
         self = super().__new__(cls, (w13, w2))
         self.top_k = top_k
         self._packed: dict[str, tuple] = {}
         if choice is None:
-            may_pack = packed_copy_fits(w13.nbytes + w2.nbytes)
-            key = (tuple(w13.shape), tuple(w2.shape), w13.dtype, top_k, may_pack)
-            choice = MEASURED.get(key) or MEASURED.setdefault(key, self._measure(ways_for(w13.dtype, may_pack)))
+            ways = ways_for(w13.dtype, packed_copy_fits(w13.nbytes + w2.nbytes))
+            key = f"w13 {tuple(w13.shape)} w2 {tuple(w2.shape)} {w13.dtype} top-{top_k} {'/'.join(ways)}"
+            choice = Choice(**measured_choice("moe_experts", key, lambda: attrs.asdict(self._measure(ways))))
         self.choice = choice
         self._packed = {way: self._pack(way) for way in set(self.choice.ways) if way in ("onednn", "every_expert")}
         return self
