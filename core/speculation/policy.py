@@ -71,6 +71,7 @@ class AdaptivePolicy:
         # and its output length then
         self.offers = (0.0, 0.0)  # the same over all requests
         self._may_draft: dict[int, bool] = {}
+        self._least_worth: dict[int, float] = {}
 
     def prior(self) -> np.ndarray:
         return self.all.rates(np.full(self.steps, PRIOR))
@@ -93,8 +94,8 @@ class AdaptivePolicy:
         n, steps = len(requests), self.steps
         if n == 0:
             return []
-        if not self.may_draft(n):
-            return [0] * n
+        if not self.may_draft(n) or self._best_first_worth(requests, expect_offers) <= self.least_paying_worth(n):
+            return [0] * n  # nothing can pay: the exact choice below would give the same, at several times the cost
         worth = self._worth_matrix(requests)
         if expect_offers:
             worth *= np.array([self.offer_rate(r) for r in requests])[:, None]
@@ -119,6 +120,34 @@ class AdaptivePolicy:
             best = float(np.max((n + d) / self.costs.verify_curve(n, n + d)))
             self._may_draft[n] = best > n / self.costs.cost(n, n, verify=False) * (1 + 1e-9)
         return self._may_draft[n]
+
+    def least_paying_worth(self, n: int) -> float:
+        """The worth a draft must exceed for any count of drafts to pay in a step of n requests: every draft is
+        worth at most the best first draft w, so the choice is none while (n + d w) / cost(n, n + d) <= n / plain
+        for every d, i.e. w <= min_d (plain_rate cost(n, n + d) - n) / d. Cached per n (the table is fixed once
+        measured; a size is measured by may_draft's first call)."""
+        if n not in self._least_worth:
+            d = np.arange(1, n * self.steps + 1)
+            plain = n / self.costs.cost(n, n, verify=False) * (1 + 1e-9)
+            self._least_worth[n] = float(np.min((plain * self.costs.verify_curve(n, n + d) - n) / d)) * (1 - 1e-6)
+        return self._least_worth[n]
+
+    def _best_first_worth(self, requests: Sequence[Request], expect_offers: bool) -> float:
+        """max over the requests of their first draft's worth (times its chance of coming): the rates of
+        _worth_matrix's first column, in plain Python (a few operations per request; it reads and fades nothing)."""
+        prior = (self.all.accepted[0] + PRIOR_WEIGHT * PRIOR) / (self.all.tried[0] + PRIOR_WEIGHT)
+        best = 0.0
+        for request in requests:
+            own = self._own.get(request.rid)
+            if own is None:
+                rate = prior
+            else:
+                fade = RECOVERY ** max(len(request.output_ids) - self._seen_at[request.rid], 0)
+                rate = (own.accepted[0] * fade + PRIOR_WEIGHT * prior) / (own.tried[0] * fade + PRIOR_WEIGHT)
+            if expect_offers:
+                rate *= self.offer_rate(request)
+            best = max(best, rate)
+        return float(best)
 
     def _worth_matrix(self, requests: Sequence[Request]) -> np.ndarray:
         """[requests, steps]: worth() of each request, at once."""

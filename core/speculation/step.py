@@ -73,6 +73,9 @@ class SpeculativeDecoding:
         self.policy = policy if policy is not None else FixedPolicy(drafter.num_steps)
         self.counts = SpecCounts()
         self._choice = None  # ((rids, rooms), counts): drafts_in's choice, reused by draft() in the same step
+        # a drafter that keeps the base class's no-op observe (ngram: it reads DraftRequest.token_ids) is not
+        # told what each step kept: building that TargetStep costs a list per request per step for nothing
+        self.observes = type(drafter).observe is not Drafter.observe
         # verify steps as decode rows (ModelRunner.prepare): where the attention backend's paged decode reads
         # only fixed-size tensors (triton), so those batches replay the decode CUDA graphs; else as extends
         # (the torch backend's per-request SDPA over a prefix is the cheaper of its two paths)
@@ -99,6 +102,8 @@ class SpeculativeDecoding:
         in flight is read first. Drafts count with their chance of coming: a step that drafts nothing would have
         given up the overlap schedule for nothing."""
         decoding = [r for r in running if r.output_ids]
+        if not decoding or not self.policy.may_draft(len(decoding)):
+            return False
         rooms = [min(self.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in decoding]
         return any(self.policy.choose(decoding, rooms, expect_offers=True))
 
@@ -109,6 +114,8 @@ class SpeculativeDecoding:
 
     def _first_choice(self, requests: Sequence[Request]) -> list[int]:
         """The policy's choice before asking the drafter; drafts_in's is kept for the draft() of the same step."""
+        if not requests or not self.policy.may_draft(len(requests)):
+            return [0] * len(requests)  # the step stays plain whatever the records say: look at nothing
         rooms = [self.room(r) for r in requests]
         key = ([(r.rid, len(r.output_ids)) for r in requests], rooms)  # the same requests, at the same tokens
         if self._choice is not None and self._choice[0] == key:
@@ -132,7 +139,7 @@ class SpeculativeDecoding:
         if not asked:
             return drafts
         proposed = self.drafter.propose(
-            [DraftRequest(r.rid, r.all_ids, r.num_cached, tuple(r.pages)) for r in (requests[j] for j in asked)]
+            [DraftRequest(r.rid, r.token_view, r.num_cached, tuple(r.pages)) for r in (requests[j] for j in asked)]
         ).tokens
         made = [[] for _ in requests]
         for j, tokens in zip(asked, proposed):
@@ -192,7 +199,7 @@ class SpeculativeDecoding:
         finished, at = [], 0
         kept = [item.num_tokens for item in work]
         for i, request, tokens in zip(due, requests, results):
-            span = logits[at : at + len(drafts[i]) + 1]
+            span = logits[at : at + len(drafts[i]) + 1] if request.params.logprobs > 0 else None
             at += len(drafts[i]) + 1
             accepted = len(tokens) - 1
             if drafts[i]:
@@ -231,7 +238,7 @@ class SpeculativeDecoding:
 
     def _observe(self, work, drafts, starts, kept, hidden) -> None:
         """Tell the drafter which positions now hold target KV and what followed each (live requests only)."""
-        live = [i for i, item in enumerate(work) if not item.request.finished and kept[i]]
+        live = [i for i, item in enumerate(work) if not item.request.finished and kept[i]] if self.observes else []
         if not live:
             return
         first = [0]

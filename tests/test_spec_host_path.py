@@ -1,0 +1,85 @@
+"""The speculative step's host shortcuts change nothing: the policy's "nothing can pay" exit gives the exact
+choice, the drafter's token view equals all_ids, and ngram's incremental history equals a lookup over the list."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from moeplex.plugins.drafters.ngram import NgramDrafter, lookup
+from moeplex.interfaces import DraftRequest
+from moeplex.request import Request, TokenIds
+from moeplex.sampling import SamplingParams
+from moeplex.speculation.costs import StepCosts, grid_sizes
+from moeplex.speculation.policy import AdaptivePolicy
+
+STEPS = 3
+
+
+class Exact(AdaptivePolicy):
+    """The policy without its shortcut: every choice computed in full."""
+
+    def least_paying_worth(self, n: int) -> float:
+        return float("-inf")
+
+
+def costs(plain: float, per_row: float, fixed: float):
+    return StepCosts(grid_sizes(64), lambda n: [plain * n ** 0.3] + [plain * n ** 0.3 + fixed + per_row * n * (k - 1)
+                                                                     for k in range(1, STEPS + 2)])
+
+
+@pytest.mark.parametrize("fixed,per_row", [(0.05, 0.02), (0.3, 0.05), (0.7, 0.1), (0.1, 0.4)])
+def test_the_nothing_pays_exit_gives_the_exact_choice(fixed, per_row):
+    rng = random.Random(int(fixed * 100 + per_row * 1000))
+    model = costs(1.0, per_row, fixed)
+    fast, exact = AdaptivePolicy(STEPS, model), Exact(STEPS, model)
+    requests = [Request(str(i), [1, 2, 3], SamplingParams(max_new_tokens=500)) for i in range(32)]
+    skipped = drafted = 0
+    for step in range(300):
+        batch = rng.sample(requests, rng.choice([1, 2, 5, 8, 17, 32]))
+        rooms = [rng.randrange(STEPS + 1) for _ in batch]
+        offers = rng.random() < 0.5
+        choice = fast.choose(batch, rooms, expect_offers=offers)
+        assert choice == exact.choose(batch, rooms, expect_offers=offers), step
+        skipped += not any(choice)
+        drafted += any(choice)
+        for r, m in zip(batch, choice):  # the same records in both, from choices that are the same
+            r.output_ids.extend([5] * rng.randrange(1, 4))
+            accepted = rng.randrange(m + 1) if rng.random() < 0.3 else 0
+            given = rng.random() < 0.7
+            for policy in (fast, exact):
+                policy.offered(r, given)
+                if m:
+                    policy.record(r, m, accepted)
+    assert skipped and drafted  # both ways were taken
+
+
+def test_the_token_view_is_all_ids_without_the_copy():
+    r = Request("a", [1, 2, 3, 4], SamplingParams(max_new_tokens=10))
+    r.output_ids.extend([7, 8])
+    view = r.token_view
+    ids = r.all_ids
+    assert view == ids and list(view) == ids and len(view) == 6
+    for s in (slice(None), slice(-3, None), slice(2, 5), slice(-100, 2), slice(4, 4), slice(None, None, 2)):
+        assert view[s] == ids[s]
+    assert [view[i] for i in range(-6, 6)] == [ids[i] for i in range(-6, 6)]
+    assert view + [9] == ids + [9] and [0] + view == [0] + ids
+    with pytest.raises(IndexError):
+        view[6]
+    r.output_ids.append(9)  # a view made earlier shows the ids there were then
+    assert view == ids and len(view) == 6 and r.token_view == ids + [9]
+
+
+def test_ngram_history_grows_and_rebuilds_under_a_reused_rid():
+    rng = random.Random(0)
+    drafter = NgramDrafter(STEPS)
+    ids = [rng.randrange(20) for _ in range(300)]
+    for n in range(2, 300, 7):
+        got = drafter.propose([DraftRequest("r", TokenIds(ids[:n], []), n - 1)]).tokens[0]
+        assert got == lookup(np.asarray(ids[:n]), drafter.max_n, drafter.min_n, STEPS)
+    other = [rng.randrange(20) for _ in range(50)]  # another request under the same rid, without finished()
+    assert drafter.propose([DraftRequest("r", other, 49)]).tokens[0] == lookup(np.asarray(other), 4, 1, STEPS)
+    drafter.finished("r")
+    assert "r" not in drafter._history
