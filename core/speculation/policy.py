@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import attrs
 import numpy as np
 
 from ..request import Request
@@ -59,6 +60,26 @@ class Acceptance:
         return (self.accepted + weight * prior) / (self.tried + weight)
 
 
+@attrs.frozen
+class SizeCosts:
+    """What the choice needs of the cost table for steps of n requests: the plain step's tokens per second, the
+    verify step's cost for every total of drafts 1 .. n x steps, whether any draft could pay, and the worth a
+    draft must exceed for some count of drafts to pay."""
+
+    plain_rate: float
+    curve: np.ndarray
+    may_draft: bool
+    least_worth: float
+
+    @classmethod
+    def of(cls, costs: StepCosts, n: int, steps: int) -> SizeCosts:
+        d = np.arange(1, n * steps + 1)
+        curve = costs.verify_curve(n, n + d)
+        plain = n / costs.cost(n, n, verify=False)
+        return cls(plain, curve, bool(np.max((n + d) / curve) > plain * (1 + 1e-9)),
+                   float(np.min((plain * (1 + 1e-9) * curve - n) / d)) * (1 - 1e-6))
+
+
 class AdaptivePolicy:
     name = "adaptive"
 
@@ -70,8 +91,8 @@ class AdaptivePolicy:
         self._offers: dict[str, tuple[float, float, int]] = {}  # per request: decayed (asked, proposed something),
         # and its output length then
         self.offers = (0.0, 0.0)  # the same over all requests
-        self._may_draft: dict[int, bool] = {}
-        self._least_worth: dict[int, float] = {}
+        self._sizes: dict[int, SizeCosts] = {}  # per batch size: the cost table's numbers the choice reads
+        self._sizes_version = -1
 
     def prior(self) -> np.ndarray:
         return self.all.rates(np.full(self.steps, PRIOR))
@@ -102,10 +123,11 @@ class AdaptivePolicy:
         allowed = np.arange(steps)[None, :] < np.clip(np.asarray(rooms), 0, steps)[:, None]
         flat = np.where(allowed, worth, -1.0).ravel()
         order = np.argsort(-flat, kind="stable")[: int(allowed.sum())]  # equal worth: the earlier request first
-        plain = n / self.costs.cost(n, n, verify=False)
+        size = self._size(n)
+        plain = size.plain_rate
         if not len(order):
             return [0] * n
-        rates = (n + np.cumsum(flat[order])) / self.costs.verify_curve(n, n + np.arange(1, len(order) + 1))
+        rates = (n + np.cumsum(flat[order])) / size.curve[: len(order)]
         best = int(np.argmax(rates))
         if rates[best] <= plain * (1 + 1e-9):
             return [0] * n
@@ -114,23 +136,28 @@ class AdaptivePolicy:
     def may_draft(self, n: int) -> bool:
         """Whether any draft could pay in a step of n decoding requests: a draft adds at most one token, so where
         (n + d) / cost(n, n + d) never beats the plain step's n / cost for any d, nothing is worth looking at
-        (where a verify row costs what a decode row does: large batches). Cached per n."""
-        if n not in self._may_draft:
-            d = np.arange(1, n * self.steps + 1)
-            best = float(np.max((n + d) / self.costs.verify_curve(n, n + d)))
-            self._may_draft[n] = best > n / self.costs.cost(n, n, verify=False) * (1 + 1e-9)
-        return self._may_draft[n]
+        (where a verify row costs what a decode row does: large batches)."""
+        return self._size(n).may_draft
 
     def least_paying_worth(self, n: int) -> float:
         """The worth a draft must exceed for any count of drafts to pay in a step of n requests: every draft is
         worth at most the best first draft w, so the choice is none while (n + d w) / cost(n, n + d) <= n / plain
-        for every d, i.e. w <= min_d (plain_rate cost(n, n + d) - n) / d. Cached per n (the table is fixed once
-        measured; a size is measured by may_draft's first call)."""
-        if n not in self._least_worth:
-            d = np.arange(1, n * self.steps + 1)
-            plain = n / self.costs.cost(n, n, verify=False) * (1 + 1e-9)
-            self._least_worth[n] = float(np.min((plain * self.costs.verify_curve(n, n + d) - n) / d)) * (1 - 1e-6)
-        return self._least_worth[n]
+        for every d, i.e. w <= min_d (plain_rate cost(n, n + d) - n) / d."""
+        return self._size(n).least_worth
+
+    def _size(self, n: int) -> SizeCosts:
+        """The cost table's numbers for steps of n requests, computed once per n and again after a size is
+        measured (a new size can lower the smaller sizes' costs)."""
+        if self._sizes_version != self.costs.version:
+            self._sizes.clear()
+        size = self._sizes.get(n)
+        if size is None:
+            size = SizeCosts.of(self.costs, n, self.steps)  # may measure a size
+            if self._sizes_version != self.costs.version:
+                self._sizes.clear()
+                self._sizes_version = self.costs.version
+            self._sizes[n] = size
+        return size
 
     def _best_first_worth(self, requests: Sequence[Request], expect_offers: bool) -> float:
         """max over the requests of their first draft's worth (times its chance of coming): the rates of
