@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -161,16 +163,18 @@ def profile(folder: str, args, drafter: str) -> dict[int, list[dict[str, float]]
 
 def table(name: str, results: dict[str, dict[int, list[dict[str, float]]]], batches) -> list[str]:
     shown = [p for p in PHASES if any(run[p] > 5e-4 for res in results.values() for runs in res.values() for run in runs)]
-    lines = [f"| model | batch | drafter | step | host | host min-max | {' | '.join(shown)} |",
-             "|---|---:|---|---:|---:|---:|" + "---:|" * len(shown)]
+    lines = [f"| model | batch | drafter | step | host | host min-max | host vs none | {' | '.join(shown)} |",
+             "|---|---:|---|---:|---:|---:|---:|" + "---:|" * len(shown)]
     for batch in batches:
         for drafter, res in results.items():
             runs = res[batch]
             med = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
             host = [run["host"] for run in runs]
+            base = statistics.median(run["host"] for run in results["none"][batch]) if "none" in results else med["host"]
             label = drafter.removeprefix("test-").replace(spec_bench.FIXED, " (fixed)")
             lines.append(f"| {name} | {batch} | {label} | {med['step']:.3f} | {med['host']:.3f} | "
-                         f"{min(host):.3f}-{max(host):.3f} | " + " | ".join(f"{med[p]:.3f}" for p in shown) + " |")
+                         f"{min(host):.3f}-{max(host):.3f} | {med['host'] / base:.2f}x | "
+                         + " | ".join(f"{med[p]:.3f}" for p in shown) + " |")
             print(lines[-1], flush=True)
     return lines
 
@@ -187,7 +191,23 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="GPU: Qwen3-30B-A3B decoder layers (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads (default: %(default)s)")
     parser.add_argument("--out", help="also write the table to this file")
+    parser.add_argument("--json", help="also write every run's phases to this file (for --merge)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="print one table from the runs of several --json files (processes run in turns), no run")
     args = parser.parse_args()
+    if args.merge:
+        merged: dict = {}
+        for path in args.merge:
+            data = json.loads(Path(path).read_text())
+            name = data["name"]
+            for drafter, res in data["results"].items():
+                for batch, runs in res.items():
+                    merged.setdefault(drafter, {}).setdefault(int(batch), []).extend(runs)
+        batches = sorted(next(iter(merged.values())))
+        lines = [f"{len(args.merge)} processes merged; ms per decode step, median of every run", "",
+                 *table(name, merged, batches)]
+        emit("\n".join(lines), args.out)
+        return
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
         folder, name = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "tiny", seed=0), "tiny DeepSeek-V3, fp32"
@@ -207,6 +227,8 @@ def main() -> None:
              f"({spec_bench.STEADY_WAVES} prompts per slot); ms per decode step, median of {args.runs} runs", "",
              *table(name, results, args.batches)]
     emit("\n".join(lines), args.out)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"name": name, "results": results}))
 
 
 def reference_script(folder: str, args, reference: dict) -> list[list[int]]:
