@@ -261,11 +261,13 @@ class Engine:
             self.scheduler.lookahead = spec.lookahead if spec.policy.may_draft(max(len(self.scheduler.running), 1)) else 0
         work = self.scheduler.schedule()
         finished += self._drain_dropped()
-        # (a request resumed fully cached may be due while a step is still in flight: it decodes plainly this once)
-        if spec is not None and self.in_flight is None and (spec.drafts_in(work) or not spec.plain_steps_overlap):
-            return finished + self._speculative_step(work)
-        if spec is not None and any(is_decoding(item) for item in work):
-            spec.counts.step(())  # a decode step the policy left without drafts
+        if spec is not None:
+            decoding = [item.request for item in work if is_decoding(item)]
+            # (a request resumed fully cached may be due while a step is still in flight: it decodes plainly this once)
+            if self.in_flight is None and (spec.drafts_in(decoding) or not spec.plain_steps_overlap):
+                return finished + self._speculative_step(work)
+            if decoding:
+                spec.counts.step(())  # a decode step the policy left without drafts
         batch = self._agree(self.runner.prepare(work, self.in_flight))
         launched = self._launch(work, batch) if batch is not None else None
         finished += self._read_early

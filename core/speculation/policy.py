@@ -93,6 +93,7 @@ class AdaptivePolicy:
         self.offers = (0.0, 0.0)  # the same over all requests
         self._sizes: dict[int, SizeCosts] = {}  # per batch size: the cost table's numbers the choice reads
         self._sizes_version = -1
+        self._best_own: float | None = None  # max over the records of accepted / tried at the first draft
 
     def prior(self) -> np.ndarray:
         return self.all.rates(np.full(self.steps, PRIOR))
@@ -115,8 +116,8 @@ class AdaptivePolicy:
         n, steps = len(requests), self.steps
         if n == 0:
             return []
-        if not self.may_draft(n) or self._best_first_worth(requests, expect_offers) <= self.least_paying_worth(n):
-            return [0] * n  # nothing can pay: the exact choice below would give the same, at several times the cost
+        if not self.may_draft(n) or self._nothing_pays(requests, expect_offers, n):
+            return [0] * n  # the exact choice below would give the same, at several times the cost
         worth = self._worth_matrix(requests)
         if expect_offers:
             worth *= np.array([self.offer_rate(r) for r in requests])[:, None]
@@ -159,6 +160,17 @@ class AdaptivePolicy:
             self._sizes[n] = size
         return size
 
+    def _nothing_pays(self, requests: Sequence[Request], expect_offers: bool, n: int) -> bool:
+        """Whether no draft can pay, from bounds on the best first draft: first one that costs nothing per request
+        (every request's first-draft rate is a weighted mean of the prior and its own accepted / tried, which
+        fading leaves alone; the chance of an offer is at most 1), then each request's own rate."""
+        least = self.least_paying_worth(n)
+        if self._best_own is None:  # recomputed only after a record changed
+            self._best_own = max((own.accepted[0] / own.tried[0] for own in self._own.values() if own.tried[0] > 0),
+                                 default=0.0)
+        prior = (self.all.accepted[0] + PRIOR_WEIGHT * PRIOR) / (self.all.tried[0] + PRIOR_WEIGHT)
+        return max(prior, self._best_own) <= least or self._best_first_worth(requests, expect_offers) <= least
+
     def _best_first_worth(self, requests: Sequence[Request], expect_offers: bool) -> float:
         """max over the requests of their first draft's worth (times its chance of coming): the rates of
         _worth_matrix's first column, in plain Python (a few operations per request; it reads and fades nothing)."""
@@ -198,6 +210,7 @@ class AdaptivePolicy:
             self.all.fade(RECOVERY ** 8)  # each new request moves all requests' record a little back to PRIOR
             self.offers = (self.offers[0] * RECOVERY ** 8, self.offers[1] * RECOVERY ** 8)
         own.record(drafted, accepted)
+        self._best_own = None
         self.all.record(drafted, accepted, recency=0.98)
         self._seen_at[request.rid] = len(request.output_ids)
 
@@ -209,6 +222,7 @@ class AdaptivePolicy:
         self.offers = (self.offers[0] * 0.98 + 1.0, self.offers[1] * 0.98 + float(given))
 
     def finished(self, rid: str) -> None:
+        self._best_own = None
         self._offers.pop(rid, None)
         self._own.pop(rid, None)
         self._seen_at.pop(rid, None)

@@ -107,10 +107,10 @@ class SpeculativeDecoding:
         rooms = [min(self.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in decoding]
         return any(self.policy.choose(decoding, rooms, expect_offers=True))
 
-    def drafts_in(self, work: Sequence[ScheduledWork]) -> bool:
-        """Whether the step takes the speculative path (with no step in flight; asking a cheap drafter costs
-        nothing then)."""
-        return any(self._first_choice([item.request for item in work if is_decoding(item)]))
+    def drafts_in(self, decoding: Sequence[Request]) -> bool:
+        """Whether a step of these decoding requests (is_decoding) takes the speculative path (with no step in
+        flight; asking a cheap drafter costs nothing then)."""
+        return any(self._first_choice(decoding))
 
     def _first_choice(self, requests: Sequence[Request]) -> list[int]:
         """The policy's choice before asking the drafter; drafts_in's is kept for the draft() of the same step."""
