@@ -8,12 +8,16 @@ import random
 import numpy as np
 import pytest
 
-from moeplex.plugins.drafters.ngram import NgramDrafter, lookup
+from moeplex.config import EngineConfig
+from moeplex.engine import Engine
 from moeplex.interfaces import DraftRequest
+from moeplex.plugins.drafters.ngram import NgramDrafter, lookup
 from moeplex.request import Request, TokenIds
 from moeplex.sampling import SamplingParams
 from moeplex.speculation.costs import StepCosts, grid_sizes
 from moeplex.speculation.policy import AdaptivePolicy
+
+from test_speculative import GREEDY, conserved, plain, script_distribution, scripted, settings  # noqa: F401 (fixtures)
 
 STEPS = 3
 
@@ -83,3 +87,23 @@ def test_ngram_history_grows_and_rebuilds_under_a_reused_rid():
     assert drafter.propose([DraftRequest("r", other, 49)]).tokens[0] == lookup(np.asarray(other), 4, 1, STEPS)
     drafter.finished("r")
     assert "r" not in drafter._history
+
+
+def test_a_step_whose_drafter_had_nothing_takes_the_ordinary_path(tiny_model_dir, plain, script_distribution):
+    """The oracle with no script proposes nothing: the steps it was asked for run as plain steps on the engine's
+    ordinary path (no verify forward at all), and the output is unchanged."""
+    from test_speculative import PROMPTS
+
+    scripted([], [])
+    engine = Engine(EngineConfig(**settings(tiny_model_dir("mixtral"), speculative_algorithm="test-oracle",
+                                            speculative_num_steps=2)))
+    verified = []
+    real = engine.runner.verify_forward
+    engine.runner.verify_forward = lambda *a, **k: verified.append(1) or real(*a, **k)
+    asked = []
+    propose = engine.speculation.drafter.propose
+    engine.speculation.drafter.propose = lambda requests: asked.append(len(requests)) or propose(requests)
+    got = engine.generate(PROMPTS, GREEDY)
+    assert [r.output_ids for r in got] == plain["mixtral"]
+    assert asked and not verified and engine.speculation.counts.verify_steps == 0
+    assert engine.speculation.counts.plain_steps > 0 and conserved(engine)
