@@ -127,13 +127,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", metavar="FILE", help="also write the Markdown to FILE")
     for name, default in (("max_running_requests", 64), ("max_batched_tokens", 8192), ("chunked_prefill_size", 4096)):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help="engine flag (both servers)")
-    parser.add_argument("--max-total-tokens", type=int, default=None, help="engine flag (both servers)")
+    parser.add_argument("--max-total-tokens", type=int, default=None,
+                        help="engine flag (both servers); default: twice what --max-running-requests requests of the "
+                        "workload hold (set, so the second server on a GPU gets the KV the first did)")
     parser.add_argument("--kv-memory-fraction", type=float, default=None, help="engine flag (both servers)")
     for name in ("dtype", "device", "load_format", "moe_kernel", "attention_backend"):
         parser.add_argument(f"--{name.replace('_', '-')}", default=None, help="engine flag (both servers)")
     args = parser.parse_args()
     args.profile = None  # serving.launch_server's
     args.num_requests = args.num_requests or 4 * max(args.concurrency)
+    if args.max_total_tokens is None:
+        per_request = 1 + args.phrase * args.repeats + args.output_len + args.steps + 64  # + page and draft slack
+        args.max_total_tokens = 2 * args.max_running_requests * per_request
     return args
 
 

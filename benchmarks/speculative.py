@@ -5,6 +5,10 @@
                                                                                 shapes (4 layers + MTP), dummy weights
     .venv/bin/python benchmarks/speculative.py --interleave --steady --runs 5   CPU, engines in turns (fair on a
                                                                                 shared machine: see --interleave)
+    python benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady --runs 5
+                                                                                H200, engines in turns (they must fit
+                                                                                together: DeepSeek-V3's 4 layers + MTP
+                                                                                are ~45 GB an engine, so Qwen only)
 
 Drafters, every one greedy with ignore_eos (so every run does the same work and gives the same tokens):
 - none: plain decoding, the reference of the ratio column;

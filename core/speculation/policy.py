@@ -116,7 +116,7 @@ class AdaptivePolicy:
         n, steps = len(requests), self.steps
         if n == 0:
             return []
-        if not self.may_draft(n) or self._nothing_pays(requests, expect_offers, n):
+        if not self.may_draft(n) or not any(room > 0 for room in rooms) or self._nothing_pays(requests, expect_offers, n):
             return [0] * n  # the exact choice below would give the same, at several times the cost
         worth = self._worth_matrix(requests)
         if expect_offers:
