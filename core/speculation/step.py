@@ -145,7 +145,9 @@ class SpeculativeDecoding:
         for j, tokens in zip(asked, proposed):
             made[j] = self._in_vocabulary(requests[j], list(tokens))[: counts[j]]  # a bad id anywhere: none of it
             self.policy.offered(requests[j], bool(made[j]))
-        if cheap:
+        # choose again among what came, unless every request got all it was chosen for: the choice over exactly
+        # those drafts is the one already made (the same drafts in the same order of worth), so it is not recomputed
+        if cheap and any(len(m) < c for m, c in zip(made, counts)):
             counts = self.policy.choose(requests, [len(m) for m in made])
         for j, i in enumerate(decoding):
             drafts[i] = made[j][: counts[j]]
