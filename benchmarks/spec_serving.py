@@ -1,6 +1,6 @@
 """Served speculative decoding: `moeplex serve --speculative-algorithm ngram` against the same server without it.
 
-    .venv/bin/python benchmarks/spec_serving.py --concurrency 1 4 16 --num-requests 32 --output-len 32 --runs 3
+    .venv/bin/python benchmarks/spec_serving.py --num-requests 64 --output-len 64 --runs 5 --threads 1     CPU, tiny
     python benchmarks/spec_serving.py --device cuda --arch qwen3_moe --preset 30b-a3b --layers 12 --load-format dummy \
         --dtype bf16 --moe-kernel triton --runs 3                                                    # one H200
 
