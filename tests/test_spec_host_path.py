@@ -107,22 +107,3 @@ def test_a_step_whose_drafter_had_nothing_takes_the_ordinary_path(tiny_model_dir
     assert [r.output_ids for r in got] == plain["mixtral"]
     assert asked and not verified and engine.speculation.counts.verify_steps == 0
     assert engine.speculation.counts.plain_steps > 0 and conserved(engine)
-
-
-def test_choosing_again_among_all_that_was_chosen_gives_the_same_choice():
-    """draft() skips the second choice when a cheap drafter gave every request all its first choice asked for:
-    that is exact only if choosing with rooms = the first choice's counts returns those counts."""
-    rng = random.Random(1)
-    policy = AdaptivePolicy(STEPS, costs(1.0, 0.05, 0.3))
-    requests = [Request(str(i), [1, 2, 3], SamplingParams(max_new_tokens=500)) for i in range(32)]
-    checked = 0
-    for _ in range(300):
-        batch = rng.sample(requests, rng.choice([1, 2, 5, 8, 17, 32]))
-        first = policy.choose(batch, [rng.randrange(STEPS + 1) for _ in batch])
-        assert policy.choose(batch, first) == first
-        checked += any(first)
-        for r, m in zip(batch, first):
-            r.output_ids.extend([5] * rng.randrange(1, 4))
-            if m:
-                policy.record(r, m, rng.randrange(m + 1))
-    assert checked > 50

@@ -134,6 +134,14 @@ class AdaptivePolicy:
             return [0] * n
         return np.bincount(order[: best + 1] // steps, minlength=n).tolist()
 
+    def candidates(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[int]:
+        """Drafts to ask a cheap drafter for (choose() then picks among what it proposes): each request's room,
+        or none where no draft can pay for these requests whatever comes."""
+        n = len(requests)
+        if not self.may_draft(n) or not any(room > 0 for room in rooms) or self._nothing_pays(requests, False, n):
+            return [0] * n
+        return [max(min(room, self.steps), 0) for room in rooms]
+
     def may_draft(self, n: int) -> bool:
         """Whether any draft could pay in a step of n decoding requests: a draft adds at most one token, so where
         (n + d) / cost(n, n + d) never beats the plain step's n / cost for any d, nothing is worth looking at
@@ -248,6 +256,9 @@ class FixedPolicy:
 
     def may_draft(self, n: int) -> bool:
         return True
+
+    def candidates(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[int]:
+        return self.choose(requests, rooms)
 
     def choose(self, requests: Sequence[Request], rooms: Sequence[int], expect_offers: bool = False) -> list[int]:
         return [min(self.steps, max(room, 0)) if self.due(r) else 0 for r, room in zip(requests, rooms)]

@@ -120,7 +120,10 @@ class SpeculativeDecoding:
         key = ([(r.rid, len(r.output_ids)) for r in requests], rooms)  # the same requests, at the same tokens
         if self._choice is not None and self._choice[0] == key:
             return self._choice[1]
-        counts = self.policy.choose(requests, rooms, expect_offers=not self.drafter.caps.cheap_proposals)
+        if self.drafter.caps.cheap_proposals:  # who is asked: every request with room, where some draft could pay
+            counts = self.policy.candidates(requests, rooms)
+        else:
+            counts = self.policy.choose(requests, rooms, expect_offers=True)
         self._choice = (key, counts)
         return counts
 
@@ -128,7 +131,9 @@ class SpeculativeDecoding:
         """Per scheduled item, the drafts it verifies this step (none for prompt chunks and undrafted requests).
 
         A drafter whose proposals are cheap is asked for every request the policy might draft for, and the
-        policy then chooses among what it proposed; any other is asked only for the drafts the policy chose."""
+        policy then chooses once among what it proposed (choosing first, as if every proposal came in full,
+        asked it for drafts that a shorter proposal then did not pay for: two choices and the asking, every step,
+        for nothing); any other is asked only for the drafts the policy chose."""
         decoding = [i for i, item in enumerate(work) if is_decoding(item)]
         requests = [work[i].request for i in decoding]
         cheap = self.drafter.caps.cheap_proposals
@@ -145,9 +150,7 @@ class SpeculativeDecoding:
         for j, tokens in zip(asked, proposed):
             made[j] = self._in_vocabulary(requests[j], list(tokens))[: counts[j]]  # a bad id anywhere: none of it
             self.policy.offered(requests[j], bool(made[j]))
-        # choose again among what came, unless every request got all it was chosen for: the choice over exactly
-        # those drafts is the one already made (the same drafts in the same order of worth), so it is not recomputed
-        if cheap and any(len(m) < c for m, c in zip(made, counts)):
+        if cheap:
             counts = self.policy.choose(requests, [len(m) for m in made])
         for j, i in enumerate(decoding):
             drafts[i] = made[j][: counts[j]]
