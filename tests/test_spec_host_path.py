@@ -107,3 +107,21 @@ def test_a_step_whose_drafter_had_nothing_takes_the_ordinary_path(tiny_model_dir
     assert [r.output_ids for r in got] == plain["mixtral"]
     assert asked and not verified and engine.speculation.counts.verify_steps == 0
     assert engine.speculation.counts.plain_steps > 0 and conserved(engine)
+
+
+def test_a_cheap_drafter_whose_proposals_keep_being_declined_is_asked_less_often():
+    """Proposals the policy declines (too short to pay here) at step after step: the drafter is then left unasked
+    for 2, 4, ... steps of the same batch size, and asked again at once when the size changes."""
+    from moeplex.speculation.step import MAX_UNASKED, SpeculativeDecoding
+
+    spec = SpeculativeDecoding(NgramDrafter(STEPS), kv=None, vocab_size=512, policy=AdaptivePolicy(STEPS, costs(1, 0.1, 0.3)))
+    asked = []
+    for step in range(200):
+        if not spec._left_unasked(8):
+            asked.append(step)
+            spec._record_asked(proposed=True, kept=False, n=8)
+    gaps = [b - a for a, b in zip(asked, asked[1:])]
+    assert gaps[:5] == [1, 3, 5, 9, 17] and max(gaps) == MAX_UNASKED + 1
+    assert not spec._left_unasked(1)  # another batch size: asked
+    spec._record_asked(proposed=True, kept=True, n=8)  # a kept draft ends the pause's growth
+    assert spec._declined == 0

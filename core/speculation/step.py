@@ -38,6 +38,8 @@ from .verify import verify
 
 log = logging.getLogger(__name__)
 
+MAX_UNASKED = 16  # steps: the longest a cheap drafter goes unasked after the policy kept declining its proposals
+
 @attrs.define
 class SpecCounts:
     """Since start-up, the policy's decisions (/metrics): decode steps with and without drafts, the drafts
@@ -76,6 +78,11 @@ class SpeculativeDecoding:
         # a drafter that keeps the base class's no-op observe (ngram: it reads DraftRequest.token_ids) is not
         # told what each step kept: building that TargetStep costs a list per request per step for nothing
         self.observes = type(drafter).observe is not Drafter.observe
+        # a cheap drafter asked at every step whose proposals the policy declines (too short to pay for a verify
+        # step at this batch size) costs the asking for nothing: after steps declined in a row it is left unasked
+        # for 2, 4, ... MAX_UNASKED steps while the batch keeps its size (a count of steps: every rank alike)
+        self._declined = 0
+        self._unasked = (0, 0)  # (steps left unasked, the number of decoding requests then)
         # verify steps as decode rows (ModelRunner.prepare): where the attention backend's paged decode reads
         # only fixed-size tensors (triton), so those batches replay the decode CUDA graphs; else as extends
         # (the torch backend's per-request SDPA over a prefix is the cheaper of its two paths)
@@ -102,7 +109,7 @@ class SpeculativeDecoding:
         in flight is read first. Drafts count with their chance of coming: a step that drafts nothing would have
         given up the overlap schedule for nothing."""
         decoding = [r for r in running if r.output_ids]
-        if not decoding or not self.policy.may_draft(len(decoding)):
+        if not decoding or not self.policy.may_draft(len(decoding)) or self._left_unasked(len(decoding)):
             return False
         rooms = [min(self.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in decoding]
         return any(self.policy.choose(decoding, rooms, expect_offers=True))
@@ -121,7 +128,7 @@ class SpeculativeDecoding:
         if self._choice is not None and self._choice[0] == key:
             return self._choice[1]
         if self.drafter.caps.cheap_proposals:  # who is asked: every request with room, where some draft could pay
-            counts = self.policy.candidates(requests, rooms)
+            counts = [0] * len(requests) if self._left_unasked(len(requests)) else self.policy.candidates(requests, rooms)
         else:
             counts = self.policy.choose(requests, rooms, expect_offers=True)
         self._choice = (key, counts)
@@ -152,9 +159,27 @@ class SpeculativeDecoding:
             self.policy.offered(requests[j], bool(made[j]))
         if cheap:
             counts = self.policy.choose(requests, [len(m) for m in made])
+            self._record_asked(any(made), any(counts), len(requests))
         for j, i in enumerate(decoding):
             drafts[i] = made[j][: counts[j]]
         return drafts
+
+    def _left_unasked(self, n: int) -> bool:
+        """Whether a cheap drafter stays unasked this step (one call per step that may draft)."""
+        left, size = self._unasked
+        if not left or size != n:
+            return False
+        self._unasked = (left - 1, size)
+        return True
+
+    def _record_asked(self, proposed: bool, kept: bool, n: int) -> None:
+        """After asking a cheap drafter: whether it proposed anything, and whether the policy kept any of it."""
+        if kept:
+            self._declined = 0
+        elif proposed:
+            self._declined += 1
+            if self._declined >= 2:
+                self._unasked = (min(2 ** (self._declined - 1), MAX_UNASKED), n)
 
     def _in_vocabulary(self, request: Request, tokens: list[int]) -> list[int]:
         """The drafts, or none when one is not a token id of the target: a faulty drafter's proposal is not
