@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/spec_serving.py --num-requests 64 --output-len 64 --runs 5 --threads 1     CPU, tiny
     python benchmarks/spec_serving.py --device cuda --arch qwen3_moe --preset 30b-a3b --layers 12 --load-format dummy \
-        --dtype bf16 --moe-kernel triton --runs 3                                                    # one H200
+        --dtype bf16 --moe-kernel triton --num-requests 128 --runs 3                                 # one H200
 
 Both servers are launched once (same engine flags, one with --speculative-algorithm ngram and the adaptive policy,
 the default) and warmed up alike; then each of --runs runs sends the workload at every concurrency level to both,
