@@ -93,14 +93,15 @@ def engine_settings(args) -> dict:
     return {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
 
 
-def launch_server(args) -> tuple[subprocess.Popen, str]:
+def launch_server(args, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """`moeplex serve` with the engine flags of `args` (and `extra` flags) on a free loopback port; (process, url)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in engine_settings(args).items()]
     main = [os.path.join(HERE, "profiled_serve.py"), args.profile] if args.profile else \
         ["-c", "import sys; from moeplex.cli import main; sys.exit(main())"]
-    command = [sys.executable, *main, "serve", "--model", args.model, "--port", str(port), "--log-level", "warning", *flags]
+    command = [sys.executable, *main, "serve", "--model", args.model, "--port", str(port), "--log-level", "warning", *flags, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else None
     server = subprocess.Popen(command, env=env)
     url = f"http://127.0.0.1:{port}"

@@ -3,6 +3,12 @@
     .venv/bin/python benchmarks/speculative.py --runs 3                         CPU, tiny DeepSeek-V3 (+ 1 MTP layer)
     python benchmarks/speculative.py --device cuda --runs 3                     H200: Qwen3-30B-A3B and DeepSeek-V3
                                                                                 shapes (4 layers + MTP), dummy weights
+    .venv/bin/python benchmarks/speculative.py --interleave --steady --runs 5   CPU, engines in turns (fair on a
+                                                                                shared machine: see --interleave)
+    python benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady --runs 5
+                                                                                H200, engines in turns (they must fit
+                                                                                together: DeepSeek-V3's 4 layers + MTP
+                                                                                are ~45 GB an engine, so Qwen only)
 
 Drafters, every one greedy with ignore_eos (so every run does the same work and gives the same tokens):
 - none: plain decoding, the reference of the ratio column;
@@ -143,52 +149,83 @@ def steady_rate(engine: Engine, prompts, params, batch: int, device: str) -> tup
     return counted / (stop - start), requests
 
 
-def rows_for(name: str, folder: str, drafters: list[str], args) -> list[str]:
-    """One engine at a time (on a GPU several real-shaped engines would not fit together), `none` first: its
-    outputs are what the oracle proposes and what every drafter must reproduce."""
+def measure(engine: Engine, drafter: str, batch: int, prompts, args, reference: dict) -> tuple[float, float | None]:
+    """One timed run of `engine` on a batch: (decode tokens/s, accept length or None). `none`'s first outputs per
+    batch become the reference that the oracle proposes and that every drafter must reproduce (on CPU)."""
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    if drafter.startswith(("test-oracle", "test-adversary")):
+        script_drafters.SCRIPT[:] = [p + out for p, out in zip(prompts, reference[batch])]
+    with forced_acceptance(drafter == "test-oracle" and args.device != "cpu"):
+        if args.steady:
+            rate, done = steady_rate(engine, prompts, params, batch, args.device)
+        else:
+            rate, done = decode_rate(engine, prompts, params, args.device)
+    outputs = [r.output_ids for r in done]
+    if drafter == "none":
+        reference.setdefault(batch, outputs)
+    elif outputs != reference[batch] and args.device == "cpu":  # bf16 GPU runs differ in near-ties
+        raise AssertionError(f"{drafter} changed the output at batch {batch}")
+    steps = sum(r.spec_verify_steps for r in done)
+    return rate, (sum(r.spec_accepted_tokens for r in done) + steps) / steps if steps else None
+
+
+def warmed_engine(folder: str, args, drafter: str) -> Engine:
+    engine = engine_for(folder, args, drafter)
+    # warm-up: allocator, Triton compiles, graphs
+    decode_rate(engine, workload(2, 99), SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), args.device)
+    return engine
+
+
+def rows_for(name: str, folder: str, drafters: list[str], args) -> list[str]:
+    """One engine at a time (on a GPU several real-shaped engines would not fit together), `none` first, each
+    drafter's --runs runs back to back; or, with --interleave, every engine built and warmed once, then rounds in
+    which every engine runs each batch once, the order rotated per round."""
     waves = STEADY_WAVES if args.steady else 1
     workloads = {batch: workload(batch * waves, seed=batch) for batch in args.batches}
     rates: dict[tuple[str, int], list[float]] = {}
     accept: dict[tuple[str, int], float | None] = {}
     reference: dict[int, list] = {}
-    for drafter in drafters:
-        engine = engine_for(folder, args, drafter)
-        # warm-up: allocator, Triton compiles, graphs
-        decode_rate(engine, workload(2, 99), SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
-                    args.device)
+    if args.interleave:
+        engines = {drafter: warmed_engine(folder, args, drafter) for drafter in drafters}
         for batch, prompts in workloads.items():
-            if drafter.startswith(("test-oracle", "test-adversary")):
-                script_drafters.SCRIPT[:] = [p + out for p, out in zip(prompts, reference[batch])]
-            forced = drafter == "test-oracle" and args.device != "cpu"
+            measure(engines["none"], "none", batch, prompts, args, reference)  # the reference; warms the batch
+            for round in range(args.runs):
+                order = drafters[round % len(drafters):] + drafters[: round % len(drafters)]
+                for drafter in order:
+                    rate, accept[drafter, batch] = measure(engines[drafter], drafter, batch, prompts, args, reference)
+                    rates.setdefault((drafter, batch), []).append(rate)
+        del engines
+    for drafter in drafters if not args.interleave else ():
+        engine = warmed_engine(folder, args, drafter)
+        for batch, prompts in workloads.items():
             for _ in range(args.runs):
-                with forced_acceptance(forced):
-                    if args.steady:
-                        rate, done = steady_rate(engine, prompts, params, batch, args.device)
-                    else:
-                        rate, done = decode_rate(engine, prompts, params, args.device)
-                outputs = [r.output_ids for r in done]
-                if drafter == "none":
-                    reference.setdefault(batch, outputs)
-                elif outputs != reference[batch] and args.device == "cpu":  # bf16 GPU runs differ in near-ties
-                    raise AssertionError(f"{drafter} changed the output at batch {batch}")
+                rate, accept[drafter, batch] = measure(engine, drafter, batch, prompts, args, reference)
                 rates.setdefault((drafter, batch), []).append(rate)
-                steps = sum(r.spec_verify_steps for r in done)
-                accept[drafter, batch] = (sum(r.spec_accepted_tokens for r in done) + steps) / steps if steps else None
         del engine
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+    return table_rows(name, drafters, args, rates, accept)
+
+
+def table_rows(name: str, drafters: list[str], args, rates: dict, accept: dict) -> list[str]:
+    """Interleaved, the ratio is the median of the rounds' own ratios (each round's engines ran minutes apart at
+    most), with their min-max."""
     lines = []
     for batch in args.batches:
-        base = statistics.median(rates["none", batch])
+        base = rates["none", batch]
         for drafter in drafters:
             r = rates[drafter, batch]
             med = statistics.median(r)
             length = f"{accept[drafter, batch]:.2f}" if accept[drafter, batch] is not None else "-"
             sglang = SGLANG.get(batch, "") if drafter in ("test-oracle", "ngram", "nextn") else ""
             label = drafter.removeprefix("test-").replace(NO_BACKOFF, " (no backoff)").replace(FIXED, " (fixed)")
-            lines.append(f"| {name} | {batch} | {label} | {med:.1f} | {min(r):.1f}-{max(r):.1f} | {med / base:.2f}x "
+            if args.interleave:
+                ratios = [a / b for a, b in zip(r, base)]
+                ratio = f"{statistics.median(ratios):.2f}x | {min(ratios):.2f}-{max(ratios):.2f}"
+            else:
+                ratio = f"{med / statistics.median(base):.2f}x"
+            lines.append(f"| {name} | {batch} | {label} | {med:.1f} | {min(r):.1f}-{max(r):.1f} | {ratio} "
                          f"| {length} | {sglang} |")
             print(lines[-1], flush=True)
     return lines
@@ -224,6 +261,10 @@ def main() -> None:
                         "drafts land least sets the step count")
     parser.add_argument("--mtp-acceptance", type=float, default=0.8,
                         help="per-position acceptance of the synthetic MTP checkpoint's drafts (default: %(default)s)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="build and warm every engine once, then --runs rounds in which every engine runs each "
+                        "batch once, the order rotated per round; the ratio is the median of the rounds' ratios (a "
+                        "shared machine's load drifts over minutes; the engines must fit in memory together)")
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
     if args.device == "cpu":
@@ -235,9 +276,14 @@ def main() -> None:
     plain = ["none"] + [d for d in chosen if d != "none" and drafter_name(d) != "nextn"]
     with_mtp = plain + [d for d in chosen if drafter_name(d) == "nextn"]
     mode = f"steady batches ({STEADY_WAVES} prompts per slot)" if args.steady else "each batch run to completion"
+    if args.interleave:
+        mode += f"; interleaved: {args.runs} rounds, every engine once per round (order rotated)"
+        ratio_head, ratio_rule = "vs none (median of rounds) | rounds' min-max", "---:|---:"
+    else:
+        ratio_head, ratio_rule = "vs none", "---:"
     lines = [f"steps {args.steps}, {args.output_len} tokens per request, prompts of {PHRASE} tokens x {REPEATS}; {mode}", "",
-             "| model | batch | drafter | decode tok/s (median) | min-max | vs none | accept length | SGLang H200 (reported) |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
+             f"| model | batch | drafter | decode tok/s (median) | min-max | {ratio_head} | accept length | SGLang H200 (reported) |",
+             f"|---|---:|---|---:|---:|{ratio_rule}|---:|---:|"]
     if args.device == "cpu":
         folder = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "tiny", seed=0, mtp=1)
         lines += rows_for("tiny DeepSeek-V3 + MTP, fp32", folder, with_mtp, args)

@@ -264,11 +264,17 @@ class Engine:
             self.scheduler.lookahead = spec.lookahead if spec.policy.may_draft(max(len(self.scheduler.running), 1)) else 0
         work = self.scheduler.schedule()
         finished += self._drain_dropped()
-        # (a request resumed fully cached may be due while a step is still in flight: it decodes plainly this once)
-        if spec is not None and self.in_flight is None and (spec.drafts_in(work) or not spec.plain_steps_overlap):
-            return finished + self._speculative_step(work)
-        if spec is not None and any(is_decoding(item) for item in work):
-            spec.counts.step(())  # a decode step the policy left without drafts
+        if spec is not None:
+            decoding = [item.request for item in work if is_decoding(item)]
+            # (a request resumed fully cached may be due while a step is still in flight: it decodes plainly this once)
+            if self.in_flight is None and (spec.drafts_in(decoding) or not spec.plain_steps_overlap):
+                drafts = spec.draft(work)
+                # a drafter asked first (cheap proposals) may have had nothing the policy keeps: then the step is a
+                # plain one and takes the ordinary path, where the drafter allows (the verify path costs more)
+                if any(drafts) or not spec.plain_steps_overlap:
+                    return finished + self._speculative_step(work, drafts)
+            if decoding:
+                spec.counts.step(())  # a decode step the policy left without drafts
         batch = self._agree(self.runner.prepare(work, self.in_flight))
         launched = self._launch(work, batch) if batch is not None else None
         finished += self._read_early
@@ -277,8 +283,7 @@ class Engine:
             launched, self.in_flight = self.in_flight, launched
         return finished + self._complete(launched)
 
-    def _speculative_step(self, work) -> list[Request]:
-        drafts = self.speculation.draft(work)
+    def _speculative_step(self, work, drafts: list[list[int]]) -> list[Request]:
         batch = self.runner.prepare(work, drafts=drafts, decode_rows=self.speculation.decode_rows)
         if any(drafts):  # micro-batches would cut between a request's verify rows, which read each other's KV
             batch = attrs.evolve(batch, overlap_split=False)

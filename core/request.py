@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import abc
 from typing import Any, Sequence
 
 import attrs
@@ -34,6 +35,56 @@ def accept_rate(spec_counts: tuple[int, int, int]) -> float | None:
     """Share of the drafted tokens the target accepted."""
     _, drafted, accepted = spec_counts
     return accepted / drafted if drafted else None
+
+
+class TokenIds(abc.Sequence):
+    """A request's prompt + output ids as one read-only sequence, without concatenating them: what a drafter
+    sees each step (DraftRequest.token_ids). Indexing and slicing read the two lists in place (a slice of the
+    last few thousand tokens copies those only); it compares equal to the list of the same ids, and `+` gives
+    a list, as all_ids did. It shows the ids there were when it was made (the lists only ever grow at the end),
+    so a drafter that keeps it sees no later token."""
+
+    __slots__ = ("prompt", "output", "_len")
+
+    def __init__(self, prompt: list[int], output: list[int]):
+        self.prompt, self.output = prompt, output
+        self._len = len(prompt) + len(output)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index):
+        n, p = len(self), len(self.prompt)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(n)
+            if step != 1:
+                return list(self)[index]
+            return self.prompt[start:min(stop, p)] + self.output[max(start - p, 0):max(stop - p, 0)]
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("token index out of range")
+        return self.prompt[index] if index < p else self.output[index - p]
+
+    def __iter__(self):
+        yield from self.prompt
+        yield from self.output[: self._len - len(self.prompt)]
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, TokenIds):
+            other = list(other)
+        return isinstance(other, (list, tuple)) and len(other) == len(self) and list(self) == list(other)
+
+    def __add__(self, other) -> list[int]:
+        return list(self) + list(other)
+
+    def __radd__(self, other) -> list[int]:
+        return list(other) + list(self)
+
+    def __repr__(self) -> str:
+        return f"TokenIds({list(self)!r})"
+
+    __hash__ = None
 
 
 class FinishReason(str, enum.Enum):
@@ -103,6 +154,11 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def token_view(self) -> TokenIds:
+        """all_ids without the copy."""
+        return TokenIds(self.prompt_ids, self.output_ids)
 
     def token_ids(self, start: int, count: int) -> list[int]:
         """all_ids[start:start+count] without concatenating the whole sequence (decode asks for one);

@@ -111,3 +111,32 @@ def test_structured_outputs_benchmark(tmp_path):
     rows = table_rows(out, "1") + table_rows(out, "2")
     assert len(rows) == 2 and all(row[-2].endswith("%") for row in rows), out
     assert table_rows(out, "cold") and table_rows(out, "cached"), out
+
+
+def test_spec_host_profile_splits_a_step_by_phase(tmp_path):
+    out = run("spec_host_profile.py", tmp_path / "host.md", "--runs", "1", "--batches", "2", "--output-len", "6",
+              "--drafters", "none", "ngram/fixed", "--json", str(tmp_path / "host.json"))
+    rows = table_rows(out, "tiny DeepSeek-V3, fp32")
+    assert [row[2] for row in rows] == ["none", "ngram (fixed)"], out
+    assert all(float(row[3]) > float(row[4]) > 0 for row in rows), out  # step > host > 0
+    merged = run("spec_host_profile.py", tmp_path / "merged.md", "--merge", str(tmp_path / "host.json"))
+    assert len(table_rows(merged, "tiny DeepSeek-V3, fp32")) == 2, merged
+
+
+def test_speculative_interleaved_rounds(tmp_path):
+    """Every engine once per round; the ratio is the rounds' median (the script also checks that no token changed)."""
+    out = run("speculative.py", tmp_path / "spec.md", "--interleave", "--runs", "2", "--batches", "2", "--output-len", "6",
+              "--drafters", "ngram", "test-adversary")
+    rows = table_rows(out, "tiny DeepSeek-V3 + MTP, fp32")
+    assert [row[2] for row in rows] == ["none", "ngram", "adversary"], out
+    assert rows[0][5] == "1.00x" and all(row[5].endswith("x") and "-" in row[6] for row in rows), out
+
+
+def test_spec_serving_against_the_same_server_without_speculation(tmp_path):
+    """Both servers serve every request its tokens (or the script fails); the summary has the ratio per level."""
+    out = run("spec_serving.py", tmp_path / "serve.md", "--concurrency", "2", "--num-requests", "4", "--output-len", "8",
+              "--runs", "1", "--threads", "1", "--max-total-tokens", "4096", "--max-running-requests", "4", timeout=300)
+    rows = table_rows(out, "1")
+    assert sorted(row[2] for row in rows) == ["ngram", "none"] and all(row[3] == "4/4" for row in rows), out
+    summary = table_rows(out, "2")
+    assert len(summary) == 1 and float(summary[0][3].split()[0]) > 0, out

@@ -68,6 +68,7 @@ class StepCosts:
         self.sizes = list(sizes)
         self.measure_size = measure_size
         self.measured: dict[int, list[float]] = {}
+        self.version = 0  # moves whenever a size is measured (what was derived from the table may be stale)
 
     def cost(self, n: int, rows: int, verify: bool) -> float:
         j = bisect.bisect_left(self.sizes, n)
@@ -91,6 +92,7 @@ class StepCosts:
     def at(self, size: int) -> list[float]:
         if size not in self.measured:
             costs = self.measured[size] = list(self.measure_size(size))
+            self.version += 1
             for smaller in (n for n in self.measured if n < size):  # fewer requests never cost more
                 self.measured[smaller] = [min(a, b) for a, b in zip(self.measured[smaller], costs)]
         return self.measured[size]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import attrs
 import numpy as np
 
 from ..request import Request
@@ -59,6 +60,26 @@ class Acceptance:
         return (self.accepted + weight * prior) / (self.tried + weight)
 
 
+@attrs.frozen
+class SizeCosts:
+    """What the choice needs of the cost table for steps of n requests: the plain step's tokens per second, the
+    verify step's cost for every total of drafts 1 .. n x steps, whether any draft could pay, and the worth a
+    draft must exceed for some count of drafts to pay."""
+
+    plain_rate: float
+    curve: np.ndarray
+    may_draft: bool
+    least_worth: float
+
+    @classmethod
+    def of(cls, costs: StepCosts, n: int, steps: int) -> SizeCosts:
+        d = np.arange(1, n * steps + 1)
+        curve = costs.verify_curve(n, n + d)
+        plain = n / costs.cost(n, n, verify=False)
+        return cls(plain, curve, bool(np.max((n + d) / curve) > plain * (1 + 1e-9)),
+                   float(np.min((plain * (1 + 1e-9) * curve - n) / d)) * (1 - 1e-6))
+
+
 class AdaptivePolicy:
     name = "adaptive"
 
@@ -70,7 +91,9 @@ class AdaptivePolicy:
         self._offers: dict[str, tuple[float, float, int]] = {}  # per request: decayed (asked, proposed something),
         # and its output length then
         self.offers = (0.0, 0.0)  # the same over all requests
-        self._may_draft: dict[int, bool] = {}
+        self._sizes: dict[int, SizeCosts] = {}  # per batch size: the cost table's numbers the choice reads
+        self._sizes_version = -1
+        self._best_own: float | None = None  # max over the records of accepted / tried at the first draft
 
     def prior(self) -> np.ndarray:
         return self.all.rates(np.full(self.steps, PRIOR))
@@ -93,32 +116,85 @@ class AdaptivePolicy:
         n, steps = len(requests), self.steps
         if n == 0:
             return []
-        if not self.may_draft(n):
-            return [0] * n
+        if not self.may_draft(n) or not any(room > 0 for room in rooms) or self._nothing_pays(requests, expect_offers, n):
+            return [0] * n  # the exact choice below would give the same, at several times the cost
         worth = self._worth_matrix(requests)
         if expect_offers:
             worth *= np.array([self.offer_rate(r) for r in requests])[:, None]
         allowed = np.arange(steps)[None, :] < np.clip(np.asarray(rooms), 0, steps)[:, None]
         flat = np.where(allowed, worth, -1.0).ravel()
         order = np.argsort(-flat, kind="stable")[: int(allowed.sum())]  # equal worth: the earlier request first
-        plain = n / self.costs.cost(n, n, verify=False)
+        size = self._size(n)
+        plain = size.plain_rate
         if not len(order):
             return [0] * n
-        rates = (n + np.cumsum(flat[order])) / self.costs.verify_curve(n, n + np.arange(1, len(order) + 1))
+        rates = (n + np.cumsum(flat[order])) / size.curve[: len(order)]
         best = int(np.argmax(rates))
         if rates[best] <= plain * (1 + 1e-9):
             return [0] * n
         return np.bincount(order[: best + 1] // steps, minlength=n).tolist()
 
+    def candidates(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[int]:
+        """Drafts to ask a cheap drafter for (choose() then picks among what it proposes): each request's room,
+        or none where no draft can pay for these requests whatever comes."""
+        n = len(requests)
+        if not self.may_draft(n) or not any(room > 0 for room in rooms) or self._nothing_pays(requests, False, n):
+            return [0] * n
+        return [max(min(room, self.steps), 0) for room in rooms]
+
     def may_draft(self, n: int) -> bool:
         """Whether any draft could pay in a step of n decoding requests: a draft adds at most one token, so where
         (n + d) / cost(n, n + d) never beats the plain step's n / cost for any d, nothing is worth looking at
-        (where a verify row costs what a decode row does: large batches). Cached per n."""
-        if n not in self._may_draft:
-            d = np.arange(1, n * self.steps + 1)
-            best = float(np.max((n + d) / self.costs.verify_curve(n, n + d)))
-            self._may_draft[n] = best > n / self.costs.cost(n, n, verify=False) * (1 + 1e-9)
-        return self._may_draft[n]
+        (where a verify row costs what a decode row does: large batches)."""
+        return self._size(n).may_draft
+
+    def least_paying_worth(self, n: int) -> float:
+        """The worth a draft must exceed for any count of drafts to pay in a step of n requests: every draft is
+        worth at most the best first draft w, so the choice is none while (n + d w) / cost(n, n + d) <= n / plain
+        for every d, i.e. w <= min_d (plain_rate cost(n, n + d) - n) / d."""
+        return self._size(n).least_worth
+
+    def _size(self, n: int) -> SizeCosts:
+        """The cost table's numbers for steps of n requests, computed once per n and again after a size is
+        measured (a new size can lower the smaller sizes' costs)."""
+        if self._sizes_version != self.costs.version:
+            self._sizes.clear()
+        size = self._sizes.get(n)
+        if size is None:
+            size = SizeCosts.of(self.costs, n, self.steps)  # may measure a size
+            if self._sizes_version != self.costs.version:
+                self._sizes.clear()
+                self._sizes_version = self.costs.version
+            self._sizes[n] = size
+        return size
+
+    def _nothing_pays(self, requests: Sequence[Request], expect_offers: bool, n: int) -> bool:
+        """Whether no draft can pay, from bounds on the best first draft: first one that costs nothing per request
+        (every request's first-draft rate is a weighted mean of the prior and its own accepted / tried, which
+        fading leaves alone; the chance of an offer is at most 1), then each request's own rate."""
+        least = self.least_paying_worth(n)
+        if self._best_own is None:  # recomputed only after a record changed
+            self._best_own = max((own.accepted[0] / own.tried[0] for own in self._own.values() if own.tried[0] > 0),
+                                 default=0.0)
+        prior = (self.all.accepted[0] + PRIOR_WEIGHT * PRIOR) / (self.all.tried[0] + PRIOR_WEIGHT)
+        return max(prior, self._best_own) <= least or self._best_first_worth(requests, expect_offers) <= least
+
+    def _best_first_worth(self, requests: Sequence[Request], expect_offers: bool) -> float:
+        """max over the requests of their first draft's worth (times its chance of coming): the rates of
+        _worth_matrix's first column, in plain Python (a few operations per request; it reads and fades nothing)."""
+        prior = (self.all.accepted[0] + PRIOR_WEIGHT * PRIOR) / (self.all.tried[0] + PRIOR_WEIGHT)
+        best = 0.0
+        for request in requests:
+            own = self._own.get(request.rid)
+            if own is None:
+                rate = prior
+            else:
+                fade = RECOVERY ** max(len(request.output_ids) - self._seen_at[request.rid], 0)
+                rate = (own.accepted[0] * fade + PRIOR_WEIGHT * prior) / (own.tried[0] * fade + PRIOR_WEIGHT)
+            if expect_offers:
+                rate *= self.offer_rate(request)
+            best = max(best, rate)
+        return float(best)
 
     def _worth_matrix(self, requests: Sequence[Request]) -> np.ndarray:
         """[requests, steps]: worth() of each request, at once."""
@@ -142,6 +218,7 @@ class AdaptivePolicy:
             self.all.fade(RECOVERY ** 8)  # each new request moves all requests' record a little back to PRIOR
             self.offers = (self.offers[0] * RECOVERY ** 8, self.offers[1] * RECOVERY ** 8)
         own.record(drafted, accepted)
+        self._best_own = None
         self.all.record(drafted, accepted, recency=0.98)
         self._seen_at[request.rid] = len(request.output_ids)
 
@@ -153,6 +230,7 @@ class AdaptivePolicy:
         self.offers = (self.offers[0] * 0.98 + 1.0, self.offers[1] * 0.98 + float(given))
 
     def finished(self, rid: str) -> None:
+        self._best_own = None
         self._offers.pop(rid, None)
         self._own.pop(rid, None)
         self._seen_at.pop(rid, None)
@@ -178,6 +256,9 @@ class FixedPolicy:
 
     def may_draft(self, n: int) -> bool:
         return True
+
+    def candidates(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[int]:
+        return self.choose(requests, rooms)
 
     def choose(self, requests: Sequence[Request], rooms: Sequence[int], expect_offers: bool = False) -> list[int]:
         return [min(self.steps, max(room, 0)) if self.due(r) else 0 for r, room in zip(requests, rooms)]

@@ -38,6 +38,8 @@ from .verify import verify
 
 log = logging.getLogger(__name__)
 
+MAX_UNASKED = 16  # steps: the longest a cheap drafter goes unasked after the policy kept declining its proposals
+
 @attrs.define
 class SpecCounts:
     """Since start-up, the policy's decisions (/metrics): decode steps with and without drafts, the drafts
@@ -73,6 +75,14 @@ class SpeculativeDecoding:
         self.policy = policy if policy is not None else FixedPolicy(drafter.num_steps)
         self.counts = SpecCounts()
         self._choice = None  # ((rids, rooms), counts): drafts_in's choice, reused by draft() in the same step
+        # a drafter that keeps the base class's no-op observe (ngram: it reads DraftRequest.token_ids) is not
+        # told what each step kept: building that TargetStep costs a list per request per step for nothing
+        self.observes = type(drafter).observe is not Drafter.observe
+        # a cheap drafter asked at every step whose proposals the policy declines (too short to pay for a verify
+        # step at this batch size) costs the asking for nothing: after steps declined in a row it is left unasked
+        # for 2, 4, ... MAX_UNASKED steps while the batch keeps its size (a count of steps: every rank alike)
+        self._declined = 0
+        self._unasked = (0, 0)  # (steps left unasked, the number of decoding requests then)
         # verify steps as decode rows (ModelRunner.prepare): where the attention backend's paged decode reads
         # only fixed-size tensors (triton), so those batches replay the decode CUDA graphs; else as extends
         # (the torch backend's per-request SDPA over a prefix is the cheaper of its two paths)
@@ -99,21 +109,28 @@ class SpeculativeDecoding:
         in flight is read first. Drafts count with their chance of coming: a step that drafts nothing would have
         given up the overlap schedule for nothing."""
         decoding = [r for r in running if r.output_ids]
+        if not decoding or not self.policy.may_draft(len(decoding)) or self._left_unasked(len(decoding)):
+            return False
         rooms = [min(self.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in decoding]
         return any(self.policy.choose(decoding, rooms, expect_offers=True))
 
-    def drafts_in(self, work: Sequence[ScheduledWork]) -> bool:
-        """Whether the step takes the speculative path (with no step in flight; asking a cheap drafter costs
-        nothing then)."""
-        return any(self._first_choice([item.request for item in work if is_decoding(item)]))
+    def drafts_in(self, decoding: Sequence[Request]) -> bool:
+        """Whether a step of these decoding requests (is_decoding) takes the speculative path (with no step in
+        flight; asking a cheap drafter costs nothing then)."""
+        return any(self._first_choice(decoding))
 
     def _first_choice(self, requests: Sequence[Request]) -> list[int]:
         """The policy's choice before asking the drafter; drafts_in's is kept for the draft() of the same step."""
+        if not requests or not self.policy.may_draft(len(requests)):
+            return [0] * len(requests)  # the step stays plain whatever the records say: look at nothing
         rooms = [self.room(r) for r in requests]
         key = ([(r.rid, len(r.output_ids)) for r in requests], rooms)  # the same requests, at the same tokens
         if self._choice is not None and self._choice[0] == key:
             return self._choice[1]
-        counts = self.policy.choose(requests, rooms, expect_offers=not self.drafter.caps.cheap_proposals)
+        if self.drafter.caps.cheap_proposals:  # who is asked: every request with room, where some draft could pay
+            counts = [0] * len(requests) if self._left_unasked(len(requests)) else self.policy.candidates(requests, rooms)
+        else:
+            counts = self.policy.choose(requests, rooms, expect_offers=True)
         self._choice = (key, counts)
         return counts
 
@@ -121,7 +138,9 @@ class SpeculativeDecoding:
         """Per scheduled item, the drafts it verifies this step (none for prompt chunks and undrafted requests).
 
         A drafter whose proposals are cheap is asked for every request the policy might draft for, and the
-        policy then chooses among what it proposed; any other is asked only for the drafts the policy chose."""
+        policy then chooses once among what it proposed (choosing first, as if every proposal came in full,
+        asked it for drafts that a shorter proposal then did not pay for: two choices and the asking, every step,
+        for nothing); any other is asked only for the drafts the policy chose."""
         decoding = [i for i, item in enumerate(work) if is_decoding(item)]
         requests = [work[i].request for i in decoding]
         cheap = self.drafter.caps.cheap_proposals
@@ -132,7 +151,7 @@ class SpeculativeDecoding:
         if not asked:
             return drafts
         proposed = self.drafter.propose(
-            [DraftRequest(r.rid, r.all_ids, r.num_cached, tuple(r.pages)) for r in (requests[j] for j in asked)]
+            [DraftRequest(r.rid, r.token_view, r.num_cached, tuple(r.pages)) for r in (requests[j] for j in asked)]
         ).tokens
         made = [[] for _ in requests]
         for j, tokens in zip(asked, proposed):
@@ -140,9 +159,27 @@ class SpeculativeDecoding:
             self.policy.offered(requests[j], bool(made[j]))
         if cheap:
             counts = self.policy.choose(requests, [len(m) for m in made])
+            self._record_asked(any(made), any(counts), len(requests))
         for j, i in enumerate(decoding):
             drafts[i] = made[j][: counts[j]]
         return drafts
+
+    def _left_unasked(self, n: int) -> bool:
+        """Whether a cheap drafter stays unasked this step (one call per step that may draft)."""
+        left, size = self._unasked
+        if not left or size != n:
+            return False
+        self._unasked = (left - 1, size)
+        return True
+
+    def _record_asked(self, proposed: bool, kept: bool, n: int) -> None:
+        """After asking a cheap drafter: whether it proposed anything, and whether the policy kept any of it."""
+        if kept:
+            self._declined = 0
+        elif proposed:
+            self._declined += 1
+            if self._declined >= 2:
+                self._unasked = (min(2 ** (self._declined - 1), MAX_UNASKED), n)
 
     def _in_vocabulary(self, request: Request, tokens: list[int]) -> list[int]:
         """The drafts, or none when one is not a token id of the target: a faulty drafter's proposal is not
@@ -192,7 +229,7 @@ class SpeculativeDecoding:
         finished, at = [], 0
         kept = [item.num_tokens for item in work]
         for i, request, tokens in zip(due, requests, results):
-            span = logits[at : at + len(drafts[i]) + 1]
+            span = logits[at : at + len(drafts[i]) + 1] if request.params.logprobs > 0 else None
             at += len(drafts[i]) + 1
             accepted = len(tokens) - 1
             if drafts[i]:
@@ -231,7 +268,7 @@ class SpeculativeDecoding:
 
     def _observe(self, work, drafts, starts, kept, hidden) -> None:
         """Tell the drafter which positions now hold target KV and what followed each (live requests only)."""
-        live = [i for i, item in enumerate(work) if not item.request.finished and kept[i]]
+        live = [i for i, item in enumerate(work) if not item.request.finished and kept[i]] if self.observes else []
         if not live:
             return
         first = [0]

@@ -59,7 +59,8 @@ def verify(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[S
 def _argmax(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     best = torch.argmax(logits, dim=-1)
     finite = torch.isfinite(logits.gather(-1, best[:, None])[:, 0])
-    return best.tolist(), finite.tolist()
+    both = torch.stack([best, finite.to(best.dtype)]).tolist()  # one read back (one device sync), not two
+    return both[0], [bool(f) for f in both[1]]
 
 
 def accept_greedy(draft: Sequence[int], best: Sequence[int], finite: Sequence[bool]) -> list[int]:

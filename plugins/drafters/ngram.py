@@ -39,15 +39,49 @@ def lookup(ids: np.ndarray, max_n: int, min_n: int, count: int) -> list[int]:
     return ids[start : start + count].tolist()
 
 
+class History:
+    """One request's token ids as a growing numpy array: each step appends only the tokens added since the last
+    (a list of the whole sequence turned into an array every step costs O(sequence) per request)."""
+
+    def __init__(self):
+        self.ids = np.empty(256, dtype=np.int64)
+        self.size = 0
+
+    def sync(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The ids so far, given the request's token_ids (which only grow; a shorter or different sequence under
+        the same rid is rebuilt)."""
+        n = len(token_ids)
+        if n < self.size or (self.size and token_ids[self.size - 1] != self.ids[self.size - 1]):
+            self.size = 0
+        if n > self.ids.size:
+            grown = np.empty(max(n, 2 * self.ids.size), dtype=np.int64)
+            grown[: self.size] = self.ids[: self.size]
+            self.ids = grown
+        if n > self.size:
+            self.ids[self.size : n] = token_ids[self.size : n]
+            self.size = n
+        return self.ids[:n]
+
+
 class NgramDrafter(Drafter):
     caps = DrafterCaps(cheap_proposals=True)  # a suffix match over the host token list
     max_n = 4  # longest suffix matched
     min_n = 1  # shortest suffix matched
     window = 4096  # only the latest tokens are searched: a step costs O(window), not O(sequence)
 
+    def __init__(self, num_steps: int):
+        super().__init__(num_steps)
+        self._history: dict[str, History] = {}
+
     def propose(self, requests: Sequence[DraftRequest]) -> Drafts:
         tokens = []
         for request in requests:
-            ids = np.asarray(request.token_ids[-self.window :], dtype=np.int64)
+            history = self._history.get(request.rid)
+            if history is None:
+                history = self._history[request.rid] = History()
+            ids = history.sync(request.token_ids)[-self.window :]
             tokens.append(lookup(ids, self.max_n, self.min_n, self.num_steps) if ids.size > 1 else [])
         return Drafts(tokens)
+
+    def finished(self, rid: str) -> None:
+        self._history.pop(rid, None)
