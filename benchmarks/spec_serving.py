@@ -30,13 +30,12 @@ import re
 import signal
 import statistics
 import sys
-import tempfile
 
 import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from serving import flush, launch_server, server_pids  # noqa: E402
+from serving import flush, launch_server, model_folder, server_pids  # noqa: E402
 from serving_load import run_level, summarize  # noqa: E402
 
 WARM_TOKENS = 8
@@ -140,18 +139,6 @@ def parse_args() -> argparse.Namespace:
         per_request = 1 + args.phrase * args.repeats + args.output_len + args.steps + 64  # + page and draft slack
         args.max_total_tokens = 2 * args.max_running_requests * per_request
     return args
-
-
-def model_folder(args) -> str:
-    if args.model:
-        return args.model
-    from moeplex.models.make_model import WEIGHTED_PRESETS, write_checkpoint
-
-    config_only = args.preset not in WEIGHTED_PRESETS
-    if config_only and args.load_format != "dummy":
-        raise SystemExit(f"--preset {args.preset} is written without weights: add --load-format dummy")
-    overrides = {"num_hidden_layers": args.layers} if args.layers else None
-    return write_checkpoint(tempfile.mkdtemp(), args.arch, args.preset, seed=0, overrides=overrides, config_only=config_only)
 
 
 def main() -> None:
