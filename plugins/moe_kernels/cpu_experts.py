@@ -84,7 +84,8 @@ class CpuExperts(tuple):
             key = f"w13 {tuple(w13.shape)} w2 {tuple(w2.shape)} {w13.dtype} top-{top_k} {'/'.join(ways)}"
             choice = Choice(**measured_choice("moe_experts", key, lambda: attrs.asdict(self._measure(ways))))
         self.choice = choice
-        self._packed = {way: self._pack(way) for way in set(self.choice.ways) if way in ("onednn", "every_expert")}
+        # the chosen ways' packings (made by the measurement, or now); the others' are let go
+        self._packed = {way: self._packing(way) for way in set(self.choice.ways) if way in ("onednn", "every_expert")}
         return self
 
     # --- the call ------------------------------------------------------------------------------------
