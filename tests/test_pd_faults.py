@@ -13,11 +13,10 @@ import time
 import httpx
 import pytest
 
-from moeplex.config import EngineConfig
-from moeplex.engine import Engine
 from moeplex.sampling import SamplingParams
 
 from pd_cluster import PDRouter, RoleServer, running, wait_idle
+from test_server_parallel import folder, reference  # noqa: F401 (fixtures: the tiny DeepSeek-V3 and its engine)
 
 ZMQ_QUICK = '{"timeout_s": 2.0, "heartbeat_s": 0.2}'
 DEADLINES = ("--disaggregation-transfer-timeout", "6", "--disaggregation-lease", "8",
@@ -27,16 +26,6 @@ NEW_TOKENS = 4
 
 def prompt(i: int) -> list[int]:
     return [256] + [(37 * i + k) % 250 + 1 for k in range(6 + i % 23)]  # distinct, some past one page of 16
-
-
-@pytest.fixture(scope="module")
-def folder(tiny_model_dir):
-    return tiny_model_dir("deepseek_v3")
-
-
-@pytest.fixture(scope="module")
-def reference(folder):
-    return Engine(EngineConfig(model=folder, show_progress=False, max_total_tokens=4096))
 
 
 @pytest.fixture(scope="module")

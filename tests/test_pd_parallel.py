@@ -7,25 +7,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from moeplex.config import EngineConfig
 from moeplex.disagg.layout import KVLayout
-from moeplex.engine import Engine
 from moeplex.sampling import SamplingParams
 
 from pd_cluster import PDRouter, RoleServer, running, wait_idle
-from test_server_parallel import DP2, TP2
+from test_server_parallel import DP2, TP2, folder, reference  # noqa: F401 (fixtures: the tiny DeepSeek-V3 and its engine)
 
 PROMPTS = [[256, 1, 2, 3, 4], [256, 9, 8, 7] * 5, list(range(30, 70)), [256, 100, 7, 3]]
-
-
-@pytest.fixture(scope="module")
-def folder(tiny_model_dir):
-    return tiny_model_dir("deepseek_v3")
-
-
-@pytest.fixture(scope="module")
-def reference(folder):
-    return Engine(EngineConfig(model=folder, show_progress=False, max_total_tokens=4096))
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,10 @@ import time
 import httpx
 import pytest
 
-from moeplex.config import EngineConfig
-from moeplex.engine import Engine
 from moeplex.sampling import SamplingParams
 
 from pd_cluster import PDRouter, RoleServer, running, wait_idle
+from test_server_parallel import folder, reference  # noqa: F401 (fixtures: the tiny DeepSeek-V3 and its engine)
 
 ZMQ_QUICK = ("--disaggregation-transfer-config", '{"timeout_s": 2.0, "heartbeat_s": 0.2}')
 DEADLINES = ("--disaggregation-transfer-timeout", "8", "--disaggregation-lease", "8",
@@ -37,16 +36,6 @@ FAIL_FAST_S = 15.0  # every request that needed the dead P ends within this of t
 
 def prompt(i: int) -> list[int]:
     return [256] + [(41 * i + k) % 250 + 1 for k in range(5 + i % 29)]
-
-
-@pytest.fixture(scope="module")
-def folder(tiny_model_dir):
-    return tiny_model_dir("deepseek_v3")
-
-
-@pytest.fixture(scope="module")
-def reference(folder):
-    return Engine(EngineConfig(model=folder, show_progress=False, max_total_tokens=4096))
 
 
 @pytest.fixture(scope="module")
