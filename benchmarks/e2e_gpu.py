@@ -12,7 +12,8 @@
    on the same engine; the sequential rows say how long each step spent on the host outside the
    forward pass (what the overlap schedule can hide).
 3. `--profile DIR`: one eager decode step at batch 1 and one 4k prefill per model under
-   torch.profiler, the kernels sorted by GPU time, written to DIR.
+   torch.profiler, the kernels sorted by GPU time, written to DIR. `--profile-graphed DIR`: graph-replayed
+   decode steps at each --decode batch, per kernel GPU time per step and the gaps between kernels.
 4. `--compare-fewer-launches`: after the decode rows, the graph-replayed decode again with the
    launch-cutting fusions off (`use_fused_kernels(True, fewer_launches=False)`: rope and the KV
    write, the router GEMV and its top-k, the residual add and the next norm as separate kernels;
@@ -253,6 +254,54 @@ def profile(name: str, engine: Engine, folder: str) -> None:
     engine.overlap_schedule = True
 
 
+def profile_graphed(name: str, engine: Engine, folder: str, batches, steps: int = 8) -> None:
+    """Kernel tables of graph-replayed decode steps under the overlap schedule (the served path): per kernel its
+    launches and GPU microseconds per step, and the step's span against the kernels' busy time (the gaps between
+    kernels are what a graphed step loses besides slow kernels). Written to DIR/<model>_graphed_bs<N>.md."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    tag = name.split()[0]
+    for batch in batches:
+        rng = random.Random(batch)
+        params = SamplingParams(max_new_tokens=steps + 12, temperature=0.0, ignore_eos=True)
+        for _ in range(batch):
+            engine.add_request([rng.randrange(256) for _ in range(DECODE_CONTEXT)], params)
+        for _ in range(6):  # prefill, then replays warm
+            engine.step()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU events: the host's pace unchanged
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        while engine.has_work:
+            engine.step()
+        trace = os.path.join(folder, f"{tag}_graphed_bs{batch}.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            kernels = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+        if not kernels:
+            print(f"--- {name} graphed bs{batch}: the profiler saw no kernels", flush=True)
+            continue
+        span = (kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]) / steps
+        busy = sum(e["dur"] for e in kernels) / steps
+        by_name: dict[str, list[float]] = {}
+        for e in kernels:
+            by_name.setdefault(e["name"], []).append(e["dur"])
+        rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+        lines = [f"### {name}, graph-replayed decode, batch {batch} ({steps} steps under the profiler)", "",
+                 f"step span {span / 1e3:.3f} ms; kernels busy {busy / 1e3:.3f} ms ({busy / span:.0%}); "
+                 f"gaps {(span - busy) / 1e3:.3f} ms; {len(kernels) / steps:.0f} kernels per step", "",
+                 "| kernel | launches / step | us / step | share of busy | us / launch |", "|---|---:|---:|---:|---:|"]
+        for kernel, durs in rows[:40]:
+            lines.append(f"| `{kernel[:110]}` | {len(durs) / steps:.1f} | {sum(durs) / steps:.1f} | "
+                         f"{sum(durs) / steps / busy:.1%} | {statistics.mean(durs):.2f} |")
+        with open(os.path.join(folder, f"{tag}_graphed_bs{batch}.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print("\n".join(lines[:30]), flush=True)
+
+
 def speed(name: str, folder: str, flops_s: float, copy_bs: float, args, prefill_lens) -> list[str]:
     config = EngineConfig(model=folder, device="cuda", dtype="bf16", moe_kernel="triton", load_format="dummy",
                           show_progress=False, max_running_requests=max(args.decode),
@@ -265,6 +314,8 @@ def speed(name: str, folder: str, flops_s: float, copy_bs: float, args, prefill_
     roof = Roofline(engine)
     if args.profile:
         profile(name, engine, args.profile)
+    if args.profile_graphed:
+        profile_graphed(name, engine, args.profile_graphed, args.decode)
     lines = decode_rows(name, engine, roof, copy_bs, args.decode)
     if args.compare_fewer_launches:
         lines += fewer_launches_off_rows(name, engine, roof, copy_bs, args.decode)
@@ -283,6 +334,8 @@ def main() -> None:
     parser.add_argument("--skip-correctness", action="store_true")
     parser.add_argument("--only", choices=("qwen", "dsv3"), help="one model instead of both")
     parser.add_argument("--profile", metavar="DIR", help="write kernel tables of an eager decode step and a prefill here")
+    parser.add_argument("--profile-graphed", metavar="DIR",
+                        help="write kernel tables of graph-replayed decode steps (each --decode batch) here")
     parser.add_argument("--compare-fewer-launches", action="store_true",
                         help="also time graph-replayed decode with the launch-cutting fusions off (KV write in rope, "
                              "one-launch router, residual add in the next norm, one-launch MoE pair sort, attention splits "
