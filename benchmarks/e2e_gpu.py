@@ -181,8 +181,32 @@ def decode_rows(name: str, engine: Engine, roof: Roofline, copy_bs: float, batch
     return lines
 
 
-def use_fewer_launches(engine: Engine, on: bool) -> None:
-    """Switch the launch-cutting fusions and capture the decode graphs again (the captured ones hold the old kernels)."""
+def launch_cuts(engine: Engine) -> dict[str, tuple]:
+    """Each launch-cutting fusion by name: (objects that hold its switch, the attribute). The module classes
+    that declare `fewer_launches` (rope + KV write, router GEMV in the top-k, residual add in the next norm),
+    the triton attention's split merge and the triton MoE kernel's one-launch pair sort."""
+    cuts: dict[str, tuple] = {}
+    for module in engine.model.modules():
+        if hasattr(type(module), "fewer_launches"):
+            cuts.setdefault(type(module).__name__, ([], "fewer_launches"))[0].append(module)
+    if hasattr(engine.model.attention_backend, "merge_in_split_kernel"):
+        cuts["attention split merge"] = ([engine.model.attention_backend], "merge_in_split_kernel")
+    kernel = engine.model.moe_runtime.kernel
+    if hasattr(kernel, "one_launch_align_pairs"):
+        cuts["MoE one-launch pair sort"] = ([kernel], "one_launch_align_pairs")
+    return cuts
+
+
+def set_cut(holders: list, attribute: str, on: bool) -> None:
+    for holder in holders:
+        if attribute == "one_launch_align_pairs":
+            setattr(holder, attribute, ONE_LAUNCH_MAX_PAIRS if on else 0)
+        else:
+            setattr(holder, attribute, on)
+
+
+def recapture(engine: Engine) -> None:
+    """Capture the decode graphs again (the captured ones hold the kernels chosen when they were captured)."""
     runner = engine.runner
     old = runner.graphs
     inputs, sizes = old.inputs, old.sizes
@@ -191,14 +215,39 @@ def use_fewer_launches(engine: Engine, on: bool) -> None:
     runner.graphs = old = None  # the old graphs' memory goes back before the new ones are captured
     gc.collect()
     torch.cuda.empty_cache()
-    engine.model.use_fused_kernels(True, fewer_launches=on)
-    engine.model.attention_backend.merge_in_split_kernel = on  # the triton backend's split merge (no reduce launch)
-    kernel = engine.model.moe_runtime.kernel
-    if hasattr(kernel, "one_launch_align_pairs"):  # the triton MoE kernel's one-launch sort of a decode batch's pairs
-        kernel.one_launch_align_pairs = ONE_LAUNCH_MAX_PAIRS if on else 0
     with torch.inference_mode():
         runner.graphs = DecodeGraphs(engine.model, engine.kv, runner.strategy, inputs, sizes,
                                      CudaGraphCapture(engine.device), **extra)
+
+
+def use_fewer_launches(engine: Engine, on: bool) -> None:
+    """Switch every launch-cutting fusion and capture the decode graphs again."""
+    for holders, attribute in launch_cuts(engine).values():
+        set_cut(holders, attribute, on)
+    recapture(engine)
+
+
+def ablation_rows(name: str, engine: Engine, batches, rounds: int = 3) -> list[str]:
+    """Each launch cut switched off alone (the others on), graphs captured again: its effect on the
+    graph-replayed, overlapped decode step, as the median of `rounds` alternations of all-on and this-one-off."""
+    if engine.runner.graphs is None:
+        return []
+    lines = []
+    for cut, (holders, attribute) in launch_cuts(engine).items():
+        for batch in batches:
+            on_ms, off_ms = [], []
+            for _ in range(rounds):
+                for state, sink in ((True, on_ms), (False, off_ms)):
+                    set_cut(holders, attribute, state)
+                    recapture(engine)
+                    sink.append(measure(engine, batch, DECODE_CONTEXT, 16)["decode_step_ms"])
+            set_cut(holders, attribute, True)
+            on, off = statistics.median(on_ms), statistics.median(off_ms)
+            lines.append(f"| {name} | {cut} | {batch} | {on:.3f} ({min(on_ms):.3f}-{max(on_ms):.3f}) | "
+                         f"{off:.3f} ({min(off_ms):.3f}-{max(off_ms):.3f}) | {(off - on) / off:+.1%} |")
+            print(lines[-1], flush=True)
+    recapture(engine)
+    return lines
 
 
 def fewer_launches_off_rows(name: str, engine: Engine, roof: Roofline, copy_bs: float, batches) -> list[str]:
@@ -302,7 +351,7 @@ def profile_graphed(name: str, engine: Engine, folder: str, batches, steps: int 
         print("\n".join(lines[:30]), flush=True)
 
 
-def speed(name: str, folder: str, flops_s: float, copy_bs: float, args, prefill_lens) -> list[str]:
+def speed(name: str, folder: str, flops_s: float, copy_bs: float, args, prefill_lens, ablations: list[str]) -> list[str]:
     config = EngineConfig(model=folder, device="cuda", dtype="bf16", moe_kernel="triton", load_format="dummy",
                           show_progress=False, max_running_requests=max(args.decode),
                           cuda_graph_max_bs=max(args.decode),
@@ -319,6 +368,8 @@ def speed(name: str, folder: str, flops_s: float, copy_bs: float, args, prefill_
     lines = decode_rows(name, engine, roof, copy_bs, args.decode)
     if args.compare_fewer_launches:
         lines += fewer_launches_off_rows(name, engine, roof, copy_bs, args.decode)
+    if args.ablate_launch_cuts:
+        ablations.extend(ablation_rows(name, engine, args.decode))
     lines += prefill_rows(name, engine, roof, flops_s, prefill_lens)
     del engine
     torch.cuda.empty_cache()
@@ -340,7 +391,10 @@ def main() -> None:
                         help="also time graph-replayed decode with the launch-cutting fusions off (KV write in rope, "
                              "one-launch router, residual add in the next norm, one-launch MoE pair sort, attention splits "
                              "merged in the split kernel), graphs captured again")
+    parser.add_argument("--ablate-launch-cuts", action="store_true",
+                        help="also time graph-replayed decode with each launch cut alone switched off")
     args = parser.parse_args()
+    ablations: list[str] = []
     lines = [f"## moeplex on {torch.cuda.get_device_name()} (torch {torch.__version__}, triton MoE kernel and attention)", ""]
     if not args.skip_correctness:
         lines += correctness() + [""]
@@ -352,10 +406,14 @@ def main() -> None:
               "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|"]
     if args.only != "dsv3":
         qwen = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True)
-        lines += speed("Qwen3-30B-A3B shapes", qwen, flops_s, copy_bs, args, args.prefill)
+        lines += speed("Qwen3-30B-A3B shapes", qwen, flops_s, copy_bs, args, args.prefill, ablations)
     if args.only != "qwen":
         dsv3 = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4}, config_only=True)
-        lines += speed("DeepSeek-V3 shapes, 4 layers", dsv3, flops_s, copy_bs, args, args.prefill[:1])
+        lines += speed("DeepSeek-V3 shapes, 4 layers", dsv3, flops_s, copy_bs, args, args.prefill[:1], ablations)
+    if ablations:
+        lines += ["", "Each launch cut alone switched off (the others on), graphs captured again, median of 3 "
+                  "alternations (min-max):", "", "| model | cut | batch | all on, ms | this cut off, ms | saved by the cut |",
+                  "|---|---|---:|---:|---:|---:|", *ablations]
     if args.compare_fewer_launches:
         lines += ["", "fewer launches: on = KV write in the rope kernel, the router of <= 16 tokens in one launch, each "
                   "layer's residual add in the next layer's norm, the MoE pair sort of <= 256 pairs in one launch, "
