@@ -7,9 +7,14 @@ process and one engine, and the grammar compile time (p50/p99, cold and cached).
 Both rows of a batch decode greedily exactly --output-len tokens per request: unconstrained with ignore_eos; the
 constrained one under a JSON schema (an object with one string too long to close within --output-len tokens), so
 both do the same number of steps; inside the string nearly every token is allowed, so both pick from about the
-same tokens and reach about as many experts, and only the mask's cost differs. The mask of a vocabulary is what costs: the
-checkpoint's tokenizer is replaced by a synthetic byte-level BPE of --tokenizer-vocab tokens (the model's size by
-default on a GPU: 151,643 like Qwen's; merges of JSON-like text), since no real tokenizer can be downloaded here.
+same tokens and reach about as many experts, and only the mask's cost differs. The mask of a vocabulary is what costs, and
+what it costs depends on how many tokens can close a string or cross a JSON delimiter mid-token (xgrammar checks
+those one by one at every step; the rest come from its per-state cache). No real tokenizer can be downloaded here, so
+the checkpoint's tokenizer is replaced by a byte-level BPE of --tokenizer-vocab tokens (the model's size by default
+on a GPU: 151,643 like Qwen's) *trained* at start on the running Python's standard library sources (the same text on
+every machine of one Python version; ~2% of its tokens hold a quote, as in released code-and-text vocabularies;
+kept in ~/.cache/moeplex so a machine trains it once). `--tokenizer synthetic` takes random merges of JSON-like
+pieces instead: 22% of its tokens hold a quote, which makes every mask ~20x slower than a real vocabulary's.
 Decode tokens/s counts the tokens after every request's first one over the wall time of those steps; median of
 --runs, min-max beside it. "step-loop CPU overhead": the step loop thread's CPU time per token, constrained over
 unconstrained (median of the runs' ratios): on a shared machine the wall-time numbers move with the other
@@ -25,11 +30,14 @@ import json
 import os
 import random
 import statistics
+import sys
+import sysconfig
 import tempfile
 import time
+from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
@@ -63,6 +71,42 @@ def synthetic_tokenizer(size: int, seed: int = 0) -> Tokenizer:
         tokens.append(a + b)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([BOS, EOS, PAD])
+    return tokenizer
+
+
+def trained_tokenizer(size: int) -> Tokenizer:
+    """A byte-level BPE of `size` ids trained on this Python's standard library sources: bytes 0-255, bos/eos/pad at
+    256-258 (the ids make_model's checkpoints use), then the learned merges. Cached per Python version and size."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moeplex"
+    path = cache / f"stdlib_bpe_py{sys.version_info[0]}{sys.version_info[1]}_{size}.json"
+    if not path.exists():
+        files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+
+        def texts():
+            for file in files:
+                try:
+                    yield file.read_text(encoding="utf-8")
+                except (UnicodeDecodeError, OSError):
+                    continue
+
+        learner = Tokenizer(models.BPE())
+        learner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        learner.train_from_iterator(texts(), trainers.BpeTrainer(
+            vocab_size=size - 3, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+        cache.mkdir(parents=True, exist_ok=True)
+        learner.save(str(path.with_suffix(".tmp")))
+        path.with_suffix(".tmp").replace(path)
+    learned = json.loads(path.read_text())["model"]
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet(), key=_byte_of)
+    vocab = {c: i for i, c in enumerate(byte_chars)}
+    vocab.update({BOS: 256, EOS: 257, PAD: 258})
+    for piece, _ in sorted(learned["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([BOS, EOS, PAD])
     return tokenizer
@@ -116,6 +160,9 @@ def main() -> None:
     parser.add_argument("--grammar-backend", default="xgrammar")
     parser.add_argument("--tokenizer-vocab", type=int, default=None, help="synthetic tokenizer size (default: 4096 CPU, "
                         "151643 GPU)")
+    parser.add_argument("--tokenizer", choices=("trained", "synthetic"), default="trained",
+                        help="trained: a BPE learned from the Python standard library's sources (default); synthetic: "
+                        "random merges of JSON-like pieces (a quote in 22%% of its tokens: slow masks)")
     parser.add_argument("--preset", default=None, help="Qwen3-MoE shapes (default: 30b-a3b on a GPU, tiny on a CPU)")
     parser.add_argument("--dummy-weights", action="store_true", default=None,
                         help="write only config.json and make random weights at load (--load-format dummy; the default "
@@ -139,7 +186,7 @@ def main() -> None:
         overrides["vocab_size"] = max(vocab, 512)
     folder = tempfile.mkdtemp()
     write_checkpoint(folder, "qwen3_moe", preset, seed=0, config_only=dummy, overrides=overrides)
-    tokenizer = synthetic_tokenizer(vocab)
+    tokenizer = (trained_tokenizer if args.tokenizer == "trained" else synthetic_tokenizer)(vocab)
     tokenizer.save(os.path.join(folder, "tokenizer.json"))
     settings = dict(model=folder, device=args.device, show_progress=False, max_running_requests=max(batches),
                     max_total_tokens=max(batches) * (output_len + 64) + 1024, grammar_backend=args.grammar_backend)
@@ -155,7 +202,7 @@ def main() -> None:
     weights = f"{preset}{', dummy weights' if dummy else ''}, {settings['dtype']}"
     lines = [f"{engine.model.hf_config.get('model_type')} ({weights}, {engine.model.hf_config['num_hidden_layers']} "
              f"layers), "
-             f"{args.grammar_backend}, tokenizer of {tokenizer.get_vocab_size()} ids, logits of "
+             f"{args.grammar_backend}, {args.tokenizer} tokenizer of {tokenizer.get_vocab_size()} ids, logits of "
              f"{engine.vocab_size}, {output_len} tokens per request, {args.runs} runs", "",
              "| batch | unconstrained tok/s (median) | min-max | json_schema tok/s (median) | min-max | overhead | "
              "step-loop CPU overhead | mask waits |",
