@@ -7,7 +7,7 @@ from importlib import resources
 import pytest
 import torch
 
-from moeplex.plan import costs
+from moeplex.plan import costs, routing
 from moeplex.plan.imbalance import ExpertLoad, balancedness
 from moeplex.plan.profile import ExpertTable, Profile, load_profile
 from moeplex.plan.shapes import load_config, model_shape
@@ -240,3 +240,43 @@ def test_a_one_point_table_at_its_expert_count_rescales_the_general_curve():
     table, factor = hw.expert_table("triton", "bf16", 10, 20, local_experts=8)  # any other count: the general table
     assert factor == 1.0 and table.source == "test"
     assert hw.expert_rate_cap("triton", "bf16") == pytest.approx(100 * 1200 / 100.0 / 1e6)  # the untuned point is not a cap
+
+
+def test_uniform_distinct_experts():
+    assert routing.uniform_distinct(256, 8, 1) == pytest.approx(8.0)
+    assert routing.uniform_distinct(4, 2, 2) == pytest.approx(4 * (1 - 0.5**2))  # 3 of 4
+    assert routing.uniform_distinct(256, 8, 0) == 0.0
+
+
+def test_routing_ratio_is_interpolated_in_log2_tokens_and_held_at_the_ends():
+    assert routing.UNIFORM.hit_ratio(32) == 1.0
+    recorded = routing.Routing(((32, 120.0, 160.0), (8, 45.0, 50.0)), "test")  # unsorted in: sorted by tokens
+    assert recorded.hit_ratio(8) == pytest.approx(0.9)
+    assert recorded.hit_ratio(32) == pytest.approx(0.75)
+    assert recorded.hit_ratio(16) == pytest.approx(0.825)  # log2 midway between 8 and 32
+    assert recorded.hit_ratio(1) == pytest.approx(0.9) and recorded.hit_ratio(256) == pytest.approx(0.75)
+
+
+def test_routing_for_reads_the_profile_entry(hw):
+    assert routing.routing_for(hw, "deepseek_v3") is routing.UNIFORM
+    values = {**ROUND, "routing_deepseek_v3": [[32, 80.0, 160.0]]}
+    recorded = routing.routing_for(Profile("r", values, {**{k: "test" for k in values}, "routing_deepseek_v3": "run X"}, {}, {}), "deepseek_v3")
+    assert recorded.hit_ratio(32) == pytest.approx(0.5) and recorded.source == "run X"
+
+
+def test_experts_time_with_a_recorded_hit_ratio():
+    table = ExpertTable(((1.0, 10.0), (100.0, 100.0)), "test")
+    # 2 pairs over 4 experts: uniform hits 1.75; at ratio 0.8 it hits 1.4, each with 2/1.4 rows
+    assert costs.experts_us(table, 1.0, 2, 4, hit_ratio=0.8) == pytest.approx(1.4 * table.us_per_expert(2 / 1.4))
+    # kept between one expert and min(pairs, local experts)
+    assert costs.experts_us(table, 1.0, 2, 4, hit_ratio=0.1) == pytest.approx(table.us_per_expert(2.0))
+    assert costs.experts_us(table, 1.0, 2, 4, hit_ratio=5.0) == pytest.approx(2 * table.us_per_expert(1.0))
+
+
+def test_low_latency_fixed_cost_is_the_measured_one_rank_kernels(hw):
+    assert costs.ll_fixed_us(hw) == (2.0, 2.0)  # unmeasured: one kernel each
+    values = {**ROUND, "deepep_ll_kernel_us": [20.0, 30.0]}
+    measured = Profile("m", values, {k: "test" for k in values}, {}, {})
+    d, c = costs.deepep_ll_us(measured, 10, 1000, 8, 4, fp8_dispatch=False)
+    assert d == pytest.approx(60 * 2000 / 5e4 + 20.0)
+    assert c == pytest.approx(60 * 2000 / 5e4 + 30.0)

@@ -36,6 +36,11 @@ def add_parser(sub) -> None:
     sources = actions.add_parser("sources", help="print every number of a hardware profile with its source")
     sources.add_argument("--profile", default="h200", help="h200, h100, h800 or a profile JSON file (default: h200)")
     sources.set_defaults(run=run_sources)
+    update = actions.add_parser("profile-update", help="lay the measured entries of benchmarks/plan_profile.sh's outputs over a profile and write the result (each number keeps its source)")
+    update.add_argument("measured", nargs="+", help="JSON files of profile entries ({KEY: {value, source}}; moe_tables by name), laid over the base in this order")
+    update.add_argument("--base", default="h200", help="the profile they update: h200 or a profile JSON file (default: h200)")
+    update.add_argument("--out", required=True, help="the profile JSON to write (read it with --profile FILE; copy it over core/plan/profiles/h200.json in a reviewed commit)")
+    update.set_defaults(run=run_profile_update)
 
 
 def _common(p) -> None:
@@ -130,4 +135,19 @@ def run_sources(args) -> int:
     from ..plan.report import print_sources
 
     print_sources(load_profile(args.profile))
+    return 0
+
+
+def run_profile_update(args) -> int:
+    from ..plan.profile import load_profile
+    from ..plan.profile_update import merge, short, write
+
+    data, changes = merge(args.base, args.measured)
+    write(data, args.out)
+    load_profile(args.out)  # what was written is a profile the model reads
+    print(f"wrote {args.out} ({len(changes)} entries changed over {args.base}):")
+    print("| entry | before | after | source |")
+    print("|---|---|---|---|")
+    for key, old, new, source in changes:
+        print(f"| {key} | {short(old)} | {short(new)} | {source} |")
     return 0
