@@ -106,8 +106,8 @@ def main() -> None:
     hf = engine.model.hf_config
     experts, top_k = hf["n_routed_experts"], hf["num_experts_per_tok"]
     result = {
-        "source": f"python benchmarks/plan_routing.py --device {args.device} --preset {args.preset} --layers {args.layers} "
-                  + " ".join(f"--set {s}" for s in args.set) + f" ({'H200' if cuda else 'CPU'} run; seed 0 dummy weights)",
+        "source": " ".join([f"python benchmarks/plan_routing.py --device {args.device} --preset {args.preset} --layers {args.layers}"]
+                           + [f"--set {s}" for s in args.set]) + f" ({torch.cuda.get_device_name() if cuda else 'CPU'}; seed 0 dummy weights)",
         "device": torch.cuda.get_device_name() if cuda else "cpu", "experts": experts, "top_k": top_k,
         "overrides": overrides, "batches": {},
     }
