@@ -87,3 +87,12 @@ def test_profile_update_refuses_an_entry_without_a_source(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| graph_gap_us | 1.37 | 1.0 | run X |" in out and "1 entries changed" in out
     assert load_profile(str(tmp_path / "p.json")).graph_gap_us == 1.0
+
+
+def test_check_takes_a_recorded_load_for_the_published_cases(tmp_path, capsys):
+    flat = tmp_path / "flat.json"  # no hot experts at all: EPLB can only even out a batch's noise
+    flat.write_text(json.dumps({"load_history": [{"logical_expert_load": [[100] * 256]}]}))
+    assert main(["plan", "check", "--only", "published", "--expert-load", str(flat)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "EPLB gain" in line]
+    gains = [float(row.split("|")[4]) for row in rows]
+    assert len(gains) == 2 and all(0.95 < g < 1.1 for g in gains)

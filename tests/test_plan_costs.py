@@ -280,3 +280,17 @@ def test_low_latency_fixed_cost_is_the_measured_one_rank_kernels(hw):
     d, c = costs.deepep_ll_us(measured, 10, 1000, 8, 4, fp8_dispatch=False)
     assert d == pytest.approx(60 * 2000 / 5e4 + 20.0)
     assert c == pytest.approx(60 * 2000 / 5e4 + 30.0)
+
+
+def test_recorded_loads_in_both_formats(tmp_path):
+    from moeplex.plan.imbalance import read_expert_load
+
+    ours = tmp_path / "ours.json"
+    ours.write_text(json.dumps({"logical_count": [[[1, 2], [3, 4]], [[1, 0], [0, 1]]]}))  # [steps][layers][experts]
+    assert read_expert_load(str(ours)).tolist() == [[2.0, 2.0], [3.0, 5.0]]
+    history = tmp_path / "history.json"
+    history.write_text(json.dumps({"load_history": [{"logical_expert_load": [[1, 2], [3, 4]]}, {"logical_expert_load": [[1, 0], [0, 1]]}]}))
+    assert read_expert_load(str(history)).tolist() == [[2.0, 2.0], [3.0, 5.0]]
+    history.write_text(json.dumps({"load_history": []}))
+    with pytest.raises(ValueError, match="empty"):
+        read_expert_load(str(history))

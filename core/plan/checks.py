@@ -112,12 +112,12 @@ def sglang_layouts(eplb: bool = True, overlap: str = "tbo") -> tuple[RoleLayout,
     return prefill, decode
 
 
-def published_cases(skew: float = 1.0) -> list[Case]:
+def published_cases(skew: float = 1.0, recorded_load=None) -> list[Case]:
     """Assumed where the sources do not say (stated in docs/plan.md): 16384 prefill tokens per GPU per step,
     SGLang's decode at 256 tokens per GPU (the issue's TBO figure), 100 output tokens; DeepSeek's decode at
     DeepEP's 'typical production setting' of 128 tokens per rank, its prompts at its published average KV length."""
-    sg = Workload(input_len=2000, output_len=100, zipf_skew=skew)
-    ds = Workload(input_len=4989, output_len=1, zipf_skew=skew)
+    sg = Workload(input_len=2000, output_len=100, zipf_skew=skew, recorded_load=recorded_load)
+    ds = Workload(input_len=4989, output_len=1, zipf_skew=skew, recorded_load=recorded_load)
     p, d = sglang_layouts()
     p_static, d_static = sglang_layouts(eplb=False)
     p_none, d_none = sglang_layouts(overlap="none")
