@@ -75,6 +75,27 @@ def engine_top_k(engine: Engine) -> int:
     return engine.model.hf_config["num_experts_per_tok"]
 
 
+def histogram(counts: list[list[int]]) -> list[list[float]]:
+    """[[rows, mean experts with that many rows]] over the recorded (step, layer) count vectors."""
+    seen: dict[int, int] = {}
+    for vector in counts:
+        for rows in vector:
+            if rows:
+                seen[rows] = seen.get(rows, 0) + 1
+    return [[rows, round(n / len(counts), 4)] for rows, n in sorted(seen.items())]
+
+
+def profile_entry(result: dict, steps: int) -> dict:
+    """The entry `moeplex plan profile-update` merges (core/plan/routing.py reads it)."""
+    return {
+        "value": {"experts": result["experts"], "top_k": result["top_k"],
+                  "batches": [[int(b), histogram(r["counts"])] for b, r in result["batches"].items()]},
+        "unit": "per decode batch: [tokens, [[rows, mean experts that received that many pairs per step and MoE layer]]]",
+        "source": f"{result['source']}: e2e_gpu.py's dummy-weight decode rows (same folder, seed, prompts and greedy "
+                  f"sampling), {steps} decode steps per batch",
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -88,7 +109,16 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, help="prefill tokens per step (default: the whole batch, as e2e_gpu.py; a CPU run "
                         "chunks to keep activations small: routing is per token)")
     parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--from-record", metavar="JSON", help="no run: write --out from an earlier record's counts (its entry again)")
     args = parser.parse_args()
+    if args.from_record:
+        with open(args.from_record) as f:
+            result = json.load(f)
+        steps = len(next(iter(result["batches"].values()))["distinct"])
+        result[f"routing_{result.get('model_type', 'deepseek_v3')}"] = profile_entry(result, steps)
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        return
     overrides = {"num_hidden_layers": args.layers}
     overrides.update({k: int(v) for k, v in (item.split("=", 1) for item in args.set)})
     folder = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", args.preset, overrides=overrides, config_only=True)
@@ -109,7 +139,7 @@ def main() -> None:
         "source": " ".join([f"python benchmarks/plan_routing.py --device {args.device} --preset {args.preset} --layers {args.layers}"]
                            + [f"--set {s}" for s in args.set]) + f" ({torch.cuda.get_device_name() if cuda else 'CPU'}; seed 0 dummy weights)",
         "device": torch.cuda.get_device_name() if cuda else "cpu", "experts": experts, "top_k": top_k,
-        "overrides": overrides, "batches": {},
+        "overrides": overrides, "model_type": hf["model_type"], "batches": {},
     }
     print("| batch | decode steps | distinct experts per step (mean over steps and MoE layers) | uniform | ratio |")
     print("|---:|---:|---:|---:|---:|")
@@ -121,13 +151,7 @@ def main() -> None:
         result["batches"][str(batch)] = {"distinct": distinct, "mean_distinct": mean, "uniform_distinct": uniform,
                                          "counts": [counts for step in steps for counts in step.values()]}
         print(f"| {batch} | {len(steps)} | {mean:.1f} | {uniform:.1f} | {mean / uniform:.3f} |", flush=True)
-    # the profile entry `moeplex plan profile-update` merges: [tokens per step, mean distinct experts, uniform]
-    points = [[int(b), r["mean_distinct"], r["uniform_distinct"]] for b, r in result["batches"].items()]
-    result[f"routing_{hf['model_type']}"] = {
-        "value": points, "unit": "[decode tokens per step, mean distinct experts per MoE layer, uniform expectation]",
-        "source": f"{result['source']}: distinct experts per decode step of e2e_gpu.py's dummy-weight decode rows "
-                  f"(same folder, seed, prompts and greedy sampling), {args.output_len - 1} steps per batch",
-    }
+    result[f"routing_{hf['model_type']}"] = profile_entry(result, args.output_len - 1)
     with open(args.out, "w") as f:
         json.dump(result, f)
 

@@ -248,29 +248,51 @@ def test_uniform_distinct_experts():
     assert routing.uniform_distinct(256, 8, 0) == 0.0
 
 
-def test_routing_ratio_is_interpolated_in_log2_tokens_and_held_at_the_ends():
-    assert routing.UNIFORM.hit_ratio(32) == 1.0
-    recorded = routing.Routing(((32, 120.0, 160.0), (8, 45.0, 50.0)), "test")  # unsorted in: sorted by tokens
-    assert recorded.hit_ratio(8) == pytest.approx(0.9)
-    assert recorded.hit_ratio(32) == pytest.approx(0.75)
-    assert recorded.hit_ratio(16) == pytest.approx(0.825)  # log2 midway between 8 and 32
-    assert recorded.hit_ratio(1) == pytest.approx(0.9) and recorded.hit_ratio(256) == pytest.approx(0.75)
+def test_tiles_of_a_histogram():
+    hist = [(1, 3.0), (17, 1.0), (40, 0.5)]  # 3 experts with 1 row, 1 with 17, half a step's expert with 40
+    assert routing.tiles(hist, 16) == pytest.approx(3 + 2 + 0.5 * 3)
+    assert routing.tiles(hist, math.inf) == pytest.approx(4.5)  # one tile per hit expert: the distinct experts
 
 
-def test_routing_for_reads_the_profile_entry(hw):
+def test_uniform_histogram_is_the_binomial():
+    hist = dict(routing.uniform_histogram(4, 2, 2))  # each expert's rows ~ Binomial(2, 1/2)
+    assert hist[1] == pytest.approx(4 * 0.5) and hist[2] == pytest.approx(4 * 0.25)
+    assert sum(hist.values()) == pytest.approx(routing.uniform_distinct(4, 2, 2))
+
+
+def test_recorded_routing_scales_by_tiles_interpolated_in_log2_tokens_uniform_outside():
+    assert routing.UNIFORM.scale(32, 16) == 1.0
+    # 4 experts, top-2, 2 tokens: uniform runs 3 tiles of 16 rows (distinct experts); a run that sent both tokens
+    # to the same two experts ran 2
+    two = routing.RecordedBatch(2, 4, 2, ((2, 2.0),))
+    assert two.distinct() == 2.0 and two.tile_ratio(16) == pytest.approx(2 / 3)
+    # at 1-row tiles the same run costs as many tiles as uniform routing (4 pairs either way)
+    assert two.tile_ratio(1) == pytest.approx(1.0)
+    eight = routing.RecordedBatch(8, 4, 2, ((4, 4.0),))  # uniform at 8 tokens hits ~all 4: ratio ~1
+    recorded = routing.Routing((eight, two), "test")  # sorted by tokens
+    r2, r8 = two.tile_ratio(16), eight.tile_ratio(16)
+    assert recorded.scale(2, 16) == pytest.approx(r2) and recorded.scale(8, 16) == pytest.approx(r8)
+    assert recorded.scale(4, 16) == pytest.approx((r2 + r8) / 2)  # log2 midway
+    assert recorded.scale(1, 16) == 1.0 and recorded.scale(64, 16) == 1.0  # outside the record: uniform
+
+
+def test_routing_and_block_m_from_the_profile(hw):
     assert routing.routing_for(hw, "deepseek_v3") is routing.UNIFORM
-    values = {**ROUND, "routing_deepseek_v3": [[32, 80.0, 160.0]]}
-    recorded = routing.routing_for(Profile("r", values, {**{k: "test" for k in values}, "routing_deepseek_v3": "run X"}, {}, {}), "deepseek_v3")
-    assert recorded.hit_ratio(32) == pytest.approx(0.5) and recorded.source == "run X"
+    assert routing.block_m(hw, "triton", 8) == math.inf
+    values = {**ROUND, "routing_deepseek_v3": {"experts": 4, "top_k": 2, "batches": [[2, [[2, 2.0]]]]},
+              "triton_block_m": [[1, 16], [16, 32], [32, 64]]}
+    profile = Profile("r", values, {**{k: "test" for k in values}, "routing_deepseek_v3": "run X"}, {}, {})
+    recorded = routing.routing_for(profile, "deepseek_v3")
+    assert recorded.scale(2, 16) == pytest.approx(2 / 3) and recorded.source == "run X"
+    assert routing.block_m(profile, "triton", 8) == 32  # 8 rows: nearest the entry at 16 rows (log2: 1 against 3)
+    assert routing.block_m(profile, "triton", 4) == 32  # 4 rows: a tie between 1 and 16 goes to 16, as the kernel picks
+    assert routing.block_m(profile, "triton", 2) == 16
+    assert routing.block_m(profile, "triton", 500) == 64
 
 
-def test_experts_time_with_a_recorded_hit_ratio():
+def test_experts_time_scales_with_the_routing():
     table = ExpertTable(((1.0, 10.0), (100.0, 100.0)), "test")
-    # 2 pairs over 4 experts: uniform hits 1.75; at ratio 0.8 it hits 1.4, each with 2/1.4 rows
-    assert costs.experts_us(table, 1.0, 2, 4, hit_ratio=0.8) == pytest.approx(1.4 * table.us_per_expert(2 / 1.4))
-    # kept between one expert and min(pairs, local experts)
-    assert costs.experts_us(table, 1.0, 2, 4, hit_ratio=0.1) == pytest.approx(table.us_per_expert(2.0))
-    assert costs.experts_us(table, 1.0, 2, 4, hit_ratio=5.0) == pytest.approx(2 * table.us_per_expert(1.0))
+    assert costs.experts_us(table, 1.0, 2, 4, routing_scale=0.5) == pytest.approx(0.5 * costs.experts_us(table, 1.0, 2, 4))
 
 
 def test_low_latency_fixed_cost_is_the_measured_one_rank_kernels(hw):

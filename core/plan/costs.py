@@ -79,21 +79,19 @@ def experts_hit(pairs: float, local_experts: int) -> float:
 
 
 def experts_us(
-    table: ExpertTable, size_factor: float, pairs: float, local_experts: int, best_tflops: float = 0.0, hit_ratio: float = 1.0
+    table: ExpertTable, size_factor: float, pairs: float, local_experts: int, best_tflops: float = 0.0, routing_scale: float = 1.0
 ) -> float:
     """Routed experts on one GPU: hit experts x the measured time per hit expert at their rows.
 
-    `best_tflops` (the best rate measured for this kernel) bounds the extrapolation past the table. `hit_ratio`
-    scales the experts uniform routing hits to what a recorded routing hit (routing.py), kept between one expert
-    and the fewer of the pairs and the local experts.
+    `best_tflops` (the best rate measured for this kernel) bounds the extrapolation past the table;
+    `routing_scale` is what a recorded routing takes relative to the uniform routing the table was measured
+    under (routing.py: the tiles the kernel runs).
     """
     hit = experts_hit(pairs, local_experts)
-    if hit and hit_ratio != 1.0:
-        hit = min(max(hit * hit_ratio, 1.0), pairs, float(local_experts))
     if hit == 0:
         return 0.0
     min_us_per_row = 6.0 * table.shape[0] * table.shape[1] / (best_tflops * 1e6) if best_tflops > 0 else 0.0
-    return hit * table.us_per_expert(pairs / hit, min_us_per_row) * size_factor
+    return hit * table.us_per_expert(pairs / hit, min_us_per_row) * size_factor * routing_scale
 
 
 def ranks_reached(peers: int, top_k: int) -> float:

@@ -10,7 +10,7 @@ from .eager import LayerCosts
 from .host import Op, timeline_us
 from .imbalance import ExpertLoad, balancedness
 from .profile import Profile
-from .routing import UNIFORM, Routing
+from .routing import UNIFORM, Routing, block_m
 from .shapes import ModelShape
 
 DISPATCHERS = ("local", "deepep-normal", "deepep-ll", "deepep-auto")
@@ -149,9 +149,9 @@ def predict_step(
     def moe_layer(tok: float, pairs_kv: float) -> LayerCosts:
         attn = _attention_us(hw, shape, layout, tok, pairs_kv, decode, seq)
         mean = tok * shape.top_k
-        hit_ratio = workload.routing.hit_ratio(tok)
-        experts_mean = costs.experts_us(table, size, mean, local, cap, hit_ratio)
-        experts_max = costs.experts_us(table, size, mean / bal, local, cap, hit_ratio)
+        scale = workload.routing.scale(tok, block_m(hw, layout.moe_kernel, mean / local))
+        experts_mean = costs.experts_us(table, size, mean, local, cap, scale)
+        experts_max = costs.experts_us(table, size, mean / bal, local, cap, scale)
         d, c, contiguous = _dispatch_us(hw, layout, shape, tok, decode)
         shared = 0.0
         if shape.shared_intermediate:
