@@ -69,11 +69,12 @@ def test_profile_step_runs_every_measurement_and_merges_them_at_toy_size(tmp_pat
     measured = load_profile(str(tmp_path / "h200_measured.json"))
     # each merged number keeps the command that measured it
     assert [p[0] for p in measured.gemm_slowdown] == [4, 16] and "plan_gemm.py" in measured.sources["gemm_slowdown"]
-    assert [p[0] for p in measured.routing_deepseek_v3] == [1, 8] and "plan_routing.py" in measured.sources["routing_deepseek_v3"]
+    assert [b[0] for b in measured.routing_deepseek_v3["batches"]] == [1, 8]
+    assert "plan_routing.py --device cpu --preset tiny" in measured.sources["routing_deepseek_v3"]
     assert "plan_dispatch.py" in measured.sources["local_kernel_us"]
     assert measured.hbm_gbps == load_profile("h200").hbm_gbps  # what no step measured stays as shipped
     update = (tmp_path / "profile_update.md").read_text()
-    assert "| routing_deepseek_v3 | - |" in update and "| gemm_slowdown | - |" in update
+    assert "| routing_deepseek_v3 | {" in update and "| gemm_slowdown | - |" in update
     assert "DeepSeek-V3 4 layers decode b=32" in (tmp_path / "plan_check_measured.md").read_text()
 
 
