@@ -2,7 +2,8 @@
 
 Every benchmark of benchmarks/plan_profile.sh writes JSON whose top-level entries are profile entries
 ({"value": ..., "source": ...}; `moe_tables` entries by table name). `merge` lays them over a base profile in
-the order given, keeps every other entry of the base as it was, and records what each merged entry replaced, so
+the order given (an entry equal to the base's is no news: a whole profile a benchmark wrote around its own entries
+changes only those), keeps every other entry of the base as it was, and records what each merged entry replaced, so
 a reviewer sees every number that moved and where it came from (`moeplex plan profile-update`).
 """
 
@@ -25,6 +26,7 @@ def merge(base: str, measured: list[str]) -> tuple[dict, list[tuple[str, object,
     so nothing enters a profile unexplained.
     """
     data = _read_json(base)
+    original = json.loads(json.dumps(data))
     changes = []
     for path in measured:
         fragment = json.loads(Path(path).read_text())
@@ -36,6 +38,8 @@ def merge(base: str, measured: list[str]) -> tuple[dict, list[tuple[str, object,
                 continue  # the file's own details (a routing record's counts, a run's rows): not profile entries
             if not entry.get("source"):
                 raise ValueError(f"{path}: entry {key!r} has no source; every number of a profile names where it came from")
+            if entry == original.get(key):
+                continue  # a whole profile a benchmark wrote around its own entries: the base's entries are not news
             old = data.get(key, {}).get("value") if is_entry(data.get(key)) else None
             if old != entry["value"]:
                 changes.append((key, old, entry["value"], entry["source"]))
@@ -45,6 +49,8 @@ def merge(base: str, measured: list[str]) -> tuple[dict, list[tuple[str, object,
                 continue
             if not table.get("source"):
                 raise ValueError(f"{path}: moe table {name!r} has no source")
+            if table == original["moe_tables"].get(name):
+                continue
             old = data["moe_tables"].get(name, {}).get("rows") if isinstance(data["moe_tables"].get(name), dict) else None
             if old != table["rows"]:
                 changes.append((f"moe_tables.{name}", old, table["rows"], table["source"]))
