@@ -85,6 +85,22 @@ def histogram(counts: list[list[int]]) -> list[list[float]]:
     return [[rows, round(n / len(counts), 4)] for rows, n in sorted(seen.items())]
 
 
+def merge_records(paths: list[str]) -> dict:
+    """Records of separate runs of the same model and command as one: their batches together, their sources joined."""
+    records = []
+    for path in paths:
+        with open(path) as f:
+            records.append(json.load(f))
+    merged = dict(records[0], batches={})
+    for record in records:
+        if (record["experts"], record["top_k"], record["overrides"]) != (merged["experts"], merged["top_k"], merged["overrides"]):
+            raise SystemExit(f"records of different models cannot be merged: {paths}")
+        merged["batches"].update(record["batches"])
+    merged["source"] = "; ".join(dict.fromkeys(record["source"] for record in records))
+    merged["batches"] = dict(sorted(merged["batches"].items(), key=lambda item: int(item[0])))
+    return merged
+
+
 def profile_entry(result: dict, steps: int) -> dict:
     """The entry `moeplex plan profile-update` merges (core/plan/routing.py reads it)."""
     return {
@@ -109,11 +125,11 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, help="prefill tokens per step (default: the whole batch, as e2e_gpu.py; a CPU run "
                         "chunks to keep activations small: routing is per token)")
     parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--from-record", metavar="JSON", help="no run: write --out from an earlier record's counts (its entry again)")
+    parser.add_argument("--from-record", metavar="JSON", nargs="+",
+                        help="no run: write --out from earlier records of the same model (their batches together) and the entry again")
     args = parser.parse_args()
     if args.from_record:
-        with open(args.from_record) as f:
-            result = json.load(f)
+        result = merge_records(args.from_record)
         steps = len(next(iter(result["batches"].values()))["distinct"])
         result[f"routing_{result.get('model_type', 'deepseek_v3')}"] = profile_entry(result, steps)
         with open(args.out, "w") as f:

@@ -97,3 +97,26 @@ def test_check_takes_a_recorded_load_for_the_published_cases(tmp_path, capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if "EPLB gain" in line]
     gains = [float(row.split("|")[4]) for row in rows]
     assert len(gains) == 2 and all(0.95 < g < 1.1 for g in gains)
+
+
+def test_routing_records_merge_into_one_profile_entry(tmp_path):
+    """plan_routing.py --from-record: two runs' batches as one entry; the histogram counts experts per (step, layer)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def record(batch, counts):
+        return {"source": f"run {batch}", "experts": 4, "top_k": 2, "overrides": {}, "model_type": "deepseek_v3",
+                "batches": {str(batch): {"distinct": [sum(1 for c in v if c) for v in counts], "counts": counts}}}
+
+    (tmp_path / "a.json").write_text(json.dumps(record(1, [[1, 1, 0, 0], [0, 1, 1, 0]])))
+    (tmp_path / "b.json").write_text(json.dumps(record(2, [[2, 2, 0, 0], [1, 1, 1, 1]])))
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    out = tmp_path / "merged.json"
+    done = subprocess.run([sys.executable, "plan_routing.py", "--from-record", str(tmp_path / "b.json"), str(tmp_path / "a.json"),
+                           "--out", str(out)], cwd=bench, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    entry = json.loads(out.read_text())["routing_deepseek_v3"]
+    # batch 2: one step with two experts of 2 rows, one with four of 1 row -> per step 2 experts x 1 row, 1 x 2 rows
+    assert entry["value"]["batches"] == [[1, [[1, 2.0]]], [2, [[1, 2.0], [2, 1.0]]]]
+    assert "run 2" in entry["source"] and "run 1" in entry["source"]
