@@ -129,7 +129,8 @@ def deepep_ll_us(hw: Profile, tokens: float, hidden: int, top_k: int, ep: int, f
     """DeepEP low-latency dispatch and combine: one copy per (token, expert) pair, no forwarding.
 
     Between nodes at DeepEP's published low-latency bandwidth for this EP size (its figure counts every
-    pair's bytes, 128 tokens per rank); inside one node over NVLink at the measured rate.
+    pair's bytes, 128 tokens per rank); inside one node the remote pairs over NVLink at the measured rate, plus
+    the kernels' own cost besides those bytes (ll_fixed_us).
     """
     if ep <= 1 or tokens <= 0:
         return 0.0, 0.0
