@@ -112,6 +112,36 @@ def profile_entry(result: dict, steps: int) -> dict:
     }
 
 
+def router_only(config: dict, batches, steps: int, seed: int = 0) -> dict:
+    """Each MoE layer's router alone (moeplex's Router with the run's dummy gate weight and correction bias, from
+    their names and the seed) on independent unit-RMS inputs scaled by the layer's dummy post-attention norm weight:
+    what the bias and grouped top-k do without the model making tokens alike. Cheap at any batch."""
+    from moeplex.models.deepseek_v3 import is_moe_layer, router_spec
+    from moeplex.models.random_weights import named_random_tensor
+    from moeplex.moe.router import Router
+
+    hidden = config["hidden_size"]
+    layers = [i for i in range(config["num_hidden_layers"]) if is_moe_layer(config, i)]
+    routers, norms = [], []
+    for i in layers:
+        router = Router(hidden, router_spec(config))
+        prefix = f"model.layers.{i}"
+        router.weight.data.copy_(named_random_tensor(f"{prefix}.mlp.gate.weight", tuple(router.weight.shape), seed))
+        router.e_score_correction_bias.data.copy_(named_random_tensor(f"{prefix}.mlp.gate.e_score_correction_bias", (config["n_routed_experts"],), seed))
+        routers.append(router)
+        norms.append(named_random_tensor(f"{prefix}.post_attention_layernorm.weight", (hidden,), seed))
+    gen = torch.Generator().manual_seed(seed + 1)
+    out = {}
+    for batch in batches:
+        counts = []
+        for _ in range(steps):
+            for router, norm in zip(routers, norms):
+                ids, _ = router(torch.randn(batch, hidden, generator=gen) * norm)
+                counts.append(torch.bincount(ids.flatten(), minlength=config["n_routed_experts"]).tolist())
+        out[batch] = counts
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -125,6 +155,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, help="prefill tokens per step (default: the whole batch, as e2e_gpu.py; a CPU run "
                         "chunks to keep activations small: routing is per token)")
     parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--router-only", action="store_true",
+                        help="no model run: each MoE layer's dummy router alone on independent unit-RMS inputs (CPU, seconds)")
     parser.add_argument("--from-record", metavar="JSON", nargs="+",
                         help="no run: write --out from earlier records of the same model (their batches together) and the entry again")
     args = parser.parse_args()
@@ -137,6 +169,27 @@ def main() -> None:
         return
     overrides = {"num_hidden_layers": args.layers}
     overrides.update({k: int(v) for k, v in (item.split("=", 1) for item in args.set)})
+    if args.router_only:
+        from moeplex.models.deepseek_v3 import PRESETS
+
+        config = {**PRESETS[args.preset], **overrides}
+        counts = router_only(config, args.batches, args.output_len - 1)
+        experts, top_k = config["n_routed_experts"], config["num_experts_per_tok"]
+        result = {"source": f"python benchmarks/plan_routing.py --router-only --preset {args.preset} --layers {args.layers} "
+                            "(the dummy routers alone on independent unit-RMS inputs, CPU)",
+                  "device": "cpu", "experts": experts, "top_k": top_k, "overrides": overrides, "model_type": "deepseek_v3",
+                  "batches": {}}
+        print("| batch | steps | distinct experts per step (mean over steps and MoE layers) | uniform | ratio |")
+        print("|---:|---:|---:|---:|---:|")
+        for batch, vectors in counts.items():
+            distinct = [sum(1 for c in v if c) for v in vectors]
+            mean, uniform = statistics.mean(distinct), uniform_distinct(experts, top_k, batch)
+            result["batches"][str(batch)] = {"distinct": distinct, "mean_distinct": mean, "uniform_distinct": uniform, "counts": vectors}
+            print(f"| {batch} | {len(vectors)} | {mean:.1f} | {uniform:.1f} | {mean / uniform:.3f} |", flush=True)
+        result["routing_deepseek_v3"] = profile_entry(result, args.output_len - 1)
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        return
     folder = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", args.preset, overrides=overrides, config_only=True)
     cuda = args.device.startswith("cuda")
     largest = max(args.batches)

@@ -120,3 +120,22 @@ def test_routing_records_merge_into_one_profile_entry(tmp_path):
     # batch 2: one step with two experts of 2 rows, one with four of 1 row -> per step 2 experts x 1 row, 1 x 2 rows
     assert entry["value"]["batches"] == [[1, [[1, 2.0]]], [2, [[1, 2.0], [2, 1.0]]]]
     assert "run 2" in entry["source"] and "run 1" in entry["source"]
+
+
+def test_routing_of_the_routers_alone(tmp_path):
+    """plan_routing.py --router-only: the dummy routers on random inputs, a record and an entry like a run's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    out = tmp_path / "routers.json"
+    done = subprocess.run([sys.executable, "plan_routing.py", "--router-only", "--preset", "tiny", "--batches", "1", "4",
+                           "--output-len", "3", "--out", str(out)], cwd=bench, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(out.read_text())
+    top_k = record["top_k"]
+    assert [len(record["batches"][b]["counts"]) for b in ("1", "4")] == [2 * 3, 2 * 3]  # 2 steps x 3 MoE layers
+    assert all(sum(v) == 4 * top_k for v in record["batches"]["4"]["counts"])  # every token's top-k counted
+    assert record["batches"]["1"]["mean_distinct"] == top_k
+    assert [b[0] for b in record["routing_deepseek_v3"]["value"]["batches"]] == [1, 4]
