@@ -3,8 +3,8 @@
 # core/plan/profiles/h200.json lacks or borrows, merge them into OUT/h200_measured.json (each number keeps its
 # command as its source), check the model with it, then re-measure the fused MoE tables with the time left.
 #
-#   bash benchmarks/plan_profile.sh OUT            # one device call: everything ends within BUDGET_S (default 550 s)
-#   bash benchmarks/plan_profile.sh OUT 550 cpu    # every step at toy sizes on a CPU (tests/test_plan_cli.py runs it)
+#   bash benchmarks/plan_profile.sh OUT            # one device call: everything ends within BUDGET_S (default 540 s: 9 min, and a stuck step is killed 5 s past its limit)
+#   bash benchmarks/plan_profile.sh OUT 540 cpu    # every step at toy sizes on a CPU (tests/test_plan_cli.py runs it)
 #
 # Steps (OUT/steps.txt says how each ended and how long it took; OUT/<step>.log holds its output):
 #   routing   plan_routing.py: the distinct experts e2e_gpu.py's dummy DeepSeek-V3 hits per decode step (routing_deepseek_v3)
@@ -17,7 +17,7 @@
 # Updating the shipped profile from OUT/h200_measured.json is a reviewed edit (OUT/profile_update.md lists the changes).
 set -o pipefail
 out=$(mkdir -p "${1:?usage: bash benchmarks/plan_profile.sh OUT [BUDGET_S] [cpu]}" && realpath "$1")
-budget=${2:-550}
+budget=${2:-540}
 mode=${3:-gpu}
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")"
@@ -35,7 +35,7 @@ step() {  # step NAME MAX_S CMD...: CMD under the smaller of MAX_S and the time 
     return 0
   fi
   local start=$(date +%s)
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  timeout -k 5 "$limit" "$@" > "$out/$name.log" 2>&1  # -k: a step that ignores the TERM is killed 5 s later
   local rc=$?
   echo "$name: rc $rc after $(( $(date +%s) - start )) s (limit $limit s): $*" | tee -a "$out/steps.txt"
   tail -n 20 "$out/$name.log"
