@@ -1,5 +1,8 @@
 """`moeplex plan` end to end with the shipped profile (CI runs it)."""
 
+import json
+import os
+
 import pytest
 
 from moeplex.cli import main
@@ -46,36 +49,93 @@ def test_bad_layouts_are_one_sentence(capsys, layout, message):
     assert message in capsys.readouterr().err
 
 
-def test_plan_gemm_benchmark_runs_at_toy_size(tmp_path):
-    """benchmarks/plan_gemm.py (the --profile step's new measurement) end to end on the CPU; its numbers mean nothing here."""
+def test_profile_step_runs_every_measurement_and_merges_them_at_toy_size(tmp_path):
+    """benchmarks/plan_profile.sh in its CPU mode: every step the lead's one-GPU call runs (routing record,
+    one-rank dispatch, dense GEMMs and attention, launch costs), merged by `plan profile-update` into a profile
+    that `plan check` reads. The numbers mean nothing on a CPU; the commands and files are what is tested."""
     import subprocess
     import sys
     from pathlib import Path
 
-    bench = Path(__file__).resolve().parent.parent / "benchmarks"
-    out = tmp_path / "gemm.md"
-    profile = tmp_path / "measured.json"
-    args = [sys.executable, "plan_gemm.py", "--device", "cpu", "--model", "deepseek_v3:tiny", "--tokens", "4", "16", "--seq", "16",
-            "--runs", "1", "--out", str(out), "--profile-out", str(profile)]
-    done = subprocess.run(args, cwd=bench, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    text = out.read_text()
-    assert "| gemm |" in text and "| causal attention" in text
-    measured = load_profile(str(profile))  # the file the --profile step writes is a profile the model reads
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "plan_profile.sh"
+    done = subprocess.run(["bash", str(script), str(tmp_path), "300", "cpu"], capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "PYTHON": sys.executable})
+    steps = (tmp_path / "steps.txt").read_text()
+    assert done.returncode == 0 and steps.count("rc 0") == 6, steps + done.stderr[-2000:]
+    gemm = (tmp_path / "plan_gemm_h200.md").read_text()
+    assert "| gemm |" in gemm and "| causal attention" in gemm
+    launch = (tmp_path / "plan_launch_h200.md").read_text()
+    assert "eager launch from Python" in launch and "skipped: needs CUDA" in launch
+    measured = load_profile(str(tmp_path / "h200_measured.json"))
+    # each merged number keeps the command that measured it
     assert [p[0] for p in measured.gemm_slowdown] == [4, 16] and "plan_gemm.py" in measured.sources["gemm_slowdown"]
-    assert main(["plan", "check", "--only", "own", "--profile", str(profile)]) == 0
+    assert [b[0] for b in measured.routing_deepseek_v3["batches"]] == [1, 8]
+    assert "plan_routing.py --device cpu --preset tiny" in measured.sources["routing_deepseek_v3"]
+    assert "plan_dispatch.py" in measured.sources["local_kernel_us"]
+    assert measured.hbm_gbps == load_profile("h200").hbm_gbps  # what no step measured stays as shipped
+    update = (tmp_path / "profile_update.md").read_text()
+    assert "| routing_deepseek_v3 | {" in update and "| gemm_slowdown | - |" in update
+    assert "DeepSeek-V3 4 layers decode b=32" in (tmp_path / "plan_check_measured.md").read_text()
 
 
-def test_plan_launch_benchmark_runs_at_toy_size(tmp_path):
-    """benchmarks/plan_launch.py (the --profile step's launch costs) on the CPU: the eager part only."""
+def test_profile_update_refuses_an_entry_without_a_source(tmp_path, capsys):
+    fragment = tmp_path / "m.json"
+    fragment.write_text(json.dumps({"graph_gap_us": {"value": 1.0, "source": ""}}))
+    assert main(["plan", "profile-update", str(fragment), "--out", str(tmp_path / "p.json")]) == 2
+    assert "has no source" in capsys.readouterr().err
+    fragment.write_text(json.dumps({"graph_gap_us": {"value": 1.0, "source": "run X"}, "details": {"rows": [1, 2]}}))
+    assert main(["plan", "profile-update", str(fragment), "--out", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| graph_gap_us | 1.37 | 1.0 | run X |" in out and "1 entries changed" in out
+    assert load_profile(str(tmp_path / "p.json")).graph_gap_us == 1.0
+
+
+def test_check_takes_a_recorded_load_for_the_published_cases(tmp_path, capsys):
+    flat = tmp_path / "flat.json"  # no hot experts at all: EPLB can only even out a batch's noise
+    flat.write_text(json.dumps({"load_history": [{"logical_expert_load": [[100] * 256]}]}))
+    assert main(["plan", "check", "--only", "published", "--expert-load", str(flat)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "EPLB gain" in line]
+    gains = [float(row.split("|")[4]) for row in rows]
+    assert len(gains) == 2 and all(0.95 < g < 1.1 for g in gains)
+
+
+def test_routing_records_merge_into_one_profile_entry(tmp_path):
+    """plan_routing.py --from-record: two runs' batches as one entry; the histogram counts experts per (step, layer)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def record(batch, counts):
+        return {"source": f"run {batch}", "experts": 4, "top_k": 2, "overrides": {}, "model_type": "deepseek_v3",
+                "batches": {str(batch): {"distinct": [sum(1 for c in v if c) for v in counts], "counts": counts}}}
+
+    (tmp_path / "a.json").write_text(json.dumps(record(1, [[1, 1, 0, 0], [0, 1, 1, 0]])))
+    (tmp_path / "b.json").write_text(json.dumps(record(2, [[2, 2, 0, 0], [1, 1, 1, 1]])))
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    out = tmp_path / "merged.json"
+    done = subprocess.run([sys.executable, "plan_routing.py", "--from-record", str(tmp_path / "b.json"), str(tmp_path / "a.json"),
+                           "--out", str(out)], cwd=bench, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    entry = json.loads(out.read_text())["routing_deepseek_v3"]
+    # batch 2: one step with two experts of 2 rows, one with four of 1 row -> per step 2 experts x 1 row, 1 x 2 rows
+    assert entry["value"]["batches"] == [[1, [[1, 2.0]]], [2, [[1, 2.0], [2, 1.0]]]]
+    assert "run 2" in entry["source"] and "run 1" in entry["source"]
+
+
+def test_routing_of_the_routers_alone(tmp_path):
+    """plan_routing.py --router-only: the dummy routers on random inputs, a record and an entry like a run's."""
     import subprocess
     import sys
     from pathlib import Path
 
     bench = Path(__file__).resolve().parent.parent / "benchmarks"
-    out = tmp_path / "launch.md"
-    args = [sys.executable, "plan_launch.py", "--device", "cpu", "--kernels", "20", "--runs", "2", "--out", str(out)]
-    done = subprocess.run(args, cwd=bench, capture_output=True, text=True, timeout=120)
+    out = tmp_path / "routers.json"
+    done = subprocess.run([sys.executable, "plan_routing.py", "--router-only", "--preset", "tiny", "--batches", "1", "4",
+                           "--output-len", "3", "--out", str(out)], cwd=bench, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    text = out.read_text()
-    assert "eager launch from Python" in text and "skipped: needs CUDA" in text
+    record = json.loads(out.read_text())
+    top_k = record["top_k"]
+    assert [len(record["batches"][b]["counts"]) for b in ("1", "4")] == [2 * 3, 2 * 3]  # 2 steps x 3 MoE layers
+    assert all(sum(v) == 4 * top_k for v in record["batches"]["4"]["counts"])  # every token's top-k counted
+    assert record["batches"]["1"]["mean_distinct"] == top_k
+    assert [b[0] for b in record["routing_deepseek_v3"]["value"]["batches"]] == [1, 4]

@@ -7,7 +7,7 @@ from importlib import resources
 import pytest
 import torch
 
-from moeplex.plan import costs
+from moeplex.plan import costs, routing
 from moeplex.plan.imbalance import ExpertLoad, balancedness
 from moeplex.plan.profile import ExpertTable, Profile, load_profile
 from moeplex.plan.shapes import load_config, model_shape
@@ -240,3 +240,79 @@ def test_a_one_point_table_at_its_expert_count_rescales_the_general_curve():
     table, factor = hw.expert_table("triton", "bf16", 10, 20, local_experts=8)  # any other count: the general table
     assert factor == 1.0 and table.source == "test"
     assert hw.expert_rate_cap("triton", "bf16") == pytest.approx(100 * 1200 / 100.0 / 1e6)  # the untuned point is not a cap
+
+
+def test_uniform_distinct_experts():
+    assert routing.uniform_distinct(256, 8, 1) == pytest.approx(8.0)
+    assert routing.uniform_distinct(4, 2, 2) == pytest.approx(4 * (1 - 0.5**2))  # 3 of 4
+    assert routing.uniform_distinct(256, 8, 0) == 0.0
+
+
+def test_tiles_of_a_histogram():
+    hist = [(1, 3.0), (17, 1.0), (40, 0.5)]  # 3 experts with 1 row, 1 with 17, half a step's expert with 40
+    assert routing.tiles(hist, 16) == pytest.approx(3 + 2 + 0.5 * 3)
+    assert routing.tiles(hist, math.inf) == pytest.approx(4.5)  # one tile per hit expert: the distinct experts
+
+
+def test_uniform_histogram_is_the_binomial():
+    hist = dict(routing.uniform_histogram(4, 2, 2))  # each expert's rows ~ Binomial(2, 1/2)
+    assert hist[1] == pytest.approx(4 * 0.5) and hist[2] == pytest.approx(4 * 0.25)
+    assert sum(hist.values()) == pytest.approx(routing.uniform_distinct(4, 2, 2))
+
+
+def test_recorded_routing_scales_by_tiles_interpolated_in_log2_tokens_uniform_outside():
+    assert routing.UNIFORM.scale(32, 16) == 1.0
+    # 4 experts, top-2, 2 tokens: uniform runs 3 tiles of 16 rows (distinct experts); a run that sent both tokens
+    # to the same two experts ran 2
+    two = routing.RecordedBatch(2, 4, 2, ((2, 2.0),))
+    assert two.distinct() == 2.0 and two.tile_ratio(16) == pytest.approx(2 / 3)
+    # at 1-row tiles the same run costs as many tiles as uniform routing (4 pairs either way)
+    assert two.tile_ratio(1) == pytest.approx(1.0)
+    eight = routing.RecordedBatch(8, 4, 2, ((4, 4.0),))  # uniform at 8 tokens hits ~all 4: ratio ~1
+    recorded = routing.Routing((eight, two), "test")  # sorted by tokens
+    r2, r8 = two.tile_ratio(16), eight.tile_ratio(16)
+    assert recorded.scale(2, 16) == pytest.approx(r2) and recorded.scale(8, 16) == pytest.approx(r8)
+    assert recorded.scale(4, 16) == pytest.approx((r2 + r8) / 2)  # log2 midway
+    assert recorded.scale(1, 16) == 1.0 and recorded.scale(64, 16) == 1.0  # outside the record: uniform
+
+
+def test_routing_and_block_m_from_the_profile(hw):
+    assert routing.routing_for(hw, "deepseek_v3") is routing.UNIFORM
+    assert routing.block_m(hw, "triton", 8) == math.inf
+    values = {**ROUND, "routing_deepseek_v3": {"experts": 4, "top_k": 2, "batches": [[2, [[2, 2.0]]]]},
+              "triton_block_m": [[1, 16], [16, 32], [32, 64]]}
+    profile = Profile("r", values, {**{k: "test" for k in values}, "routing_deepseek_v3": "run X"}, {}, {})
+    recorded = routing.routing_for(profile, "deepseek_v3")
+    assert recorded.scale(2, 16) == pytest.approx(2 / 3) and recorded.source == "run X"
+    assert routing.block_m(profile, "triton", 8) == 32  # 8 rows: nearest the entry at 16 rows (log2: 1 against 3)
+    assert routing.block_m(profile, "triton", 4) == 32  # 4 rows: a tie between 1 and 16 goes to 16, as the kernel picks
+    assert routing.block_m(profile, "triton", 2) == 16
+    assert routing.block_m(profile, "triton", 500) == 64
+
+
+def test_experts_time_scales_with_the_routing():
+    table = ExpertTable(((1.0, 10.0), (100.0, 100.0)), "test")
+    assert costs.experts_us(table, 1.0, 2, 4, routing_scale=0.5) == pytest.approx(0.5 * costs.experts_us(table, 1.0, 2, 4))
+
+
+def test_low_latency_fixed_cost_is_the_measured_one_rank_kernels(hw):
+    assert costs.ll_fixed_us(hw) == (2.0, 2.0)  # unmeasured: one kernel each
+    values = {**ROUND, "deepep_ll_kernel_us": [20.0, 30.0]}
+    measured = Profile("m", values, {k: "test" for k in values}, {}, {})
+    d, c = costs.deepep_ll_us(measured, 10, 1000, 8, 4, fp8_dispatch=False)
+    assert d == pytest.approx(60 * 2000 / 5e4 + 20.0)
+    assert c == pytest.approx(60 * 2000 / 5e4 + 30.0)
+
+
+def test_recorded_loads_in_both_formats(tmp_path):
+    from moeplex.plan.imbalance import read_expert_load
+
+    ours = tmp_path / "ours.json"
+    ours.write_text(json.dumps({"logical_count": [[[1, 2], [3, 4]], [[1, 0], [0, 1]]]}))  # [steps][layers][experts]
+    assert read_expert_load(str(ours)).tolist() == [[2.0, 2.0], [3.0, 5.0]]
+    history = tmp_path / "history.json"
+    history.write_text(json.dumps({"load_history": [{"logical_expert_load": [[1, 2], [3, 4]]}, {"logical_expert_load": [[1, 0], [0, 1]]}]}))
+    assert read_expert_load(str(history)).tolist() == [[2.0, 2.0], [3.0, 5.0]]
+    history.write_text(json.dumps({"load_history": []}))
+    with pytest.raises(ValueError, match="empty"):
+        read_expert_load(str(history))

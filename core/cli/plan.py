@@ -32,10 +32,16 @@ def add_parser(sub) -> None:
     check.add_argument("--only", choices=("own", "published"), help="one group of cases (default: both)")
     check.add_argument("--profile", default="h200", help="profile for our own H200 tables: h200 or a measured profile file (default: h200)")
     check.add_argument("--zipf-skew", type=float, default=1.0, help="skew of the synthetic expert load for the published cases (default: 1.0)")
+    check.add_argument("--expert-load", help="a recorded DeepSeek-V3 expert load for the published cases instead of the synthetic one: logical_count [layers][experts], or a load_history of logical_expert_load (vLLM's recorder)")
     check.set_defaults(run=run_check)
     sources = actions.add_parser("sources", help="print every number of a hardware profile with its source")
     sources.add_argument("--profile", default="h200", help="h200, h100, h800 or a profile JSON file (default: h200)")
     sources.set_defaults(run=run_sources)
+    update = actions.add_parser("profile-update", help="lay the measured entries of benchmarks/plan_profile.sh's outputs over a profile and write the result (each number keeps its source)")
+    update.add_argument("measured", nargs="+", help="JSON files of profile entries ({KEY: {value, source}}; moe_tables by name), laid over the base in this order")
+    update.add_argument("--base", default="h200", help="the profile they update: h200 or a profile JSON file (default: h200)")
+    update.add_argument("--out", required=True, help="the profile JSON to write (read it with --profile FILE; copy it over core/plan/profiles/h200.json in a reviewed commit)")
+    update.set_defaults(run=run_profile_update)
 
 
 def _common(p) -> None:
@@ -45,7 +51,7 @@ def _common(p) -> None:
     p.add_argument("--output-len", type=int, default=500, help="answer tokens (default: 500)")
     p.add_argument("--prefill-tokens", type=int, default=16384, help="prefill tokens per GPU per step (default: 16384)")
     p.add_argument("--zipf-skew", type=float, default=1.0, help="skew of the synthetic Zipf expert load EPLB balances (default: 1.0)")
-    p.add_argument("--expert-load", help="a recorded expert load JSON (logical_count [layers][experts], as `moeplex eplb` reads) instead of the synthetic one")
+    p.add_argument("--expert-load", help="a recorded expert load JSON instead of the synthetic one: logical_count [layers][experts] (as `moeplex eplb` reads), or a load_history of logical_expert_load (vLLM's recorder)")
 
 
 def _inputs(args):
@@ -55,9 +61,9 @@ def _inputs(args):
 
     recorded = None
     if args.expert_load:
-        from ..moe.load_report import read_load
+        from ..plan.imbalance import read_expert_load
 
-        _, recorded = read_load(args.expert_load)
+        recorded = read_expert_load(args.expert_load)
     workload = Workload(args.input_len, args.output_len, args.zipf_skew, recorded)
     return load_profile(args.profile), model_shape(load_config(args.model)), workload
 
@@ -120,7 +126,12 @@ def run_check(args) -> int:
     if args.only in (None, "own"):
         cases += own_cases(args.profile)
     if args.only in (None, "published"):
-        cases += published_cases(args.zipf_skew)
+        recorded = None
+        if args.expert_load:
+            from ..plan.imbalance import read_expert_load
+
+            recorded = read_expert_load(args.expert_load)
+        cases += published_cases(args.zipf_skew, recorded)
     print_checks(run_cases(cases))
     return 0
 
@@ -130,4 +141,19 @@ def run_sources(args) -> int:
     from ..plan.report import print_sources
 
     print_sources(load_profile(args.profile))
+    return 0
+
+
+def run_profile_update(args) -> int:
+    from ..plan.profile import load_profile
+    from ..plan.profile_update import merge, short, write
+
+    data, changes = merge(args.base, args.measured)
+    write(data, args.out)
+    load_profile(args.out)  # what was written is a profile the model reads
+    print(f"wrote {args.out} ({len(changes)} entries changed over {args.base}):")
+    print("| entry | before | after | source |")
+    print("|---|---|---|---|")
+    for key, old, new, source in changes:
+        print(f"| {key} | {short(old)} | {short(new)} | {source} |")
     return 0

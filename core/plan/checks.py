@@ -11,6 +11,7 @@ from typing import Callable
 
 from .deployment import RoleLayout, Workload, predict_step
 from .profile import Profile, load_profile
+from .routing import routing_for
 from .shapes import load_config, model_shape
 
 LOCAL_TRITON = RoleLayout(gpus=1, ep=1, dispatcher="local", moe_kernel="triton", dtype="bf16", balancer="static")
@@ -34,8 +35,9 @@ def _step_ms(model: str, overrides: dict, layout: RoleLayout, mode: str, tokens:
     def run() -> float:
         hw = load_profile(profile)
         shape = model_shape(load_config(model, overrides))
-        # dummy (random) weights route with no trained hot experts: a uniform law
-        workload = Workload(input_len=input_len, output_len=32, zipf_skew=0.0)
+        # dummy (random) weights: no trained hot experts to balance (a uniform law over EP ranks), and within a
+        # step the routing the measured run's model was recorded to have (benchmarks/plan_routing.py), if any
+        workload = Workload(input_len=input_len, output_len=32, zipf_skew=0.0, routing=routing_for(hw, shape.arch))
         return predict_step(hw, shape, layout, workload, mode, tokens).step_us / 1e3
 
     return run
@@ -69,7 +71,8 @@ def own_cases(profile: str = "h200") -> list[Case]:
 
 def _comm(layout: RoleLayout, mode: str, tokens: int, profile: str) -> Callable[[], float]:
     """The dispatch benchmark's layer (identity experts) from an idle GPU: GPU terms, and for DeepEP normal the
-    host timeline of its launches and two syncs at DeepSeek-V3's eager host cost per launch (eager.py)."""
+    host timeline of its launches and two syncs at DeepSeek-V3's eager host cost per launch (eager.py); for
+    low-latency the host's share of two bare calls measured on one GPU (plan_dispatch.py), where the profile has it."""
     def run() -> float:
         from .costs import permute_parts_us
         from .deployment import _dispatch_us
@@ -80,7 +83,8 @@ def _comm(layout: RoleLayout, mode: str, tokens: int, profile: str) -> Callable[
         shape = model_shape(load_config("deepseek_v3:v3"))
         d, c, contiguous = _dispatch_us(hw, layout, shape, tokens, mode == "decode")
         if not contiguous:
-            return d + c
+            # bare low-latency calls from an idle GPU: their kernels, and the host's exposed share where measured
+            return d + c + hw.values.get("deepep_ll_call_host_us", 0.0)
         group, summing = permute_parts_us(hw, tokens * shape.top_k, shape.experts // layout.ep, shape.hidden)
         layer = LayerCosts(0, 0, 0, 0, 0, group=group, summing=summing, dispatch=d, combine=c, normal_mode=True)
         ops = normal_dispatch_ops(layer, hw.launches["deepep-normal"], hw.deepep_normal_fixed_us)
@@ -108,12 +112,12 @@ def sglang_layouts(eplb: bool = True, overlap: str = "tbo") -> tuple[RoleLayout,
     return prefill, decode
 
 
-def published_cases(skew: float = 1.0) -> list[Case]:
+def published_cases(skew: float = 1.0, recorded_load=None) -> list[Case]:
     """Assumed where the sources do not say (stated in docs/plan.md): 16384 prefill tokens per GPU per step,
     SGLang's decode at 256 tokens per GPU (the issue's TBO figure), 100 output tokens; DeepSeek's decode at
     DeepEP's 'typical production setting' of 128 tokens per rank, its prompts at its published average KV length."""
-    sg = Workload(input_len=2000, output_len=100, zipf_skew=skew)
-    ds = Workload(input_len=4989, output_len=1, zipf_skew=skew)
+    sg = Workload(input_len=2000, output_len=100, zipf_skew=skew, recorded_load=recorded_load)
+    ds = Workload(input_len=4989, output_len=1, zipf_skew=skew, recorded_load=recorded_load)
     p, d = sglang_layouts()
     p_static, d_static = sglang_layouts(eplb=False)
     p_none, d_none = sglang_layouts(overlap="none")

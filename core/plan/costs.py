@@ -78,16 +78,20 @@ def experts_hit(pairs: float, local_experts: int) -> float:
     return local_experts * (1.0 - (1.0 - 1.0 / local_experts) ** pairs)
 
 
-def experts_us(table: ExpertTable, size_factor: float, pairs: float, local_experts: int, best_tflops: float = 0.0) -> float:
+def experts_us(
+    table: ExpertTable, size_factor: float, pairs: float, local_experts: int, best_tflops: float = 0.0, routing_scale: float = 1.0
+) -> float:
     """Routed experts on one GPU: hit experts x the measured time per hit expert at their rows.
 
-    `best_tflops` (the best rate measured for this kernel) bounds the extrapolation past the table.
+    `best_tflops` (the best rate measured for this kernel) bounds the extrapolation past the table;
+    `routing_scale` is what a recorded routing takes relative to the uniform routing the table was measured
+    under (routing.py: the tiles the kernel runs).
     """
     hit = experts_hit(pairs, local_experts)
     if hit == 0:
         return 0.0
     min_us_per_row = 6.0 * table.shape[0] * table.shape[1] / (best_tflops * 1e6) if best_tflops > 0 else 0.0
-    return hit * table.us_per_expert(pairs / hit, min_us_per_row) * size_factor
+    return hit * table.us_per_expert(pairs / hit, min_us_per_row) * size_factor * routing_scale
 
 
 def ranks_reached(peers: int, top_k: int) -> float:
@@ -125,7 +129,8 @@ def deepep_ll_us(hw: Profile, tokens: float, hidden: int, top_k: int, ep: int, f
     """DeepEP low-latency dispatch and combine: one copy per (token, expert) pair, no forwarding.
 
     Between nodes at DeepEP's published low-latency bandwidth for this EP size (its figure counts every
-    pair's bytes, 128 tokens per rank); inside one node over NVLink at the measured rate.
+    pair's bytes, 128 tokens per rank); inside one node the remote pairs over NVLink at the measured rate, plus
+    the kernels' own cost besides those bytes (ll_fixed_us).
     """
     if ep <= 1 or tokens <= 0:
         return 0.0, 0.0
@@ -133,10 +138,20 @@ def deepep_ll_us(hw: Profile, tokens: float, hidden: int, top_k: int, ep: int, f
     if ep <= hw.gpus_per_node:
         remote = pairs * (ep - 1) / ep
         bw = hw.nvlink_ll_gbps * 1e3
-        return remote * row_bytes(hidden, fp8_dispatch) / bw + hw.kernel_floor_us, remote * row_bytes(hidden, False) / bw + hw.kernel_floor_us
+        fixed_d, fixed_c = ll_fixed_us(hw)
+        return remote * row_bytes(hidden, fp8_dispatch) / bw + fixed_d, remote * row_bytes(hidden, False) / bw + fixed_c
     d = pairs * row_bytes(hidden, fp8_dispatch) / (hw.by_ep("rdma_ll_dispatch_gbps", ep) * 1e3)
     c = pairs * row_bytes(hidden, False) / (hw.by_ep("rdma_ll_combine_gbps", ep) * 1e3)
     return d, c
+
+
+def ll_fixed_us(hw: Profile) -> tuple[float, float]:
+    """(dispatch, combine) µs the low-latency kernels cost besides their NVLink bytes: measured on one rank, where
+    every pair stays local (`deepep_ll_kernel_us`, benchmarks/plan_dispatch.py), else one kernel each."""
+    measured = hw.values.get("deepep_ll_kernel_us")
+    if measured:
+        return float(measured[0]), float(measured[1])
+    return hw.kernel_floor_us, hw.kernel_floor_us
 
 
 def permute_parts_us(hw: Profile, pairs: float, local_experts: int, hidden: int) -> tuple[float, float]:

@@ -10,6 +10,7 @@ from .eager import LayerCosts
 from .host import Op, timeline_us
 from .imbalance import ExpertLoad, balancedness
 from .profile import Profile
+from .routing import UNIFORM, Routing, block_m
 from .shapes import ModelShape
 
 DISPATCHERS = ("local", "deepep-normal", "deepep-ll", "deepep-auto")
@@ -55,6 +56,7 @@ class Workload:
     output_len: int = 500
     zipf_skew: float = 1.0  # the synthetic expert law (see imbalance.py) unless a recorded load is given
     recorded_load: object = None  # torch tensor [L, E] or None
+    routing: Routing = UNIFORM  # how a step's pairs spread over experts (routing.py): uniform, or a recorded run's
 
 
 @dataclass
@@ -147,8 +149,9 @@ def predict_step(
     def moe_layer(tok: float, pairs_kv: float) -> LayerCosts:
         attn = _attention_us(hw, shape, layout, tok, pairs_kv, decode, seq)
         mean = tok * shape.top_k
-        experts_mean = costs.experts_us(table, size, mean, local, cap)
-        experts_max = costs.experts_us(table, size, mean / bal, local, cap)
+        scale = workload.routing.scale(tok, block_m(hw, layout.moe_kernel, mean / local))
+        experts_mean = costs.experts_us(table, size, mean, local, cap, scale)
+        experts_max = costs.experts_us(table, size, mean / bal, local, cap, scale)
         d, c, contiguous = _dispatch_us(hw, layout, shape, tok, decode)
         shared = 0.0
         if shape.shared_intermediate:

@@ -19,6 +19,27 @@ from ..registry import lookup
 LAYERS = 4  # independent layer draws averaged (each layer its own hot experts)
 
 
+def read_expert_load(path: str) -> torch.Tensor:
+    """A recorded expert load as [layers, experts] counts: our `logical_count` files (what `moeplex eplb` reads),
+    or a `load_history` of per-step `logical_expert_load` [layers][experts] (vLLM's EPLB recorder, the format of
+    the expert-load.json in the ADRS EPLB case study), summed over its steps."""
+    import json
+
+    from ..moe.load_report import read_load
+
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, dict) and "load_history" in data:
+        steps = [entry["logical_expert_load"] for entry in data["load_history"]]
+        if not steps:
+            raise ValueError(f"{path}: load_history is empty")
+        load = torch.tensor(steps, dtype=torch.float64).sum(0)
+        if load.dim() != 2 or (load < 0).any():
+            raise ValueError(f"{path}: each logical_expert_load must be [layers][experts] of non-negative counts")
+        return load
+    return read_load(path)[1]
+
+
 @dataclass(frozen=True)
 class ExpertLoad:
     """A law over logical experts: Zipf(skew) at seeded random positions, or recorded counts [L, E]."""
