@@ -11,9 +11,9 @@ same tokens and reach about as many experts, and only the mask's cost differs. T
 what it costs depends on how many tokens can close a string or cross a JSON delimiter mid-token (xgrammar checks
 those one by one at every step; the rest come from its per-state cache). No real tokenizer can be downloaded here, so
 the checkpoint's tokenizer is replaced by a byte-level BPE of --tokenizer-vocab tokens (the model's size by default
-on a GPU: 151,643 like Qwen's) *trained* at start on the running Python's standard library sources (the same text on
-every machine of one Python version; ~2% of its tokens hold a quote, as in released code-and-text vocabularies;
-kept in ~/.cache/moeplex so a machine trains it once). `--tokenizer synthetic` takes random merges of JSON-like
+on a GPU: 151,643 like Qwen's) *trained* at start on the running Python's standard library sources (with its installed packages' sources
+where a trimmed library has too few merges); ~2% of its tokens hold a quote, as in released code-and-text
+vocabularies; kept in ~/.cache/moeplex so a machine trains it once). `--tokenizer synthetic` takes random merges of JSON-like
 pieces instead: 22% of its tokens hold a quote, which makes every mask ~20x slower than a real vocabulary's.
 Decode tokens/s counts the tokens after every request's first one over the wall time of those steps; median of
 --runs, min-max beside it. "step-loop CPU overhead": the step loop thread's CPU time per token, constrained over
@@ -82,19 +82,18 @@ def trained_tokenizer(size: int) -> Tokenizer:
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moeplex"
     path = cache / f"stdlib_bpe_py{sys.version_info[0]}{sys.version_info[1]}_{size}.json"
     if not path.exists():
-        files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
-
-        def texts():
-            for file in files:
-                try:
-                    yield file.read_text(encoding="utf-8")
-                except (UnicodeDecodeError, OSError):
-                    continue
-
         learner = Tokenizer(models.BPE())
         learner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        learner.train_from_iterator(texts(), trainers.BpeTrainer(
-            vocab_size=size - 3, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+        folders = [sysconfig.get_paths()["stdlib"]]
+        # a trimmed standard library (some images ship one) has too few merges for a large vocabulary: then the
+        # installed packages' sources too
+        for extra in (None, sysconfig.get_paths()["purelib"]):
+            if extra:
+                folders.append(extra)
+            learner.train_from_iterator(_python_sources(folders), trainers.BpeTrainer(
+                vocab_size=size - 3, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+            if learner.get_vocab_size() >= size - 3:
+                break
         cache.mkdir(parents=True, exist_ok=True)
         learner.save(str(path.with_suffix(".tmp")))
         path.with_suffix(".tmp").replace(path)
@@ -110,6 +109,21 @@ def trained_tokenizer(size: int) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([BOS, EOS, PAD])
     return tokenizer
+
+
+def _python_sources(folders: list[str], limit: int = 40_000_000):
+    """The .py files under `folders`, in order, up to about `limit` characters (training time stays ~a minute)."""
+    total = 0
+    for folder in folders:
+        for file in sorted(Path(folder).rglob("*.py")):
+            try:
+                text = file.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            yield text
+            total += len(text)
+            if total > limit:
+                return
 
 
 def _byte_of(char: str) -> int:
