@@ -82,6 +82,10 @@ def test_output_is_unchanged_and_proposals_are_well_formed(moeplex_plugin, draft
     def checked(requests):
         drafts = propose(requests)
         check_drafts(drafts, requests, steps, vocab, drafter_cls.caps.gives_probs)
+        if drafter_cls.caps.drafts_on_device:  # the same drafts from its device state (no pending tokens here)
+            on_device = drafter.propose_on_device(requests)
+            rows = [on_device.tokens[i, : on_device.counts[i]].tolist() for i in range(len(requests))]
+            assert rows == [list(t) for t in drafts.tokens], f"propose_on_device gave {rows}, propose {drafts.tokens}"
         asked.append(len(requests))
         return drafts
 
