@@ -51,15 +51,17 @@ def draft_grid(drafts: Sequence[Sequence[int]], width: int) -> tuple[torch.Tenso
     of the flat verify batch): [R, width] the flat row of each grid cell (request r's row k, or its last row
     where it has fewer: padding, whose draw is never emitted), [R, width - 1] the drafts (-1 beyond a request's
     own), [R] their counts. One to_device moves all three."""
-    counts = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
-    starts = torch.cumsum(counts + 1, 0) - (counts + 1)
-    k = torch.arange(width, dtype=torch.int64)
-    index = starts[:, None] + torch.minimum(k[None, :], counts[:, None])
-    grid = torch.full((len(drafts), width - 1), -1, dtype=torch.int64)
-    for r, draft in enumerate(drafts):
-        if draft:
-            grid[r, : len(draft)] = torch.tensor(list(draft), dtype=torch.int64)
-    return index, grid, counts
+    lens = [len(d) for d in drafts]
+    index, grid, at = [], [], 0
+    for draft, n in zip(drafts, lens):  # plain lists, one tensor each: a tensor per request costs more than the rows
+        index += range(at, at + n + 1)
+        index += [at + n] * (width - 1 - n)
+        grid += draft
+        grid += [-1] * (width - 1 - n)
+        at += n + 1
+    rows = len(drafts)
+    return (torch.tensor(index, dtype=torch.int64).view(rows, width),
+            torch.tensor(grid, dtype=torch.int64).view(rows, width - 1), torch.tensor(lens, dtype=torch.int64))
 
 
 def accept(drawn: torch.Tensor, drafts: torch.Tensor, draft_counts: torch.Tensor) -> Accepted:
