@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from moeplex.interfaces import DeviceTokens, DraftRequest, Drafter, DrafterCaps
+from moeplex.interfaces import DeviceTokens, DraftRequest, Drafter, DrafterCaps, DrafterContext
 from moeplex.plugins.drafters.ngram import NgramDrafter, lookup
 from moeplex.plugins.drafters.ngram_device import SLACK, lookup_batch
 
@@ -100,3 +100,21 @@ def test_a_drafter_without_the_capability_says_so():
     assert not DrafterCaps().drafts_on_device  # the default: today's host path
     with pytest.raises(NotImplementedError, match="drafts_on_device"):
         HostOnly(2).propose_on_device([])
+
+
+@pytest.mark.gpu
+def test_on_gpu_the_device_drafter_proposes_what_the_host_drafter_does():
+    """The same drafts from a CUDA buffer (pinned copies in, pending tokens written on the device, no read back)."""
+    rng = random.Random(5)
+    host, device = NgramDrafter(3), NgramDrafter(3)
+    device.bind(DrafterContext(model=None, kv=None, config=None, device=torch.device("cuda")))
+    live = {str(i): [rng.randrange(5) for _ in range(rng.randint(2, 200))] for i in range(16)}
+    for _ in range(20):
+        requests = [DraftRequest(rid, list(ids), len(ids) - 1) for rid, ids in live.items()]
+        extra = [[rng.randrange(5) for _ in range(rng.randint(0, 4))] for _ in requests]
+        tokens = torch.tensor([e + [0] * (4 - len(e)) for e in extra], dtype=torch.int64, device="cuda")
+        got = device.propose_on_device(requests, DeviceTokens(tokens, torch.tensor([len(e) for e in extra], device="cuda")))
+        assert got.tokens.device.type == "cuda"
+        assert [got.tokens[i, : got.counts[i]].tolist() for i in range(len(requests))] == _host_drafts(host, requests, extra)
+        for (rid, ids), e in zip(live.items(), extra):
+            ids += e + [rng.randrange(5)]

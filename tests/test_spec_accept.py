@@ -114,3 +114,11 @@ def test_a_seeded_request_draws_as_plain_decoding_does_whatever_was_drafted():
         got += tokens
         at += len(tokens)
     assert got[:8] == plain
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(8))
+def test_on_gpu_greedy_acceptance_equals_the_host_rule(seed):
+    logits, drafts = _case(seed, requests=16, steps=3, vocab=50)
+    requests = [Request(str(i), [1], GREEDY) for i in range(len(drafts))]
+    assert verify(logits.cuda(), requests, drafts) == verify(logits, requests, drafts)
