@@ -22,7 +22,6 @@ import attrs
 import torch
 
 
-
 @attrs.frozen
 class Accepted:
     """One verify step's outcome on the device, per request row r."""

@@ -10,7 +10,8 @@ emitted token is distributed as the target's own. For point-mass drafts (ngram, 
 drawing the target's token at each row and keeping the draft while they agree (accept_drawn), which emits the
 very tokens plain sampling draws from the same random stream. p_k is filtered (temperature, top-k, top-p, min-p) by
 the same function as the non-speculative sampler; a request with a seed draws all of this from its own
-random stream, so the same seed gives the same output.
+random stream, so the same seed gives the same output. Greedy requests and sampled ones without a seed are
+accepted by tensor ops for the whole step at once (accept.py); the rest here, one request at a time.
 """
 
 from __future__ import annotations
