@@ -169,7 +169,7 @@ def test_proposals_belong_to_the_request_asked(moeplex_plugin, drafter_cls, echo
         [[(f"req-{i}", i) for i in reversed(range(len(ECHO_PROMPTS)))]],  # all at once
     ):
         spec = engine(echo_folder, speculative_algorithm=moeplex_plugin.name, speculative_num_steps=steps,
-                      disable_speculative_backoff=True)  # asked at every decode step, whatever it answered
+                      speculative_policy="fixed", disable_speculative_backoff=True)  # asked at every decode step
         recorder = Recorder(spec.speculation.drafter, steps, spec.vocab_size, drafter_cls.caps.gives_probs)
         outputs = run_requests(spec, recorder, batches, params)
         assert [outputs[i] for i in range(len(ECHO_PROMPTS))] == want
