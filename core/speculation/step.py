@@ -240,15 +240,15 @@ class SpeculativeDecoding:
                 request.spec_accepted_tokens += accepted
                 self.policy.record(request, len(drafts[i]), accepted)
             logprobs.record_accepted(request, tokens)
-            if self._append_run(request, tokens, span, append, fail, logprobs):
+            if self.append_run(request, tokens, span, append, fail, logprobs):
                 finished.append(request)
             else:
-                self._release_rejected(request)
+                self.release_rejected(request)
         self._observe(work, drafts, starts, kept, hidden)
         return finished
 
     @staticmethod
-    def _append_run(request, tokens, span, append, fail, logprobs: Sampler) -> bool:
+    def append_run(request, tokens, span, append, fail, logprobs: Sampler) -> bool:
         for k, token in enumerate(tokens):
             if token == FAILED:
                 fail(request)
@@ -259,9 +259,10 @@ class SpeculativeDecoding:
                 return True
         return False
 
-    def _release_rejected(self, request: Request) -> None:
-        """Whole pages beyond the request's next position go back to the free list."""
-        keep = max(self.kv.pages_for(request.num_tokens), request.num_shared_pages)
+    def release_rejected(self, request: Request, rows: int = 1) -> None:
+        """Whole pages beyond the request's next `rows` positions (its next token; under the overlap schedule the
+        rows of a step still in flight) go back to the free list."""
+        keep = max(self.kv.pages_for(request.num_cached + rows), request.num_shared_pages)
         if len(request.pages) > keep:
             self.kv.release(request.pages[keep:])
             del request.pages[keep:]
