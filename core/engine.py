@@ -7,6 +7,9 @@ request that stops in step N was already given a place in step N+1; that token i
 pages are freed at once (the GPU runs steps in order, so step N+1's writes land before any later
 owner's). A request whose next token is its last (max_new_tokens) is not scheduled again.
 
+Speculative verify steps overlap the same way where the drafter drafts on the device (speculation/overlap.py):
+step N + 1 is built from step N's accepted tokens on the device and launched before step N is read.
+
 With several ranks the schedule is the same on each: the DP agreement of step N+1 (one collective
 over the host group) reads only what the scheduler decided (token counts, modes, whether the batch
 fits the graphs), never a token of step N, so it runs while the device still computes step N.

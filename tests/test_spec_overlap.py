@@ -186,3 +186,19 @@ def test_sampled_requests_under_the_overlap_schedule(tiny_model_dir):
     assert all(len(r.output_ids) == 12 and all(0 <= t < 512 for t in r.output_ids) for r in got)
     assert launches.first > 0
     assert conserved(spec)
+
+
+@pytest.mark.slow
+def test_ngram_over_ep2_ranks_under_the_overlap_schedule(tiny_model_dir, plain):
+    """tp2 with experts over 2 gloo ranks: every rank launches the same verify steps ahead of its reads."""
+    import parallel_ranks
+    from moeplex.parallel import ParallelConfig
+    from moeplex.ranks.launcher import launch
+    from test_parallel import LAYOUTS, free_address
+
+    folder = tiny_model_dir("deepseek_v3")
+    parallel = ParallelConfig(dist_init_addr=free_address(), timeout_s=120, **LAYOUTS["ep2"])
+    spec = {"speculative_algorithm": "ngram", "speculative_num_steps": 2, "dtype": "fp32", "overlap_schedule": True}
+    results = launch(parallel_ranks.generate_with_settings, parallel, parallel, [folder], PROMPTS,
+                     [GREEDY] * len(PROMPTS), spec)
+    assert [r["output_ids"] for r in results[folder]] == plain["deepseek_v3"]

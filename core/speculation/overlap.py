@@ -97,7 +97,7 @@ class OverlapVerify:
             rows = to_device(self.device, torch.tensor([index[id(r)] for r in requests], dtype=torch.int64))[0]
             tokens, emitted = previous.accepted.tokens[rows], previous.accepted.emitted[rows]
             drafts = self.spec.drafter.propose_on_device(drafter_requests, DeviceTokens(tokens, emitted))
-            last, offsets = previous.accepted.last[rows], emitted
+            last, offsets = previous.accepted.last[rows].clamp_min(0), emitted  # a FAILED row's request ends when read
         else:
             drafts = self.spec.drafter.propose_on_device(drafter_requests)
             host_last = torch.tensor([r.token_ids(r.num_cached, 1)[0] for r in requests], dtype=torch.int64)

@@ -8,8 +8,8 @@ ends the request exactly there. num_cached then counts only the accepted positio
 never stores a rejected one; their slots are overwritten by later steps, and whole pages beyond the
 accepted length go back to the free list.
 
-A step that drafts runs without the overlap schedule: the drafts of step N+1 depend on the tokens step N
-accepts. How many drafts each request verifies is the policy's choice (policy.py): adaptive (a measured
+A step that drafts here runs without the overlap schedule: the drafts of step N+1 depend on the tokens step N
+accepts (a drafter that drafts on the device verifies under it instead: overlap.py). How many drafts each request verifies is the policy's choice (policy.py): adaptive (a measured
 step-cost model and each request's running acceptance) or fixed (every due request drafts num_steps, with
 backoff after misses). A step in which no request drafts is a plain step; where the drafter needs no hidden
 states (it sees every token through DraftRequest), such steps take the engine's ordinary path, overlap schedule
