@@ -51,7 +51,7 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .speculation.policy import AdaptivePolicy, FixedPolicy
 from .speculation.setup import check_drafter, drafter_context, measure_step_costs
-from .speculation.overlap import OverlapVerify, VerifyInFlight, eligible as overlap_eligible
+from .speculation.overlap import OverlapVerify, VerifyInFlight
 from .speculation.step import SpeculativeDecoding, is_decoding
 from .step_agreement import Vote, agree
 from .selection import resolve
@@ -270,8 +270,10 @@ class Engine:
         finished = []
         if isinstance(self.in_flight, VerifyInFlight):  # launch the next verify step before reading this one
             previous = self.in_flight
-            self.in_flight = self._follow_verify(previous)
-            finished = self._read_verify(previous, self.in_flight)
+            self.in_flight = self.overlap_verify.follow(previous, self.scheduler, self.grammar.tracks, self.hooks)
+            if self.in_flight is not None:
+                self.balancing.after_forward()
+            finished = self.overlap_verify.read(previous, self.in_flight, self._append, self._fail, self.sampler)
             if self.in_flight is not None:
                 return finished
         if spec is not None and self.in_flight is not None and spec.wants_drafts(self.scheduler.running):
@@ -316,77 +318,14 @@ class Engine:
         self.balancing.after_forward()
         return finished
 
-    def _verify_ready(self, requests: Sequence[Request]) -> bool:
-        """Whether these decoding requests may verify under the overlap schedule (speculation/overlap.py)."""
-        return self.overlap_verify is not None and self.pd is None and bool(requests) and \
-            all(overlap_eligible(r, self.grammar.tracks) for r in requests)
-
     def _start_verify(self, work, decoding: list[Request]) -> bool:
         """A step of decoding requests only, whose drafts the policy wants: launched, its tokens read next step."""
-        spec = self.speculation
-        if len(decoding) != len(work) or not self._verify_ready(decoding) or not spec.policy.may_draft(len(decoding)):
+        if self.overlap_verify is None or self.pd is not None or len(decoding) != len(work):
             return False
-        counts = spec.policy.choose(decoding, [spec.room(r) for r in decoding], expect_offers=True)
-        if not any(counts) or not self._cover(decoding, 1 + max(counts)):
-            return False
-        self.in_flight = self.overlap_verify.launch(decoding, counts, None, self.hooks)
-        self.balancing.after_forward()
-        return True
-
-    def _follow_verify(self, previous: VerifyInFlight) -> VerifyInFlight | None:
-        """The next verify step of the same requests, launched before `previous` is read; None where the scheduler
-        must act first (an admission, a request it does not run, pages that only preemption would free)."""
-        requests = [r for r in previous.requests if not r.finished]
-        running = self.scheduler.running
-        if self.scheduler.waiting or len(requests) != len(running) or not self._verify_ready(requests) or \
-                {id(r) for r in requests} != {id(r) for r in running}:
-            return None
-        spec = self.speculation
-        counts = [0] * len(requests)
-        if spec.policy.may_draft(len(requests)):  # from the records as of the step before `previous` (one stale)
-            rooms = [min(spec.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in requests]
-            counts = spec.policy.choose(requests, rooms, expect_offers=True)
-        if not self._cover(requests, previous.width + 1 + max(counts)):  # the rows may start anywhere in its run
-            return None
-        launched = self.overlap_verify.launch(requests, counts, previous, self.hooks)
-        self.balancing.after_forward()
-        return launched
-
-    def _cover(self, requests: Sequence[Request], positions: int) -> bool:
-        """Pages for `positions` positions of each request from its first uncached one, from the free list only
-        (drafts never preempt nor evict; pages left over go back when its step is read)."""
-        for request in requests:
-            missing = self.kv.pages_for(request.num_cached + positions) - len(request.pages)
-            pages = self.kv.allocate(missing) if missing > 0 else []
-            if pages is None:
-                return False
-            request.pages.extend(pages)
-        return True
-
-    def _read_verify(self, step: VerifyInFlight, following: VerifyInFlight | None) -> list[Request]:
-        """Append a verify step's runs (read now) to its requests; those that finish with them."""
-        spec, finished = self.speculation, []
-        outcome = step.read()
-        spec.counts.step([[0] * row[1] for row, r in zip(outcome, step.requests) if not r.finished])
-        then = {id(r) for r in following.requests} if following is not None else set()
-        for request, row, chosen in zip(step.requests, outcome, step.chosen):
-            if request.finished:  # stopped in the step before (its rows here came too late) or aborted
-                continue
-            proposed, verified, accepted, tokens = row[0], row[1], row[2], row[3:]
-            request.num_cached += 1 + accepted
-            if chosen:
-                spec.policy.offered(request, proposed > 0)
-            if verified:
-                request.spec_verify_steps += 1
-                request.spec_draft_tokens += verified
-                request.spec_accepted_tokens += accepted
-                spec.policy.record(request, verified, accepted)
-            self.sampler.record_accepted(request, tokens)
-            if spec.append_run(request, tokens, None, self._append, self._fail, self.sampler):
-                finished.append(request)
-            else:  # the step in flight may still write its rows after the run
-                spec.release_rejected(request, following.width if id(request) in then else 1)
-        return finished
+        self.in_flight = self.overlap_verify.start(decoding, self.grammar.tracks, self.hooks)
+        if self.in_flight is not None:
+            self.balancing.after_forward()
+        return self.in_flight is not None
 
     def _fail(self, request: Request) -> None:
         request.finish(FinishReason.ABORT, error=SAMPLING_FAILED)

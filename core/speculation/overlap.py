@@ -19,7 +19,7 @@ synchronous path, as does a step the scheduler must change (admissions, preempti
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import attrs
 import torch
@@ -50,11 +50,11 @@ class VerifyInFlight:
         return [row[: 4 + row[2]] for row in self.host.tolist()]
 
 
-def eligible(request: Request, tracks_grammar) -> bool:
-    """Whether a request's next step can be built before its tokens reach the host."""
-    params = request.params
-    return (not tracks_grammar(request.rid) and params.logprobs <= 0 and not params.adjusts_logits
-            and (params.greedy or params.seed is None))
+def eligible(requests: Sequence[Request], tracks_grammar: Callable[[str], bool]) -> bool:
+    """Whether the requests' next steps can be built before their tokens reach the host."""
+    return bool(requests) and all(
+        not tracks_grammar(r.rid) and r.params.logprobs <= 0 and not r.params.adjusts_logits
+        and (r.params.greedy or r.params.seed is None) for r in requests)
 
 
 def shift_rows(batch, offsets: torch.Tensor, bound: int, ragged: bool):
@@ -83,6 +83,69 @@ class OverlapVerify:
 
     def __init__(self, speculation, runner, kv, device: torch.device, ragged: bool):
         self.spec, self.runner, self.kv, self.device, self.ragged = speculation, runner, kv, device, ragged
+
+    def start(self, requests: list[Request], tracks_grammar, hooks=None) -> VerifyInFlight | None:
+        """The first verify step of these decoding requests (their tokens all on the host), where the policy wants
+        drafts and the pages are free; None otherwise (the engine's synchronous path then)."""
+        policy = self.spec.policy
+        if not eligible(requests, tracks_grammar) or not policy.may_draft(len(requests)):
+            return None
+        counts = policy.choose(requests, [self.spec.room(r) for r in requests], expect_offers=True)
+        if not any(counts) or not self._cover(requests, 1 + max(counts)):
+            return None
+        return self.launch(requests, counts, None, hooks)
+
+    def follow(self, previous: VerifyInFlight, scheduler, tracks_grammar, hooks=None) -> VerifyInFlight | None:
+        """The next verify step of the same requests, launched before `previous` is read; None where the scheduler
+        must act first (an admission, a request it does not run, pages that only preemption would free)."""
+        requests = [r for r in previous.requests if not r.finished]
+        running = scheduler.running
+        if scheduler.waiting or len(requests) != len(running) or not eligible(requests, tracks_grammar) or \
+                {id(r) for r in requests} != {id(r) for r in running}:
+            return None
+        spec, counts = self.spec, [0] * len(requests)
+        if spec.policy.may_draft(len(requests)):  # from the records as of the step before `previous` (one stale)
+            rooms = [min(spec.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in requests]
+            counts = spec.policy.choose(requests, rooms, expect_offers=True)
+        if not self._cover(requests, previous.width + 1 + max(counts)):  # the rows may start anywhere in its run
+            return None
+        return self.launch(requests, counts, previous, hooks)
+
+    def read(self, step: VerifyInFlight, following: VerifyInFlight | None, append, fail, sampler) -> list[Request]:
+        """Append a verify step's runs (read now) to its requests through `append`; those that finish with them."""
+        spec, finished = self.spec, []
+        outcome = step.read()
+        spec.counts.step([[0] * row[1] for row, r in zip(outcome, step.requests) if not r.finished])
+        then = {id(r) for r in following.requests} if following is not None else set()
+        for request, row, chosen in zip(step.requests, outcome, step.chosen):
+            if request.finished:  # stopped in the step before (its rows here came too late) or aborted
+                continue
+            proposed, verified, accepted, tokens = row[0], row[1], row[2], row[3:]
+            request.num_cached += 1 + accepted
+            if chosen:
+                spec.policy.offered(request, proposed > 0)
+            if verified:
+                request.spec_verify_steps += 1
+                request.spec_draft_tokens += verified
+                request.spec_accepted_tokens += accepted
+                spec.policy.record(request, verified, accepted)
+            sampler.record_accepted(request, tokens)
+            if spec.append_run(request, tokens, None, append, fail, sampler):
+                finished.append(request)
+            else:  # the step in flight may still write its rows after the run
+                spec.release_rejected(request, following.width if id(request) in then else 1)
+        return finished
+
+    def _cover(self, requests: Sequence[Request], positions: int) -> bool:
+        """Pages for `positions` positions of each request from its first uncached one, from the free list only
+        (drafts never preempt nor evict; pages left over go back when its step is read)."""
+        for request in requests:
+            missing = self.kv.pages_for(request.num_cached + positions) - len(request.pages)
+            pages = self.kv.allocate(missing) if missing > 0 else []
+            if pages is None:
+                return False
+            request.pages.extend(pages)
+        return True
 
     def launch(self, requests: Sequence[Request], counts: Sequence[int], previous: VerifyInFlight | None,
                hooks=None) -> VerifyInFlight:
