@@ -45,7 +45,7 @@ def lookup_batch(history: torch.Tensor, lengths: torch.Tensor, max_n: int, min_n
     longest = matched.max(dim=1).values
     end = torch.where((matched == longest[:, None]) & (matched > 0), pos, -1).max(dim=1).values  # the latest
     found = (longest >= min_n) & (end >= 0) & (lengths > 1)
-    counts = torch.where(found, torch.minimum(lengths - 1 - end, torch.tensor(count, device=device)), 0)
+    counts = torch.where(found, (lengths - 1 - end).clamp_max(count), 0)  # (no host scalar copied to the device)
     steps = torch.arange(count, device=device)[None, :]
     drafts = history.gather(1, ((end + 1)[:, None] + steps).clamp(0, width - 1))
     return torch.where(steps < counts[:, None], drafts, -1), counts
