@@ -202,3 +202,29 @@ def test_ngram_over_ep2_ranks_under_the_overlap_schedule(tiny_model_dir, plain):
     results = launch(parallel_ranks.generate_with_settings, parallel, parallel, [folder], PROMPTS,
                      [GREEDY] * len(PROMPTS), spec)
     assert [r["output_ids"] for r in results[folder]] == plain["deepseek_v3"]
+
+
+def test_device_drafts_outside_the_vocabulary_are_void(echo):
+    """A drafter that drafts on the device and proposes an id past the vocabulary: that request's drafts are not
+    verified (decided on the device) and no token changes."""
+    from moeplex.interfaces import DeviceDrafts
+
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    want = outputs(engine(echo).generate(ECHO_PROMPTS, greedy))
+    spec = engine(echo, overlap_schedule=True, **NGRAM)
+    drafter = spec.speculation.drafter
+    propose = drafter.propose_on_device
+
+    def faulty(requests, pending=None):
+        drafts = propose(requests, pending)
+        tokens = drafts.tokens.clone()
+        tokens[0, 0] = spec.vocab_size + 3  # the first request's first draft, whatever its count
+        return DeviceDrafts(tokens, drafts.counts)
+
+    drafter.propose_on_device = faulty
+    launches = Launches(spec)
+    got = spec.generate(ECHO_PROMPTS, greedy)
+    assert outputs(got) == want
+    assert launches.following > 0
+    assert got[0].spec_draft_tokens == 0 < got[1].spec_draft_tokens
+    assert conserved(spec)

@@ -96,6 +96,12 @@ def test_output_is_unchanged_and_proposals_are_well_formed(moeplex_plugin, draft
     assert propose([]).tokens == []
     cache = spec.prefix_cache
     assert spec.kv.num_free_pages + (cache.num_pages if cache else 0) == spec.kv.num_pages
+    if drafter_cls.caps.drafts_on_device:  # its verify steps under the overlap schedule (drafted on the device)
+        overlapped = engine(model_folder, speculative_algorithm=moeplex_plugin.name, speculative_num_steps=steps,
+                            speculative_policy="fixed", overlap_schedule=True)
+        assert [r.output_ids for r in overlapped.generate(PROMPTS, params)] == want
+        cache = overlapped.prefix_cache
+        assert overlapped.kv.num_free_pages + (cache.num_pages if cache else 0) == overlapped.kv.num_pages
 
 
 ECHO_PROMPTS = [[256] + list(range(10, 18)) * 2, [256, 5, 6, 7, 5, 6], [300, 301, 99], [256] + list(range(40, 60))]

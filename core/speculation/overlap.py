@@ -172,6 +172,12 @@ class OverlapVerify:
         grid = drafts.tokens[:, : width - 1] if steps else drafts.tokens.new_empty(len(requests), 0)
         if grid.shape[1] < width - 1:
             grid = torch.nn.functional.pad(grid, (0, width - 1 - grid.shape[1]), value=-1)
+        # a draft id outside the vocabulary voids the request's drafts (as on the host path) and never reaches the
+        # embedding: decided on the device, with no read back
+        k = torch.arange(grid.shape[1], device=grid.device)[None, :]
+        bad = ((grid < 0) | (grid >= self.spec.vocab_size)) & (k < verified[:, None])
+        verified = torch.where(bad.any(dim=1), 0, verified)
+        grid = torch.where(k < verified[:, None], grid, -1)
         seqs = [ScheduledSeq([0], r.num_cached + j, r.pages) for r in requests for j in range(width)]
         batch = build_forward_batch(seqs, self.kv, self.device)
         if offsets is not None:  # step N's emitted counts, which only the device knows yet
