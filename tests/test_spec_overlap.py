@@ -228,3 +228,23 @@ def test_device_drafts_outside_the_vocabulary_are_void(echo):
     assert launches.following > 0
     assert got[0].spec_draft_tokens == 0 < got[1].spec_draft_tokens
     assert conserved(spec)
+
+
+def test_an_abort_while_a_verify_step_is_in_flight(echo):
+    """A request aborted between steps (a client gone) while its verify step is in flight: its late tokens are
+    dropped, the others' outputs do not change, every page comes back."""
+    from moeplex.speculation.overlap import VerifyInFlight
+
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    want = outputs(engine(echo).generate(ECHO_PROMPTS, greedy))
+    spec = engine(echo, overlap_schedule=True, **NGRAM)
+    requests = [spec.add_request(p, greedy) for p in ECHO_PROMPTS]
+    while not isinstance(spec.in_flight, VerifyInFlight):
+        spec.step()
+    spec.abort(requests[1].rid)
+    kept = len(requests[1].output_ids)
+    while spec.has_work:
+        spec.step()
+    assert outputs([requests[0], requests[2]]) == [want[0], want[2]]
+    assert requests[1].finish_reason.value == "abort" and len(requests[1].output_ids) == kept
+    assert conserved(spec)
