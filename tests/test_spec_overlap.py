@@ -269,3 +269,30 @@ def test_on_gpu_verify_steps_overlap_and_replay_the_decode_graphs(echo):
     assert launches.following > 0 and max(replayed) == 12
     assert sum(r.spec_accepted_tokens for r in got) > 0
     assert conserved(spec)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_shifted_rows_equal_rows_built_at_the_shifted_positions(seed):
+    """shift_rows moves a decode batch built at known positions by per-request offsets on the device: the same
+    positions, lengths, KV slots and flattened KV indices as a batch built at the final positions."""
+    import random
+
+    import torch
+
+    from moeplex.batch_builder import ScheduledSeq, build_forward_batch
+    from moeplex.kv_cache import KVPool
+    from moeplex.speculation.overlap import shift_rows
+
+    rng = random.Random(seed)
+    kv = KVPool(64, 4, [[(2,)]], torch.float32, torch.device("cpu"))
+    width, bound = 1 + rng.randint(0, 3), 4
+    starts = [rng.randint(1, 30) for _ in range(3)]
+    offsets = [rng.randint(1, bound) for _ in starts]
+    pages = [kv.allocate(kv.pages_for(s + bound + width)) for s in starts]
+    base = build_forward_batch([ScheduledSeq([0], s + j, p) for s, p in zip(starts, pages) for j in range(width)], kv, "cpu")
+    want = build_forward_batch([ScheduledSeq([0], s + o + j, p) for s, o, p in zip(starts, offsets, pages)
+                                for j in range(width)], kv, "cpu")
+    got = shift_rows(base, torch.tensor(offsets).repeat_interleave(width), bound, ragged=True)
+    for field in ("positions", "seq_lens", "out_cache_loc", "kv_indices", "kv_indptr"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert all(a >= b for a, b in zip(got.seq_lens_cpu, want.seq_lens_cpu))  # host lengths: an upper bound
