@@ -11,10 +11,11 @@ time spent inside a nested timed phase counts to the inner phase only:
 - schedule: Scheduler.schedule (admission, page reservation, draft pages);
 - policy: the adaptive/fixed policy's choice outside drafting (wants_drafts, drafts_in, may_draft);
 - draft: SpeculativeDecoding.draft without the drafter's propose; propose: Drafter.propose;
-- prepare: ModelRunner.prepare (the ForwardBatch built on the host, copied to the device);
+- prepare: ModelRunner.prepare (the ForwardBatch built on the host, copied to the device); for a verify step under
+  the overlap schedule, OverlapVerify.launch (its batch built and shifted, its acceptance launched);
 - forward: ModelRunner.forward / verify_forward: on CPU the whole compute, on a GPU the launch (graph replay);
 - sample: the plain sampler's draw (launched on a GPU); verify: acceptance (verify.verify, logits read back);
-- wait: reading a step's tokens (InFlight.token_list: on a GPU the wait for the device);
+- wait: reading a step's tokens (InFlight.token_list, VerifyInFlight.read: on a GPU the wait for the device);
 - append: the engine's _append per token (stops, detokenizing, finishing); observe: Drafter.observe;
 - other: the rest of Engine.step (its own bookkeeping: _complete's loops, SpecCounts, the agreement).
 
@@ -43,6 +44,7 @@ from moeplex.in_flight import InFlight
 from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
 from moeplex.speculation import step as spec_step
+from moeplex.speculation.overlap import VerifyInFlight
 
 PHASES = ["schedule", "policy", "draft", "propose", "prepare", "forward", "sample", "verify", "wait", "append",
           "observe", "other"]
@@ -95,6 +97,9 @@ def instrument(engine, clock: PhaseClock) -> None:
         clock.attach(spec.policy, "may_draft", "policy")
         clock.attach(spec, "draft", "draft")
         clock.attach(spec.drafter, "propose", "propose")
+        clock.attach(spec.drafter, "propose_on_device", "propose")
+    if getattr(engine, "overlap_verify", None) is not None:  # a verify step built and launched from device state
+        clock.attach(engine.overlap_verify, "launch", "prepare")
         clock.attach(spec.drafter, "observe", "observe")
 
 
@@ -105,12 +110,13 @@ class patched:
         self.clock = clock
 
     def __enter__(self):
-        self.verify, self.token_list = spec_step.verify, InFlight.token_list
+        self.verify, self.token_list, self.read = spec_step.verify, InFlight.token_list, VerifyInFlight.read
         spec_step.verify = self.clock.wrap("verify", self.verify)
         InFlight.token_list = self.clock.wrap("wait", self.token_list)
+        VerifyInFlight.read = self.clock.wrap("wait", self.read)
 
     def __exit__(self, *exc):
-        spec_step.verify, InFlight.token_list = self.verify, self.token_list
+        spec_step.verify, InFlight.token_list, VerifyInFlight.read = self.verify, self.token_list, self.read
 
 
 def steady_steps(engine, prompts, params, batch: int, device: str, clock: PhaseClock) -> tuple[int, float]:
@@ -171,7 +177,7 @@ def table(name: str, results: dict[str, dict[int, list[dict[str, float]]]], batc
             med = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
             host = [run["host"] for run in runs]
             base = statistics.median(run["host"] for run in results["none"][batch]) if "none" in results else med["host"]
-            label = drafter.removeprefix("test-").replace(spec_bench.FIXED, " (fixed)")
+            label = spec_bench.label_of(drafter)
             lines.append(f"| {name} | {batch} | {label} | {med['step']:.3f} | {med['host']:.3f} | "
                          f"{min(host):.3f}-{max(host):.3f} | {med['host'] / base:.2f}x | "
                          + " | ".join(f"{med[p]:.3f}" for p in shown) + " |")

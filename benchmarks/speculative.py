@@ -78,11 +78,22 @@ def workload(batch: int, seed: int) -> list[list[int]]:
 
 NO_BACKOFF = "/no-backoff"  # a drafter name with this suffix runs the fixed policy without backoff
 FIXED = "/fixed"  # ... the fixed policy with backoff
+OVERLAP = "/overlap"  # ... the overlap schedule forced on (the default on a GPU only)
+SYNC = "/sync"  # ... the overlap schedule off
+SUFFIXES = (NO_BACKOFF, FIXED, OVERLAP, SYNC)
 DEFAULT_DRAFTERS = ["none", "ngram", "test-oracle", "test-adversary"]
 
 
 def drafter_name(drafter: str) -> str:
-    return drafter.removesuffix(NO_BACKOFF).removesuffix(FIXED)
+    """The --speculative-algorithm value of a drafter column (its suffixes, in any order, removed)."""
+    while any(drafter.endswith(suffix) for suffix in SUFFIXES):
+        drafter = next(drafter.removesuffix(s) for s in SUFFIXES if drafter.endswith(s))
+    return drafter
+
+
+def label_of(drafter: str) -> str:
+    return (drafter.removeprefix("test-").replace(NO_BACKOFF, " (no backoff)").replace(FIXED, " (fixed)")
+            .replace(OVERLAP, " (overlap)").replace(SYNC, " (no overlap)"))
 
 
 def engine_for(folder: str, args, drafter: str) -> Engine:
@@ -95,11 +106,13 @@ def engine_for(folder: str, args, drafter: str) -> Engine:
         # verify steps replay the decode graphs with one row per request and draft
         settings.update(dtype="bf16", load_format="dummy", moe_kernel="triton",
                         cuda_graph_max_bs=max(args.batches) * (args.steps + 1))
-    if drafter != "none":
-        fixed = drafter.endswith((NO_BACKOFF, FIXED))
+    if OVERLAP in drafter or SYNC in drafter:
+        settings.update(overlap_schedule=OVERLAP in drafter)
+    if drafter_name(drafter) != "none":
+        fixed = NO_BACKOFF in drafter or FIXED in drafter
         settings.update(speculative_algorithm=drafter_name(drafter), speculative_num_steps=args.steps,
                         speculative_policy="fixed" if fixed else "adaptive",
-                        disable_speculative_backoff=drafter.endswith(NO_BACKOFF))
+                        disable_speculative_backoff=NO_BACKOFF in drafter)
     engine = Engine(EngineConfig(**settings))
     costs = getattr(engine, "step_costs", None)
     if costs is not None and drafter_name(drafter) in ("ngram", "test-oracle", "test-adversary", "nextn"):
@@ -219,7 +232,7 @@ def table_rows(name: str, drafters: list[str], args, rates: dict, accept: dict) 
             med = statistics.median(r)
             length = f"{accept[drafter, batch]:.2f}" if accept[drafter, batch] is not None else "-"
             sglang = SGLANG.get(batch, "") if drafter in ("test-oracle", "ngram", "nextn") else ""
-            label = drafter.removeprefix("test-").replace(NO_BACKOFF, " (no backoff)").replace(FIXED, " (fixed)")
+            label = label_of(drafter)
             if args.interleave:
                 ratios = [a / b for a, b in zip(r, base)]
                 ratio = f"{statistics.median(ratios):.2f}x | {min(ratios):.2f}-{max(ratios):.2f}"
@@ -246,7 +259,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 8 32 (CPU), 1 8 32 64 (GPU)")
     parser.add_argument("--drafters", nargs="+", default=None,
                         help=f"default: {' '.join(DEFAULT_DRAFTERS)} (+ nextn on DeepSeek-V3); none always runs "
-                        f"first; a suffix {FIXED} or {NO_BACKOFF} picks the fixed policy")
+                        f"first; a suffix {FIXED} or {NO_BACKOFF} picks the fixed policy, {OVERLAP} or {SYNC} turns the "
+                             "overlap schedule on or off")
     parser.add_argument("--steps", type=int, default=3, help="--speculative-num-steps (default: %(default)s)")
     parser.add_argument("--output-len", type=int, default=None, help="tokens per request (default: 32 CPU, 128 GPU)")
     parser.add_argument("--runs", type=int, default=3)

@@ -7,6 +7,9 @@ request that stops in step N was already given a place in step N+1; that token i
 pages are freed at once (the GPU runs steps in order, so step N+1's writes land before any later
 owner's). A request whose next token is its last (max_new_tokens) is not scheduled again.
 
+Speculative verify steps overlap the same way where the drafter drafts on the device (speculation/overlap.py):
+step N + 1 is built from step N's accepted tokens on the device and launched before step N is read.
+
 With several ranks the schedule is the same on each: the DP agreement of step N+1 (one collective
 over the host group) reads only what the scheduler decided (token counts, modes, whether the batch
 fits the graphs), never a token of step N, so it runs while the device still computes step N.
@@ -48,6 +51,7 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .speculation.policy import AdaptivePolicy, FixedPolicy
 from .speculation.setup import check_drafter, drafter_context, measure_step_costs
+from .speculation.overlap import OverlapVerify, VerifyInFlight
 from .speculation.step import SpeculativeDecoding, is_decoding
 from .step_agreement import Vote, agree
 from .selection import resolve
@@ -132,6 +136,12 @@ class Engine:
         self.overlap_schedule = _overlap_schedule(config, self.device) and (
             self.speculation is None or self.speculation.plain_steps_overlap
         )
+        # verify steps under the overlap schedule, for a drafter that drafts on the device (speculation/overlap.py)
+        self.overlap_verify = None
+        if self.overlap_schedule and self.speculation is not None and drafter.caps.drafts_on_device and \
+                not drafter.caps.needs_hidden and not self.speculation.observes and self.parallel.config.dp_size == 1:
+            self.overlap_verify = OverlapVerify(self.speculation, self.runner, self.kv, self.device,
+                                                ragged=not self.model.attention_backend.graph_safe)
         if self.speculation is not None and config.speculative_policy == "adaptive":
             self.step_costs = measure_step_costs(self.runner, self.kv, config, self.speculation.decode_rows,
                                                  drafter.caps.needs_hidden, self._agree, self.parallel.world,
@@ -258,6 +268,14 @@ class Engine:
             self.pd.before_step()
         spec = self.speculation
         finished = []
+        if isinstance(self.in_flight, VerifyInFlight):  # launch the next verify step before reading this one
+            previous = self.in_flight
+            self.in_flight = self.overlap_verify.follow(previous, self.scheduler, self.grammar.tracks, self.hooks)
+            if self.in_flight is not None:
+                self.balancing.after_forward()
+            finished = self.overlap_verify.read(previous, self.in_flight, self._append, self._fail, self.sampler)
+            if self.in_flight is not None:
+                return finished
         if spec is not None and self.in_flight is not None and spec.wants_drafts(self.scheduler.running):
             finished, self.in_flight = self._complete(self.in_flight), None  # drafts need the token in flight
         if spec is not None:  # pages for drafts only where a draft could pay at this batch size (the policy says)
@@ -266,6 +284,8 @@ class Engine:
         finished += self._drain_dropped()
         if spec is not None:
             decoding = [item.request for item in work if is_decoding(item)]
+            if self.in_flight is None and self._start_verify(work, decoding):
+                return finished
             # (a request resumed fully cached may be due while a step is still in flight: it decodes plainly this once)
             if self.in_flight is None and (spec.drafts_in(decoding) or not spec.plain_steps_overlap):
                 drafts = spec.draft(work)
@@ -297,6 +317,15 @@ class Engine:
         )
         self.balancing.after_forward()
         return finished
+
+    def _start_verify(self, work, decoding: list[Request]) -> bool:
+        """A step of decoding requests only, whose drafts the policy wants: launched, its tokens read next step."""
+        if self.overlap_verify is None or self.pd is not None or len(decoding) != len(work):
+            return False
+        self.in_flight = self.overlap_verify.start(decoding, self.grammar.tracks, self.hooks)
+        if self.in_flight is not None:
+            self.balancing.after_forward()
+        return self.in_flight is not None
 
     def _fail(self, request: Request) -> None:
         request.finish(FinishReason.ABORT, error=SAMPLING_FAILED)

@@ -132,6 +132,14 @@ def test_speculative_interleaved_rounds(tmp_path):
     assert rows[0][5] == "1.00x" and all(row[5].endswith("x") and "-" in row[6] for row in rows), out
 
 
+def test_spec_device_parts_against_the_host_paths(tmp_path):
+    out = run("spec_device_parts.py", tmp_path / "parts.md", "--batches", "1", "3", "--iters", "2", "--warmup", "1",
+              "--runs", "2", "--history", "64", "--vocab", "256")
+    rows = table_rows(out, "draft") + table_rows(out, "accept")
+    assert [(row[0], row[1]) for row in rows] == [("draft", "1"), ("draft", "3"), ("accept", "1"), ("accept", "3")], out
+    assert all(row[-1].endswith("x") and float(row[5].split()[0]) > 0 for row in rows), out
+
+
 def test_spec_serving_against_the_same_server_without_speculation(tmp_path):
     """Both servers serve every request its tokens (or the script fails); the summary has the ratio per level."""
     out = run("spec_serving.py", tmp_path / "serve.md", "--concurrency", "2", "--num-requests", "4", "--output-len", "8",

@@ -82,6 +82,10 @@ def test_output_is_unchanged_and_proposals_are_well_formed(moeplex_plugin, draft
     def checked(requests):
         drafts = propose(requests)
         check_drafts(drafts, requests, steps, vocab, drafter_cls.caps.gives_probs)
+        if drafter_cls.caps.drafts_on_device:  # the same drafts from its device state (no pending tokens here)
+            on_device = drafter.propose_on_device(requests)
+            rows = [on_device.tokens[i, : on_device.counts[i]].tolist() for i in range(len(requests))]
+            assert rows == [list(t) for t in drafts.tokens], f"propose_on_device gave {rows}, propose {drafts.tokens}"
         asked.append(len(requests))
         return drafts
 
@@ -92,6 +96,12 @@ def test_output_is_unchanged_and_proposals_are_well_formed(moeplex_plugin, draft
     assert propose([]).tokens == []
     cache = spec.prefix_cache
     assert spec.kv.num_free_pages + (cache.num_pages if cache else 0) == spec.kv.num_pages
+    if drafter_cls.caps.drafts_on_device:  # its verify steps under the overlap schedule (drafted on the device)
+        overlapped = engine(model_folder, speculative_algorithm=moeplex_plugin.name, speculative_num_steps=steps,
+                            speculative_policy="fixed", overlap_schedule=True)
+        assert [r.output_ids for r in overlapped.generate(PROMPTS, params)] == want
+        cache = overlapped.prefix_cache
+        assert overlapped.kv.num_free_pages + (cache.num_pages if cache else 0) == overlapped.kv.num_pages
 
 
 ECHO_PROMPTS = [[256] + list(range(10, 18)) * 2, [256, 5, 6, 7, 5, 6], [300, 301, 99], [256] + list(range(40, 60))]
@@ -165,7 +175,7 @@ def test_proposals_belong_to_the_request_asked(moeplex_plugin, drafter_cls, echo
         [[(f"req-{i}", i) for i in reversed(range(len(ECHO_PROMPTS)))]],  # all at once
     ):
         spec = engine(echo_folder, speculative_algorithm=moeplex_plugin.name, speculative_num_steps=steps,
-                      disable_speculative_backoff=True)  # asked at every decode step, whatever it answered
+                      speculative_policy="fixed", disable_speculative_backoff=True)  # asked at every decode step
         recorder = Recorder(spec.speculation.drafter, steps, spec.vocab_size, drafter_cls.caps.gives_probs)
         outputs = run_requests(spec, recorder, batches, params)
         assert [outputs[i] for i in range(len(ECHO_PROMPTS))] == want

@@ -39,6 +39,10 @@ class DrafterCaps:
     # proposing costs little (host lookups, no forward): the adaptive policy asks for every request first and
     # then chooses among the drafts; otherwise it asks only for the drafts it chose to verify
     cheap_proposals: bool = False
+    # `propose_on_device` drafts from state the drafter keeps on the device, given the tokens of a step the host
+    # has not read yet (DeviceTokens), with no read back: such a drafter can draft for the step after a verify
+    # step before that step's tokens reach the host (API 2)
+    drafts_on_device: bool = False
 
 
 @attrs.define
@@ -69,6 +73,23 @@ class TargetStep:
     next_ids: Sequence[Sequence[int]]
     pages: Sequence[Sequence[int]]
     hidden: torch.Tensor | None = None  # [sum(len(next_ids[i])), H] pre-final-norm hidden states (needs_hidden)
+
+
+@attrs.frozen
+class DeviceTokens:
+    """Tokens a step emitted that the host has not read yet (API 2), one row per DraftRequest of the same
+    `propose_on_device` call: row i's first counts[i] tokens follow requests[i].token_ids (0: none)."""
+
+    tokens: torch.Tensor  # [R, W] int64 on the device
+    counts: torch.Tensor  # [R] int64 on the device
+
+
+@attrs.frozen
+class DeviceDrafts:
+    """Drafts left on the device (API 2): row i's first counts[i] ids are request i's drafts, -1 after them."""
+
+    tokens: torch.Tensor  # [R, num_steps] int64
+    counts: torch.Tensor  # [R] int64
 
 
 @attrs.frozen
@@ -116,6 +137,11 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def propose(self, requests: Sequence[DraftRequest]) -> Drafts:
         """Draft tokens for each request (fewer, or none, where it has nothing good to say)."""
+
+    def propose_on_device(self, requests: Sequence[DraftRequest], pending: DeviceTokens | None = None) -> DeviceDrafts:
+        """A drafter that declares `drafts_on_device` (API 2): the drafts `propose` would give for each request's
+        token_ids followed by its pending tokens, computed and left on the device (no read back)."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare DrafterCaps.drafts_on_device")
 
     def observe(self, step: TargetStep) -> None:
         """After every target forward: the positions the target kept and the tokens that followed them."""

@@ -8,8 +8,8 @@ ends the request exactly there. num_cached then counts only the accepted positio
 never stores a rejected one; their slots are overwritten by later steps, and whole pages beyond the
 accepted length go back to the free list.
 
-A step that drafts runs without the overlap schedule: the drafts of step N+1 depend on the tokens step N
-accepts. How many drafts each request verifies is the policy's choice (policy.py): adaptive (a measured
+A step that drafts here runs without the overlap schedule: the drafts of step N+1 depend on the tokens step N
+accepts (a drafter that drafts on the device verifies under it instead: overlap.py). How many drafts each request verifies is the policy's choice (policy.py): adaptive (a measured
 step-cost model and each request's running acceptance) or fixed (every due request drafts num_steps, with
 backoff after misses). A step in which no request drafts is a plain step; where the drafter needs no hidden
 states (it sees every token through DraftRequest), such steps take the engine's ordinary path, overlap schedule
@@ -240,15 +240,15 @@ class SpeculativeDecoding:
                 request.spec_accepted_tokens += accepted
                 self.policy.record(request, len(drafts[i]), accepted)
             logprobs.record_accepted(request, tokens)
-            if self._append_run(request, tokens, span, append, fail, logprobs):
+            if self.append_run(request, tokens, span, append, fail, logprobs):
                 finished.append(request)
             else:
-                self._release_rejected(request)
+                self.release_rejected(request)
         self._observe(work, drafts, starts, kept, hidden)
         return finished
 
     @staticmethod
-    def _append_run(request, tokens, span, append, fail, logprobs: Sampler) -> bool:
+    def append_run(request, tokens, span, append, fail, logprobs: Sampler) -> bool:
         for k, token in enumerate(tokens):
             if token == FAILED:
                 fail(request)
@@ -259,9 +259,10 @@ class SpeculativeDecoding:
                 return True
         return False
 
-    def _release_rejected(self, request: Request) -> None:
-        """Whole pages beyond the request's next position go back to the free list."""
-        keep = max(self.kv.pages_for(request.num_tokens), request.num_shared_pages)
+    def release_rejected(self, request: Request, rows: int = 1) -> None:
+        """Whole pages beyond the request's next `rows` positions (its next token; under the overlap schedule the
+        rows of a step still in flight) go back to the free list."""
+        keep = max(self.kv.pages_for(request.num_cached + rows), request.num_shared_pages)
         if len(request.pages) > keep:
             self.kv.release(request.pages[keep:])
             del request.pages[keep:]

@@ -10,7 +10,8 @@ emitted token is distributed as the target's own. For point-mass drafts (ngram, 
 drawing the target's token at each row and keeping the draft while they agree (accept_drawn), which emits the
 very tokens plain sampling draws from the same random stream. p_k is filtered (temperature, top-k, top-p, min-p) by
 the same function as the non-speculative sampler; a request with a seed draws all of this from its own
-random stream, so the same seed gives the same output.
+random stream, so the same seed gives the same output. Greedy requests and sampled ones without a seed are
+accepted by tensor ops for the whole step at once (accept.py); the rest here, one request at a time.
 """
 
 from __future__ import annotations
@@ -21,46 +22,56 @@ import torch
 
 from ..request import Request
 from ..sampler import FAILED, Sampler, _generator, filtered_probs
+from ..transfer import to_device
+from .accept import Accepted, accept, draft_grid
 
 
 def verify(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[Sequence[int]],
            draft_probs: Sequence[torch.Tensor | None] | None = None) -> list[list[int]]:
     """Per request, the accepted drafts followed by the target's token (FAILED in its place where a row's
-    logits are not finite). `logits` holds len(drafts[i]) + 1 rows per request, in request order."""
+    logits are not finite). `logits` holds len(drafts[i]) + 1 rows per request, in request order.
+
+    Greedy requests and sampled ones without a seed are accepted on the device (accept.py, one read back for
+    all of them); a seeded request draws from its own stream one token at a time (accept_drawn), and drafts
+    with distributions go through accept_sampled."""
     starts, at = [], 0
     for draft in drafts:
         starts.append(at)
         at += len(draft) + 1
     out: list[list[int] | None] = [None] * len(requests)
-    plain = [i for i, d in enumerate(drafts) if not d]  # no drafts: exactly the non-speculative sampler
-    if plain:
-        rows = torch.tensor([starts[i] for i in plain], device=logits.device)
-        for i, token in zip(plain, Sampler.draw(logits[rows], [requests[i] for i in plain]).tolist()):
-            out[i] = [token]
-    greedy = [i for i, d in enumerate(drafts) if d and requests[i].params.greedy]
-    if greedy:
-        best, finite = _argmax(logits)
-        for i in greedy:
-            out[i] = accept_greedy(drafts[i], best[starts[i] : starts[i] + len(drafts[i]) + 1],
-                                   finite[starts[i] : starts[i] + len(drafts[i]) + 1])
-    sampled = [i for i, d in enumerate(drafts) if d and not requests[i].params.greedy]
-    for i in sampled:
+    has_q = [draft_probs is not None and draft_probs[i] is not None for i in range(len(requests))]
+    on_device = [i for i, r in enumerate(requests) if (r.params.greedy or r.params.seed is None) and not has_q[i]]
+    if on_device:
+        for i, tokens in zip(on_device, accept_on_device(logits, [requests[i] for i in on_device],
+                                                         [drafts[i] for i in on_device],
+                                                         [starts[i] for i in on_device]).to_host()):
+            out[i] = tokens
+    for i in (i for i in range(len(requests)) if out[i] is None):
         span = logits[starts[i] : starts[i] + len(drafts[i]) + 1]
+        if not drafts[i]:  # no drafts: exactly the non-speculative sampler, from the request's own stream
+            out[i] = [int(Sampler.draw(span, [requests[i]])[0])]
+            continue
         probs = filtered_probs(span, [requests[i].params] * span.shape[0])
-        q = draft_probs[i] if draft_probs is not None else None
         generator = _generator(requests[i], logits.device)
-        if q is None:  # point masses: the target's own draws, so no token depends on the drafts
+        if not has_q[i]:  # point masses: the target's own draws, so no token depends on the drafts
             out[i] = accept_drawn(probs, drafts[i], generator)
         else:
-            out[i] = accept_sampled(probs, drafts[i], generator, q)
+            out[i] = accept_sampled(probs, drafts[i], generator, draft_probs[i])
     return out
 
 
-def _argmax(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-    best = torch.argmax(logits, dim=-1)
-    finite = torch.isfinite(logits.gather(-1, best[:, None])[:, 0])
-    both = torch.stack([best, finite.to(best.dtype)]).tolist()  # one read back (one device sync), not two
-    return both[0], [bool(f) for f in both[1]]
+def accept_on_device(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[Sequence[int]],
+                     starts: Sequence[int]) -> Accepted:
+    """Requests without a stream of their own (accept.py): every verify row drawn at once by the plain sampler's
+    draw, then the drafts kept on the [requests, steps + 1] grid. `starts[i]`: request i's first row in `logits`."""
+    width = max(len(d) for d in drafts) + 1
+    rows = [s + k for s, d in zip(starts, drafts) for k in range(len(d) + 1)]
+    owners = [r for r, d in zip(requests, drafts) for _ in range(len(d) + 1)]
+    if len(rows) < logits.shape[0]:
+        logits = logits[to_device(logits.device, torch.tensor(rows, dtype=torch.int64))[0]]
+    drawn = Sampler.draw(logits, owners)
+    index, grid, counts = to_device(logits.device, *draft_grid(drafts, width))
+    return accept(drawn[index], grid, counts)
 
 
 def accept_greedy(draft: Sequence[int], best: Sequence[int], finite: Sequence[bool]) -> list[int]:

@@ -10,8 +10,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+import torch
 
-from moeplex.interfaces import DraftRequest, Drafter, DrafterCaps, Drafts
+from moeplex.interfaces import DeviceDrafts, DeviceTokens, DraftRequest, Drafter, DrafterCaps, DrafterContext, Drafts
+
+from .ngram_device import DeviceHistories, lookup_batch
 
 
 def lookup(ids: np.ndarray, max_n: int, min_n: int, count: int) -> list[int]:
@@ -64,7 +67,8 @@ class History:
 
 
 class NgramDrafter(Drafter):
-    caps = DrafterCaps(cheap_proposals=True)  # a suffix match over the host token list
+    # a suffix match over the host token list, or over a device-side buffer (ngram_device.py): the same drafts
+    caps = DrafterCaps(cheap_proposals=True, drafts_on_device=True)
     max_n = 4  # longest suffix matched
     min_n = 1  # shortest suffix matched
     window = 4096  # only the latest tokens are searched: a step costs O(window), not O(sequence)
@@ -72,6 +76,11 @@ class NgramDrafter(Drafter):
     def __init__(self, num_steps: int):
         super().__init__(num_steps)
         self._history: dict[str, History] = {}
+        self._device = torch.device("cpu")
+        self._on_device: DeviceHistories | None = None  # made on the first propose_on_device
+
+    def bind(self, context: DrafterContext) -> None:
+        self._device = torch.device(context.device)
 
     def propose(self, requests: Sequence[DraftRequest]) -> Drafts:
         tokens = []
@@ -83,5 +92,14 @@ class NgramDrafter(Drafter):
             tokens.append(lookup(ids, self.max_n, self.min_n, self.num_steps) if ids.size > 1 else [])
         return Drafts(tokens)
 
+    def propose_on_device(self, requests: Sequence[DraftRequest], pending: DeviceTokens | None = None) -> DeviceDrafts:
+        if self._on_device is None:
+            self._on_device = DeviceHistories(self.window, self._device)
+        history, lengths = self._on_device.view(requests, pending)
+        tokens, counts = lookup_batch(history, lengths, self.max_n, self.min_n, self.num_steps, self.window)
+        return DeviceDrafts(tokens, counts)
+
     def finished(self, rid: str) -> None:
         self._history.pop(rid, None)
+        if self._on_device is not None:
+            self._on_device.drop(rid)

@@ -1,0 +1,200 @@
+"""Verify steps under the overlap schedule: step N + 1 is built and launched before step N's tokens reach the host.
+
+For a drafter that drafts on the device (DrafterCaps.drafts_on_device) a verify step needs nothing from the host
+after it is launched: acceptance runs on the device (accept.py), and the next step's inputs come from it there.
+Each request's rows sit on a fixed grid of `width` decode rows (its last token, then its drafts, padding beyond
+the drafts it verifies), so the host knows the batch's shape without the accepted counts. What it does not know
+is where each request's rows start: step N emitted 1 .. width tokens for it. The host builds step N + 1 at the
+positions step N's first row had (the positions it knows) and the device shifts every row by the count step N
+emitted (`shift_rows`): positions, sequence lengths and KV slots from the page table, the page table covering
+the longest run. Then the host reads step N (it waits for that step's copy only, the device already computes
+N + 1) and appends its runs as the synchronous path does: a stop inside an accepted run ends the request there
+(its rows of step N + 1 are dropped when that step is read), the policy records the outcome (so its choice for
+step N + 1 was made one step stale), and pages beyond what the step in flight may write go back to the pool.
+
+Requests with a grammar, logprobs, penalties or logit biases, or their own seed, need the host's tokens before
+their next step (masks, counts, one draw per token from their stream): a step with one of them takes the
+synchronous path, as does a step the scheduler must change (admissions, preemption, a prompt chunk).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import attrs
+import torch
+
+from ..batch_builder import ScheduledSeq, build_forward_batch
+from ..interfaces import DeviceTokens, DraftRequest
+from ..request import Request
+from ..sampler import Sampler
+from ..transfer import to_device
+from .accept import Accepted, accept
+
+
+@attrs.define
+class VerifyInFlight:
+    """A launched verify step whose outcome is still on its way to the host."""
+
+    requests: list[Request]  # one per grid row, in row order
+    width: int  # rows per request (1 + the most drafts a request verifies)
+    chosen: list[int]  # drafts the policy chose per request (the drafter may have proposed fewer)
+    accepted: Accepted  # on the device
+    host: torch.Tensor  # [R, 3 + width]: drafts proposed, drafts verified, drafts accepted, tokens (complete once ready)
+    ready: torch.cuda.Event | None
+
+    def read(self) -> list[list[int]]:
+        """Per request: [proposed, verified, accepted, emitted tokens...] (waits for this step's copy only)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return [row[: 4 + row[2]] for row in self.host.tolist()]
+
+
+def eligible(requests: Sequence[Request], tracks_grammar: Callable[[str], bool]) -> bool:
+    """Whether the requests' next steps can be built before their tokens reach the host."""
+    return bool(requests) and all(
+        not tracks_grammar(r.rid) and r.params.logprobs <= 0 and not r.params.adjusts_logits
+        and (r.params.greedy or r.params.seed is None) for r in requests)
+
+
+def shift_rows(batch, offsets: torch.Tensor, bound: int, ragged: bool):
+    """A decode batch built at known positions, every row moved on by offsets[row] <= bound (on the device): its
+    positions, sequence lengths and KV slots (from its page table), its host lengths by `bound` (an upper bound,
+    which is what the attention backends size their work by); with `ragged`, its flattened KV indices too (an
+    attention backend that reads them; on a CPU that is no wait)."""
+    page = batch.page_size
+    positions = batch.positions + offsets
+    seq_lens = batch.seq_lens + offsets
+    table = batch.page_table
+    rows = torch.arange(table.shape[0], device=table.device)
+    out_cache_loc = table[rows, positions // page].to(torch.int64) * page + positions % page
+    changed = dict(positions=positions, seq_lens=seq_lens, out_cache_loc=out_cache_loc,
+                   prefix_lens=tuple(p + bound for p in batch.prefix_lens))
+    if ragged:
+        slots = (table.to(torch.int64)[:, :, None] * page + torch.arange(page, device=table.device)).flatten(1)
+        cols = torch.arange(slots.shape[1], device=table.device)
+        changed["kv_indices"] = slots[cols[None, :] < seq_lens[:, None]]
+        changed["kv_indptr"] = torch.cat([seq_lens.new_zeros(1), torch.cumsum(seq_lens, 0)])
+    return attrs.evolve(batch, **changed)
+
+
+class OverlapVerify:
+    """Launches verify steps from device state and reads them one step late (the engine calls it)."""
+
+    def __init__(self, speculation, runner, kv, device: torch.device, ragged: bool):
+        self.spec, self.runner, self.kv, self.device, self.ragged = speculation, runner, kv, device, ragged
+
+    def start(self, requests: list[Request], tracks_grammar, hooks=None) -> VerifyInFlight | None:
+        """The first verify step of these decoding requests (their tokens all on the host), where the policy wants
+        drafts and the pages are free; None otherwise (the engine's synchronous path then)."""
+        policy = self.spec.policy
+        if not eligible(requests, tracks_grammar) or not policy.may_draft(len(requests)):
+            return None
+        counts = policy.choose(requests, [self.spec.room(r) for r in requests], expect_offers=True)
+        if not any(counts) or not self._cover(requests, 1 + max(counts)):
+            return None
+        return self.launch(requests, counts, None, hooks)
+
+    def follow(self, previous: VerifyInFlight, scheduler, tracks_grammar, hooks=None) -> VerifyInFlight | None:
+        """The next verify step of the same requests, launched before `previous` is read; None where the scheduler
+        must act first (an admission, a request it does not run, pages that only preemption would free)."""
+        requests = [r for r in previous.requests if not r.finished]
+        running = scheduler.running
+        if scheduler.waiting or len(requests) != len(running) or not eligible(requests, tracks_grammar) or \
+                {id(r) for r in requests} != {id(r) for r in running}:
+            return None
+        spec, counts = self.spec, [0] * len(requests)
+        if spec.policy.may_draft(len(requests)):  # from the records as of the step before `previous` (one stale)
+            rooms = [min(spec.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in requests]
+            counts = spec.policy.choose(requests, rooms, expect_offers=True)
+        if not self._cover(requests, previous.width + 1 + max(counts)):  # the rows may start anywhere in its run
+            return None
+        return self.launch(requests, counts, previous, hooks)
+
+    def read(self, step: VerifyInFlight, following: VerifyInFlight | None, append, fail, sampler) -> list[Request]:
+        """Append a verify step's runs (read now) to its requests through `append`; those that finish with them."""
+        spec, finished = self.spec, []
+        outcome = step.read()
+        spec.counts.step([[0] * row[1] for row, r in zip(outcome, step.requests) if not r.finished])
+        then = {id(r) for r in following.requests} if following is not None else set()
+        for request, row, chosen in zip(step.requests, outcome, step.chosen):
+            if request.finished:  # stopped in the step before (its rows here came too late) or aborted
+                continue
+            proposed, verified, accepted, tokens = row[0], row[1], row[2], row[3:]
+            request.num_cached += 1 + accepted
+            if chosen:
+                spec.policy.offered(request, proposed > 0)
+            if verified:
+                request.spec_verify_steps += 1
+                request.spec_draft_tokens += verified
+                request.spec_accepted_tokens += accepted
+                spec.policy.record(request, verified, accepted)
+            sampler.record_accepted(request, tokens)
+            if spec.append_run(request, tokens, None, append, fail, sampler):
+                finished.append(request)
+            else:  # the step in flight may still write its rows after the run
+                spec.release_rejected(request, following.width if id(request) in then else 1)
+        return finished
+
+    def _cover(self, requests: Sequence[Request], positions: int) -> bool:
+        """Pages for `positions` positions of each request from its first uncached one, from the free list only
+        (drafts never preempt nor evict; pages left over go back when its step is read)."""
+        for request in requests:
+            missing = self.kv.pages_for(request.num_cached + positions) - len(request.pages)
+            pages = self.kv.allocate(missing) if missing > 0 else []
+            if pages is None:
+                return False
+            request.pages.extend(pages)
+        return True
+
+    def launch(self, requests: Sequence[Request], counts: Sequence[int], previous: VerifyInFlight | None,
+               hooks=None) -> VerifyInFlight:
+        """Verify up to counts[i] device drafts for each request (pages cover its rows), after `previous`, whose
+        tokens are not read yet (its live requests in its row order), or from the host's own state."""
+        requests = list(requests)
+        width = 1 + max(counts)
+        steps = self.spec.drafter.num_steps
+        drafter_requests = [DraftRequest(r.rid, r.token_view, r.num_cached, tuple(r.pages)) for r in requests]
+        if previous is not None:
+            index = {id(r): i for i, r in enumerate(previous.requests)}
+            rows = to_device(self.device, torch.tensor([index[id(r)] for r in requests], dtype=torch.int64))[0]
+            tokens, emitted = previous.accepted.tokens[rows], previous.accepted.emitted[rows]
+            drafts = self.spec.drafter.propose_on_device(drafter_requests, DeviceTokens(tokens, emitted))
+            last, offsets = previous.accepted.last[rows].clamp_min(0), emitted  # a FAILED row's request ends when read
+        else:
+            drafts = self.spec.drafter.propose_on_device(drafter_requests)
+            host_last = torch.tensor([r.token_ids(r.num_cached, 1)[0] for r in requests], dtype=torch.int64)
+            last = to_device(self.device, host_last)[0]
+            offsets = None
+        chosen = to_device(self.device, torch.tensor(list(counts), dtype=torch.int64))[0]
+        proposed = drafts.counts
+        verified = torch.minimum(proposed, chosen)
+        grid = drafts.tokens[:, : width - 1] if steps else drafts.tokens.new_empty(len(requests), 0)
+        if grid.shape[1] < width - 1:
+            grid = torch.nn.functional.pad(grid, (0, width - 1 - grid.shape[1]), value=-1)
+        # a draft id outside the vocabulary voids the request's drafts (as on the host path) and never reaches the
+        # embedding: decided on the device, with no read back
+        k = torch.arange(grid.shape[1], device=grid.device)[None, :]
+        bad = ((grid < 0) | (grid >= self.spec.vocab_size)) & (k < verified[:, None])
+        verified = torch.where(bad.any(dim=1), 0, verified)
+        grid = torch.where(k < verified[:, None], grid, -1)
+        seqs = [ScheduledSeq([0], r.num_cached + j, r.pages) for r in requests for j in range(width)]
+        batch = build_forward_batch(seqs, self.kv, self.device)
+        if offsets is not None:  # step N's emitted counts, which only the device knows yet
+            batch = shift_rows(batch, offsets.repeat_interleave(width), previous.width, self.ragged)
+        batch = attrs.evolve(batch, input_ids=torch.cat([last[:, None], grid.clamp_min(0)], dim=1).flatten(),
+                             overlap_split=False)
+        if hooks is not None:
+            hooks.hook.moeplex_batch_scheduled(batch=batch)
+        rows = torch.arange(batch.num_tokens, device=self.device)
+        logits, _ = self.runner.verify_forward(batch, rows, False)
+        drawn = Sampler.draw(logits, [r for r in requests for _ in range(width)]).view(len(requests), width)
+        accepted = accept(drawn, grid, verified)
+        packed = torch.cat([proposed[:, None], verified[:, None], accepted.counts[:, None], accepted.tokens], dim=1)
+        host, ready = packed, None
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(packed.device))
+        return VerifyInFlight(requests, width, list(counts), accepted, host, ready)

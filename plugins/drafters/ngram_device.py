@@ -1,0 +1,122 @@
+"""The n-gram lookup as tensor ops over a device-side history buffer: drafting with no read back to the host.
+
+`lookup_batch` is ngram.lookup for every request of a step at once: over a [requests, length] buffer of token
+ids it matches the last max_n tokens against every earlier position (one comparison of the whole buffer per
+suffix length, a running product for "the k tokens before matched too"), takes the longest match, the latest
+occurrence of it, and the tokens that followed. Its drafts equal lookup's on the same ids (tests/test_ngram_device.py).
+
+`DeviceHistories` keeps each request's latest tokens in one buffer [slots, width] on the device. The host writes
+the tokens it knows (only those added since the last call: a few per request per step, one copy for the batch);
+tokens of a step the host has not read yet (DeviceTokens) are written on the device, after the known ones, and
+later overwritten by the host with the very same ids when it reads them. A row keeps at least the last `window`
+tokens (the lookup's search range): when it fills up it is rewritten from the last `window` tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from moeplex.interfaces import DeviceTokens, DraftRequest
+
+SLACK = 64  # columns kept free after a row's known tokens: room for a step's pending tokens
+
+
+def lookup_batch(history: torch.Tensor, lengths: torch.Tensor, max_n: int, min_n: int, count: int,
+                 window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row r of `history` [R, L] (its first lengths[r] ids, searched in the last `window` of them): up to
+    `count` tokens that followed the latest earlier occurrence of the longest suffix of length max_n .. min_n,
+    as ([R, count] ids with -1 after them, [R] their counts)."""
+    rows, width = history.shape
+    device = history.device
+    pos = torch.arange(width, device=device)[None, :]
+    last = (lengths - 1)[:, None]
+    low = (lengths - window).clamp_min(0)[:, None]  # the window's first column
+    suffix = history.gather(1, (last - torch.arange(max_n, device=device)[None, :]).clamp_min(0))
+    run = torch.ones(rows, width, dtype=torch.bool, device=device)
+    matched = torch.zeros(rows, width, dtype=torch.int64, device=device)
+    for k in range(max_n):  # matched[e]: how many tokens ending at e equal the suffix (at most max_n)
+        before = F.pad(history, (k, 0), value=-2)[:, :width]  # before[e] = history[e - k]
+        run = run & (before == suffix[:, k : k + 1]) & (pos - k >= low)
+        matched += run
+    matched = torch.where((pos < last) & (pos >= low), matched, 0)  # an occurrence ends before the last token
+    longest = matched.max(dim=1).values
+    end = torch.where((matched == longest[:, None]) & (matched > 0), pos, -1).max(dim=1).values  # the latest
+    found = (longest >= min_n) & (end >= 0) & (lengths > 1)
+    counts = torch.where(found, (lengths - 1 - end).clamp_max(count), 0)  # (no host scalar copied to the device)
+    steps = torch.arange(count, device=device)[None, :]
+    drafts = history.gather(1, ((end + 1)[:, None] + steps).clamp(0, width - 1))
+    return torch.where(steps < counts[:, None], drafts, -1), counts
+
+
+def _to(device: torch.device, host: torch.Tensor) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU from pinned memory, so the host does not wait for the GPU's queue."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class DeviceHistories:
+    """Each live request's latest token ids, one row of a device buffer per request (rows reused after `drop`)."""
+
+    def __init__(self, window: int, device: torch.device, slots: int = 8):
+        self.window = window
+        self.width = 2 * window + SLACK
+        self.device = torch.device(device)
+        self.buffer = torch.zeros(slots, self.width, dtype=torch.int64, device=self.device)
+        self.free = list(range(slots - 1, -1, -1))
+        # per rid: [slot, offset (sequence index of column 0), known (sequence length written), its last id]
+        self.rows: dict[str, list[int]] = {}
+
+    def view(self, requests: Sequence[DraftRequest], pending: DeviceTokens | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """([R, L] the requests' rows, [R] their lengths in it) with the pending tokens after the known ones."""
+        self._write_known(requests)
+        meta = [self.rows[r.rid] for r in requests]
+        slots = torch.tensor([m[0] for m in meta], dtype=torch.int64)
+        known = torch.tensor([m[2] - m[1] for m in meta], dtype=torch.int64)  # columns written per row
+        pending_width = pending.tokens.shape[1] if pending is not None else 0
+        if pending_width > SLACK:
+            raise ValueError(f"{pending_width} pending tokens per request: at most {SLACK}")
+        width = int(known.max()) + pending_width
+        slots, known = _to(self.device, torch.stack([slots, known]))
+        if pending is not None:  # after the known ids, on the device; the host writes the same ids once it reads them
+            cols = known[:, None] + torch.arange(pending_width, device=self.device)[None, :]
+            self.buffer[slots[:, None], cols] = pending.tokens
+            known = known + pending.counts
+        return self.buffer[slots, :width], known
+
+    def drop(self, rid: str) -> None:
+        meta = self.rows.pop(rid, None)
+        if meta is not None:
+            self.free.append(meta[0])
+
+    def _write_known(self, requests: Sequence[DraftRequest]) -> None:
+        """Copy each request's ids added since the last call into its row (one copy for all of them)."""
+        rows, cols, values = [], [], []
+        for request in requests:
+            ids, n = request.token_ids, len(request.token_ids)
+            meta = self.rows.get(request.rid)
+            if meta is None:
+                meta = self.rows[request.rid] = [self._slot(), 0, 0, -1]
+            slot, offset, known, last = meta
+            if n < known or (known and ids[known - 1] != last):  # a different sequence under this rid: rewrite
+                offset = known = 0
+            if n - offset + SLACK > self.width:  # full: keep the last `window` ids, from column 0
+                offset = known = max(n - self.window, 0)
+            if n > known:
+                rows += [slot] * (n - known)
+                cols += range(known - offset, n - offset)
+                values += ids[known:n]
+            meta[1:] = [offset, n, ids[n - 1] if n else -1]
+        if values:
+            index = _to(self.device, torch.tensor([rows, cols, values], dtype=torch.int64))
+            self.buffer[index[0], index[1]] = index[2]
+
+    def _slot(self) -> int:
+        if not self.free:  # twice the rows
+            size = self.buffer.shape[0]
+            self.buffer = torch.cat([self.buffer, torch.zeros_like(self.buffer)])
+            self.free = list(range(2 * size - 1, size - 1, -1))
+        return self.free.pop()

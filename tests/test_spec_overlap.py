@@ -1,0 +1,298 @@
+"""Verify steps under the overlap schedule (speculation/overlap.py): with a drafter that drafts on the device, the
+next verify step is launched before the host reads the one in flight, and no token changes: greedy equal to
+non-speculative greedy with the overlap schedule on and off, stops inside accepted runs, max_new_tokens, preemption,
+the prefix cache, sampled requests (seeded ones reproduce), and the KV pool back to empty after each run."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeplex.config import EngineConfig
+from moeplex.engine import Engine
+from moeplex.sampling import SamplingParams
+
+from test_speculative import PROMPTS, conserved, script_distribution, settings  # noqa: F401 (a fixture)
+
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+NGRAM = dict(speculative_algorithm="ngram", speculative_num_steps=3)
+
+
+def engine(folder: str, **overrides) -> Engine:
+    return Engine(EngineConfig(**settings(folder, **overrides)))
+
+
+class Launches:
+    """Counts the verify steps launched before the step in flight was read (and those launched after a read)."""
+
+    def __init__(self, engine: Engine):
+        self.following = self.first = 0
+        launch = engine.overlap_verify.launch
+
+        def counted(requests, counts, previous, hooks=None):
+            if previous is None:
+                self.first += 1
+            else:
+                self.following += 1
+            return launch(requests, counts, previous, hooks)
+
+        engine.overlap_verify.launch = counted
+
+
+def outputs(requests) -> list[list[int]]:
+    return [list(r.output_ids) for r in requests]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    """Non-speculative outputs, overlap schedule off, per architecture."""
+    return {arch: outputs(engine(tiny_model_dir(arch)).generate(PROMPTS, GREEDY)) for arch in ("deepseek_v3", "qwen3_moe")}
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_greedy_ngram_under_the_overlap_schedule_changes_no_token(tiny_model_dir, plain, arch, steps):
+    spec = engine(tiny_model_dir(arch), overlap_schedule=True, speculative_algorithm="ngram", speculative_num_steps=steps)
+    launches = Launches(spec)
+    got = spec.generate(PROMPTS, GREEDY)
+    assert outputs(got) == plain[arch]
+    assert launches.following > launches.first > 0, "verify steps were not launched ahead of the read"
+    assert sum(r.spec_draft_tokens for r in got) > 0  # the repeated prompts gave it something to draft
+    assert conserved(spec)
+
+
+@pytest.fixture(scope="module")
+def echo(tiny_model_dir, tmp_path_factory):
+    """The tiny DeepSeek-V3 made to repeat its last token under greedy decoding (embedding scaled, output head tied
+    to it, as the drafter conformance suite does): ngram's drafts are then accepted in long runs."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("echo") / "model"
+    shutil.copytree(tiny_model_dir("deepseek_v3"), folder)
+    shards = {name: load_file(folder / name) for name in sorted(os.listdir(folder)) if name.endswith(".safetensors")}
+    embed = next(t["model.embed_tokens.weight"] for t in shards.values() if "model.embed_tokens.weight" in t)
+    scaled = (embed.float() * (30.0 / embed.float().std())).to(embed.dtype)
+    for name, tensors in shards.items():
+        touched = {k for k in ("model.embed_tokens.weight", "lm_head.weight") if k in tensors}
+        if touched:
+            save_file({**tensors, **{k: scaled.clone() for k in touched}}, folder / name, metadata={"format": "pt"})
+    return str(folder)
+
+
+ECHO_PROMPTS = [[256, 5, 6, 7, 5, 6, 7, 7, 7], [300, 301, 99, 99], [256] + list(range(40, 60))]
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 7, 16])
+def test_accepted_runs_stops_and_lengths_under_the_overlap_schedule(echo, max_new):
+    """Long accepted runs (the echo model repeats, ngram predicts it): the same tokens, a stop token inside a run
+    ends the request there, max_new_tokens inside a run too."""
+    greedy = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    want = outputs(engine(echo).generate(ECHO_PROMPTS, greedy))
+    spec = engine(echo, overlap_schedule=True, **NGRAM)
+    launches = Launches(spec)
+    got = spec.generate(ECHO_PROMPTS, greedy)
+    assert outputs(got) == want
+    if max_new >= 7:
+        assert launches.following > 0 and sum(r.spec_accepted_tokens for r in got) > 0
+    assert conserved(spec)
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_the_policy_changes_no_token_under_the_overlap_schedule(tiny_model_dir, plain, policy):
+    spec = engine(tiny_model_dir("deepseek_v3"), overlap_schedule=True, speculative_policy=policy, **NGRAM)
+    assert outputs(spec.generate(PROMPTS, GREEDY)) == plain["deepseek_v3"]
+    assert conserved(spec)
+
+
+@pytest.mark.parametrize("drafter", ["test-oracle", "test-adversary"])
+def test_host_drafters_keep_the_synchronous_path_and_change_no_token(tiny_model_dir, plain, script_distribution,
+                                                                      drafter):
+    import script_drafters
+
+    script_drafters.SCRIPT[:] = [list(p) + list(o) for p, o in zip(PROMPTS, plain["deepseek_v3"])]
+    spec = engine(tiny_model_dir("deepseek_v3"), overlap_schedule=True, speculative_algorithm=drafter)
+    assert spec.overlap_verify is None  # it drafts on the host only
+    got = spec.generate(PROMPTS, GREEDY)
+    assert outputs(got) == plain["deepseek_v3"]
+    assert sum(r.spec_draft_tokens for r in got) > 0
+    assert conserved(spec)
+
+
+@pytest.mark.parametrize("repeats", [2, 3, 6])
+def test_a_stop_inside_an_accepted_run_ends_the_request_there(echo, repeats):
+    """The echo model's output repeats the prompt's last token (one byte of text each): a stop string of that byte
+    `repeats` times is met inside a run of accepted drafts."""
+    stops = [SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, stop=chr(p[-1]) * repeats)
+             for p in ECHO_PROMPTS]
+    want = engine(echo).generate(ECHO_PROMPTS, stops)
+    spec = engine(echo, overlap_schedule=True, **NGRAM)
+    launches = Launches(spec)
+    got = spec.generate(ECHO_PROMPTS, stops)
+    assert [(r.output_ids, r.text, r.finish_reason) for r in got] == [(r.output_ids, r.text, r.finish_reason) for r in want]
+    assert [len(r.output_ids) for r in got] == [repeats] * len(ECHO_PROMPTS)
+    if repeats > 2:
+        assert launches.first > 0 and sum(r.spec_accepted_tokens for r in got) > 0
+    assert conserved(spec)
+
+
+def test_stops_and_max_new_tokens_on_a_random_model(tiny_model_dir, plain):
+    """Every token the plain output holds, as a stop token, ends each request at the same place; lengths 1..5 too."""
+    folder = tiny_model_dir("deepseek_v3")
+    want = plain["deepseek_v3"]
+    for k in (1, 2, 5, 9):
+        stops = [SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=[out[k]]) for out in want]
+        base = outputs(engine(folder).generate(PROMPTS, stops))
+        spec = engine(folder, overlap_schedule=True, **NGRAM)
+        assert outputs(spec.generate(PROMPTS, stops)) == base
+        assert conserved(spec)
+    for n in (1, 2, 3, 5):
+        params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+        spec = engine(folder, overlap_schedule=True, **NGRAM)
+        assert outputs(spec.generate(PROMPTS, params)) == [out[:n] for out in want]
+        assert conserved(spec)
+
+
+def test_preemption_and_the_prefix_cache_under_the_overlap_schedule(tiny_model_dir):
+    folder = tiny_model_dir("qwen3_moe")
+    prompts = PROMPTS * 3
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    want = outputs(engine(folder).generate(prompts, params))
+    tight = engine(folder, overlap_schedule=True, max_total_tokens=192, **NGRAM)
+    got = tight.generate(prompts, params)
+    assert outputs(got) == want
+    assert sum(r.num_preemptions for r in got) > 0, "the pool was not tight enough to preempt"
+    assert conserved(tight)
+    cached = engine(folder, overlap_schedule=True, **NGRAM)
+    assert outputs(cached.generate(prompts, params)) == want
+    assert outputs(cached.generate(prompts, params)) == want  # the second time from the prefix cache
+    assert cached.prefix_cache.hit_tokens > 0
+    assert conserved(cached)
+
+
+def test_sampled_requests_under_the_overlap_schedule(tiny_model_dir):
+    """Unseeded requests verify on the overlapped path; seeded ones take the synchronous path and give the same
+    tokens as without speculation."""
+    folder = tiny_model_dir("deepseek_v3")
+    seeded = [SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20, seed=11 + i) for i in range(len(PROMPTS))]
+    want = outputs(engine(folder).generate(PROMPTS, seeded))
+    spec = engine(folder, overlap_schedule=True, **NGRAM)
+    assert outputs(spec.generate(PROMPTS, seeded)) == want
+    free = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20, ignore_eos=True)
+    spec = engine(folder, overlap_schedule=True, **NGRAM)
+    launches = Launches(spec)
+    got = spec.generate(PROMPTS, free)
+    assert all(len(r.output_ids) == 12 and all(0 <= t < 512 for t in r.output_ids) for r in got)
+    assert launches.first > 0
+    assert conserved(spec)
+
+
+@pytest.mark.slow
+def test_ngram_over_ep2_ranks_under_the_overlap_schedule(tiny_model_dir, plain):
+    """tp2 with experts over 2 gloo ranks: every rank launches the same verify steps ahead of its reads."""
+    import parallel_ranks
+    from moeplex.parallel import ParallelConfig
+    from moeplex.ranks.launcher import launch
+    from test_parallel import LAYOUTS, free_address
+
+    folder = tiny_model_dir("deepseek_v3")
+    parallel = ParallelConfig(dist_init_addr=free_address(), timeout_s=120, **LAYOUTS["ep2"])
+    spec = {"speculative_algorithm": "ngram", "speculative_num_steps": 2, "dtype": "fp32", "overlap_schedule": True}
+    results = launch(parallel_ranks.generate_with_settings, parallel, parallel, [folder], PROMPTS,
+                     [GREEDY] * len(PROMPTS), spec)
+    assert [r["output_ids"] for r in results[folder]] == plain["deepseek_v3"]
+
+
+def test_device_drafts_outside_the_vocabulary_are_void(echo):
+    """A drafter that drafts on the device and proposes an id past the vocabulary: that request's drafts are not
+    verified (decided on the device) and no token changes."""
+    from moeplex.interfaces import DeviceDrafts
+
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    want = outputs(engine(echo).generate(ECHO_PROMPTS, greedy))
+    spec = engine(echo, overlap_schedule=True, **NGRAM)
+    drafter = spec.speculation.drafter
+    propose = drafter.propose_on_device
+
+    def faulty(requests, pending=None):
+        drafts = propose(requests, pending)
+        tokens = drafts.tokens.clone()
+        tokens[0, 0] = spec.vocab_size + 3  # the first request's first draft, whatever its count
+        return DeviceDrafts(tokens, drafts.counts)
+
+    drafter.propose_on_device = faulty
+    launches = Launches(spec)
+    got = spec.generate(ECHO_PROMPTS, greedy)
+    assert outputs(got) == want
+    assert launches.following > 0
+    assert got[0].spec_draft_tokens == 0 < got[1].spec_draft_tokens
+    assert conserved(spec)
+
+
+def test_an_abort_while_a_verify_step_is_in_flight(echo):
+    """A request aborted between steps (a client gone) while its verify step is in flight: its late tokens are
+    dropped, the others' outputs do not change, every page comes back."""
+    from moeplex.speculation.overlap import VerifyInFlight
+
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    want = outputs(engine(echo).generate(ECHO_PROMPTS, greedy))
+    spec = engine(echo, overlap_schedule=True, **NGRAM)
+    requests = [spec.add_request(p, greedy) for p in ECHO_PROMPTS]
+    while not isinstance(spec.in_flight, VerifyInFlight):
+        spec.step()
+    spec.abort(requests[1].rid)
+    kept = len(requests[1].output_ids)
+    while spec.has_work:
+        spec.step()
+    assert outputs([requests[0], requests[2]]) == [want[0], want[2]]
+    assert requests[1].finish_reason.value == "abort" and len(requests[1].output_ids) == kept
+    assert conserved(spec)
+
+
+@pytest.mark.gpu
+def test_on_gpu_verify_steps_overlap_and_replay_the_decode_graphs(echo):
+    """On a GPU (the overlap schedule on by default): ngram's verify steps are launched ahead of their reads,
+    replay the decode graphs (3 requests x 4 rows), and give the tokens of the GPU engine without speculation."""
+    from test_speculative_gpu import gpu_engine
+
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    want = outputs(gpu_engine(echo).generate(ECHO_PROMPTS, greedy))
+    spec = gpu_engine(echo, speculative_policy="fixed", **NGRAM)
+    assert spec.overlap_schedule and spec.overlap_verify is not None
+    graphs = spec.runner.graphs
+    replayed, run = [], graphs.run
+    graphs.run = lambda batch: replayed.append(batch.batch_size) or run(batch)
+    launches = Launches(spec)
+    got = spec.generate(ECHO_PROMPTS, greedy)
+    assert outputs(got) == want
+    assert launches.following > 0 and max(replayed) == 12
+    assert sum(r.spec_accepted_tokens for r in got) > 0
+    assert conserved(spec)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_shifted_rows_equal_rows_built_at_the_shifted_positions(seed):
+    """shift_rows moves a decode batch built at known positions by per-request offsets on the device: the same
+    positions, lengths, KV slots and flattened KV indices as a batch built at the final positions."""
+    import random
+
+    import torch
+
+    from moeplex.batch_builder import ScheduledSeq, build_forward_batch
+    from moeplex.kv_cache import KVPool
+    from moeplex.speculation.overlap import shift_rows
+
+    rng = random.Random(seed)
+    kv = KVPool(64, 4, [[(2,)]], torch.float32, torch.device("cpu"))
+    width, bound = 1 + rng.randint(0, 3), 4
+    starts = [rng.randint(1, 30) for _ in range(3)]
+    offsets = [rng.randint(1, bound) for _ in starts]
+    pages = [kv.allocate(kv.pages_for(s + bound + width)) for s in starts]
+    base = build_forward_batch([ScheduledSeq([0], s + j, p) for s, p in zip(starts, pages) for j in range(width)], kv, "cpu")
+    want = build_forward_batch([ScheduledSeq([0], s + o + j, p) for s, o, p in zip(starts, offsets, pages)
+                                for j in range(width)], kv, "cpu")
+    got = shift_rows(base, torch.tensor(offsets).repeat_interleave(width), bound, ragged=True)
+    for field in ("positions", "seq_lens", "out_cache_loc", "kv_indices", "kv_indptr"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert all(a >= b for a, b in zip(got.seq_lens_cpu, want.seq_lens_cpu))  # host lengths: an upper bound
