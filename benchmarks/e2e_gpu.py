@@ -220,20 +220,24 @@ def recapture(engine: Engine) -> None:
                                      CudaGraphCapture(engine.device), **extra)
 
 
-def use_fewer_launches(engine: Engine, on: bool) -> None:
-    """Switch every launch-cutting fusion and capture the decode graphs again."""
-    for holders, attribute in launch_cuts(engine).values():
+def use_fewer_launches(engine: Engine, on: bool) -> dict:
+    """Switch every launch-cutting fusion and capture the decode graphs again; returns the switches as they were."""
+    before = {}
+    for cut, (holders, attribute) in launch_cuts(engine).items():
+        before[cut] = bool(getattr(holders[0], attribute))
         set_cut(holders, attribute, on)
     recapture(engine)
+    return before
 
 
 def ablation_rows(name: str, engine: Engine, batches, rounds: int = 3) -> list[str]:
-    """Each launch cut switched off alone (the others on), graphs captured again: its effect on the
-    graph-replayed, overlapped decode step, as the median of `rounds` alternations of all-on and this-one-off."""
+    """Each launch cut switched on and off alone (the others as they are by default), graphs captured again: its
+    effect on the graph-replayed, overlapped decode step, as the median of `rounds` alternations."""
     if engine.runner.graphs is None:
         return []
     lines = []
     for cut, (holders, attribute) in launch_cuts(engine).items():
+        default = bool(getattr(holders[0], attribute))
         for batch in batches:
             on_ms, off_ms = [], []
             for _ in range(rounds):
@@ -241,7 +245,7 @@ def ablation_rows(name: str, engine: Engine, batches, rounds: int = 3) -> list[s
                     set_cut(holders, attribute, state)
                     recapture(engine)
                     sink.append(measure(engine, batch, DECODE_CONTEXT, 16)["decode_step_ms"])
-            set_cut(holders, attribute, True)
+            set_cut(holders, attribute, default)
             on, off = statistics.median(on_ms), statistics.median(off_ms)
             lines.append(f"| {name} | {cut} | {batch} | {on:.3f} ({min(on_ms):.3f}-{max(on_ms):.3f}) | "
                          f"{off:.3f} ({min(off_ms):.3f}-{max(off_ms):.3f}) | {(off - on) / off:+.1%} |")
@@ -254,11 +258,13 @@ def fewer_launches_off_rows(name: str, engine: Engine, roof: Roofline, copy_bs: 
     """The graph-replayed, overlapped decode rows again with the launch-cutting fusions off (the 'before')."""
     if engine.runner.graphs is None:
         return []
-    use_fewer_launches(engine, False)
+    before = use_fewer_launches(engine, False)
     try:
         return [decode_row(name, engine, roof, copy_bs, batch, ("on", "on", "off")) for batch in batches]
     finally:
-        use_fewer_launches(engine, True)
+        for cut, (holders, attribute) in launch_cuts(engine).items():
+            set_cut(holders, attribute, before[cut])
+        recapture(engine)
 
 
 def prefill_rows(name: str, engine: Engine, roof: Roofline, flops_s: float, lengths) -> list[str]:
@@ -411,8 +417,8 @@ def main() -> None:
         dsv3 = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4}, config_only=True)
         lines += speed("DeepSeek-V3 shapes, 4 layers", dsv3, flops_s, copy_bs, args, args.prefill[:1], ablations)
     if ablations:
-        lines += ["", "Each launch cut alone switched off (the others on), graphs captured again, median of 3 "
-                  "alternations (min-max):", "", "| model | cut | batch | all on, ms | this cut off, ms | saved by the cut |",
+        lines += ["", "Each launch cut alone switched on and off (the others as by default), graphs captured again, "
+                  "median of 3 alternations (min-max):", "", "| model | cut | batch | cut on, ms | cut off, ms | saved by the cut |",
                   "|---|---|---:|---:|---:|---:|", *ablations]
     if args.compare_fewer_launches:
         lines += ["", "fewer launches: on = KV write in the rope kernel, the router of <= 16 tokens in one launch, each "

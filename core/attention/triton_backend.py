@@ -21,6 +21,9 @@ class TritonAttention(AttentionBackend):
     `merge_in_split_kernel`: the last split to finish merges the splits (one launch), rather than a
     reduce kernel after the split kernel (two); the counters that takes are this backend's, and
     every layer's decode launches one after another on one stream, so they never share one at once.
+    Off by default: on the H200 the merged launch made graph-replayed batch-1 decode 7.9% slower on
+    Qwen3-30B-A3B shapes and 3.9% on DeepSeek-V3's (1.4% at batch 8; the last split waits for every
+    other split of its request: benchmarks/results/e2e_h200.md, "launch cuts, one at a time").
     """
 
     name = "triton"
@@ -45,7 +48,7 @@ class TritonAttention(AttentionBackend):
             target_programs = 2 * sms
         self.max_splits, self.min_split_tokens, self.target_programs = max_splits, min_split_tokens, target_programs
         self.block_n = block_n
-        self.merge_in_split_kernel = True
+        self.merge_in_split_kernel = False
         # every counter buffer made stays alive: a captured CUDA graph keeps the address it was given
         self._counters: list[torch.Tensor] = []
 
