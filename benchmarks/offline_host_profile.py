@@ -1,6 +1,7 @@
 """Host time per step of the offline engine against the served one, by phase, on the same workload and model.
 
     python benchmarks/offline_host_profile.py [--arch deepseek_v3] [--num-requests 256] [--runs 3] [--out FILE]
+    python benchmarks/offline_host_profile.py --device cuda --dtype bf16      # one GPU: CUDA graphs, warmed up as serve
 
 Offline is `Engine.generate` (what `moeplex generate` runs): every request handed over at once. Served is rank 0 of
 `moeplex serve` as its leader runs it (ranks/leader.py: the front end's commands taken, EngineGroup.step, the
@@ -25,12 +26,12 @@ import os
 import pickle
 import statistics
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from report import emit, processor  # noqa: E402
+from serving import model_folder  # noqa: E402
 from workload import mixed_workload  # noqa: E402
 
 PHASES = ("schedule", "batch build", "forward", "sample", "read tokens", "rest of the step", "around the steps")
@@ -82,24 +83,38 @@ class PhaseClock:
 def make_engine(args, folder: str):
     from moeplex.config import EngineConfig
     from moeplex.engine import Engine
+    from moeplex.ranks.group import EngineGroup
+    from moeplex.ranks.warmup import warm_up
 
     gpu = args.schedule == "gpu"
+    device = {name: getattr(args, name) for name in ("device", "dtype", "load_format", "max_total_tokens") if getattr(args, name)}
     engine = Engine(EngineConfig(
         model=folder, show_progress=False, max_running_requests=args.concurrency, max_batched_tokens=args.max_batched_tokens,
         chunked_prefill_size=args.chunked_prefill_size, overlap_schedule=True if gpu else None,
-        mixed_chunk=False if gpu else None,
+        mixed_chunk=False if gpu else None, **device,
     ))
+    if engine.device.type == "cuda":
+        warm_up(EngineGroup(engine))  # as `moeplex serve` does
     engine.generate([p for p, _ in args.work[:8]], [params(4)] * 8)  # warm-up: first calls of every path
     return engine
+
+
+def synchronize(engine) -> None:
+    if engine.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def offline(args, folder: str) -> tuple[dict, list[list[int]]]:
     engine = make_engine(args, folder)
     clock = PhaseClock(engine)
-    began = time.thread_time()
+    began, wall = time.thread_time(), time.perf_counter()
     requests = engine.generate([p for p, _ in args.work], [params(n) for _, n in args.work])
+    synchronize(engine)
+    wall = time.perf_counter() - wall
     ms = clock.around(time.thread_time() - began)
-    return {**ms, "steps": clock.steps}, [list(r.output_ids) for r in requests]
+    return {**ms, "steps": clock.steps, "wall": 1e3 * wall / clock.steps}, [list(r.output_ids) for r in requests]
 
 
 def clients(connection, work, concurrency: int) -> None:
@@ -141,26 +156,39 @@ def served(args, folder: str) -> tuple[dict, list[list[int]]]:
     front.start()
     group = EngineGroup(engine)
     leader = Leader(group, here)
+    here.poll(None)  # the clients' first requests: their process has started
     clock = PhaseClock(engine)
-    began = time.thread_time()
+    began, wall = time.thread_time(), time.perf_counter()
     while group.admitted[0] < len(args.work) or group.needs_round:  # Leader.run's loop, until all were answered
         leader._take_commands(block=not group.needs_round)
         if group.needs_round:
             leader._round()
+    synchronize(engine)
+    wall = time.perf_counter() - wall
     ms = clock.around(time.thread_time() - began)
     outputs = here.recv()
     front.join(10)
-    return {**ms, "steps": clock.steps}, outputs
+    return {**ms, "steps": clock.steps, "wall": 1e3 * wall / clock.steps}, outputs
 
 
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
+def row(name: str, offline: list[float], served: list[float]) -> str:
+    return f"| {name} | {spread(offline)} | {spread(served)} | {statistics.median(offline) - statistics.median(served):+.3f} |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="model folder (default: a tiny random checkpoint of --arch written here)")
+    parser.add_argument("--model", help="model folder (default: a checkpoint of --arch/--preset written here)")
     parser.add_argument("--arch", default="deepseek_v3", choices=("deepseek_v3", "qwen3_moe", "mixtral"))
+    parser.add_argument("--preset", default="tiny", help="tiny, small, or a released shape (needs --load-format dummy)")
+    parser.add_argument("--layers", type=int, help="without --model: num_hidden_layers of the written config")
+    parser.add_argument("--device", help="engine flag (default: cpu)")
+    parser.add_argument("--dtype", help="engine flag (default: the config's, fp32)")
+    parser.add_argument("--load-format", help="engine flag: dummy for --model folders written without weights")
+    parser.add_argument("--max-total-tokens", type=int, help="engine flag (KV cache tokens)")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=64, help="served clients, and both engines' "
                         "--max-running-requests (default: 64)")
@@ -174,10 +202,8 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from moeplex.models.make_model import write_checkpoint
-
     torch.set_num_threads(args.threads)
-    folder = args.model or write_checkpoint(tempfile.mkdtemp(), args.arch, "tiny", seed=0)
+    folder = model_folder(args)
     args.work = mixed_workload(args.num_requests)
     runs = {"offline": [], "served": []}
     same = True
@@ -189,17 +215,17 @@ def main() -> None:
             runs[side].append(ms)
         same = same and ids["offline"] == ids["served"]
     lines = [f"{args.num_requests} requests (benchmarks/workload.py), concurrency {args.concurrency}, {args.schedule} "
-             f"schedule, {os.path.basename(os.path.normpath(folder))} {args.arch if not args.model else ''}, "
+             f"schedule, {args.model or f'{args.arch} {args.preset}'}{f', {args.layers} layers' if args.layers else ''}, "
              f"{processor()}; CPU ms per step of the stepping thread, median (min-max) of {args.runs} runs", "",
              "| phase | offline | served | offline - served |", "|---|---|---|---|"]
-    for phase in (*PHASES, "steps"):
-        off, srv = [r[phase] for r in runs["offline"]], [r[phase] for r in runs["served"]]
-        diff = statistics.median(off) - statistics.median(srv)
-        lines.append(f"| {phase} | {spread(off)} | {spread(srv)} | {diff:+.3f} |" if phase != "steps" else
-                     f"| steps | {statistics.median(off):.0f} | {statistics.median(srv):.0f} | {diff:+.0f} |")
+    for phase in PHASES:
+        lines.append(row(phase, [r[phase] for r in runs["offline"]], [r[phase] for r in runs["served"]]))
     host = {side: [sum(r[p] for p in PHASES if p != "forward") for r in rs] for side, rs in runs.items()}
     lines.append(f"| **host, all but the forward** | **{spread(host['offline'])}** | **{spread(host['served'])}** | "
                  f"**{statistics.median(host['offline']) - statistics.median(host['served']):+.3f}** |")
+    lines.append(row("wall ms per step", [r["wall"] for r in runs["offline"]], [r["wall"] for r in runs["served"]]))
+    steps = [statistics.median(r["steps"] for r in runs[side]) for side in ("offline", "served")]
+    lines.append(f"| steps | {steps[0]:.0f} | {steps[1]:.0f} | {steps[0] - steps[1]:+.0f} |")
     lines += ["", f"token ids of every request identical offline and served: {'yes' if same else 'NO'}"]
     emit("\n".join(lines), args.out)
     if not same:
