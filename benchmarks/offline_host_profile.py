@@ -21,6 +21,7 @@ loop; served: the leader's commands, reports, pickling and pipe writes). Printed
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing
 import os
 import pickle
@@ -213,6 +214,7 @@ def main() -> None:
         for side in order:
             ms, ids[side] = (offline if side == "offline" else served)(args, folder)
             runs[side].append(ms)
+            gc.collect()  # the side's engine (its KV pool and graphs) goes before the next is built
         same = same and ids["offline"] == ids["served"]
     lines = [f"{args.num_requests} requests (benchmarks/workload.py), concurrency {args.concurrency}, {args.schedule} "
              f"schedule, {args.model or f'{args.arch} {args.preset}'}{f', {args.layers} layers' if args.layers else ''}, "
