@@ -15,7 +15,9 @@ over the run and divided by the steps: the scheduler, the batch build, the model
 itself; on a GPU the launches), sampling, reading a step's tokens into its requests (detokenizing, stop checks,
 freeing finished ones), the rest of Engine.step, and what the loop around the steps does (offline: generate's own
 loop; served: the leader's commands, reports, pickling and pipe writes). Printed: the median and min-max over
---runs runs of each, alternating which side goes first, and whether both sides produced the same token ids.
+--runs runs of each (alternating which side goes first), the wall ms per step (on a shared machine mostly the
+neighbours; served, also the clients' turn), one forward's ms by mode (on a GPU prompt steps run eagerly, decode
+steps replay graphs) and the steps of each kind, and whether both sides produced the same token ids.
 """
 
 from __future__ import annotations
@@ -50,9 +52,10 @@ class PhaseClock:
     def __init__(self, engine):
         self.spent = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
+        self.modes = {"extend": [0.0, 0], "decode": [0.0, 0]}  # forward seconds and calls: eager prompts, decode graphs
         self._wrap(engine.scheduler, "schedule", "schedule")
         self._wrap(engine.runner, "prepare", "batch build")
-        self._wrap(engine.runner, "forward", "forward")
+        self._wrap_forward(engine.runner)
         self._wrap(engine.sampler, "sample", "sample")
         self._wrap(engine, "_complete", "read tokens")
         self._wrap(engine, "step", "rest of the step", inclusive=True)
@@ -74,6 +77,28 @@ class PhaseClock:
                     spent[phase] += took
 
         setattr(owner, name, timed)
+
+    def _wrap_forward(self, runner) -> None:
+        inner = runner.forward
+
+        def timed(batch, *args, **kwargs):
+            began = time.thread_time()
+            try:
+                return inner(batch, *args, **kwargs)
+            finally:
+                took = time.thread_time() - began
+                self.spent["forward"] += took
+                mode = self.modes["extend" if batch.mode.is_extend else "decode"]
+                mode[0] += took
+                mode[1] += 1
+
+        runner.forward = timed
+
+    def by_mode(self) -> dict[str, float]:
+        """ms of one forward of each mode, and how many prompt (extend) steps there were."""
+        return {"forward, one extend step": 1e3 * self.modes["extend"][0] / max(self.modes["extend"][1], 1),
+                "forward, one decode step": 1e3 * self.modes["decode"][0] / max(self.modes["decode"][1], 1),
+                "extend steps": self.modes["extend"][1]}
 
     def around(self, total: float) -> dict[str, float]:
         """ms per step of each phase, `total` being the loop's CPU seconds."""
@@ -115,7 +140,7 @@ def offline(args, folder: str) -> tuple[dict, list[list[int]]]:
     synchronize(engine)
     wall = time.perf_counter() - wall
     ms = clock.around(time.thread_time() - began)
-    return {**ms, "steps": clock.steps, "wall": 1e3 * wall / clock.steps}, [list(r.output_ids) for r in requests]
+    return {**ms, **clock.by_mode(), "steps": clock.steps, "wall": 1e3 * wall / clock.steps}, [list(r.output_ids) for r in requests]
 
 
 def clients(connection, work, concurrency: int) -> None:
@@ -169,7 +194,7 @@ def served(args, folder: str) -> tuple[dict, list[list[int]]]:
     ms = clock.around(time.thread_time() - began)
     outputs = here.recv()
     front.join(10)
-    return {**ms, "steps": clock.steps, "wall": 1e3 * wall / clock.steps}, outputs
+    return {**ms, **clock.by_mode(), "steps": clock.steps, "wall": 1e3 * wall / clock.steps}, outputs
 
 
 def spread(values: list[float]) -> str:
@@ -226,8 +251,11 @@ def main() -> None:
     lines.append(f"| **host, all but the forward** | **{spread(host['offline'])}** | **{spread(host['served'])}** | "
                  f"**{statistics.median(host['offline']) - statistics.median(host['served']):+.3f}** |")
     lines.append(row("wall ms per step", [r["wall"] for r in runs["offline"]], [r["wall"] for r in runs["served"]]))
-    steps = [statistics.median(r["steps"] for r in runs[side]) for side in ("offline", "served")]
-    lines.append(f"| steps | {steps[0]:.0f} | {steps[1]:.0f} | {steps[0] - steps[1]:+.0f} |")
+    for name in ("forward, one extend step", "forward, one decode step"):
+        lines.append(row(name, [r[name] for r in runs["offline"]], [r[name] for r in runs["served"]]))
+    for name in ("steps", "extend steps"):
+        counts = [statistics.median(r[name] for r in runs[side]) for side in ("offline", "served")]
+        lines.append(f"| {name} | {counts[0]:.0f} | {counts[1]:.0f} | {counts[0] - counts[1]:+.0f} |")
     lines += ["", f"token ids of every request identical offline and served: {'yes' if same else 'NO'}"]
     emit("\n".join(lines), args.out)
     if not same:
