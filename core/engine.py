@@ -473,4 +473,6 @@ class Engine:
                 if show and time.monotonic() - shown_at >= PROGRESS_EVERY_S:  # counting is O(requests)
                     shown_at = time.monotonic()
                     bar.update(sum(len(r.output_ids) for r in requests) - bar.n)
+            if show:
+                bar.update(sum(len(r.output_ids) for r in requests) - bar.n)
         return requests
