@@ -8,8 +8,9 @@
 It sends the mixed-length workload of benchmarks/workload.py (prompts of 32-256 tokens, 16-256 greedy new tokens,
 eos ignored) as streaming /v1/completions requests from a fixed number of clients, at each concurrency level in
 turn, and the same requests, all submitted at once, to `Engine.generate` (what `moeplex generate` runs) in a process
-of its own, as the server's rank 0 is, with the same engine flags (the offline reference, offline_reference.py). Both are warmed up alike first: the server's GPU warm-up (ranks/warmup.py), then the first
-requests of the workload with a few new tokens each. Each of --runs runs measures the offline engine and every
+of its own, as the server's rank 0 is, with the same engine flags (the offline reference, offline_reference.py).
+Both are warmed up alike first: the server's GPU warm-up (ranks/warmup.py), then the first requests of the workload
+with a few new tokens each. Each of --runs runs measures the offline engine and every
 level, in alternating order (a shared machine's load changes under both alike), with the prefix cache flushed
 before each. Printed: a row per run and level (requests/s, output tokens/s, TTFT and ITL p50/p99, the server's
 engine steps: ms and tokens per step, CPU ms per step of the client, the front end and rank 0), then the median
