@@ -223,8 +223,8 @@ def main() -> None:
     parser.add_argument("--schedule", choices=("gpu", "cpu"), default="gpu", help="gpu: a CUDA engine's schedule (overlap "
                         "on, prompts in steps of their own); cpu: this device's defaults (default: gpu)")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on a CPU device, torch's own choice "
-                        "on a GPU, as `moeplex serve` leaves it)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on a CPU device; on a GPU, "
+                        "torch's own choice)")
     parser.add_argument("--out", metavar="FILE", help="also write the Markdown to FILE")
     args = parser.parse_args()
     import torch
