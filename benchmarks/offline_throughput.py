@@ -67,7 +67,9 @@ def run_moeplex(folder: str, work, dtype: str) -> dict:
     engine = Engine(EngineConfig(model=folder, dtype=dtype, show_progress=False, max_running_requests=64, max_batched_tokens=4096, chunked_prefill_size=1024))
     engine.generate([work[0][0]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     timer = StepTimer(engine)
-    requests = [engine.add_request(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)) for p, n in work]
+    # as Engine.generate admits them: the text is decoded once, when each request finishes
+    requests = [engine.add_request(p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True), stream_text=False)
+                for p, n in work]
     start = time.perf_counter()
     while engine.has_work:
         timer.step()

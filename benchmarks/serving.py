@@ -7,9 +7,10 @@
 
 It sends the mixed-length workload of benchmarks/workload.py (prompts of 32-256 tokens, 16-256 greedy new tokens,
 eos ignored) as streaming /v1/completions requests from a fixed number of clients, at each concurrency level in
-turn, and the same requests, all submitted at once, to an engine in this process with the same engine flags (the
-offline reference). Both are warmed up alike first: the server's GPU warm-up (ranks/warmup.py), then the first
-requests of the workload with a few new tokens each. Each of --runs runs measures the offline engine and every
+turn, and the same requests, all submitted at once, to `Engine.generate` (what `moeplex generate` runs) in a process
+of its own, as the server's rank 0 is, with the same engine flags (the offline reference, offline_reference.py).
+Both are warmed up alike first: the server's GPU warm-up (ranks/warmup.py), then the first requests of the workload
+with a few new tokens each. Each of --runs runs measures the offline engine and every
 level, in alternating order (a shared machine's load changes under both alike), with the prefix cache flushed
 before each. Printed: a row per run and level (requests/s, output tokens/s, TTFT and ITL p50/p99, the server's
 engine steps: ms and tokens per step, CPU ms per step of the client, the front end and rank 0), then the median
@@ -41,52 +42,13 @@ import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from offline_reference import OfflineReference  # noqa: E402
 from serving_load import run_level, summarize  # noqa: E402
 from workload import mixed_workload  # noqa: E402
 
 ENGINE_FLAGS = ("max_running_requests", "max_batched_tokens", "chunked_prefill_size", "max_total_tokens", "dtype", "device",
                 "load_format", "moe_kernel", "attention_backend", "kv_memory_fraction")
 WARM_TOKENS = 8  # new tokens of each warm-up request
-
-
-class OfflineReference:
-    """The engine in this process, warmed up as the server is; run() times the workload through it."""
-
-    def __init__(self, args, warm):
-        from moeplex.config import EngineConfig
-        from moeplex.engine import Engine
-        from moeplex.ranks.group import EngineGroup
-        from moeplex.ranks.warmup import warm_up
-
-        self.engine = Engine(EngineConfig(model=args.model, show_progress=False, **engine_settings(args)))
-        if self.engine.device.type == "cuda":  # as `moeplex serve` does before it serves (unless --skip-warmup)
-            warm_up(EngineGroup(self.engine))
-        self._run(warm)
-
-    def run(self, work) -> dict:
-        """Output tokens/s of the engine on `work`, all submitted at once, its steps and CPU ms per step."""
-        self.engine.reset_prefix_cache()
-        cpu, start = time.process_time(), time.perf_counter()
-        steps = self._run(work)
-        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
-        tokens = sum(n for _, n in work)
-        return {"tok_per_s": tokens / elapsed, "ms_per_step": 1e3 * elapsed / steps, "tok_per_step": tokens / steps,
-                "cpu_ms_per_step": 1e3 * cpu / steps}
-
-    def _run(self, work) -> int:
-        from moeplex.sampling import SamplingParams
-
-        for prompt, n in work:
-            self.engine.add_request(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
-        steps = 0
-        while self.engine.has_work:
-            self.engine.step()
-            steps += 1
-        if self.engine.device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize()
-        return steps
 
 
 def engine_settings(args) -> dict:
@@ -134,8 +96,8 @@ class Pinning:
     """--pin-rank CORE: rank 0 and the offline engine on CORE, the front end and the load generator on the others, so
     the served/offline ratio compares one core's engine with one core's engine (as on a machine with cores to spare)."""
 
-    def __init__(self, core: int | None, pids: dict[str, int]):
-        self.core, self.pids = core, pids
+    def __init__(self, core: int | None, pids: dict[str, int], offline_pid: int | None):
+        self.core, self.pids, self.offline_pid = core, pids, offline_pid
         self.others = set(range(os.cpu_count() or 1)) - {core} if core is not None else set()
         if core is not None and not self.others:
             raise SystemExit("--pin-rank needs a machine with more than one core")
@@ -149,8 +111,8 @@ class Pinning:
                 pin(self.pids[name], self.others)
 
     def offline(self) -> None:
-        if self.core is not None:
-            pin(self.pids["client"], {self.core})
+        if self.core is not None and self.offline_pid is not None:
+            pin(self.offline_pid, {self.core})
 
 
 def flush(url: str) -> None:
@@ -180,7 +142,7 @@ class Report:
 def measure(args, work, offline: OfflineReference | None, url: str, pids: dict, headers: dict, report: Report) -> list[dict]:
     """--runs runs, each the offline reference and every level (served first in odd runs); a row per run and level."""
     rows = []
-    pinning = Pinning(args.pin_rank, pids)
+    pinning = Pinning(args.pin_rank, pids, offline.pid if offline is not None else None)
     for run in range(args.runs):
         reference = None
         steps = ["offline", *args.concurrency] if run % 2 == 0 else [*args.concurrency, "offline"]
@@ -297,13 +259,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     args.model = model_folder(args)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     work = mixed_workload(args.num_requests, prompt_range=tuple(args.prompt_range), output_range=tuple(args.output_range))
     warm = [(prompt, min(n, WARM_TOKENS)) for prompt, n in work[: max(args.concurrency)]]
-    offline = None if args.skip_offline else OfflineReference(args, warm)
+    offline = None if args.skip_offline else OfflineReference(args.model, engine_settings(args), warm, args.threads)
     server, url = (None, args.url) if args.url else launch_server(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     report = Report(args.out)
@@ -318,6 +276,8 @@ def main() -> None:
         if server is not None:
             server.send_signal(signal.SIGTERM)
             server.wait(120)
+        if offline is not None:
+            offline.close()
     report.say(f"\nmedian (min-max) of {args.runs} runs:\n")
     report.say(summary(rows, args.concurrency))
     if args.profile:

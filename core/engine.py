@@ -55,11 +55,12 @@ from .speculation.overlap import OverlapVerify, VerifyInFlight
 from .speculation.step import SpeculativeDecoding, is_decoding
 from .step_agreement import Vote, agree
 from .selection import resolve
-from .tokenizer import Detokenizer, load_tokenizer
+from .tokenizer import Detokenizer, load_tokenizer, whole_text
 from .host_memory import keep_freed_host_memory
 from .transfer import to_device
 
 MAX_DEFAULT_KV_TOKENS = 1 << 17
+PROGRESS_EVERY_S = 0.1  # how often generate() counts the tokens for its progress bar
 SAMPLING_FAILED = "sampling failed: the model's logits for this request are not finite"
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,7 @@ class Engine:
         )
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
+        self._text_at_end: set[str] = set()  # requests whose text is decoded once, when they finish (offline)
         self._ids = itertools.count()
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":
@@ -176,9 +178,13 @@ class Engine:
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None, room: int | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None, room: int | None = None,
+        stream_text: bool = True,
     ) -> Request:
-        """Queue a request; `room`: its KV pages move under this bootstrap room (a prefill or decode engine)."""
+        """Queue a request; `room`: its KV pages move under this bootstrap room (a prefill or decode engine).
+        `stream_text` False: nobody reads request.text before the request finishes (offline generation), so it is
+        decoded then, in one call, instead of twice per token in every step; stop strings and a constraint that
+        starts after some text still need it as it grows."""
         prompt_ids = list(prompt_ids)
         check_prompt(prompt_ids, self.vocab_size, self.kv.capacity_tokens)
         if params.prompt_logprobs is not None and (self.speculation is not None or self.pd is not None):
@@ -191,8 +197,10 @@ class Engine:
         if room is None or self.pd.add(request, room):
             self.scheduler.add(request)
         self._requests[request.rid] = request
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and (stream_text or params.stop or params.constraint_after):
             self._detok[request.rid] = Detokenizer(self.tokenizer, params.skip_special_tokens)
+        elif self.tokenizer is not None:
+            self._text_at_end.add(request.rid)
         return request
 
     def encode(self, text: str) -> list[int]:
@@ -470,20 +478,30 @@ class Engine:
         detok = self._detok.pop(request.rid, None)
         if detok is not None and request.finish_reason != FinishReason.STOP:
             request.text += detok.flush()
+        if request.rid in self._text_at_end:
+            self._text_at_end.discard(request.rid)
+            request.text = whole_text(self.tokenizer, request.output_ids, request.params.skip_special_tokens,
+                                      stopped=request.finish_reason == FinishReason.STOP)
         self.hooks.hook.moeplex_request_finished(request=request)
 
     def generate(
         self, prompts: Iterable[Sequence[int]], params: SamplingParams | Sequence[SamplingParams], progress: bool | None = None
     ) -> list[Request]:
-        """Run prompts to completion; results in prompt order."""
+        """Run prompts to completion; results in prompt order. The step loop does no more per step than a served
+        engine's: each request's text is decoded once, when it finishes (unless stop strings need it sooner), and the
+        progress bar counts the tokens a few times a second, not at every step."""
         prompts = list(prompts)
         params = params if isinstance(params, Sequence) else [params] * len(prompts)
-        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        requests = [self.add_request(p, sp, stream_text=False) for p, sp in zip(prompts, params)]
         show = self.config.show_progress if progress is None else progress
         total = sum(sp.max_new_tokens for sp in params[: len(requests)])
         with progress_bar(desc="generating", unit="tok", total=total, enabled=show) as bar:
+            shown_at = time.monotonic()
             while self.any_rank_has_work():
                 self.step()
-                if show:
+                if show and time.monotonic() - shown_at >= PROGRESS_EVERY_S:  # counting is O(requests)
+                    shown_at = time.monotonic()
                     bar.update(sum(len(r.output_ids) for r in requests) - bar.n)
+            if show:
+                bar.update(sum(len(r.output_ids) for r in requests) - bar.n)
         return requests

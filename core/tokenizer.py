@@ -50,3 +50,14 @@ class Detokenizer:
         text = self._decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
         return text[len(emitted) :]
+
+
+def whole_text(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool, stopped: bool) -> str:
+    """The text a Detokenizer fed `ids` one by one would hold at the end, in one decode where that is the same: with
+    its flush (a request that did not stop) it is the whole decode; a stopped request is not flushed, so an
+    incomplete character it held back at the end is left out (only then is it replayed token by token)."""
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    if not (stopped and text.endswith("\ufffd")):
+        return text
+    detok = Detokenizer(tokenizer, skip_special_tokens)
+    return "".join(detok.push(token) for token in ids)

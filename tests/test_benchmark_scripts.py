@@ -90,6 +90,17 @@ def test_serving_against_offline_on_cpu(tmp_path):
     assert len(summary) == 1 and float(summary[0][3].split()[0]) > 0, out
 
 
+def test_offline_host_profile_on_cpu(tmp_path):
+    """Offline and a served rank 0 run the same workload to the same ids; every phase is measured on both sides."""
+    out = run("offline_host_profile.py", tmp_path / "host.md", "--num-requests", "6", "--concurrency", "3", "--runs", "1",
+              timeout=300)
+    assert "identical offline and served: yes" in out, out
+    steps = table_rows(out, "steps")[0]
+    # the same batches, but for a served client's new request that may reach the leader a round later
+    assert int(steps[1]) > 0 and abs(int(steps[1]) - int(steps[2])) <= max(2, int(steps[1]) // 20), out
+    assert float(table_rows(out, "forward")[0][1].split()[0]) > 0 and table_rows(out, "**host, all but the forward**"), out
+
+
 def test_dp_attention_kv_on_cpu_ranks(tmp_path):
     out = run("dp_attention_kv.py", tmp_path / "dp.md", "--preset", "tiny", "--runs", "1", "--budget-tokens", "128",
               "--context-tokens", "32")

@@ -1,5 +1,6 @@
 """Incremental detokenization: the deltas put together are the whole decode, for byte-level tokens that split
-characters and for a Metaspace tokenizer whose decode drops the space of a window's first word."""
+characters and for a Metaspace tokenizer whose decode drops the space of a window's first word; and the text an
+offline request gets in one decode at its end is the one the deltas would have made."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer, decoders, models
 
 from moeplex.models.make_model import EOS, byte_level_tokenizer
-from moeplex.tokenizer import Detokenizer
+from moeplex.tokenizer import Detokenizer, whole_text
 
 BYTES = byte_level_tokenizer()
 WORDS = ["\u2581the", "\u2581cat", "\u2581sat", "s", "\u2581on", "\u2581\u00e9t\u00e9", "\u2581\u4e16\u754c", "!"]
@@ -49,3 +50,25 @@ def test_special_tokens_are_skipped_and_a_split_character_waits_for_its_last_byt
     deltas, whole = pushed(BYTES, [ids[0], eos, *ids[1:]])
     assert deltas == ["a", "", "", "", "\u20ac"]
     assert whole == "a\u20ac"
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from([*range(0, 256, 7), 0xC3, 0xE2, 0x82, 0xAC, 0x80, 0xF0, 0x9F]), min_size=1, max_size=24),
+       st.booleans(), st.booleans())
+def test_the_text_decoded_at_the_end_is_the_streamed_text(ids, stopped, skip_special):
+    """Byte tokens that often leave a character incomplete, or invalid, at the end; a stopped request's last token is
+    the eos. Streamed: the deltas of every token, flushed unless the request stopped (what Engine._retire does)."""
+    if stopped:
+        ids = [*ids, BYTES.token_to_id(EOS)]
+    detok = Detokenizer(BYTES, skip_special)
+    streamed = "".join(detok.push(token) for token in ids) + ("" if stopped else detok.flush())
+    assert whole_text(BYTES, ids, skip_special, stopped) == streamed
+
+
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, len(WORDS) - 1), min_size=1, max_size=40), st.booleans())
+def test_the_text_decoded_at_the_end_keeps_metaspace_spaces(ids, stopped):
+    tokenizer = metaspace_tokenizer()
+    detok = Detokenizer(tokenizer)
+    streamed = "".join(detok.push(token) for token in ids) + ("" if stopped else detok.flush())
+    assert whole_text(tokenizer, ids, True, stopped) == streamed
