@@ -1,0 +1,236 @@
+// Decode attention straight from the paged KV cache: each request's one query (its query heads grouped by the KV
+// head they share) against its cached rows, read in place through its slot indices (no gathered copy), with an
+// online softmax over blocks of tokens so memory stays bounded whatever the length. Parallel over
+// (request, KV head) with at::parallel_for, so torch's thread count is honoured. KV in fp32 or bf16, accumulated
+// in fp32. MLA's absorbed decode is the case of one KV head whose values are the keys' leading columns.
+//
+// Per block of BLOCK tokens (its rows then sit in L1/L2) and per tile of up to TILE query heads: the scores, one
+// 16-lane partial sum per head kept in registers while a key row streams past; the block's softmax step
+// (vectorized exp); then the values, each 16 columns of the heads' accumulators in registers while the block's
+// value rows stream past. Every KV row is read from memory once, whatever the number of query heads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "vec16.h"
+
+namespace moeplex_cpu {
+namespace {
+
+constexpr int64_t BLOCK = 32;  // tokens per online-softmax step: two 16-lane vectors of scores per head
+#if defined(__AVX512F__)
+constexpr int TILE = 8;  // query heads whose accumulators stay in registers (32 vector registers)
+#else
+constexpr int TILE = 4;  // 16 registers of half the width: each f32x16 takes two
+#endif
+
+struct Shapes {
+  int64_t group, head_dim, value_dim;  // query heads per KV head, key width, value width
+  int64_t key_slot, value_slot, key_head, value_head;  // element strides of the caches
+};
+
+// Asks for a row's cache lines ahead of its use: rows of a paged cache are scattered, and a block's compute
+// between two rows is too short for the hardware prefetcher alone to keep a core's memory bandwidth busy.
+template <typename KV>
+inline void prefetch_row(const KV* row, int64_t width) {
+  for (int64_t i = 0; i < width; i += 64 / static_cast<int64_t>(sizeof(KV))) __builtin_prefetch(row + i);
+}
+
+// Scores of `T` heads (q [T, D], already scaled) against the block's key rows -> scores[g * BLOCK + t], while
+// the next block's rows (`ahead`, `ahead_n` of them, key then value) are asked for.
+template <int T, typename KV>
+void block_scores(const float* q, const KV* const* keys, int64_t n, int64_t D, float* scores,
+                  const KV* const* ahead, int64_t ahead_n, int64_t Dv) {
+  for (int64_t t = 0; t < n; ++t) {
+    if (t < ahead_n) {
+      prefetch_row(ahead[2 * t], D);
+      prefetch_row(ahead[2 * t + 1], Dv);
+    }
+    const KV* k = keys[t];
+    f32x16 part[T];
+    for (int g = 0; g < T; ++g) part[g] = zeros16();
+    int64_t c = 0;
+    for (; c + 16 <= D; c += 16) {
+      const f32x16 kc = load16(k + c);
+      for (int g = 0; g < T; ++g) part[g] += load16(q + g * D + c) * kc;
+    }
+    for (int g = 0; g < T; ++g) {
+      float s = sum16(part[g]);
+      for (int64_t i = c; i < D; ++i) s += q[g * D + i] * widen(k[i]);
+      scores[g * BLOCK + t] = s;
+    }
+  }
+}
+
+// acc[g, :] += sum_t p[g * BLOCK + t] * values[t] for `T` heads: CHUNKS x 16 columns at a time, the heads'
+// accumulators for them in registers while those columns of the block's rows stream past.
+template <int T, typename KV>
+void block_values(const float* p, const KV* const* values, int64_t n, int64_t Dv, float* acc) {
+  constexpr int CHUNKS = T <= 2 ? 4 : T <= 4 ? 2 : 1;  // T * CHUNKS accumulators: at most 8 vectors
+  int64_t c = 0;
+  for (; c + 16 * CHUNKS <= Dv; c += 16 * CHUNKS) {
+    f32x16 a[T][CHUNKS];
+    for (int g = 0; g < T; ++g)
+      for (int j = 0; j < CHUNKS; ++j) a[g][j] = load16(acc + g * Dv + c + 16 * j);
+    for (int64_t t = 0; t < n; ++t) {
+      f32x16 vc[CHUNKS];
+      for (int j = 0; j < CHUNKS; ++j) vc[j] = load16(values[t] + c + 16 * j);
+      for (int g = 0; g < T; ++g) {
+        const float w = p[g * BLOCK + t];
+        for (int j = 0; j < CHUNKS; ++j) a[g][j] += w * vc[j];
+      }
+    }
+    for (int g = 0; g < T; ++g)
+      for (int j = 0; j < CHUNKS; ++j) store16(acc + g * Dv + c + 16 * j, a[g][j]);
+  }
+  for (; c < Dv; ++c)
+    for (int64_t t = 0; t < n; ++t)
+      for (int g = 0; g < T; ++g) acc[g * Dv + c] += p[g * BLOCK + t] * widen(values[t][c]);
+}
+
+// The block's softmax step for one head: scores -> probabilities against the new running max; the accumulator
+// rescaled where the max moved.
+inline void softmax_step(float* s, int64_t n, float& running_max, float& running_sum, float* acc, int64_t Dv) {
+  float block_max = running_max;
+  for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
+  const float correction = std::exp(running_max - block_max);  // 0 on the first block (exp(-inf))
+  for (int64_t t = n; t < BLOCK; ++t) s[t] = -std::numeric_limits<float>::infinity();  // padding: p = 0
+  float total = 0.f;
+  for (int64_t t = 0; t < BLOCK; t += 16) {
+    f32x16 p = exp16(load16(s + t) - block_max);
+    total += sum16(p);
+    store16(s + t, p);
+  }
+  running_sum = running_sum * correction + total;
+  running_max = block_max;
+  if (correction != 1.f) scale(acc, correction, Dv);
+}
+
+template <int T, typename KV>
+void tile_step(const float* q, const KV* const* keys, const KV* const* values, int64_t n, const Shapes& s,
+               float* scores, float* acc, float* running_max, float* running_sum, const KV* const* ahead,
+               int64_t ahead_n) {
+  block_scores<T>(q, keys, n, s.head_dim, scores, ahead, ahead_n, s.value_dim);
+  for (int g = 0; g < T; ++g)
+    softmax_step(scores + g * BLOCK, n, running_max[g], running_sum[g], acc + g * s.value_dim, s.value_dim);
+  block_values<T>(scores, values, n, s.value_dim, acc);
+}
+
+template <typename KV>
+void tile_step_any(int heads, const float* q, const KV* const* keys, const KV* const* values, int64_t n,
+                   const Shapes& s, float* scores, float* acc, float* running_max, float* running_sum,
+                   const KV* const* ahead, int64_t ahead_n) {
+  switch (heads) {  // the tile's head count as a constant, so its partial sums stay in registers
+#define MOEPLEX_TILE(T) \
+  case T: return tile_step<T>(q, keys, values, n, s, scores, acc, running_max, running_sum, ahead, ahead_n);
+    MOEPLEX_TILE(1) MOEPLEX_TILE(2) MOEPLEX_TILE(3) MOEPLEX_TILE(4)
+#if defined(__AVX512F__)
+    MOEPLEX_TILE(5) MOEPLEX_TILE(6) MOEPLEX_TILE(7) MOEPLEX_TILE(8)
+#endif
+#undef MOEPLEX_TILE
+  }
+}
+
+// One request's KV heads [h0, h1): q [heads, head_dim] (already scaled) -> out [heads, value_dim]. Blocks of
+// tokens outside, KV heads inside, so a block's rows are read whole (all their heads) while they are in cache.
+template <typename KV>
+void attend(const float* q, const KV* keys, const KV* values, const int64_t* slots, int64_t length, int64_t h0,
+            int64_t h1, const Shapes& s, float* out, std::vector<float>& work) {
+  const int64_t G = s.group, D = s.head_dim, Dv = s.value_dim, H = (h1 - h0) * G;
+  work.assign(H * BLOCK + H * Dv + 2 * H, 0.f);
+  float* scores = work.data();
+  float* acc = scores + H * BLOCK;
+  float* running_max = acc + H * Dv;
+  float* running_sum = running_max + H;
+  std::fill(running_max, running_max + H, -std::numeric_limits<float>::infinity());
+  const KV* key_rows[BLOCK];
+  const KV* value_rows[BLOCK];
+  const KV* ahead[2 * BLOCK];  // the next block's (key, value) rows of the same head: prefetched meanwhile
+  for (int64_t t0 = 0; t0 < length; t0 += BLOCK) {
+    const int64_t n = std::min(BLOCK, length - t0), ahead_n = std::min(BLOCK, std::max<int64_t>(length - t0 - BLOCK, 0));
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t t = 0; t < n; ++t) {
+        key_rows[t] = keys + slots[t0 + t] * s.key_slot + h * s.key_head;
+        value_rows[t] = values + slots[t0 + t] * s.value_slot + h * s.value_head;
+      }
+      for (int64_t t = 0; t < ahead_n; ++t) {
+        ahead[2 * t] = keys + slots[t0 + BLOCK + t] * s.key_slot + h * s.key_head;
+        ahead[2 * t + 1] = values + slots[t0 + BLOCK + t] * s.value_slot + h * s.value_head;
+      }
+      for (int64_t g = (h - h0) * G; g < (h - h0 + 1) * G; g += TILE) {
+        const bool first = g == (h - h0) * G;  // the head's first tile asks for the rows ahead; later ones need not
+        tile_step_any(static_cast<int>(std::min<int64_t>(TILE, (h - h0 + 1) * G - g)), q + g * D, key_rows,
+                      value_rows, n, s, scores + g * BLOCK, acc + g * Dv, running_max + g, running_sum + g, ahead,
+                      first ? ahead_n : 0);
+      }
+    }
+  }
+  for (int64_t g = 0; g < H; ++g) {
+    const float inv = running_sum[g] > 0.f ? 1.f / running_sum[g] : 0.f;  // an empty sequence gives zeros
+    for (int64_t i = 0; i < Dv; ++i) out[g * Dv + i] = acc[g * Dv + i] * inv;
+  }
+}
+
+template <typename KV>
+void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const int64_t* slots,
+         const int64_t* indptr, double scale, at::Tensor& out) {
+  const int64_t requests = q.size(0), heads = q.size(1), kv_heads = key_cache.size(1);
+  const Shapes s{heads / kv_heads, q.size(2), value_cache.size(2), key_cache.stride(0), value_cache.stride(0),
+                 key_cache.stride(1), value_cache.stride(1)};
+  const float* qp = q.data_ptr<float>();
+  const KV* kp = key_cache.data_ptr<KV>();
+  const KV* vp = value_cache.data_ptr<KV>();
+  float* op = out.data_ptr<float>();
+  // a request's KV heads together (its rows read whole) where there are requests enough for every thread; else
+  // one work item per (request, KV head)
+  const int64_t split = requests >= 4 * at::get_num_threads() ? 1 : kv_heads;
+  at::parallel_for(0, requests * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query, work;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / split, h0 = (item % split) * kv_heads / split, h1 = h0 + kv_heads / split;
+      const int64_t first = (b * heads + h0 * s.group) * s.head_dim, count = (h1 - h0) * s.group * s.head_dim;
+      query.resize(count);
+      for (int64_t i = 0; i < count; ++i) query[i] = qp[first + i] * static_cast<float>(scale);
+      attend(query.data(), kp, vp, slots + indptr[b], indptr[b + 1] - indptr[b], h0, h1, s,
+             op + (b * heads + h0 * s.group) * s.value_dim, work);
+    }
+  });
+}
+
+// q [B, Hq, D] fp32; key_cache [slots, Hkv, D], value_cache [slots, Hkv, Dv] (fp32 or bf16, rows contiguous,
+// any slot/head strides); kv_indices int64 [sum of lengths]; kv_indptr int64 [B + 1] -> [B, Hq, Dv] fp32.
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& kv_indices, const at::Tensor& kv_indptr, double scale) {
+  TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 3 && value_cache.dim() == 3, "q, key_cache, value_cache: 3-D");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous fp32");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "keys and values of one dtype");
+  TORCH_CHECK(key_cache.stride(2) == 1 && value_cache.stride(2) == 1, "cache rows contiguous");
+  TORCH_CHECK(q.size(1) % key_cache.size(1) == 0 && key_cache.size(1) == value_cache.size(1), "query heads per KV head");
+  TORCH_CHECK(q.size(2) == key_cache.size(2), "query and key widths");
+  TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indptr.scalar_type() == at::kLong &&
+                  kv_indices.is_contiguous() && kv_indptr.is_contiguous() && kv_indptr.numel() == q.size(0) + 1,
+              "kv_indices and kv_indptr: contiguous int64, B + 1 offsets");
+  auto out = at::empty({q.size(0), q.size(1), value_cache.size(2)}, q.options());
+  const int64_t* slots = kv_indices.data_ptr<int64_t>();
+  const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
+  if (key_cache.scalar_type() == at::kFloat) {
+    run<float>(q, key_cache, value_cache, slots, indptr, scale, out);
+  } else {
+    TORCH_CHECK(key_cache.scalar_type() == at::kBFloat16, "KV cache: fp32 or bf16");
+    run<c10::BFloat16>(q, key_cache, value_cache, slots, indptr, scale, out);
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace moeplex_cpu
+
+TORCH_LIBRARY_FRAGMENT(moeplex_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor key_cache, Tensor value_cache, Tensor kv_indices, Tensor kv_indptr, float scale) -> Tensor",
+        &moeplex_cpu::paged_decode);
+}
