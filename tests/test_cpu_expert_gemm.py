@@ -56,3 +56,21 @@ def test_no_tokens_and_no_pairs_here():
     x = torch.randn(3, 32, generator=gen)
     elsewhere = torch.full((3, 2), -1)  # every pair on another rank
     assert streamed_experts(x, elsewhere, torch.rand(3, 2), packed).eq(0).all()
+
+
+def test_two_threads_compute_what_one_does():
+    """Gate/up split over (expert, column block), the down projection over output column blocks: the same sums."""
+    w13, w2, gen = weights(8, 64, 32, torch.float32)
+    packed = pack_for_streaming(w13, w2)
+    x = torch.randn(40, 64, generator=gen)
+    topk_ids = torch.rand(40, 8, generator=gen).argsort(dim=1)[:, :3]
+    topk_weights = torch.rand(40, 3, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = streamed_experts(x, topk_ids, topk_weights, packed)
+        torch.set_num_threads(2)
+        two = streamed_experts(x, topk_ids, topk_weights, packed)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(two, one, rtol=0, atol=0)

@@ -103,3 +103,22 @@ def test_models_decode_in_place_as_with_the_padded_path(tiny_model_dir, arch):
     for mine, theirs in zip(ours, reference):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
     assert tokens == reference_tokens
+
+
+def test_two_threads_compute_what_one_does():
+    """Work split over requests (or (request, KV head) when requests are few): the same result either way."""
+    kv, gen = filled_pool([[(2, 32), (2, 32)]], torch.float32)
+    keys, values = kv.layer(0)
+    for lengths in ([40, 7, 90], [13] * 12):  # fewer requests than 4 per thread, and enough
+        batch = decode_batch(kv, lengths)
+        q = torch.randn(len(lengths), 8, 32, generator=gen)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = decode_in_place(q, keys, values, batch, 0.2)
+            torch.set_num_threads(2)
+            two = decode_in_place(q, keys, values, batch, 0.2)
+        finally:
+            torch.set_num_threads(threads)
+        torch.testing.assert_close(two, one, rtol=0, atol=0)
+        torch.testing.assert_close(one.double(), reference_decode(q, keys, values, batch, 0.2), rtol=1e-5, atol=1e-5)

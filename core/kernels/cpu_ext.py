@@ -32,7 +32,7 @@ def build_directory(name: str) -> str:
     """One folder per kernel, processor (its instruction sets: -march=native code may not run on another), torch
     and source text (the shared headers too, which torch's own check of the sources does not cover)."""
     key = hashlib.sha1(f"{_machine()}|torch {torch.__version__}|{' '.join(FLAGS)}".encode())
-    for file in sorted(os.listdir(SOURCES)):
+    for file in [f"{name}.cpp"] + sorted(f for f in os.listdir(SOURCES) if f.endswith(".h")):
         with open(os.path.join(SOURCES, file), "rb") as f:
             key.update(f.read())
     return os.path.join(machine_cache_dir(), "cpu_kernels", f"{name}-{key.hexdigest()[:12]}")
