@@ -23,6 +23,7 @@ namespace moeplex_cpu {
 namespace {
 
 constexpr int64_t BLOCK = 32;  // tokens per online-softmax step: two 16-lane vectors of scores per head
+constexpr int64_t AHEAD = BLOCK;  // how far ahead rows are prefetched
 #if defined(__AVX512F__)
 constexpr int TILE = 8;  // query heads whose accumulators stay in registers (32 vector registers)
 #else
@@ -38,7 +39,7 @@ struct Shapes {
 // between two rows is too short for the hardware prefetcher alone to keep a core's memory bandwidth busy.
 template <typename KV>
 inline void prefetch_row(const KV* row, int64_t width) {
-  for (int64_t i = 0; i < width; i += 64 / static_cast<int64_t>(sizeof(KV))) __builtin_prefetch(row + i);
+  for (int64_t i = 0; i < width; i += 64 / static_cast<int64_t>(sizeof(KV))) __builtin_prefetch(row + i, 0, 2);
 }
 
 // Scores of `T` heads (q [T, D], already scaled) against the block's key rows -> scores[g * BLOCK + t], while
@@ -138,9 +139,11 @@ void tile_step_any(int heads, const float* q, const KV* const* keys, const KV* c
 
 // One request's KV heads [h0, h1): q [heads, head_dim] (already scaled) -> out [heads, value_dim]. Blocks of
 // tokens outside, KV heads inside, so a block's rows are read whole (all their heads) while they are in cache.
+// `readable`: slots from `slots` on that this thread reads, this request's and the next ones' (prefetched ahead
+// across the boundary, so a request's first block is not read cold).
 template <typename KV>
-void attend(const float* q, const KV* keys, const KV* values, const int64_t* slots, int64_t length, int64_t h0,
-            int64_t h1, const Shapes& s, float* out, std::vector<float>& work) {
+void attend(const float* q, const KV* keys, const KV* values, const int64_t* slots, int64_t length, int64_t readable,
+            int64_t h0, int64_t h1, const Shapes& s, float* out, std::vector<float>& work) {
   const int64_t G = s.group, D = s.head_dim, Dv = s.value_dim, H = (h1 - h0) * G;
   work.assign(H * BLOCK + H * Dv + 2 * H, 0.f);
   float* scores = work.data();
@@ -152,15 +155,15 @@ void attend(const float* q, const KV* keys, const KV* values, const int64_t* slo
   const KV* value_rows[BLOCK];
   const KV* ahead[2 * BLOCK];  // the next block's (key, value) rows of the same head: prefetched meanwhile
   for (int64_t t0 = 0; t0 < length; t0 += BLOCK) {
-    const int64_t n = std::min(BLOCK, length - t0), ahead_n = std::min(BLOCK, std::max<int64_t>(length - t0 - BLOCK, 0));
+    const int64_t n = std::min(BLOCK, length - t0), ahead_n = std::min(BLOCK, std::max<int64_t>(readable - t0 - AHEAD, 0));
     for (int64_t h = h0; h < h1; ++h) {
       for (int64_t t = 0; t < n; ++t) {
         key_rows[t] = keys + slots[t0 + t] * s.key_slot + h * s.key_head;
         value_rows[t] = values + slots[t0 + t] * s.value_slot + h * s.value_head;
       }
       for (int64_t t = 0; t < ahead_n; ++t) {
-        ahead[2 * t] = keys + slots[t0 + BLOCK + t] * s.key_slot + h * s.key_head;
-        ahead[2 * t + 1] = values + slots[t0 + BLOCK + t] * s.value_slot + h * s.value_head;
+        ahead[2 * t] = keys + slots[t0 + AHEAD + t] * s.key_slot + h * s.key_head;
+        ahead[2 * t + 1] = values + slots[t0 + AHEAD + t] * s.value_slot + h * s.value_head;
       }
       for (int64_t g = (h - h0) * G; g < (h - h0 + 1) * G; g += TILE) {
         const bool first = g == (h - h0) * G;  // the head's first tile asks for the rows ahead; later ones need not
@@ -191,12 +194,13 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
   const int64_t split = requests >= 4 * at::get_num_threads() ? 1 : kv_heads;
   at::parallel_for(0, requests * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query, work;
+    const int64_t last = indptr[(end - 1) / split + 1];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / split, h0 = (item % split) * kv_heads / split, h1 = h0 + kv_heads / split;
       const int64_t first = (b * heads + h0 * s.group) * s.head_dim, count = (h1 - h0) * s.group * s.head_dim;
       query.resize(count);
       for (int64_t i = 0; i < count; ++i) query[i] = qp[first + i] * static_cast<float>(scale);
-      attend(query.data(), kp, vp, slots + indptr[b], indptr[b + 1] - indptr[b], h0, h1, s,
+      attend(query.data(), kp, vp, slots + indptr[b], indptr[b + 1] - indptr[b], last - indptr[b], h0, h1, s,
              op + (b * heads + h0 * s.group) * s.value_dim, work);
     }
   });
