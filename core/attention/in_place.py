@@ -30,8 +30,9 @@ def decode_in_place(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
     """q [B, Hq, D] against each request's cached rows -> [B, Hq, Dv] in q's dtype (accumulated in fp32)."""
+    q = q if q.dtype in (torch.float32, torch.bfloat16) else q.float()  # bf16 q: its own values feed bf16 dot products
     out = cpu_ext.ops(KERNEL).paged_decode(
-        q.float().contiguous(), key_cache, value_cache, batch.kv_indices.long().contiguous(),
+        q.contiguous(), key_cache, value_cache, batch.kv_indices.long().contiguous(),
         batch.kv_indptr.long().contiguous(), float(scale),
     )
     return out.to(q.dtype)

@@ -15,7 +15,12 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "vec16.h"
 
@@ -30,6 +35,15 @@ constexpr int TILE = 8;  // query heads whose accumulators stay in registers (32
 constexpr int TILE = 4;  // 16 registers of half the width: each f32x16 takes two
 #endif
 
+// A tile's queries: fp32, already scaled; and, where the queries are bf16 values and so are the keys on a processor
+// with AVX-512 BF16, the same queries unscaled in bf16 for its dot product (exact products, fp32 sums), else null.
+struct Query {
+  const float* scaled;
+  const c10::BFloat16* exact;
+  float scale;
+  Query at(int64_t offset) const { return {scaled + offset, exact ? exact + offset : nullptr, scale}; }
+};
+
 struct Shapes {
   int64_t group, head_dim, value_dim;  // query heads per KV head, key width, value width
   int64_t key_slot, value_slot, key_head, value_head;  // element strides of the caches
@@ -42,17 +56,46 @@ inline void prefetch_row(const KV* row, int64_t width) {
   for (int64_t i = 0; i < width; i += 64 / static_cast<int64_t>(sizeof(KV))) __builtin_prefetch(row + i, 0, 2);
 }
 
-// Scores of `T` heads (q [T, D], already scaled) against the block's key rows -> scores[g * BLOCK + t], while
-// the next block's rows (`ahead`, `ahead_n` of them, key then value) are asked for.
+#if defined(__AVX512BF16__)
+// The scores of one key row with bf16 queries and keys: 32 products a step, summed in fp32 lanes.
+template <int T>
+inline void row_scores_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t D, float scale, float* scores,
+                            int64_t t) {
+  __m512 part[T];
+  for (int g = 0; g < T; ++g) part[g] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 32 <= D; c += 32) {
+    const __m512bh kc = (__m512bh)_mm512_loadu_si512(k + c);
+    for (int g = 0; g < T; ++g) part[g] = _mm512_dpbf16_ps(part[g], (__m512bh)_mm512_loadu_si512(q + g * D + c), kc);
+  }
+  for (int g = 0; g < T; ++g) {
+    float sum = _mm512_reduce_add_ps(part[g]);
+    for (int64_t i = c; i < D; ++i) sum += static_cast<float>(q[g * D + i]) * static_cast<float>(k[i]);
+    scores[g * BLOCK + t] = sum * scale;
+  }
+}
+#endif
+
+// Scores of `T` heads against the block's key rows -> scores[g * BLOCK + t], while the next block's rows (`ahead`,
+// `ahead_n` of them, key then value) are asked for.
 template <int T, typename KV>
-void block_scores(const float* q, const KV* const* keys, int64_t n, int64_t D, float* scores,
+void block_scores(const Query& query, const KV* const* keys, int64_t n, int64_t D, float* scores,
                   const KV* const* ahead, int64_t ahead_n, int64_t Dv) {
+  const float* q = query.scaled;
   for (int64_t t = 0; t < n; ++t) {
     if (t < ahead_n) {
       prefetch_row(ahead[2 * t], D);
       prefetch_row(ahead[2 * t + 1], Dv);
     }
     const KV* k = keys[t];
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<KV, c10::BFloat16>) {
+      if (query.exact) {
+        row_scores_bf16<T>(query.exact, k, D, query.scale, scores, t);
+        continue;
+      }
+    }
+#endif
     f32x16 part[T];
     for (int g = 0; g < T; ++g) part[g] = zeros16();
     int64_t c = 0;
@@ -113,7 +156,7 @@ inline void softmax_step(float* s, int64_t n, float& running_max, float& running
 }
 
 template <int T, typename KV>
-void tile_step(const float* q, const KV* const* keys, const KV* const* values, int64_t n, const Shapes& s,
+void tile_step(const Query& q, const KV* const* keys, const KV* const* values, int64_t n, const Shapes& s,
                float* scores, float* acc, float* running_max, float* running_sum, const KV* const* ahead,
                int64_t ahead_n) {
   block_scores<T>(q, keys, n, s.head_dim, scores, ahead, ahead_n, s.value_dim);
@@ -123,7 +166,7 @@ void tile_step(const float* q, const KV* const* keys, const KV* const* values, i
 }
 
 template <typename KV>
-void tile_step_any(int heads, const float* q, const KV* const* keys, const KV* const* values, int64_t n,
+void tile_step_any(int heads, const Query& q, const KV* const* keys, const KV* const* values, int64_t n,
                    const Shapes& s, float* scores, float* acc, float* running_max, float* running_sum,
                    const KV* const* ahead, int64_t ahead_n) {
   switch (heads) {  // the tile's head count as a constant, so its partial sums stay in registers
@@ -142,7 +185,7 @@ void tile_step_any(int heads, const float* q, const KV* const* keys, const KV* c
 // `readable`: slots from `slots` on that this thread reads, this request's and the next ones' (prefetched ahead
 // across the boundary, so a request's first block is not read cold).
 template <typename KV>
-void attend(const float* q, const KV* keys, const KV* values, const int64_t* slots, int64_t length, int64_t readable,
+void attend(const Query& q, const KV* keys, const KV* values, const int64_t* slots, int64_t length, int64_t readable,
             int64_t h0, int64_t h1, const Shapes& s, float* out, std::vector<float>& work) {
   const int64_t G = s.group, D = s.head_dim, Dv = s.value_dim, H = (h1 - h0) * G;
   work.assign(H * BLOCK + H * Dv + 2 * H, 0.f);
@@ -167,7 +210,7 @@ void attend(const float* q, const KV* keys, const KV* values, const int64_t* slo
       }
       for (int64_t g = (h - h0) * G; g < (h - h0 + 1) * G; g += TILE) {
         const bool first = g == (h - h0) * G;  // the head's first tile asks for the rows ahead; later ones need not
-        tile_step_any(static_cast<int>(std::min<int64_t>(TILE, (h - h0 + 1) * G - g)), q + g * D, key_rows,
+        tile_step_any(static_cast<int>(std::min<int64_t>(TILE, (h - h0 + 1) * G - g)), q.at(g * D), key_rows,
                       value_rows, n, s, scores + g * BLOCK, acc + g * Dv, running_max + g, running_sum + g, ahead,
                       first ? ahead_n : 0);
       }
@@ -185,7 +228,14 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
   const int64_t requests = q.size(0), heads = q.size(1), kv_heads = key_cache.size(1);
   const Shapes s{heads / kv_heads, q.size(2), value_cache.size(2), key_cache.stride(0), value_cache.stride(0),
                  key_cache.stride(1), value_cache.stride(1)};
-  const float* qp = q.data_ptr<float>();
+  const bool bf16_query = q.scalar_type() == at::kBFloat16;
+  const float* qf = bf16_query ? nullptr : q.data_ptr<float>();
+  const c10::BFloat16* qb = bf16_query ? q.data_ptr<c10::BFloat16>() : nullptr;
+#if defined(__AVX512BF16__)
+  const bool dot_bf16 = bf16_query && std::is_same_v<KV, c10::BFloat16>;
+#else
+  const bool dot_bf16 = false;
+#endif
   const KV* kp = key_cache.data_ptr<KV>();
   const KV* vp = value_cache.data_ptr<KV>();
   float* op = out.data_ptr<float>();
@@ -199,19 +249,22 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
       const int64_t b = item / split, h0 = (item % split) * kv_heads / split, h1 = h0 + kv_heads / split;
       const int64_t first = (b * heads + h0 * s.group) * s.head_dim, count = (h1 - h0) * s.group * s.head_dim;
       query.resize(count);
-      for (int64_t i = 0; i < count; ++i) query[i] = qp[first + i] * static_cast<float>(scale);
-      attend(query.data(), kp, vp, slots + indptr[b], indptr[b + 1] - indptr[b], last - indptr[b], h0, h1, s,
+      for (int64_t i = 0; i < count; ++i)
+        query[i] = (bf16_query ? static_cast<float>(qb[first + i]) : qf[first + i]) * static_cast<float>(scale);
+      const Query qt{query.data(), dot_bf16 ? qb + first : nullptr, static_cast<float>(scale)};
+      attend(qt, kp, vp, slots + indptr[b], indptr[b + 1] - indptr[b], last - indptr[b], h0, h1, s,
              op + (b * heads + h0 * s.group) * s.value_dim, work);
     }
   });
 }
 
-// q [B, Hq, D] fp32; key_cache [slots, Hkv, D], value_cache [slots, Hkv, Dv] (fp32 or bf16, rows contiguous,
+// q [B, Hq, D] fp32 or bf16; key_cache [slots, Hkv, D], value_cache [slots, Hkv, Dv] (fp32 or bf16, rows contiguous,
 // any slot/head strides); kv_indices int64 [sum of lengths]; kv_indptr int64 [B + 1] -> [B, Hq, Dv] fp32.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                         const at::Tensor& kv_indices, const at::Tensor& kv_indptr, double scale) {
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 3 && value_cache.dim() == 3, "q, key_cache, value_cache: 3-D");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous fp32");
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && q.is_contiguous(),
+              "q: contiguous fp32 or bf16");
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "keys and values of one dtype");
   TORCH_CHECK(key_cache.stride(2) == 1 && value_cache.stride(2) == 1, "cache rows contiguous");
   TORCH_CHECK(q.size(1) % key_cache.size(1) == 0 && key_cache.size(1) == value_cache.size(1), "query heads per KV head");
@@ -219,7 +272,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache, const 
   TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indptr.scalar_type() == at::kLong &&
                   kv_indices.is_contiguous() && kv_indptr.is_contiguous() && kv_indptr.numel() == q.size(0) + 1,
               "kv_indices and kv_indptr: contiguous int64, B + 1 offsets");
-  auto out = at::empty({q.size(0), q.size(1), value_cache.size(2)}, q.options());
+  auto out = at::empty({q.size(0), q.size(1), value_cache.size(2)}, q.options().dtype(at::kFloat));
   const int64_t* slots = kv_indices.data_ptr<int64_t>();
   const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
   if (key_cache.scalar_type() == at::kFloat) {
