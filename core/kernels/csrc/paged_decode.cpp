@@ -137,6 +137,52 @@ void block_values(const float* p, const KV* const* values, int64_t n, int64_t Dv
       for (int g = 0; g < T; ++g) acc[g * Dv + c] += p[g * BLOCK + t] * widen(values[t][c]);
 }
 
+#if defined(__AVX512BF16__)
+// block_values for bf16 values with bf16 queries: tokens in pairs through the bf16 dot product, the probabilities
+// rounded to bf16 (as a bf16 SDPA's second product has them), sums in fp32.
+template <int T>
+void block_values_bf16(const float* p, const c10::BFloat16* const* values, int64_t n, int64_t Dv, float* acc) {
+  constexpr int CHUNKS = T <= 4 ? 4 : 2;  // T * CHUNKS accumulators: at most 16 registers
+  uint32_t pairs[T][BLOCK / 2];  // (p[t], p[t + 1]) of each head as two bf16 in one 32-bit lane
+  const int64_t half = (n + 1) / 2;
+  for (int g = 0; g < T; ++g)
+    for (int64_t j = 0; j < half; ++j) {
+      const uint32_t lo = c10::BFloat16(p[g * BLOCK + 2 * j]).x;
+      const uint32_t hi = 2 * j + 1 < n ? c10::BFloat16(p[g * BLOCK + 2 * j + 1]).x : 0;
+      pairs[g][j] = lo | hi << 16;
+    }
+  // lane 2m: row t's column m, lane 2m + 1: row t + 1's (an odd last row pairs with itself, its weight 0)
+  alignas(64) int16_t order[32];
+  for (int i = 0; i < 32; ++i) order[i] = static_cast<int16_t>(i % 2 ? 32 + i / 2 : i / 2);
+  const __m512i interleave = _mm512_load_si512(order);
+  int64_t c = 0;
+  for (; c + 16 * CHUNKS <= Dv; c += 16 * CHUNKS) {
+    __m512 a[T][CHUNKS];
+    for (int g = 0; g < T; ++g)
+      for (int k = 0; k < CHUNKS; ++k) a[g][k] = _mm512_loadu_ps(acc + g * Dv + c + 16 * k);
+    for (int64_t j = 0; j < half; ++j) {
+      const c10::BFloat16* v0 = values[2 * j];
+      const c10::BFloat16* v1 = 2 * j + 1 < n ? values[2 * j + 1] : v0;
+      __m512bh row_pairs[CHUNKS];
+      for (int k = 0; k < CHUNKS; ++k) {
+        const __m512i r0 = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + c + 16 * k)));
+        const __m512i r1 = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + c + 16 * k)));
+        row_pairs[k] = (__m512bh)_mm512_permutex2var_epi16(r0, interleave, r1);
+      }
+      for (int g = 0; g < T; ++g) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[g][j]));
+        for (int k = 0; k < CHUNKS; ++k) a[g][k] = _mm512_dpbf16_ps(a[g][k], w, row_pairs[k]);
+      }
+    }
+    for (int g = 0; g < T; ++g)
+      for (int k = 0; k < CHUNKS; ++k) _mm512_storeu_ps(acc + g * Dv + c + 16 * k, a[g][k]);
+  }
+  for (; c < Dv; ++c)
+    for (int64_t t = 0; t < n; ++t)
+      for (int g = 0; g < T; ++g) acc[g * Dv + c] += p[g * BLOCK + t] * static_cast<float>(values[t][c]);
+}
+#endif
+
 // The block's softmax step for one head: scores -> probabilities against the new running max; the accumulator
 // rescaled where the max moved.
 inline void softmax_step(float* s, int64_t n, float& running_max, float& running_sum, float* acc, int64_t Dv) {
@@ -162,6 +208,11 @@ void tile_step(const Query& q, const KV* const* keys, const KV* const* values, i
   block_scores<T>(q, keys, n, s.head_dim, scores, ahead, ahead_n, s.value_dim);
   for (int g = 0; g < T; ++g)
     softmax_step(scores + g * BLOCK, n, running_max[g], running_sum[g], acc + g * s.value_dim, s.value_dim);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<KV, c10::BFloat16>) {
+    if (q.exact) return block_values_bf16<T>(scores, values, n, s.value_dim, acc);
+  }
+#endif
   block_values<T>(scores, values, n, s.value_dim, acc);
 }
 
