@@ -45,6 +45,14 @@ def test_packing_is_a_relayout_and_unfit_shapes_are_not_taken():
     # block b of 16 intermediate columns, input column k: gate then up weights of those 16 columns
     torch.testing.assert_close(gate_up[1, 0, 5], torch.cat((w13[1, 0:16, 5], w13[1, 16:32, 5])), rtol=0, atol=0)
     torch.testing.assert_close(down[2, 1, 7], w2[2, 16:32, 7], rtol=0, atol=0)
+    w13b, w2b = w13.bfloat16(), w2.bfloat16()
+    gate_up, down = pack_for_streaming(w13b, w2b)
+    if gate_up.shape[-1] == 64:  # AVX-512 BF16: each column's weights for two consecutive inputs side by side
+        torch.testing.assert_close(gate_up[1, 0, 5, :32].view(16, 2), w13b[1, 0:16, 10:12], rtol=0, atol=0)
+        torch.testing.assert_close(gate_up[1, 0, 5, 32:].view(16, 2), w13b[1, 16:32, 10:12], rtol=0, atol=0)
+        torch.testing.assert_close(down[2, 1, 3].view(16, 2), w2b[2, 16:32, 6:8], rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(gate_up[1, 0, 5], torch.cat((w13b[1, 0:16, 5], w13b[1, 16:32, 5])), rtol=0, atol=0)
     assert not streams(*weights(3, 40, 16, torch.float32)[:2])  # hidden 40: not whole 16-column blocks
     assert not streams(w13.half(), w2.half())  # fp16: not one of the kernel's dtypes
 

@@ -35,10 +35,17 @@ def streams(w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 def pack_for_streaming(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's layout (a copy): w13 as [E, I/16, H, 32], for every block of 16 intermediate columns and every
-    input column the 16 gate then the 16 up weights; w2 as [E, H/16, I, 16]. Each block is one contiguous run."""
+    """The kernel's layout (a copy), blocks of 16 output columns, each block one contiguous run: w13 as
+    [E, I/16, H, 32], for every input column the block's 16 gate then 16 up weights; w2 as [E, H/16, I, 16]. bf16
+    weights on a processor with AVX-512 BF16 go in pairs along the reduction ([E, I/16, H/2, 64] and
+    [E, H/16, I/2, 32], each column's two weights side by side) for its bf16 dot product."""
     experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
+    if w13.dtype == torch.bfloat16 and cpu_ext.ops(KERNEL).experts_bf16_pairs():
+        gate_up = w13.view(experts, 2, inter // 16, 16, hidden // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        down = w2.view(experts, hidden // 16, 16, inter // 2, 2).permute(0, 1, 3, 2, 4)
+        return (gate_up.reshape(experts, inter // 16, hidden // 2, 64).contiguous(),
+                down.reshape(experts, hidden // 16, inter // 2, 32).contiguous())
     gate_up = w13.view(experts, 2, inter // 16, 16, hidden).permute(0, 2, 4, 1, 3)
     gate_up = gate_up.reshape(experts, inter // 16, hidden, 32).contiguous()
     down = w2.view(experts, hidden // 16, 16, inter).permute(0, 1, 3, 2).contiguous()
@@ -50,7 +57,7 @@ def streamed_experts(
 ) -> torch.Tensor:
     """hidden [T, H], topk_ids/topk_weights [T, k] (ids of -1: other ranks' pairs) -> [T, H] in hidden's dtype: the
     sum over each token's pairs of weight * expert(token), on weights from `pack_for_streaming`."""
-    out = cpu_ext.ops(KERNEL).moe_experts(
-        hidden.float().contiguous(), topk_ids.long().contiguous(), topk_weights.float().contiguous(), *packed
-    )
+    pairs = packed[0].shape[-1] == 64  # bf16 pairs: the activations go in as bf16 too
+    x = hidden.to(torch.bfloat16 if pairs else torch.float32).contiguous()
+    out = cpu_ext.ops(KERNEL).moe_experts(x, topk_ids.long().contiguous(), topk_weights.float().contiguous(), *packed)
     return out.to(hidden.dtype)

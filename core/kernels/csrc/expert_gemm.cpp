@@ -16,6 +16,10 @@
 
 #include "vec16.h"
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace moeplex_cpu {
 namespace {
 
@@ -56,6 +60,55 @@ void down_tile(const float* const* act, const W* w, int64_t I, float* const* out
   }
   for (int r = 0; r < M; ++r) store16(out[r], load16(out[r]) + acc[r]);
 }
+
+#if defined(__AVX512BF16__)
+// bf16 weights and bf16 activations on a processor with AVX-512 BF16: the weights packed in pairs along the
+// reduction (`pack` below), each step one dot product of two bf16 pairs per lane into fp32 (exact products): twice
+// the multiply-adds of widening to fp32. The gate/up output is rounded to bf16 for the down projection, as a bf16
+// model's own activations are.
+inline __m512bh pair_of(const c10::BFloat16* x) {  // x[0], x[1] in every 32-bit lane
+  int32_t bits;
+  std::memcpy(&bits, x, sizeof bits);
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+// `w` [H/2, 64]: per pair of input columns, the block's 16 gate then 16 up columns, each as its two weights.
+template <int M>
+void gate_up_tile(const c10::BFloat16* const* x, const c10::BFloat16* w, int64_t H, c10::BFloat16* const* act,
+                  const float* weight) {
+  __m512 gate[M], up[M];
+  for (int r = 0; r < M; ++r) gate[r] = up[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < H / 2; ++j) {
+    const __m512bh wg = (__m512bh)_mm512_loadu_si512(w + 64 * j), wu = (__m512bh)_mm512_loadu_si512(w + 64 * j + 32);
+    for (int r = 0; r < M; ++r) {
+      const __m512bh xv = pair_of(x[r] + 2 * j);
+      gate[r] = _mm512_dpbf16_ps(gate[r], xv, wg);
+      up[r] = _mm512_dpbf16_ps(up[r], xv, wu);
+    }
+  }
+  for (int r = 0; r < M; ++r) {
+    f32x16 g, u;
+    std::memcpy(&g, &gate[r], sizeof g);
+    std::memcpy(&u, &up[r], sizeof u);
+    const f32x16 y = g / (1.f + exp16(zeros16() - g)) * u * weight[r];
+    __m512 yv;
+    std::memcpy(&yv, &y, sizeof yv);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(act[r]), (__m256i)_mm512_cvtneps_pbh(yv));
+  }
+}
+
+// `w` [I/2, 32]: per pair of intermediate columns, the block's 16 output columns, each as its two weights.
+template <int M>
+void down_tile(const c10::BFloat16* const* act, const c10::BFloat16* w, int64_t I, float* const* out) {
+  __m512 acc[M];
+  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < I / 2; ++j) {
+    const __m512bh wk = (__m512bh)_mm512_loadu_si512(w + 32 * j);
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], pair_of(act[r] + 2 * j), wk);
+  }
+  for (int r = 0; r < M; ++r) _mm512_storeu_ps(out[r], _mm512_add_ps(_mm512_loadu_ps(out[r]), acc[r]));
+}
+#endif
 
 #define MOEPLEX_ROWS(CALL)                            \
   switch (m) {                                        \
@@ -103,18 +156,20 @@ Pairs sort_pairs(const at::Tensor& topk_ids, const at::Tensor& topk_weights, int
   return p;
 }
 
-template <typename W>
+// X: the activations' type (fp32, or bf16 with pair-packed bf16 weights); each weight block is H x 32 (gate/up)
+// or I x 16 (down) elements in either packing.
+template <typename W, typename X>
 void run(const at::Tensor& x, const Pairs& p, const W* w13, const W* w2, int64_t experts, int64_t H, int64_t I,
-         float* act, float* out) {
+         X* act, float* out) {
   const int64_t gate_blocks = I / 16, out_blocks = H / 16;
-  const float* xp = x.data_ptr<float>();
+  const X* xp = x.data_ptr<X>();
   std::vector<int64_t> items;  // (expert, gate/up column block) pairs with rows to compute
   for (int64_t e = 0; e < experts; ++e)
     if (p.start[e + 1] > p.start[e])
       for (int64_t b = 0; b < gate_blocks; ++b) items.push_back(e * gate_blocks + b);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    const float* rows[ROWS];
-    float* dest[ROWS];
+    const X* rows[ROWS];
+    X* dest[ROWS];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e = items[i] / gate_blocks, b = items[i] % gate_blocks;
       const W* block = w13 + (e * gate_blocks + b) * H * 32;
@@ -131,7 +186,7 @@ void run(const at::Tensor& x, const Pairs& p, const W* w13, const W* w2, int64_t
     }
   });
   at::parallel_for(0, out_blocks, 1, [&](int64_t begin, int64_t end) {
-    const float* rows[ROWS];
+    const X* rows[ROWS];
     float* dest[ROWS];
     for (int64_t e = 0; e < experts; ++e) {  // expert by expert: its blocks of this thread's columns in order
       for (int64_t b = begin; b < end; ++b) {
@@ -151,29 +206,50 @@ void run(const at::Tensor& x, const Pairs& p, const W* w13, const W* w2, int64_t
   });
 }
 
-// x [T, H] fp32; topk_ids [T, k] int64 (-1: another rank's pair); topk_weights [T, k] fp32;
-// w13 [E, I/16, H, 32] (per 16 columns: gate then up weights of each input column), w2 [E, H/16, I, 16], both
-// fp32 or bf16 -> [T, H] fp32: sum over each token's pairs of weight * expert(token).
+// Whether bf16 weights are packed in pairs (`moe_experts` then takes bf16 activations): the processor has AVX-512 BF16.
+bool bf16_pairs() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [T, H] fp32 (bf16 with pair-packed weights); topk_ids [T, k] int64 (-1: another rank's pair); topk_weights
+// [T, k] fp32; weights packed by 16 output columns: w13 [E, I/16, H, 32] (per input column, the block's gate then
+// up weights) and w2 [E, H/16, I, 16], fp32 or bf16; or, bf16 where `bf16_pairs`, in pairs along the reduction:
+// w13 [E, I/16, H/2, 64], w2 [E, H/16, I/2, 32] -> [T, H] fp32: over each token's pairs, weight * expert(token).
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                        const at::Tensor& w13, const at::Tensor& w2) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [T, H]");
   TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_ids.is_contiguous() && topk_ids.dim() == 2 &&
                   topk_ids.size(0) == x.size(0), "topk_ids: contiguous int64 [T, k]");
   TORCH_CHECK(topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous() &&
                   topk_weights.sizes() == topk_ids.sizes(), "topk_weights: contiguous fp32 [T, k]");
-  TORCH_CHECK(w13.dim() == 4 && w13.size(3) == 32 && w2.dim() == 4 && w2.size(3) == 16 && w13.is_contiguous() &&
-                  w2.is_contiguous() && w13.scalar_type() == w2.scalar_type(), "packed w13 [E, I/16, H, 32], w2 [E, H/16, I, 16]");
-  const int64_t experts = w13.size(0), I = w13.size(1) * 16, H = w13.size(2);
-  TORCH_CHECK(x.size(1) == H && w2.size(0) == experts && w2.size(1) * 16 == H && w2.size(2) == I, "shapes agree");
+  TORCH_CHECK(w13.dim() == 4 && w2.dim() == 4 && w13.is_contiguous() && w2.is_contiguous() &&
+                  w13.scalar_type() == w2.scalar_type(), "packed w13 and w2: contiguous, one dtype");
+  const bool pairs = w13.size(3) == 64;
+  TORCH_CHECK(pairs ? (bf16_pairs() && w13.scalar_type() == at::kBFloat16 && w2.size(3) == 32)
+                    : (w13.size(3) == 32 && w2.size(3) == 16), "packed w13 [E, I/16, H, 32], w2 [E, H/16, I, 16]");
+  const int64_t experts = w13.size(0), I = w13.size(1) * 16, H = w13.size(2) * (pairs ? 2 : 1);
+  TORCH_CHECK(x.size(1) == H && w2.size(0) == experts && w2.size(1) * 16 == H && w2.size(2) * (pairs ? 2 : 1) == I,
+              "shapes agree");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == (pairs ? at::kBFloat16 : at::kFloat),
+              "x: contiguous [T, H], bf16 with pair-packed weights, else fp32");
   const Pairs p = sort_pairs(topk_ids, topk_weights, experts);
-  auto out = at::zeros({x.size(0), H}, x.options());
+  auto out = at::zeros({x.size(0), H}, x.options().dtype(at::kFloat));
   auto act = at::empty({p.start[experts], I}, x.options());
   if (w13.scalar_type() == at::kFloat) {
-    run<float>(x, p, w13.data_ptr<float>(), w2.data_ptr<float>(), experts, H, I, act.data_ptr<float>(), out.data_ptr<float>());
-  } else {
+    run<float, float>(x, p, w13.data_ptr<float>(), w2.data_ptr<float>(), experts, H, I, act.data_ptr<float>(),
+                      out.data_ptr<float>());
+  } else if (!pairs) {
     TORCH_CHECK(w13.scalar_type() == at::kBFloat16, "weights: fp32 or bf16");
-    run<c10::BFloat16>(x, p, w13.data_ptr<c10::BFloat16>(), w2.data_ptr<c10::BFloat16>(), experts, H, I,
-                       act.data_ptr<float>(), out.data_ptr<float>());
+    run<c10::BFloat16, float>(x, p, w13.data_ptr<c10::BFloat16>(), w2.data_ptr<c10::BFloat16>(), experts, H, I,
+                              act.data_ptr<float>(), out.data_ptr<float>());
+  } else {
+#if defined(__AVX512BF16__)
+    run<c10::BFloat16, c10::BFloat16>(x, p, w13.data_ptr<c10::BFloat16>(), w2.data_ptr<c10::BFloat16>(), experts, H,
+                                      I, act.data_ptr<c10::BFloat16>(), out.data_ptr<float>());
+#endif
   }
   return out;
 }
@@ -184,4 +260,5 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at
 TORCH_LIBRARY_FRAGMENT(moeplex_cpu, m) {
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2) -> Tensor",
         &moeplex_cpu::moe_experts);
+  m.def("experts_bf16_pairs() -> bool", &moeplex_cpu::bf16_pairs);
 }
