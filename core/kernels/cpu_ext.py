@@ -64,6 +64,7 @@ def _load(name: str) -> str | None:
         _find_ninja()
         folder = build_directory(name)
         os.makedirs(folder, exist_ok=True)
+        _clear_stale_lock(folder)
         start = time.perf_counter()
         cpp_extension.load(
             name=f"moeplex_cpu_{name}",
@@ -80,6 +81,21 @@ def _load(name: str) -> str | None:
         reason = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
         log.warning("CPU kernel %s not built (%s): its ways are not offered", name, reason)
         return reason
+
+
+STALE_LOCK_S = 600  # no build takes this long: an older lock is a build that was killed
+
+
+def _clear_stale_lock(folder: str) -> None:
+    """torch's builder waits for as long as its lock file exists; a process killed while building (Ctrl-C, a CI
+    timeout) leaves it behind, and every later process would wait forever."""
+    lock = os.path.join(folder, "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) > STALE_LOCK_S:
+            os.remove(lock)
+            log.warning("removed a stale build lock in %s (a build was killed)", folder)
+    except FileNotFoundError:
+        pass
 
 
 def _find_ninja() -> None:
