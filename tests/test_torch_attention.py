@@ -121,7 +121,9 @@ def test_paged_gather_is_measured_once_per_cache_shape_on_a_batch_big_enough(mon
     keys, values = kv.layer(0)
     from moeplex.kernels.cpu import MeasuredChoices
 
-    monkeypatch.setattr("moeplex.kernels.cpu.measured_choice", MeasuredChoices(str(tmp_path / "c.json")).get)
+    store = MeasuredChoices(str(tmp_path / "c.json"))
+    monkeypatch.setattr("moeplex.kernels.cpu.measured_choice", store.get)
+    monkeypatch.setattr("moeplex.kernels.cpu.stored_choice", store.stored)
     gather = PagedGather()  # nothing measured yet on this 'machine'
     q = torch.randn(4, 4, 16)
 
@@ -145,3 +147,8 @@ def test_paged_gather_is_measured_once_per_cache_shape_on_a_batch_big_enough(mon
     assert gather.way(q, keys, values, big) == "pages" and set(calls) == ways
     measured = len(calls)
     assert gather.way(q, keys, values, big) == "pages" and len(calls) == measured  # decided: no second measurement
+    # another process on this machine (its own store object, the same file): a small first batch takes the
+    # stored choice without timing anything
+    monkeypatch.setattr("moeplex.kernels.cpu.stored_choice", MeasuredChoices(str(tmp_path / "c.json")).stored)
+    calls.clear()
+    assert PagedGather().way(q[:2], keys, values, decode_batch(kv, [5, 9])) == "pages" and not calls

@@ -132,12 +132,17 @@ class PagedGather:
             return ways[0]
         key = (tuple(key_cache.shape), tuple(value_cache.shape), key_cache.dtype, batch.page_size, ways)
         if key not in self.choices:
-            if batch.kv_indices.numel() < self.MIN_ROWS or q.shape[0] == 0:
-                return "slots"
             what = (f"{tuple(key_cache.shape[1:])} {tuple(value_cache.shape[1:])} {key_cache.dtype} page {batch.page_size}"
                     f" q heads {q.shape[1]} {'/'.join(ways)}")
-            self.choices[key] = cpu_kernels.measured_choice(
-                "decode_attention", what, lambda: self._measure(q, key_cache, value_cache, batch, ways))
+            if batch.kv_indices.numel() < self.MIN_ROWS or q.shape[0] == 0:
+                # too small to time: an earlier process's measurement on this machine, if any, else slots for now
+                stored = cpu_kernels.stored_choice("decode_attention", what)
+                if stored not in ways:
+                    return "slots"
+                self.choices[key] = stored
+            else:
+                self.choices[key] = cpu_kernels.measured_choice(
+                    "decode_attention", what, lambda: self._measure(q, key_cache, value_cache, batch, ways))
         return self.choices[key]
 
     @staticmethod
