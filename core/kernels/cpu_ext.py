@@ -75,7 +75,9 @@ def _load(name: str) -> str | None:
             is_python_module=False,
             verbose=False,
         )
-        log.debug("CPU kernel %s loaded in %.1f s", name, time.perf_counter() - start)
+        took = time.perf_counter() - start
+        if took > 2:  # compiled now (a built kernel loads in a fraction of a second): say why start-up took longer
+            log.info("CPU kernel %s built in %.0f s (once per machine, kept in %s)", name, took, folder)
         return None
     except Exception as error:  # no compiler, no ninja, a compile error: the kernel's ways are not offered
         reason = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
