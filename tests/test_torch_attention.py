@@ -114,31 +114,41 @@ def test_models_decode_as_with_the_padded_path(tiny_model_dir, arch):
 
 
 def test_paged_gather_is_measured_once_per_cache_shape_on_a_batch_big_enough(monkeypatch, tmp_path):
-    """The first decode batch with MIN_ROWS cached rows times both gathers on its own requests and the faster
-    is kept for that cache shape (a clock that makes pages cheaper chooses pages); a smaller batch before it
+    """The first decode batch with MIN_ROWS cached rows times every way on its own requests and the fastest is
+    kept for that cache shape (a clock that makes pages cheapest chooses pages); a smaller batch before it
     gathers by slots and decides nothing."""
-    kv = KVPool(600, PAGE, [[(2, 8), (2, 8)]], torch.float32, "cpu")
+    kv = KVPool(600, PAGE, [[(2, 16), (2, 16)]], torch.float32, "cpu")
     keys, values = kv.layer(0)
     from moeplex.kernels.cpu import MeasuredChoices
 
-    monkeypatch.setattr("moeplex.kernels.cpu.measured_choice", MeasuredChoices(str(tmp_path / "c.json")).get)
+    store = MeasuredChoices(str(tmp_path / "c.json"))
+    monkeypatch.setattr("moeplex.kernels.cpu.measured_choice", store.get)
+    monkeypatch.setattr("moeplex.kernels.cpu.stored_choice", store.stored)
     gather = PagedGather()  # nothing measured yet on this 'machine'
+    q = torch.randn(4, 4, 16)
 
     small = decode_batch(kv, [5, 9])
-    assert not gather.by_pages(keys, values, small) and not gather.choices
-    kv = KVPool(600, PAGE, [[(2, 8), (2, 8)]], torch.float32, "cpu")
+    assert gather.way(q[:2], keys, values, small) == "slots" and not gather.choices
+    kv = KVPool(600, PAGE, [[(2, 16), (2, 16)]], torch.float32, "cpu")
     keys, values = kv.layer(0)
     big = decode_batch(kv, [300] * 4)
     now, calls = [0.0], []
-    real = __import__("moeplex.attention.torch_ref", fromlist=["request_rows"]).request_rows
+    cost = {"slots": 2.0, "pages": 1.0, "in_place": 3.0}
+    real = __import__("moeplex.attention.torch_ref", fromlist=["decode_by"]).decode_by
 
-    def rows(key_cache, value_cache, batch, lengths, by_pages, shared=False):
-        calls.append(by_pages)
-        now[0] += 1.0 if by_pages else 2.0
-        return real(key_cache, value_cache, batch, lengths, by_pages, shared)
+    def decode_by(way, *args):
+        calls.append(way)
+        now[0] += cost[way]
+        return real(way, *args)
 
-    monkeypatch.setattr("moeplex.attention.torch_ref.request_rows", rows)
+    monkeypatch.setattr("moeplex.attention.torch_ref.decode_by", decode_by)
     monkeypatch.setattr("moeplex.kernels.cpu.measuring_clock", lambda: lambda: now[0])
-    assert gather.by_pages(keys, values, big) and set(calls) == {True, False}
+    ways = set(PagedGather.ways(q, keys, values, big))
+    assert gather.way(q, keys, values, big) == "pages" and set(calls) == ways
     measured = len(calls)
-    assert gather.by_pages(keys, values, big) and len(calls) == measured  # decided: no second measurement
+    assert gather.way(q, keys, values, big) == "pages" and len(calls) == measured  # decided: no second measurement
+    # another process on this machine (its own store object, the same file): a small first batch takes the
+    # stored choice without timing anything
+    monkeypatch.setattr("moeplex.kernels.cpu.stored_choice", MeasuredChoices(str(tmp_path / "c.json")).stored)
+    calls.clear()
+    assert PagedGather().way(q[:2], keys, values, decode_batch(kv, [5, 9])) == "pages" and not calls

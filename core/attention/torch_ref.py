@@ -4,7 +4,8 @@ Extend: every request's keys and values are gathered from its KV slots (ForwardB
 and attended with causal masking offset by the request's cached prefix. Decode on CPU: request by
 request, each gathering only its own slots and attending with one unmasked SDPA call, the query heads
 of a KV head as that head's query rows (no padding, no KV repeated per head: on 2 cores this is 2-40x
-faster than one padded SDPA call, whose GQA and masked cases fall to the math path). Decode elsewhere:
+faster than one padded SDPA call, whose GQA and masked cases fall to the math path), or, where PagedGather
+measured it faster, read in place by moeplex's C++ kernel (in_place.py). Decode elsewhere:
 all requests at once, their KV gathered into a [B, longest, ...] block with the padding masked out
 (one launch instead of B).
 """
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..kernels import cpu as cpu_kernels
+from .in_place import decode_in_place, in_place_takes
 
 
 def write_kv(buffer: torch.Tensor, batch: ForwardBatch, values: torch.Tensor) -> None:
@@ -112,49 +114,73 @@ def request_rows(key_cache, value_cache, batch: ForwardBatch, lengths: list[int]
 
 
 class PagedGather:
-    """Whether decode gathers a request's KV by pages or by slots on this processor: both timed once per machine
-    (measured_choice) and cache shape on the first decode batch that has enough rows (its own requests' KV), the faster kept. On an AMD
-    EPYC copying whole 16-token pages beat the per-token copies 1.5x; on a Xeon the per-token copies had won."""
+    """How CPU decode reads each request's KV on this processor: gathered by slots (one copy per token) or by whole
+    pages for SDPA, or read in place by moeplex's C++ kernel (in_place.py) where it builds and takes the shapes.
+    Each way's whole decode is timed once per machine (measured_choice) and cache shape, on the first decode batch
+    with enough rows (its own requests' KV), and the fastest kept. On an AMD EPYC copying whole 16-token pages
+    beat the per-token copies 1.5x; on a Xeon the per-token copies had won."""
 
     MIN_ROWS = 1024  # a first batch smaller than this decides nothing yet (too little to time)
     ROUNDS = 3
     def __init__(self):
-        self.choices: dict[tuple, bool] = {}
+        self.choices: dict[tuple, str] = {}
 
-    def by_pages(self, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch) -> bool:
-        if batch.page_table is None or batch.page_size <= 1 or key_cache.shape[0] % batch.page_size:
-            return False
-        key = (tuple(key_cache.shape), tuple(value_cache.shape), key_cache.dtype, batch.page_size)
+    def way(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch) -> str:
+        """"slots", "pages" or "in_place" for this cache shape: measured on this batch if not yet decided."""
+        ways = self.ways(q, key_cache, value_cache, batch)
+        if len(ways) == 1:
+            return ways[0]
+        key = (tuple(key_cache.shape), tuple(value_cache.shape), key_cache.dtype, batch.page_size, ways)
         if key not in self.choices:
-            if batch.kv_indices.numel() < self.MIN_ROWS:
-                return False
-            what = f"{tuple(key_cache.shape[1:])} {tuple(value_cache.shape[1:])} {key_cache.dtype} page {batch.page_size}"
-            self.choices[key] = cpu_kernels.measured_choice("decode_gather", what, lambda: self._measure(key_cache, value_cache, batch))
+            what = (f"{tuple(key_cache.shape[1:])} {tuple(value_cache.shape[1:])} {key_cache.dtype} page {batch.page_size}"
+                    f" q heads {q.shape[1]} {'/'.join(ways)}")
+            if batch.kv_indices.numel() < self.MIN_ROWS or q.shape[0] == 0:
+                # too small to time: an earlier process's measurement on this machine, if any, else slots for now
+                stored = cpu_kernels.stored_choice("decode_attention", what)
+                if stored not in ways:
+                    return "slots"
+                self.choices[key] = stored
+            else:
+                self.choices[key] = cpu_kernels.measured_choice(
+                    "decode_attention", what, lambda: self._measure(q, key_cache, value_cache, batch, ways))
         return self.choices[key]
 
-    def _measure(self, key_cache, value_cache, batch: ForwardBatch) -> bool:
-        clock, shared = cpu_kernels.measuring_clock(), _shares_keys(key_cache, value_cache)
-        lengths = batch.kv_indptr.diff().tolist()
-        best = {False: float("inf"), True: float("inf")}
+    @staticmethod
+    def ways(q, key_cache, value_cache, batch: ForwardBatch) -> tuple[str, ...]:
+        ways = ["slots"]
+        if batch.page_table is not None and batch.page_size > 1 and key_cache.shape[0] % batch.page_size == 0:
+            ways.append("pages")
+        if in_place_takes(q, key_cache, value_cache):
+            ways.append("in_place")
+        return tuple(ways)
+
+    def _measure(self, q, key_cache, value_cache, batch: ForwardBatch, ways: tuple[str, ...]) -> str:
+        clock = cpu_kernels.measuring_clock()
+        best = {way: float("inf") for way in ways}
         for round in range(self.ROUNDS + 1):  # the first round warms up
-            for pages in best:
+            for way in ways:
                 start = clock()
-                for _ in request_rows(key_cache, value_cache, batch, lengths, pages, shared):
-                    pass
+                decode_by(way, q, key_cache, value_cache, batch, 1.0)
                 if round:
-                    best[pages] = min(best[pages], clock() - start)
-        return best[True] < best[False]
+                    best[way] = min(best[way], clock() - start)
+        return min(best, key=best.get)
+
+
+def decode_by(way: str, q, key_cache, value_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    if way == "in_place":
+        return decode_in_place(q, key_cache, value_cache, batch, scale)
+    return decode_per_request(q, key_cache, value_cache, batch, scale, by_pages=way == "pages")
 
 
 def paged_decode_attention(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch, scale: float,
     gather: PagedGather | None = None,
 ) -> torch.Tensor:
-    """Decode straight from the cache buffers: per request on CPU (by pages where `gather` measured that faster),
-    else one gather per buffer into the padded block."""
+    """Decode straight from the cache buffers: on CPU per request, or in place, as `gather` measured fastest; else
+    one gather per buffer into the padded block."""
     if q.device.type == "cpu":
-        by_pages = gather is not None and gather.by_pages(key_cache, value_cache, batch)
-        return decode_per_request(q, key_cache, value_cache, batch, scale, by_pages)
+        way = "slots" if gather is None else gather.way(q, key_cache, value_cache, batch)
+        return decode_by(way, q, key_cache, value_cache, batch, scale)
     return decode_padded(q, key_cache, value_cache, batch, scale)
 
 

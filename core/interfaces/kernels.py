@@ -7,6 +7,7 @@ Triton kernels), which is why `moeplex.interfaces` itself does not import it.
 """
 
 from moeplex.kernels.cpu import measured_choice, measuring_clock, onednn_runs, packed_copy_fits
+from moeplex.kernels.expert_gemm import pack_for_streaming, streamed_experts, streams
 from moeplex.kernels.fp8 import quantize_rows, silu_mul_quantize
 from moeplex.kernels.permute import gather_rows, weighted_pair_sum
 from moeplex.moe.adapters import ContiguousPlan, LayoutAdapter, plan_contiguous
@@ -29,10 +30,13 @@ __all__ = [
     "measuring_clock",  # CPU kernels choose by timing candidates at start-up: the clock to time them with
     "onednn_runs",  # whether oneDNN runs a dtype on this processor
     "packed_copy_fits",  # whether a packed copy of some weights leaves room in host memory
+    "pack_for_streaming",  # expert weights laid out for moeplex's C++ small-M expert GEMM
     "plan_contiguous",
     "quantize_activations",
     "quantize_blocks",
     "quantize_rows",
     "silu_mul_quantize",
+    "streamed_experts",  # moeplex's C++ expert GEMM at memory speed for a few rows per expert (CPU)
+    "streams",  # whether that GEMM runs these expert weights and builds on this machine
     "weighted_pair_sum",
 ]

@@ -69,7 +69,7 @@ class MeasuredChoices:
         self._warned = False
 
     def get(self, kind: str, key: str, measure: Callable[[], object]):
-        full = f"{kind}|{key}|{_machine()}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+        full = self._full(kind, key)
         if full in self.known:
             return self.known[full]
         try:
@@ -81,6 +81,23 @@ class MeasuredChoices:
             value = measure()
         self.known[full] = value
         return value
+
+    def stored(self, kind: str, key: str):
+        """What `get` would return if this machine has measured (kind, key) already, else None; measures nothing."""
+        full = self._full(kind, key)
+        if full not in self.known:
+            try:
+                stored = self._read()
+            except OSError:
+                return None
+            if full not in stored:
+                return None
+            self.known[full] = stored[full]
+        return self.known[full]
+
+    @staticmethod
+    def _full(kind: str, key: str) -> str:
+        return f"{kind}|{key}|{_machine()}|torch {torch.__version__}|threads {torch.get_num_threads()}"
 
     def _from_file(self, full: str, measure: Callable[[], object]):
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
@@ -131,3 +148,8 @@ _CHOICES = MeasuredChoices()
 def measured_choice(kind: str, key: str, measure: Callable[[], object]):
     """`measure()` once per machine for (kind, key), its JSON-able result kept for every later process (MeasuredChoices)."""
     return _CHOICES.get(kind, key, measure)
+
+
+def stored_choice(kind: str, key: str):
+    """This machine's earlier measured_choice for (kind, key), or None where none was made yet (measures nothing)."""
+    return _CHOICES.stored(kind, key)

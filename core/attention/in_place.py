@@ -1,0 +1,38 @@
+"""CPU decode attention that reads the paged KV cache in place: moeplex's C++ kernel (kernels/csrc/paged_decode.cpp),
+one pass over each request's cached rows through its slot indices, online softmax, parallel over (request, KV head).
+
+It is one of the ways PagedGather times on CPU (beside gathering each request's rows for SDPA), offered only where
+the kernel builds on this machine and takes the cache's shapes."""
+
+from __future__ import annotations
+
+import torch
+
+from ..forward_batch import ForwardBatch
+from ..kernels import cpu_ext
+
+KERNEL = "paged_decode"
+
+
+def in_place_takes(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether the kernel runs these caches (fp32/bf16, rows contiguous) and builds on this machine."""
+    return (
+        q.device.type == "cpu"
+        and key_cache.dtype == value_cache.dtype
+        and key_cache.dtype in (torch.float32, torch.bfloat16)
+        and key_cache.stride(-1) == 1
+        and value_cache.stride(-1) == 1
+        and cpu_ext.load_kernel(KERNEL)
+    )
+
+
+def decode_in_place(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
+    """q [B, Hq, D] against each request's cached rows -> [B, Hq, Dv] in q's dtype (accumulated in fp32)."""
+    q = q if q.dtype in (torch.float32, torch.bfloat16) else q.float()  # bf16 q: its own values feed bf16 dot products
+    out = cpu_ext.ops(KERNEL).paged_decode(
+        q.contiguous(), key_cache, value_cache, batch.kv_indices.long().contiguous(),
+        batch.kv_indptr.long().contiguous(), float(scale),
+    )
+    return out.to(q.dtype)
