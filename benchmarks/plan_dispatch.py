@@ -98,7 +98,8 @@ def main() -> None:
     ap.add_argument("--measured-out", help="write the profile entries (moeplex plan profile-update) here")
     args = ap.parse_args()
     device = torch.device(args.device)
-    if device.type == "cuda":
+    if device.type == "cuda":  # a bare "cuda" has no index, which set_device (and DeepEP's buffers) need
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
     gen = torch.Generator().manual_seed(0)  # uniform routing, as ep_multi_gpu.py
     ids = torch.rand(args.tokens, args.experts, generator=gen).argsort(dim=1)[:, : args.top_k].to(device)
