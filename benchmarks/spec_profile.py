@@ -1,0 +1,133 @@
+"""Where a speculative step's time goes: host time per engine step, device time per step, and the host's ops.
+
+    python benchmarks/spec_profile.py --device cuda --out DIR                 H200, Qwen3-30B-A3B shapes (12 layers)
+    .venv/bin/python benchmarks/spec_profile.py --out DIR                     CPU, tiny DeepSeek-V3
+
+For each engine (plain decoding, then each --drafters entry, named as in speculative.py) a steady batch runs once
+to warm up and once under torch.profiler. Per engine it writes DIR/<name>.txt: the steps' host time (wall time of
+engine.step(), median and p90), the device's busy time per step (the sum of its kernels' durations over the
+profiled steps), tokens per step, the calls that make the host wait for the device (stream / event / device
+synchronizations, device-to-host copies), and the profiler's table of host ops by self time. The summary table
+(one row per engine) goes to stdout and DIR/summary.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import speculative as sp
+from moeplex.models.make_model import write_checkpoint
+from moeplex.sampling import SamplingParams
+from report import emit
+from timing import sync
+
+WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense",
+         "aten::item", "Memcpy DtoH")
+
+
+def profiled_run(engine, prompts, batch: int, args) -> tuple[list[float], int, object]:
+    """(host seconds of each engine.step() while the batch is full, tokens emitted in them, the profile)."""
+    params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    queue = list(prompts)
+    requests = [engine.add_request(queue.pop(0), params) for _ in range(batch)]
+    while any(not r.output_ids for r in requests):
+        engine.step()
+    sync(args.device)
+    times, before = [], sum(len(r.output_ids) for r in requests)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device != "cpu" else [])
+    with profile(activities=activities) as prof:
+        while engine.has_work and queue:
+            start = time.perf_counter()
+            for _ in engine.step():
+                if queue:
+                    requests.append(engine.add_request(queue.pop(0), params))
+            times.append(time.perf_counter() - start)
+        sync(args.device)
+    tokens = sum(len(r.output_ids) for r in requests) - before
+    while engine.has_work:
+        engine.step()
+    return times, tokens, prof
+
+
+def device_busy(prof) -> float:
+    """Seconds the device spent in kernels and copies over the profile."""
+    total = 0.0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+    return total / 1e6
+
+
+def report(name: str, times: list[float], tokens: int, prof, args) -> tuple[str, str]:
+    steps = len(times)
+    host = sorted(times)
+    busy = device_busy(prof) if args.device != "cpu" else 0.0
+    counts = {}
+    for avg in prof.key_averages():
+        if any(avg.key.startswith(w) for w in WAITS):
+            counts[avg.key] = avg.count
+    waits = ", ".join(f"{k} {v / steps:.1f}" for k, v in sorted(counts.items())) or "none"
+    summary = (f"| {name} | {steps} | {tokens / steps:.2f} | {statistics.median(host) * 1e3:.3f} | "
+               f"{host[int(0.9 * (steps - 1))] * 1e3:.3f} | {busy / steps * 1e3:.3f} | "
+               f"{sum(times) / tokens * 1e3:.3f} | {waits} |")
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=70)
+    text = (f"# {name}: {steps} steps, {tokens} tokens\n\nhost ms per step: median {statistics.median(host) * 1e3:.3f}, "
+            f"p90 {host[int(0.9 * (steps - 1))] * 1e3:.3f}\ndevice busy ms per step: {busy / steps * 1e3:.3f}\n"
+            f"waits per step: {waits}\n\n{table}\n")
+    return summary, text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--drafters", nargs="+", default=["ngram/fixed/overlap", "ngram/fixed/sync"],
+                        help="engines besides plain decoding, named as in speculative.py (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--qwen-layers", type=int, default=12)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    args.batches, args.steady = [args.batch], True
+    sp.register_script_drafters()
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+        folder = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "tiny", seed=0, mtp=1)
+    else:
+        folder = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True,
+                                  overrides={"num_hidden_layers": args.qwen_layers})
+    os.makedirs(args.out, exist_ok=True)
+    prompts = sp.workload(args.batch * 2, seed=args.batch)
+    reference: dict[int, list] = {}
+    lines = [f"batch {args.batch}, steps {args.steps}, device {args.device}", "",
+             "| engine | steps | tokens/step | host ms/step (median) | p90 | device busy ms/step | host ms/token | "
+             "host waits per step |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for drafter in ["none", *args.drafters]:
+        engine = sp.warmed_engine(folder, args, drafter)
+        if drafter == "none":  # the reference the oracle proposes
+            sp.measure(engine, "none", args.batch, prompts, args, reference)
+        if drafter.startswith(("test-oracle", "test-adversary")):
+            sp.script_drafters.SCRIPT[:] = [p + out for p, out in zip(prompts, reference[args.batch])]
+        with sp.forced_acceptance(drafter.startswith("test-oracle") and args.device != "cpu"):
+            profiled_run(engine, prompts, args.batch, args)  # warm
+            times, tokens, prof = profiled_run(engine, prompts, args.batch, args)
+        summary, text = report(drafter, times, tokens, prof, args)
+        lines.append(summary)
+        print(summary, flush=True)
+        with open(os.path.join(args.out, drafter.replace("/", "_") + ".txt"), "w") as f:
+            f.write(text)
+        del engine
+        if args.device != "cpu":
+            torch.cuda.empty_cache()
+    emit("\n".join(lines), os.path.join(args.out, "summary.md"))
+
+
+if __name__ == "__main__":
+    main()
