@@ -150,7 +150,8 @@ class Engine:
                                                  # all sizes now where a step may be in flight when a size is first
                                                  # asked for (its graph outputs must not be overwritten), or where DP
                                                  # ranks would ask for different sizes
-                                                 eager=self.overlap_schedule or self.parallel.config.dp_size > 1)
+                                                 eager=self.overlap_schedule or self.parallel.config.dp_size > 1,
+                                                 overlap_verify=self.overlap_verify is not None)
             self.speculation.policy = AdaptivePolicy(drafter.num_steps, self.step_costs)
         # prefill/decode disaggregation: this rank's transfer backend and the pages it holds or expects
         self.pd = RankTransfers.create(self) if config.disaggregation_mode != "none" else None

@@ -53,14 +53,17 @@ CONTEXT = 128  # tokens of context each measured request reads (its KV: the pool
 
 
 def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidden: bool, agree, world,
-                       overlap: bool = False, eager: bool = False) -> StepCosts:
+                       overlap: bool = False, eager: bool = False, overlap_verify: bool = False) -> StepCosts:
     """The adaptive policy's cost model (costs.py), measured on this engine's own forward paths: a plain step
     through `runner.forward` (graphs where they are captured), a verify step through `runner.verify_forward`
     with logits on every row, built the way ModelRunner.prepare builds them (decode rows, or one extend per
     request). Each measured request reads CONTEXT tokens and writes its rows, all in the pool's scratch page,
     so measuring takes no page from anyone, at start-up or between steps. With `overlap` (plain steps run under
     the overlap schedule) a plain step is timed as half of two steps launched back to back, the second built
-    while the first runs, read once at the end: its host work hides as the schedule hides it.
+    while the first runs, read once at the end: its host work hides as the schedule hides it. With
+    `overlap_verify` (verify steps run under the overlap schedule too: speculation/overlap.py) a verify step is
+    timed the same way, so the policy weighs a verify step at what it costs there: the device's time where the
+    host's is hidden, not the host's and the device's one after the other.
 
     Every rank measures the same sizes at the same time (their collectives pair up: TP ranks schedule the same
     requests, so they ask for a size at the same step; under DP attention all sizes are measured at start-up,
@@ -87,6 +90,10 @@ def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidde
         else:
             rows = to_device(batch.input_ids.device, torch.arange(n * k, dtype=torch.int64))[0]
             logits, _ = runner.verify_forward(batch, rows, with_hidden)
+            if overlap_verify:
+                torch.argmax(logits, dim=-1)  # the first step's acceptance, on the device
+                again = agree(attrs.evolve(build_forward_batch(seqs, kv, runner.device), overlap_split=False))
+                logits, _ = runner.verify_forward(again, rows, with_hidden)
         torch.argmax(logits, dim=-1).tolist()  # the host reads the tokens, as a step does
 
     def measure_size(n: int) -> list[float]:
@@ -105,6 +112,8 @@ def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidde
                 r.recording = was
         if overlap:
             costs[0] /= 2
+        if overlap_verify:
+            costs[1:] = [c / 2 for c in costs[1:]]
         if world.size > 1:  # the slowest rank's times, on every rank
             gathered = world.all_gather_ints([round(c * 1e7) for c in costs])
             costs = [max(column) * 1e-7 for column in zip(*gathered)]
