@@ -192,3 +192,33 @@ def test_under_the_overlap_schedule_every_size_is_measured_at_start_up(tiny_mode
     assert engine.overlap_schedule and sorted(engine.step_costs.measured) == [1, 2, 4]
     assert [r.output_ids for r in engine.generate(PROMPTS, GREEDY)] == want
     assert conserved(engine)
+
+
+def test_where_the_prior_advises_against_drafts_a_request_tries_them_now_and_then():
+    """A verify step of one request costs 2.5 plain steps: the prior (0.6 a position: 2.2 tokens) never pays, a
+    drafter that lands every draft (4 tokens) would. A fresh engine tries at once; a try that lands keeps the
+    request drafting; one that misses waits explore_every tokens, set so that trying costs at most 1%."""
+    costs = StepCosts(grid_sizes(64), table(1.0, 0.25, fixed=0.75))
+    policy = AdaptivePolicy(STEPS, costs)
+    lands, misses = request("lands"), request("misses")
+    assert policy.choose([lands], [STEPS]) == [STEPS]  # no record anywhere: a try
+    policy.record(lands, STEPS, STEPS)
+    for _ in range(3):
+        assert policy.choose([lands], [STEPS]) == [STEPS]  # its record now pays
+        policy.record(lands, STEPS, STEPS)
+        lands.output_ids.extend([5] * 4)
+    every = policy._size(1).explore_every
+    assert every == 150  # (2.5 - 1) / 1 / 1%
+    policy = AdaptivePolicy(STEPS, costs)  # a drafter whose drafts miss
+    first = request("first")
+    assert policy.choose([first], [STEPS]) == [STEPS]
+    policy.record(first, STEPS, 0)
+    assert policy.choose([first], [STEPS]) == [0]
+    assert policy.choose([misses], [STEPS]) == [0]  # a record exists: a new request waits its turn
+    misses.output_ids.extend([5] * every)
+    assert policy.choose([misses], [STEPS]) == [STEPS]
+    policy.record(misses, STEPS, 0)
+    misses.output_ids.extend([5] * (every - 1))
+    assert policy.choose([misses], [STEPS]) == [0]
+    misses.output_ids.append(5)
+    assert policy.choose([misses], [STEPS]) == [STEPS]

@@ -20,6 +20,13 @@ record, itself recovering towards PRIOR with every new request) and is tried aga
 never lands drafts costs one verify every few dozen tokens. Backoff (the fixed policy's pause after misses)
 is this rule with the cost model replaced by "a miss costs a pause". Decisions depend only on tokens and on
 the cost table (the same on every rank), never on timing during serving, so TP ranks decide alike.
+
+Exploration: a record only changes when a request verifies, so where the prior says no draft pays (a verify step
+that costs two or three plain ones: a drafter that cannot overlap, a small model whose steps are host work), a
+drafter whose drafts would land is never found out. Where a sure draft could pay (may_draft), a request that has
+not verified for `explore_every` of its tokens drafts fully once: that interval is set from the cost table so that
+trying costs the batch at most EXPLORE_LOSS of its plain rate when every try misses. A new request tries at once
+while no request has a record worth one verify (a fresh engine, or one whose records faded).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ PRIOR = 0.6  # a new drafter's assumed acceptance per position, before any reque
 PRIOR_WEIGHT = 2.0  # how many verifies the prior counts as
 RECENCY = 0.8  # a request's counts shrink by this at each of its verify steps: the last few dominate
 RECOVERY = 0.97  # ... and by this per token it decodes without drafts: the record fades back to the prior
+EXPLORE_LOSS = 0.01  # the most of a batch's plain rate that trying drafts the records advise against may cost
 
 
 class Acceptance:
@@ -70,14 +78,20 @@ class SizeCosts:
     curve: np.ndarray
     may_draft: bool
     least_worth: float
+    explore_every: int  # tokens of a request between tries of drafts its record advises against
 
     @classmethod
     def of(cls, costs: StepCosts, n: int, steps: int) -> SizeCosts:
         d = np.arange(1, n * steps + 1)
         curve = costs.verify_curve(n, n + d)
-        plain = n / costs.cost(n, n, verify=False)
+        plain_cost = costs.cost(n, n, verify=False)
+        plain = n / plain_cost
+        # one request's try: a step with its `steps` drafts in place of a plain one, once per explore_every steps
+        # for each of the n requests
+        extra = max(float(curve[steps - 1]) - plain_cost, 0.0)
+        every = int(np.ceil(n * extra / (plain_cost * EXPLORE_LOSS))) if plain_cost > 0 else 1
         return cls(plain, curve, bool(np.max((n + d) / curve) > plain * (1 + 1e-9)),
-                   float(np.min((plain * (1 + 1e-9) * curve - n) / d)) * (1 - 1e-6))
+                   float(np.min((plain * (1 + 1e-9) * curve - n) / d)) * (1 - 1e-6), max(every, 1))
 
 
 class AdaptivePolicy:
@@ -94,6 +108,7 @@ class AdaptivePolicy:
         self._sizes: dict[int, SizeCosts] = {}  # per batch size: the cost table's numbers the choice reads
         self._sizes_version = -1
         self._best_own: float | None = None  # max over the records of accepted / tried at the first draft
+        self._tried_at: dict[str, int] = {}  # per request: its output length when it last verified or was asked
 
     def prior(self) -> np.ndarray:
         return self.all.rates(np.full(self.steps, PRIOR))
@@ -116,8 +131,10 @@ class AdaptivePolicy:
         n, steps = len(requests), self.steps
         if n == 0:
             return []
-        if not self.may_draft(n) or not any(room > 0 for room in rooms) or self._nothing_pays(requests, expect_offers, n):
-            return [0] * n  # the exact choice below would give the same, at several times the cost
+        if not self.may_draft(n) or not any(room > 0 for room in rooms):
+            return [0] * n
+        if self._nothing_pays(requests, expect_offers, n):
+            return self._explore(requests, rooms, n)  # the exact choice below would give none, at several times the cost
         worth = self._worth_matrix(requests)
         if expect_offers:
             worth *= np.array([self.offer_rate(r) for r in requests])[:, None]
@@ -131,16 +148,31 @@ class AdaptivePolicy:
         rates = (n + np.cumsum(flat[order])) / size.curve[: len(order)]
         best = int(np.argmax(rates))
         if rates[best] <= plain * (1 + 1e-9):
-            return [0] * n
+            return self._explore(requests, rooms, n)
         return np.bincount(order[: best + 1] // steps, minlength=n).tolist()
 
     def candidates(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[int]:
         """Drafts to ask a cheap drafter for (choose() then picks among what it proposes): each request's room,
-        or none where no draft can pay for these requests whatever comes."""
+        or none where no draft can pay for these requests whatever comes (but those due to try again)."""
         n = len(requests)
-        if not self.may_draft(n) or not any(room > 0 for room in rooms) or self._nothing_pays(requests, False, n):
+        if not self.may_draft(n) or not any(room > 0 for room in rooms):
             return [0] * n
+        if self._nothing_pays(requests, False, n):
+            return self._explore(requests, rooms, n)
         return [max(min(room, self.steps), 0) for room in rooms]
+
+    def _explore(self, requests: Sequence[Request], rooms: Sequence[int], n: int) -> list[int]:
+        """Where the records say no draft pays: full drafts for the requests due to try again (module docstring),
+        none for the rest. The same requests at the same tokens get the same answer (it reads, never writes,
+        the clock of a request already seen)."""
+        every = self._size(n).explore_every
+        fresh = self.all.tried[0] < 1.0  # no record worth one verify: a new request tries at once
+        counts = [0] * n
+        for i, (request, room) in enumerate(zip(requests, rooms)):
+            at = self._tried_at.setdefault(request.rid, len(request.output_ids) - (every if fresh else 0))
+            if room > 0 and len(request.output_ids) - at >= every:
+                counts[i] = min(room, self.steps)
+        return counts
 
     def may_draft(self, n: int) -> bool:
         """Whether any draft could pay in a step of n decoding requests: a draft adds at most one token, so where
@@ -218,6 +250,7 @@ class AdaptivePolicy:
             self.all.fade(RECOVERY ** 8)  # each new request moves all requests' record a little back to PRIOR
             self.offers = (self.offers[0] * RECOVERY ** 8, self.offers[1] * RECOVERY ** 8)
         own.record(drafted, accepted)
+        self._tried_at[request.rid] = len(request.output_ids)
         self._best_own = None
         self.all.record(drafted, accepted, recency=0.98)
         self._seen_at[request.rid] = len(request.output_ids)
@@ -226,6 +259,7 @@ class AdaptivePolicy:
         """The drafter was asked for the request, and proposed something (or nothing)."""
         asked, got, at = self._offers.get(request.rid, (0.0, 0.0, 0))
         fade = RECENCY * RECOVERY ** max(len(request.output_ids) - at, 0)
+        self._tried_at[request.rid] = len(request.output_ids)
         self._offers[request.rid] = (asked * fade + 1.0, got * fade + float(given), len(request.output_ids))
         self.offers = (self.offers[0] * 0.98 + 1.0, self.offers[1] * 0.98 + float(given))
 
@@ -234,6 +268,7 @@ class AdaptivePolicy:
         self._offers.pop(rid, None)
         self._own.pop(rid, None)
         self._seen_at.pop(rid, None)
+        self._tried_at.pop(rid, None)
 
 
 MAX_PAUSE = 64  # tokens: the longest a request goes without drafts after its drafts kept missing
