@@ -22,11 +22,11 @@ from moeplex.plugins.drafters.ngram import NgramDrafter
 from moeplex.sampling import SamplingParams
 from moeplex.speculation.verify_graphs import VerifyGraphs, verify_graphs
 
+from test_spec_overlap import ECHO_PROMPTS, echo  # noqa: F401 (a fixture)
 from test_speculative import conserved
 
 PAGE = 4
 MAX_BS = 16
-PROMPTS = [[256] + list(range(10, 20)) * 2, [256, 5, 6, 7, 5, 6, 7, 5, 6], [256] + list(range(40, 55))]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="the CPU check of replay through the static inputs")
@@ -127,40 +127,40 @@ def install_graphs(spec: Engine, capture=static_capture) -> list[tuple[int, int]
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_model_dir):
-    return {arch: [r.output_ids for r in engine(tiny_model_dir(arch)).generate(PROMPTS, GREEDY)]
-            for arch in ("deepseek_v3", "qwen3_moe")}
+def plain(echo):
+    """Greedy outputs without drafts, on the model that repeats itself (ngram's drafts are accepted in runs)."""
+    return [r.output_ids for r in engine(echo, attention_backend="torch").generate(ECHO_PROMPTS, GREEDY)]
 
 
 @interpreted
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
-def test_replayed_verify_steps_change_no_token(tiny_model_dir, plain, arch):
-    spec = engine(tiny_model_dir(arch), overlap_schedule=True, speculative_algorithm="ngram", speculative_num_steps=3)
+def test_replayed_verify_steps_change_no_token(echo, plain):
+    """Long accepted runs: each step's pending tokens, shifted rows and last token come from the accepted state."""
+    spec = engine(echo, overlap_schedule=True, speculative_algorithm="ngram", speculative_num_steps=3)
     assert spec.overlap_verify is not None and spec.overlap_verify.graphs is None  # a CPU: no graphs of its own
     replayed = install_graphs(spec)
-    got = spec.generate(PROMPTS, GREEDY)
-    assert [r.output_ids for r in got] == plain[arch]
-    assert len(replayed) > 3 and any(rows > 3 for rows, _ in replayed)  # padded request rows, several widths
-    assert sum(r.spec_accepted_tokens for r in got) > 0
+    got = spec.generate(ECHO_PROMPTS, GREEDY)
+    assert [r.output_ids for r in got] == plain
+    assert len(replayed) > 3 and (4, 4) in replayed  # 3 requests padded to 4, full width
+    assert sum(r.spec_accepted_tokens for r in got) > 6
     assert conserved(spec)
 
 
 @interpreted
-def test_replayed_and_eager_steps_alternate_and_stops_land_inside_runs(tiny_model_dir, plain):
+def test_replayed_and_eager_steps_alternate_and_stops_land_inside_runs(echo, plain):
     """A sampled request (no seed) sends its steps to the eager path, graphed steps follow eager ones and back;
-    greedy requests keep their tokens, and short max_new_tokens end requests inside accepted runs."""
-    folder = tiny_model_dir("deepseek_v3")
-    spec = engine(folder, overlap_schedule=True, speculative_algorithm="ngram", speculative_num_steps=3)
+    greedy requests keep their tokens, and a short max_new_tokens ends a request inside an accepted run."""
+    spec = engine(echo, overlap_schedule=True, speculative_algorithm="ngram", speculative_num_steps=3)
     replayed = install_graphs(spec)
     launches = []
     launch = spec.overlap_verify.launch
     spec.overlap_verify.launch = lambda *args: launches.append(1) or launch(*args)
-    sampled = SamplingParams(max_new_tokens=12, temperature=0.8)
+    sampled = SamplingParams(max_new_tokens=6, temperature=0.8)
     short = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 12)]
-    got = spec.generate(PROMPTS, [short[0], sampled, short[1]])
-    assert got[0].output_ids == plain["deepseek_v3"][0][:5]
-    assert got[2].output_ids == plain["deepseek_v3"][2]
-    assert len(got[1].output_ids) == 12 and 0 < len(replayed) < len(launches)  # some steps eager, some replayed
+    got = spec.generate(ECHO_PROMPTS, [short[0], sampled, short[1]])
+    assert got[0].output_ids == plain[0][:5]
+    assert got[2].output_ids == plain[2]
+    assert len(got[1].output_ids) == 6 and 0 < len(replayed) < len(launches)  # some steps eager, some replayed
+    assert sum(r.spec_accepted_tokens for r in got) > 0
     assert conserved(spec)
 
 
@@ -171,12 +171,12 @@ def test_on_gpu_graphed_verify_steps_change_no_token(tiny_model_dir):
         pytest.skip("needs a CUDA GPU")
     folder = tiny_model_dir("qwen3_moe")
     cuda = dict(device="cuda", dtype="fp32", moe_kernel="triton", cuda_graph_max_bs=16, page_size=16)
-    want = [r.output_ids for r in engine(folder, **cuda).generate(PROMPTS, GREEDY)]
+    want = [r.output_ids for r in engine(folder, **cuda).generate(ECHO_PROMPTS, GREEDY)]
     spec = engine(folder, **cuda, speculative_algorithm="ngram", speculative_num_steps=3)
     assert spec.overlap_verify is not None and isinstance(spec.overlap_verify.graphs, VerifyGraphs)
     replayed = []
     for shape, replay in spec.overlap_verify.graphs.post.items():
         spec.overlap_verify.graphs.post[shape] = lambda shape=shape, replay=replay: replayed.append(shape) or replay()
-    got = spec.generate(PROMPTS, GREEDY)
+    got = spec.generate(ECHO_PROMPTS, GREEDY)
     assert [r.output_ids for r in got] == want and replayed
     assert conserved(spec)
