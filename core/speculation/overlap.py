@@ -201,7 +201,6 @@ class OverlapVerify:
         packed = torch.cat([proposed[:, None], verified[:, None], accepted.counts[:, None], accepted.tokens], dim=1)
         return VerifyInFlight(requests, width, list(counts), accepted, *_to_host(packed))
 
-    @torch.inference_mode()
     def _launch_graphed(self, shape, requests, counts, previous: VerifyInFlight | None, drafter_requests,
                         hooks) -> VerifyInFlight:
         """launch, replayed from VerifyGraphs (the same rows reach the host)."""
