@@ -259,6 +259,12 @@ class DecodeGraphs:
         logits, hidden = self._replay(batch)
         return logits[: batch.batch_size].clone(), hidden[: batch.batch_size].clone()
 
+    def replay_loaded(self, size: int) -> torch.Tensor:
+        """[size, vocab] logits of the graph of `size` over the static inputs as they are (a caller that wrote them
+        itself: a graphed verify step); the graph's own tensor, overwritten by the next replay."""
+        out = self.replays[size]()
+        return out[0] if self.with_hidden else out
+
     def _replay(self, batch: ForwardBatch):
         size = self.size_for(batch)
         self.inputs.load(batch, size)

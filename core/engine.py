@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from .config import EngineConfig
-from .cuda_graph import decode_graphs
+from .cuda_graph import CudaGraphCapture, decode_graphs
 from .forward_batch import ForwardBatch
 from .grammar.book import REJECTED, TERMINATED, GrammarBook
 from .in_flight import InFlight
@@ -52,6 +52,7 @@ from .scheduler import Scheduler
 from .speculation.policy import AdaptivePolicy, FixedPolicy
 from .speculation.setup import check_drafter, drafter_context, measure_step_costs
 from .speculation.overlap import OverlapVerify, VerifyInFlight
+from .speculation.verify_graphs import verify_graphs
 from .speculation.step import SpeculativeDecoding, is_decoding
 from .step_agreement import Vote, agree
 from .selection import resolve
@@ -138,11 +139,16 @@ class Engine:
             self.speculation is None or self.speculation.plain_steps_overlap
         )
         # verify steps under the overlap schedule, for a drafter that drafts on the device (speculation/overlap.py)
+        # (an attention backend that reads flattened KV indices would need a host sync per step to shift them on a GPU)
         self.overlap_verify = None
+        ragged = not self.model.attention_backend.graph_safe
         if self.overlap_schedule and self.speculation is not None and drafter.caps.drafts_on_device and \
-                not drafter.caps.needs_hidden and not self.speculation.observes and self.parallel.config.dp_size == 1:
-            self.overlap_verify = OverlapVerify(self.speculation, self.runner, self.kv, self.device,
-                                                ragged=not self.model.attention_backend.graph_safe)
+                not drafter.caps.needs_hidden and not self.speculation.observes and self.parallel.config.dp_size == 1 \
+                and not (ragged and self.device.type == "cuda"):
+            self.overlap_verify = OverlapVerify(self.speculation, self.runner, self.kv, self.device, ragged)
+            if graphs is not None:  # its greedy steps as graph replays (speculation/verify_graphs.py)
+                self.overlap_verify.graphs = verify_graphs(drafter, graphs, self.model.hf_config["vocab_size"],
+                                                           config.max_running_requests, CudaGraphCapture(self.device))
         if self.speculation is not None and config.speculative_policy == "adaptive":
             self.step_costs = measure_step_costs(self.runner, self.kv, config, self.speculation.decode_rows,
                                                  drafter.caps.needs_hidden, self._agree, self.parallel.world,

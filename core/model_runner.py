@@ -80,3 +80,12 @@ class ModelRunner:
         if self.hooks is not None:
             self.hooks.hook.moeplex_forward_done(batch=batch, logits=logits)
         return logits, hidden
+
+    @torch.inference_mode()
+    def replay_verify(self, size: int, batch: ForwardBatch) -> torch.Tensor:
+        """[size, vocab] logits of the decode graph of `size`, whose static inputs a graphed verify step wrote
+        (`batch`: those inputs as a batch, for the hooks); the graph's own tensor."""
+        logits = self.graphs.replay_loaded(size)
+        if self.hooks is not None:
+            self.hooks.hook.moeplex_forward_done(batch=batch, logits=logits)
+        return logits

@@ -99,14 +99,19 @@ class Sampler:
             self.adjuster.release(request)
 
     @staticmethod
+    def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B] each row's argmax, [B] whether that row's logits are not finite): no host value, graph-safe."""
+        tokens = torch.argmax(logits, dim=-1)  # a NaN wins argmax, so the chosen logit shows a bad row
+        return tokens, ~torch.isfinite(logits.gather(-1, tokens[:, None])[:, 0])
+
+    @staticmethod
     def draw(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """[B] tokens on the logits' device, no host sync: greedy rows in one argmax, sampled rows filtered
         and drawn together, a row with a seed then drawn again from its own random stream (reproducible
         whatever shares its batch). A row whose logits are not finite (or whose filters leave nothing to
         draw) gets FAILED instead of failing the batch: multinomial on a bad row raises on the CPU and
         trips a device assert on a GPU, which would end every request."""
-        tokens = torch.argmax(logits, dim=-1)  # a NaN wins argmax, so the chosen logit shows a bad row
-        failed = ~torch.isfinite(logits.gather(-1, tokens[:, None])[:, 0])
+        tokens, failed = Sampler.greedy(logits)
         sampled = [row for row, r in enumerate(requests) if not r.params.greedy]
         if sampled:
             every = len(sampled) == len(requests)

@@ -13,7 +13,8 @@ from . import deprecation
 from .balancer import Balancer, BalancerCaps, Placement
 from .context import MoEContext
 from .dispatcher import Dispatcher, DispatcherCaps
-from .drafter import DeviceDrafts, DeviceTokens, DraftRequest, Drafter, DrafterCaps, DrafterContext, Drafts, TargetStep
+from .drafter import (DeviceDrafts, DeviceTokens, DraftRequest, Drafter, DrafterCaps, DrafterContext, Drafts,
+                      StaticProposer, TargetStep)
 from .errors import PluginError
 from .grammar import (
     CONSTRAINT_KINDS,

@@ -92,6 +92,29 @@ class DeviceDrafts:
     counts: torch.Tensor  # [R] int64
 
 
+class StaticProposer(abc.ABC):
+    """`propose_on_device` split at a graph's edge (API 2): the host half (`stage`) and a device half (`propose`)
+    whose shapes depend only on its row count and that reads no host value, so the engine captures it in a CUDA
+    graph with the rest of an overlapped verify step and replays it per step (where graphs are captured; elsewhere
+    it simply runs). Its drafts equal `propose_on_device`'s for the same requests and pending tokens."""
+
+    @abc.abstractmethod
+    def stage(self, requests: Sequence[DraftRequest], rows: int) -> None:
+        """On the host, before a `propose` of `rows` rows (rows >= len(requests)): what the host knows of each request
+        (its token_ids), written to the proposer's own static inputs with a few tensor ops; rows beyond the
+        requests are padding, which propose nothing."""
+
+    @abc.abstractmethod
+    def propose(self, pending: DeviceTokens) -> DeviceDrafts:
+        """On the device, from the last `stage`: drafts for its rows (pending.tokens' row count, the staged `rows`),
+        after each row's staged tokens and its first pending.counts[i] pending tokens. No host value is read."""
+
+    def replayable(self) -> bool:
+        """Whether graphs captured over this proposer earlier still read its current state (False: it moved its
+        buffers, and the engine runs the step without them)."""
+        return True
+
+
 @attrs.frozen
 class DrafterContext:
     """What `bind` gives: the target model (embedding, lm_head, MTP layers), the KV pool, the config, the
@@ -142,6 +165,12 @@ class Drafter(abc.ABC):
         """A drafter that declares `drafts_on_device` (API 2): the drafts `propose` would give for each request's
         token_ids followed by its pending tokens, computed and left on the device (no read back)."""
         raise NotImplementedError(f"{type(self).__name__} does not declare DrafterCaps.drafts_on_device")
+
+    def static_proposer(self, max_rows: int, pending_width: int) -> StaticProposer | None:
+        """A drafter that declares `drafts_on_device` may offer its device drafting at static shapes (API 2): up to
+        `max_rows` rows, pending tokens [rows, pending_width]. None (the default): its verify steps under the overlap
+        schedule run `propose_on_device` eagerly."""
+        return None
 
     def observe(self, step: TargetStep) -> None:
         """After every target forward: the positions the target kept and the tokens that followed them."""

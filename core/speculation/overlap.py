@@ -42,6 +42,7 @@ class VerifyInFlight:
     accepted: Accepted  # on the device
     host: torch.Tensor  # [R, 3 + width]: drafts proposed, drafts verified, drafts accepted, tokens (complete once ready)
     ready: torch.cuda.Event | None
+    graphed: bool = False  # launched from VerifyGraphs: `accepted` is its state, which the next graphed step reads
 
     def read(self) -> list[list[int]]:
         """Per request: [proposed, verified, accepted, emitted tokens...] (waits for this step's copy only)."""
@@ -81,8 +82,9 @@ def shift_rows(batch, offsets: torch.Tensor, bound: int, ragged: bool):
 class OverlapVerify:
     """Launches verify steps from device state and reads them one step late (the engine calls it)."""
 
-    def __init__(self, speculation, runner, kv, device: torch.device, ragged: bool):
+    def __init__(self, speculation, runner, kv, device: torch.device, ragged: bool, graphs=None):
         self.spec, self.runner, self.kv, self.device, self.ragged = speculation, runner, kv, device, ragged
+        self.graphs = graphs  # VerifyGraphs (verify_graphs.py): greedy steps whose shapes were captured replay them
 
     def start(self, requests: list[Request], tracks_grammar, hooks=None) -> VerifyInFlight | None:
         """The first verify step of these decoding requests (their tokens all on the host), where the policy wants
@@ -155,6 +157,12 @@ class OverlapVerify:
         width = 1 + max(counts)
         steps = self.spec.drafter.num_steps
         drafter_requests = [DraftRequest(r.rid, r.token_view, r.num_cached, tuple(r.pages)) for r in requests]
+        shape = None
+        if self.graphs is not None:
+            runtime = getattr(self.runner.model, "moe_runtime", None)
+            shape = self.graphs.shape_for(requests, width, runtime is not None and runtime.records_load)
+        if shape is not None:
+            return self._launch_graphed(shape, requests, counts, previous, drafter_requests, hooks)
         if previous is not None:
             index = {id(r): i for i, r in enumerate(previous.requests)}
             rows = to_device(self.device, torch.tensor([index[id(r)] for r in requests], dtype=torch.int64))[0]
@@ -191,10 +199,28 @@ class OverlapVerify:
         drawn = Sampler.draw(logits, [r for r in requests for _ in range(width)]).view(len(requests), width)
         accepted = accept(drawn, grid, verified)
         packed = torch.cat([proposed[:, None], verified[:, None], accepted.counts[:, None], accepted.tokens], dim=1)
-        host, ready = packed, None
-        if packed.device.type == "cuda":
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(packed.device))
-        return VerifyInFlight(requests, width, list(counts), accepted, host, ready)
+        return VerifyInFlight(requests, width, list(counts), accepted, *_to_host(packed))
+
+    def _launch_graphed(self, shape, requests, counts, previous: VerifyInFlight | None, drafter_requests,
+                        hooks) -> VerifyInFlight:
+        """launch, replayed from VerifyGraphs (the same rows reach the host)."""
+        rows = None
+        if previous is not None:
+            if not previous.graphed:  # its accepted tokens are not where the graphs read them yet
+                self.graphs.carry(previous.accepted)
+            index = {id(r): i for i, r in enumerate(previous.requests)}
+            rows = [index[id(r)] for r in requests]
+        accepted, packed = self.graphs.launch(shape, requests, counts, rows, drafter_requests, self.runner, hooks)
+        return VerifyInFlight(requests, shape[1], list(counts), accepted, *_to_host(packed), graphed=True)
+
+
+def _to_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """(the packed rows on the host, complete once the event is reached): a copy to pinned memory on a GPU; on a
+    CPU a copy too where the rows are a graph's static tensor (the next step overwrites it)."""
+    if packed.device.type != "cuda":
+        return packed.clone(), None
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(packed.device))
+    return host, ready

@@ -12,9 +12,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from moeplex.interfaces import DeviceDrafts, DeviceTokens, DraftRequest, Drafter, DrafterCaps, DrafterContext, Drafts
+from moeplex.interfaces import (DeviceDrafts, DeviceTokens, DraftRequest, Drafter, DrafterCaps, DrafterContext, Drafts,
+                                StaticProposer)
 
-from .ngram_device import DeviceHistories, lookup_batch
+from .ngram_device import DeviceHistories, StaticLookup, lookup_batch
 
 
 def lookup(ids: np.ndarray, max_n: int, min_n: int, count: int) -> list[int]:
@@ -98,6 +99,13 @@ class NgramDrafter(Drafter):
         history, lengths = self._on_device.view(requests, pending)
         tokens, counts = lookup_batch(history, lengths, self.max_n, self.min_n, self.num_steps, self.window)
         return DeviceDrafts(tokens, counts)
+
+    def static_proposer(self, max_rows: int, pending_width: int) -> StaticProposer:
+        """Device drafting at fixed shapes; the history buffer is made with a row per request up front (growing it
+        would leave the graphs reading the old one)."""
+        if self._on_device is None or self._on_device.scratch < max_rows:
+            self._on_device = DeviceHistories(self.window, self._device, slots=max_rows)
+        return StaticLookup(self._on_device, max_rows, pending_width, self.max_n, self.min_n, self.num_steps)
 
     def finished(self, rid: str) -> None:
         self._history.pop(rid, None)

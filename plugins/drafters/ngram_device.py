@@ -10,6 +10,11 @@ the tokens it knows (only those added since the last call: a few per request per
 tokens of a step the host has not read yet (DeviceTokens) are written on the device, after the known ones, and
 later overwritten by the host with the very same ids when it reads them. A row keeps at least the last `window`
 tokens (the lookup's search range): when it fills up it is rewritten from the last `window` tokens.
+
+`StaticLookup` is the same drafting at fixed shapes, for a CUDA graph (StaticProposer): the rows are gathered by a
+static slot index over the buffer's whole row width (columns beyond a row's length never match), their lengths a
+static [max_rows] input, padding rows read the buffer's scratch row with length 0 and draft nothing. The host's part
+per step is the known ids' index_put (only when there are new ones) and one copy of the rows' slots and lengths.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from moeplex.interfaces import DeviceTokens, DraftRequest
+from moeplex.interfaces import DeviceDrafts, DeviceTokens, DraftRequest, StaticProposer
 
 SLACK = 64  # columns kept free after a row's known tokens: room for a step's pending tokens
 
@@ -65,15 +70,15 @@ class DeviceHistories:
         self.window = window
         self.width = 2 * window + SLACK
         self.device = torch.device(device)
-        self.buffer = torch.zeros(slots, self.width, dtype=torch.int64, device=self.device)
+        self.buffer = torch.zeros(slots + 1, self.width, dtype=torch.int64, device=self.device)
+        self.scratch = slots  # a row no request owns: static padding rows read (and write) it
         self.free = list(range(slots - 1, -1, -1))
         # per rid: [slot, offset (sequence index of column 0), known (sequence length written), its last id]
         self.rows: dict[str, list[int]] = {}
 
     def view(self, requests: Sequence[DraftRequest], pending: DeviceTokens | None) -> tuple[torch.Tensor, torch.Tensor]:
         """([R, L] the requests' rows, [R] their lengths in it) with the pending tokens after the known ones."""
-        self._write_known(requests)
-        meta = [self.rows[r.rid] for r in requests]
+        meta = self.write_known(requests)
         slots = torch.tensor([m[0] for m in meta], dtype=torch.int64)
         known = torch.tensor([m[2] - m[1] for m in meta], dtype=torch.int64)  # columns written per row
         pending_width = pending.tokens.shape[1] if pending is not None else 0
@@ -92,8 +97,9 @@ class DeviceHistories:
         if meta is not None:
             self.free.append(meta[0])
 
-    def _write_known(self, requests: Sequence[DraftRequest]) -> None:
-        """Copy each request's ids added since the last call into its row (one copy for all of them)."""
+    def write_known(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """Copy each request's ids added since the last call into its row (one copy for all of them); their rows'
+        [slot, offset, known, last id]."""
         rows, cols, values = [], [], []
         for request in requests:
             ids, n = request.token_ids, len(request.token_ids)
@@ -113,10 +119,54 @@ class DeviceHistories:
         if values:
             index = _to(self.device, torch.tensor([rows, cols, values], dtype=torch.int64))
             self.buffer[index[0], index[1]] = index[2]
+        return [self.rows[r.rid] for r in requests]
 
     def _slot(self) -> int:
-        if not self.free:  # twice the rows
-            size = self.buffer.shape[0]
-            self.buffer = torch.cat([self.buffer, torch.zeros_like(self.buffer)])
+        if not self.free:  # twice the rows (a new buffer: graphs over the old one no longer replay)
+            size = self.scratch
+            grown = torch.zeros(2 * size + 1, self.width, dtype=torch.int64, device=self.device)
+            grown[:size] = self.buffer[:size]
+            self.buffer, self.scratch = grown, 2 * size
             self.free = list(range(2 * size - 1, size - 1, -1))
         return self.free.pop()
+
+
+class StaticLookup(StaticProposer):
+    """lookup_batch over DeviceHistories at fixed shapes: up to max_rows rows, pending tokens [rows, pending_width]."""
+
+    def __init__(self, histories: DeviceHistories, max_rows: int, pending_width: int, max_n: int, min_n: int,
+                 count: int):
+        if pending_width > SLACK:
+            raise ValueError(f"{pending_width} pending tokens per request: at most {SLACK}")
+        self.histories, self.max_n, self.min_n, self.count = histories, max_n, min_n, count
+        self.buffer = histories.buffer  # the one the graphs read
+        # per row: slot, known ids, 1 (0: padding); padding reads the scratch row at length 0
+        self.meta = torch.tensor([[histories.scratch, 0, 0]] * max_rows, dtype=torch.int64, device=histories.device)
+        self.rows = 0
+        self.pending_cols = torch.arange(pending_width, device=histories.device)
+
+    def stage(self, requests: Sequence[DraftRequest], rows: int) -> None:
+        meta = self.histories.write_known(requests)
+        scratch = self.histories.scratch
+        staged = [[m[0], m[2] - m[1], 1] for m in meta] + [[scratch, 0, 0]] * (rows - len(requests))
+        self.meta[:rows].copy_(_pinned(self.histories.device, torch.tensor(staged, dtype=torch.int64)),
+                               non_blocking=True)
+        self.rows = rows
+
+    def propose(self, pending: DeviceTokens) -> DeviceDrafts:
+        rows = pending.tokens.shape[0]
+        slots, known, live = self.meta[:rows].unbind(1)
+        cols = known[:, None] + self.pending_cols[None, : pending.tokens.shape[1]]
+        self.buffer[slots[:, None], cols] = pending.tokens  # padding rows all write the scratch row: harmless
+        history = self.buffer[slots]
+        tokens, counts = lookup_batch(history, (known + pending.counts) * live, self.max_n, self.min_n, self.count,
+                                      self.histories.window)
+        return DeviceDrafts(tokens, counts)
+
+    def replayable(self) -> bool:
+        return self.histories.buffer is self.buffer
+
+
+def _pinned(device: torch.device, host: torch.Tensor) -> torch.Tensor:
+    """A host tensor to copy to `device` without waiting: pinned where that is a GPU."""
+    return host.pin_memory() if device.type == "cuda" else host

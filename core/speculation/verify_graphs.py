@@ -1,0 +1,196 @@
+"""An overlapped verify step's device work in CUDA graphs: a handful of replays and two small copies per step.
+
+OverlapVerify.launch builds a verify step from tensors with dozens of small ops (drafting, the grid, the batch,
+the shift by step N's emitted counts, the draw, acceptance, packing): on a GPU their launches cost the host far
+more than the step's kernels take. Here the same work runs as graphs, per padded request count R and grid width
+W (rows per request), over static tensors:
+
+  host   one copy of per-request integers (the previous step's row, the drafts chosen, the last token where
+         the host knows it, the first position) and one of the page table; the drafter's `stage` (its known ids)
+  "pre"  the drafter's StaticProposer on the previous step's accepted tokens (gathered by the row map), the
+         grid and its checks, and the decode graphs' static inputs (DecodeInputs) written directly: ids,
+         positions shifted by the emitted counts, KV slots from the page table, padding rows up to the
+         decode graph's size S (requests beyond the live ones decode in the pool's scratch page)
+  forward the target's decode graph of S rows (no `load` copies)
+  "post" greedy draw (argmax, finite check), acceptance, the accepted state the next "pre" reads, the
+         packed [R, 3 + W] rows the host reads (VerifyInFlight.read: the same rows as the eager path)
+  host   one copy of the packed rows into pinned memory and an event
+
+Only greedy steps take this path: a sampled row draws with multinomial from filtered probabilities, whose filters
+read host values; such a step (and one whose shapes no graph holds, or while expert load is recorded) runs
+OverlapVerify's eager path. `capture` turns a step function into a replay function (CudaGraphCapture on the GPU;
+CPU tests pass one that runs the function again into the tensors its first run returned, as a graph's static
+outputs behave).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..cuda_graph import Capture, DecodeGraphs, capture_sizes, padded_size
+from ..interfaces import DeviceTokens, StaticProposer
+from ..sampler import FAILED, Sampler
+from .accept import Accepted, accept
+
+log = logging.getLogger(__name__)
+
+PREVIOUS, CHOSEN, LAST, START = range(4)  # the staged integers' columns, per request
+
+
+class VerifyGraphs:
+    """The pre and post graphs of every captured (R, W), their static inputs, and the accepted state between steps."""
+
+    def __init__(self, graphs: DecodeGraphs, proposer: StaticProposer, steps: int, vocab_size: int, max_requests: int,
+                 capture: Capture):
+        inputs = graphs.inputs
+        device = inputs.input_ids.device
+        self.graphs, self.proposer, self.steps, self.vocab_size = graphs, proposer, steps, vocab_size
+        self.request_sizes = capture_sizes(min(max_requests, graphs.sizes[-1]))
+        max_rows = self.request_sizes[-1]
+
+        def ints(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.staged = ints(max_rows, 4)
+        self.table = ints(max_rows, inputs.max_pages, dtype=torch.int32)
+        self.state_tokens, self.state_counts = ints(max_rows, steps + 1), ints(max_rows)  # the last step's accepted
+        self.proposed, self.verified, self.grid = ints(max_rows), ints(max_rows), ints(max_rows, steps)
+        self.packed = ints(max_rows * (3 + steps + 1))  # [R, 3 + W] at its start: the live rows' part is contiguous
+        self.pre: dict[tuple[int, int], object] = {}
+        self.post: dict[tuple[int, int], object] = {}
+        self.forward_size: dict[tuple[int, int], int] = {}
+        self.batches = {}  # per decode graph size: its static batch, for the hooks
+        logits = {}  # per decode graph size, its static output (replayed once: padding inputs, KV to the scratch page)
+        with torch.inference_mode():
+            for rows in sorted(self.request_sizes, reverse=True):
+                for width in range(1, steps + 2):
+                    size = padded_size(rows * width, graphs.sizes)
+                    if size is None:
+                        continue
+                    if size not in logits:
+                        logits[size], self.batches[size] = graphs.replay_loaded(size), inputs.batch(size)
+                    self.forward_size[rows, width] = size
+                    self.pre[rows, width] = capture(lambda r=rows, w=width, s=size: self._pre(r, w, s))
+                    self.post[rows, width] = capture(lambda r=rows, w=width, x=logits[size]: self._post(r, w, x))
+
+    # --- the graphed steps ------------------------------------------------------------------------
+    def _pre(self, rows: int, width: int, size: int) -> None:
+        """Drafts and the decode graph's static inputs for `rows` staged requests of `width` rows each."""
+        inputs, page = self.graphs.inputs, self.graphs.inputs.page_size
+        staged = self.staged[:rows]
+        previous, chosen, host_last, start = staged.unbind(1)
+        had = previous >= 0
+        at = previous.clamp_min(0)
+        counts, pending = self.state_counts[at], self.state_tokens[at]
+        emitted = torch.where(had, counts + 1, 0)
+        last = torch.where(had, pending.gather(1, counts[:, None])[:, 0].clamp_min(0), host_last)
+        drafts = self.proposer.propose(DeviceTokens(pending, emitted))
+        verified = torch.minimum(drafts.counts, chosen)
+        grid = drafts.tokens[:, : width - 1]
+        k = torch.arange(width - 1, device=grid.device)[None, :]
+        bad = ((grid < 0) | (grid >= self.vocab_size)) & (k < verified[:, None])  # voids the request's drafts
+        verified = torch.where(bad.any(dim=1), 0, verified)
+        grid = torch.where(k < verified[:, None], grid, -1)
+        positions = ((start + emitted)[:, None] + torch.arange(width, device=grid.device)[None, :]).flatten()
+        table = self.table[:rows].repeat_interleave(width, dim=0)
+        n = rows * width
+        inputs.input_ids[:n].copy_(torch.cat([last[:, None], grid.clamp_min(0)], dim=1).flatten())
+        inputs.positions[:n].copy_(positions)
+        inputs.seq_lens[:n].copy_(positions + 1)
+        inputs.out_cache_loc[:n].copy_(table.gather(1, (positions // page)[:, None])[:, 0].to(torch.int64) * page
+                                       + positions % page)
+        inputs.page_table[:n].copy_(table)
+        inputs.pad(n, size)
+        self.proposed[:rows].copy_(drafts.counts)
+        self.verified[:rows].copy_(verified)
+        self.grid[:rows, : width - 1].copy_(grid)
+
+    def _post(self, rows: int, width: int, logits: torch.Tensor) -> None:
+        """The greedy draw, acceptance, the accepted state and the packed rows, from the forward's static logits."""
+        tokens, failed = Sampler.greedy(logits[: rows * width])
+        drawn = torch.where(failed, FAILED, tokens).view(rows, width)
+        verified = self.verified[:rows]
+        accepted = accept(drawn, self.grid[:rows, : width - 1], verified)
+        self.state_tokens[:rows, :width].copy_(accepted.tokens)
+        self.state_counts[:rows].copy_(accepted.counts)
+        self.packed[: rows * (3 + width)].view(rows, 3 + width).copy_(torch.cat(
+            [self.proposed[:rows, None], verified[:, None], accepted.counts[:, None], accepted.tokens], dim=1))
+
+    # --- per step -----------------------------------------------------------------------------------
+    def shape_for(self, requests: Sequence, width: int, records_load: bool) -> tuple[int, int] | None:
+        """The captured (R, W) a step of these requests replays, or None (its eager path)."""
+        rows = padded_size(len(requests), self.request_sizes)
+        if rows is None or (rows, width) not in self.pre or records_load or not self.proposer.replayable():
+            return None
+        if not all(r.params.greedy for r in requests):
+            return None
+        if max(len(r.pages) for r in requests) > self.graphs.inputs.max_pages:
+            return None
+        return rows, width
+
+    def carry(self, accepted: Accepted) -> None:
+        """Make an eagerly launched step's accepted tokens the state the next "pre" reads."""
+        count, width = accepted.tokens.shape
+        self.state_tokens[:count, :width].copy_(accepted.tokens)
+        self.state_counts[:count].copy_(accepted.counts)
+
+    def launch(self, shape: tuple[int, int], requests: Sequence, counts: Sequence[int], previous_rows: Sequence[int] | None,
+               drafter_requests, runner, hooks=None) -> tuple[Accepted, torch.Tensor]:
+        """Stage, replay pre / forward / post; (the accepted state's view, the packed rows on the device)."""
+        rows, width = shape
+        count, inputs = len(requests), self.graphs.inputs
+        staged = np.zeros((rows, 4), dtype=np.int64)
+        staged[:, PREVIOUS] = -1
+        staged[:count, CHOSEN] = counts
+        staged[:count, START] = [r.num_cached for r in requests]
+        if previous_rows is None:
+            staged[:count, LAST] = [r.token_ids(r.num_cached, 1)[0] for r in requests]
+        else:
+            staged[:count, PREVIOUS] = previous_rows
+        pages = max(max(len(r.pages) for r in requests), -(-width // inputs.page_size))
+        table = np.zeros((rows, pages), dtype=np.int32)
+        for i, r in enumerate(requests):
+            table[i, : len(r.pages)] = r.pages
+        table[count:] = inputs.scratch_page  # padding requests: `width` rows from position 0 in the scratch page
+        self.staged[:rows].copy_(_pinned(torch.from_numpy(staged), inputs), non_blocking=True)
+        self.table[:rows, :pages].copy_(_pinned(torch.from_numpy(table), inputs), non_blocking=True)
+        self.proposer.stage(drafter_requests, rows)
+        size = self.forward_size[shape]
+        self.pre[shape]()
+        batch = self.batches[size]
+        if hooks is not None:
+            hooks.hook.moeplex_batch_scheduled(batch=batch)
+        runner.replay_verify(size, batch)
+        self.post[shape]()
+        packed = self.packed[: count * (3 + width)].view(count, 3 + width)
+        return Accepted(self.state_counts[:count], self.state_tokens[:count, :width]), packed
+
+
+def _pinned(host: torch.Tensor, inputs) -> torch.Tensor:
+    return host.pin_memory() if inputs.input_ids.device.type == "cuda" else host
+
+
+def verify_graphs(drafter, graphs: DecodeGraphs | None, vocab_size: int, max_requests: int,
+                  capture: Capture) -> VerifyGraphs | None:
+    """Graphs for the overlapped verify steps where the target has decode graphs and the drafter a StaticProposer;
+    None otherwise, or where the capture fails (logged: graphs are only speed)."""
+    if graphs is None:
+        return None
+    start = time.perf_counter()
+    try:
+        proposer = drafter.static_proposer(min(max_requests, graphs.sizes[-1]), drafter.num_steps + 1)
+        if proposer is None:
+            return None
+        made = VerifyGraphs(graphs, proposer, drafter.num_steps, vocab_size, max_requests, capture)
+    except Exception as error:  # a performance feature never stops start-up
+        log.warning("overlapped verify steps run without CUDA graphs: capturing them failed (%s: %s)",
+                    type(error).__name__, error)
+        return None
+    log.info("captured CUDA graphs for overlapped verify steps of %s requests x 1..%d rows in %.1f s",
+             made.request_sizes, drafter.num_steps + 1, time.perf_counter() - start)
+    return made

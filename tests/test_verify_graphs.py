@@ -1,0 +1,182 @@
+"""Overlapped verify steps replayed from graphs (speculation/verify_graphs.py) and ngram's static drafting.
+
+On the CPU everything but the capture runs: the target's DecodeGraphs and the verify steps' pre / post graphs get
+a `capture` that runs the function again into the tensors its first run returned (a graph's static outputs), so a
+step reads and writes only static tensors, as a replayed graph does (the decode graphs through Triton's
+interpreter). The `gpu` test captures for real.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from moeplex.attention.triton_backend import INTERPRETED
+from moeplex.config import EngineConfig
+from moeplex.cuda_graph import DecodeGraphs, DecodeInputs, capture_sizes, max_pages_per_request
+from moeplex.engine import Engine
+from moeplex.interfaces import DeviceTokens, DraftRequest
+from moeplex.plugins.drafters.ngram import NgramDrafter
+from moeplex.sampling import SamplingParams
+from moeplex.speculation.verify_graphs import VerifyGraphs, verify_graphs
+
+from test_spec_overlap import ECHO_PROMPTS, echo  # noqa: F401 (a fixture)
+from test_speculative import conserved
+
+PAGE = 4
+MAX_BS = 16
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="the CPU check of replay through the static inputs")
+
+
+def static_capture(step):
+    """A CPU stand-in for a CUDA graph: each replay runs `step` again into the outputs of its first run."""
+    out = step()
+
+    def replay():
+        new = step()
+        for kept, fresh in zip(_leaves(out), _leaves(new)):
+            kept.copy_(fresh)
+        return out
+
+    return replay
+
+
+def _leaves(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [leaf for item in value for leaf in _leaves(item)] if isinstance(value, (tuple, list)) else []
+
+
+# --- ngram's StaticLookup ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(4))
+def test_static_lookup_drafts_what_propose_on_device_does(seed):
+    """Growing requests, pending tokens the host has not read, padding rows, rows rewritten when full, rids
+    finished and reused: the static path's drafts equal the dynamic path's and the host drafter's."""
+    rng = random.Random(seed)
+    dynamic, static, host = NgramDrafter(3), NgramDrafter(3), NgramDrafter(3)
+    dynamic.window = static.window = host.window = 6
+    proposer = static.static_proposer(8, 4)
+    live: dict[str, list[int]] = {}
+    for _ in range(50):
+        if len(live) < 5 and rng.random() < 0.4:
+            live.setdefault(str(rng.randrange(8)), [rng.randrange(4) for _ in range(rng.randint(1, 30))])
+        if not live:
+            continue
+        rids = rng.sample(sorted(live), rng.randint(1, len(live)))
+        requests = [DraftRequest(rid, list(live[rid]), len(live[rid]) - 1) for rid in rids]
+        extra = [[rng.randrange(4) for _ in range(rng.randint(0, 4))] for _ in rids]
+        tokens = torch.tensor([e + [rng.randrange(9)] * (4 - len(e)) for e in extra], dtype=torch.int64)
+        pending = DeviceTokens(tokens, torch.tensor([len(e) for e in extra]))
+        want = dynamic.propose_on_device(requests, pending)
+        rows = rng.choice([r for r in (1, 2, 4, 8) if r >= len(rids)])  # padded, as a graph's rows are
+        proposer.stage(requests, rows)
+        padded = DeviceTokens(torch.cat([tokens, torch.full((rows - len(rids), 4), 7)]),
+                              torch.cat([pending.counts, torch.full((rows - len(rids),), 3)]))
+        got = proposer.propose(padded)
+        assert got.tokens.shape == (rows, 3)
+        assert torch.equal(got.tokens[: len(rids)], want.tokens) and torch.equal(got.counts[: len(rids)], want.counts)
+        assert (got.counts[len(rids):] == 0).all()  # padding drafts nothing
+        full = [DraftRequest(r.rid, r.token_ids + e, len(r.token_ids) + len(e) - 1) for r, e in zip(requests, extra)]
+        assert [got.tokens[i, : got.counts[i]].tolist() for i in range(len(rids))] == host.propose(full).tokens
+        assert proposer.replayable()
+        for rid, e in zip(rids, extra):
+            live[rid] += e + [rng.randrange(4) for _ in range(rng.randint(0, 3))]
+        for rid in list(live):
+            if rng.random() < 0.1:
+                del live[rid]
+                for drafter in (dynamic, static, host):
+                    drafter.finished(rid)
+
+
+def test_a_static_lookup_whose_buffer_grew_no_longer_replays():
+    drafter = NgramDrafter(2)
+    proposer = drafter.static_proposer(2, 3)
+    proposer.stage([DraftRequest(str(i), [1, 2, 1], 2) for i in range(2)], 2)
+    assert proposer.replayable()
+    proposer.stage([DraftRequest(str(i), [1, 2, 1], 2) for i in range(2, 4)], 2)  # more live requests than rows
+    assert not proposer.replayable()
+
+
+# --- the engine's verify steps replayed -----------------------------------------------------------------------
+
+def engine(folder: str, **overrides) -> Engine:
+    settings = dict(model=folder, dtype="fp32", show_progress=False, max_total_tokens=512, page_size=PAGE,
+                    attention_backend="triton", mixed_chunk=False, disable_speculative_backoff=True,
+                    speculative_policy="fixed")
+    return Engine(EngineConfig(**{**settings, **overrides}))
+
+
+def install_graphs(spec: Engine, capture=static_capture) -> list[tuple[int, int]]:
+    """Give a CPU engine decode graphs and verify graphs; returns the log of the replayed (R, W) shapes."""
+    kv, model = spec.kv, spec.model
+    inputs = DecodeInputs.allocate(MAX_BS, max_pages_per_request(kv, None), kv, "cpu")
+    spec.runner.graphs = DecodeGraphs(model, kv, spec.runner.strategy, inputs, capture_sizes(MAX_BS), capture)
+    made = verify_graphs(spec.speculation.drafter, spec.runner.graphs, spec.vocab_size,
+                         spec.config.max_running_requests, capture)
+    assert isinstance(made, VerifyGraphs)
+    spec.overlap_verify.graphs = made
+    replayed = []
+    for shape, replay in made.post.items():
+        made.post[shape] = lambda shape=shape, replay=replay: replayed.append(shape) or replay()
+    return replayed
+
+
+@pytest.fixture(scope="module")
+def plain(echo):
+    """Greedy outputs without drafts, on the model that repeats itself (ngram's drafts are accepted in runs)."""
+    return [r.output_ids for r in engine(echo, attention_backend="torch").generate(ECHO_PROMPTS, GREEDY)]
+
+
+@interpreted
+def test_replayed_verify_steps_change_no_token(echo, plain):
+    """Long accepted runs: each step's pending tokens, shifted rows and last token come from the accepted state."""
+    spec = engine(echo, overlap_schedule=True, speculative_algorithm="ngram", speculative_num_steps=3)
+    assert spec.overlap_verify is not None and spec.overlap_verify.graphs is None  # a CPU: no graphs of its own
+    replayed = install_graphs(spec)
+    got = spec.generate(ECHO_PROMPTS, GREEDY)
+    assert [r.output_ids for r in got] == plain
+    assert len(replayed) > 3 and (4, 4) in replayed  # 3 requests padded to 4, full width
+    assert sum(r.spec_accepted_tokens for r in got) > 6
+    assert conserved(spec)
+
+
+@interpreted
+def test_replayed_and_eager_steps_alternate_and_stops_land_inside_runs(echo, plain):
+    """A sampled request (no seed) sends its steps to the eager path, graphed steps follow eager ones and back;
+    greedy requests keep their tokens, and a short max_new_tokens ends a request inside an accepted run."""
+    spec = engine(echo, overlap_schedule=True, speculative_algorithm="ngram", speculative_num_steps=3)
+    replayed = install_graphs(spec)
+    launches = []
+    launch = spec.overlap_verify.launch
+    spec.overlap_verify.launch = lambda *args: launches.append(1) or launch(*args)
+    sampled = SamplingParams(max_new_tokens=6, temperature=0.8)
+    short = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 12)]
+    got = spec.generate(ECHO_PROMPTS, [short[0], sampled, short[1]])
+    assert got[0].output_ids == plain[0][:5]
+    assert got[2].output_ids == plain[2]
+    assert len(got[1].output_ids) == 6 and 0 < len(replayed) < len(launches)  # some steps eager, some replayed
+    assert sum(r.spec_accepted_tokens for r in got) > 0
+    assert conserved(spec)
+
+
+@pytest.mark.gpu
+def test_on_gpu_graphed_verify_steps_change_no_token(tiny_model_dir):
+    """The real capture: a CUDA engine's overlapped ngram steps replay verify graphs and keep greedy's tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    folder = tiny_model_dir("qwen3_moe")
+    cuda = dict(device="cuda", dtype="fp32", moe_kernel="triton", cuda_graph_max_bs=16, page_size=16)
+    want = [r.output_ids for r in engine(folder, **cuda).generate(ECHO_PROMPTS, GREEDY)]
+    spec = engine(folder, **cuda, speculative_algorithm="ngram", speculative_num_steps=3)
+    assert spec.overlap_verify is not None and isinstance(spec.overlap_verify.graphs, VerifyGraphs)
+    replayed = []
+    for shape, replay in spec.overlap_verify.graphs.post.items():
+        spec.overlap_verify.graphs.post[shape] = lambda shape=shape, replay=replay: replayed.append(shape) or replay()
+    got = spec.generate(ECHO_PROMPTS, GREEDY)
+    assert [r.output_ids for r in got] == want and replayed
+    assert conserved(spec)
