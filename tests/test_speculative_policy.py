@@ -222,3 +222,24 @@ def test_where_the_prior_advises_against_drafts_a_request_tries_them_now_and_the
     assert policy.choose([misses], [STEPS]) == [0]
     misses.output_ids.append(5)
     assert policy.choose([misses], [STEPS]) == [STEPS]
+
+
+def test_a_request_whose_drafts_keep_missing_only_explores_even_where_verifying_is_cheap():
+    """A verify step of one request costs 1.16 plain steps (the CPU's batch 1): the prior alone would have a
+    request that never lands try again every few tokens. After two verify steps running with every draft missed
+    it drafts only when due to explore, and a landing draft makes it warm again."""
+    costs = StepCosts(grid_sizes(64), table(1.0, 0.04, fixed=0.04))
+    policy = AdaptivePolicy(STEPS, costs)
+    r = request("r")
+    for _ in range(2):
+        assert policy.choose([r], [STEPS]) == [STEPS]
+        policy.record(r, STEPS, 0)
+        r.output_ids.append(5)
+    every = policy._size(1).explore_every
+    assert every == 16  # 0.16 / 1 / 1%
+    for _ in range(every - 1):
+        assert policy.choose([r], [STEPS]) == [0]
+        r.output_ids.append(5)
+    assert policy.choose([r], [STEPS]) == [STEPS]
+    policy.record(r, STEPS, 2)
+    assert policy.choose([r], [STEPS]) == [STEPS]

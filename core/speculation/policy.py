@@ -26,7 +26,10 @@ that costs two or three plain ones: a drafter that cannot overlap, a small model
 drafter whose drafts would land is never found out. Where a sure draft could pay (may_draft), a request that has
 not verified for `explore_every` of its tokens drafts fully once: that interval is set from the cost table so that
 trying costs the batch at most EXPLORE_LOSS of its plain rate when every try misses. A new request tries at once
-while no request has a record worth one verify (a fresh engine, or one whose records faded).
+while no request has a record worth one verify (a fresh engine, or one whose records faded). A request whose
+drafts all missed in COLD_AFTER verify steps running drafts only when it is due to explore: its record leans on
+the prior, which alone would have it try again every few tokens wherever a verify step costs little more than a
+plain one (a drafter that never lands then cost 5-8% at batch 1 on CPU).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ PRIOR_WEIGHT = 2.0  # how many verifies the prior counts as
 RECENCY = 0.8  # a request's counts shrink by this at each of its verify steps: the last few dominate
 RECOVERY = 0.97  # ... and by this per token it decodes without drafts: the record fades back to the prior
 EXPLORE_LOSS = 0.01  # the most of a batch's plain rate that trying drafts the records advise against may cost
+COLD_AFTER = 2  # verify steps running in which all of a request's drafts missed: then it only drafts to explore
 
 
 class Acceptance:
@@ -89,7 +93,7 @@ class SizeCosts:
         # one request's try: a step with its `steps` drafts in place of a plain one, once per explore_every steps
         # for each of the n requests
         extra = max(float(curve[steps - 1]) - plain_cost, 0.0)
-        every = int(np.ceil(n * extra / (plain_cost * EXPLORE_LOSS))) if plain_cost > 0 else 1
+        every = int(np.ceil(n * extra / (plain_cost * EXPLORE_LOSS) - 1e-6)) if plain_cost > 0 else 1
         return cls(plain, curve, bool(np.max((n + d) / curve) > plain * (1 + 1e-9)),
                    float(np.min((plain * (1 + 1e-9) * curve - n) / d)) * (1 - 1e-6), max(every, 1))
 
@@ -109,6 +113,7 @@ class AdaptivePolicy:
         self._sizes_version = -1
         self._best_own: float | None = None  # max over the records of accepted / tried at the first draft
         self._tried_at: dict[str, int] = {}  # per request: its output length when it last verified or was asked
+        self._cold: dict[str, int] = {}  # per request: its verify steps running in which every draft missed
 
     def prior(self) -> np.ndarray:
         return self.all.rates(np.full(self.steps, PRIOR))
@@ -138,18 +143,20 @@ class AdaptivePolicy:
         worth = self._worth_matrix(requests)
         if expect_offers:
             worth *= np.array([self.offer_rate(r) for r in requests])[:, None]
-        allowed = np.arange(steps)[None, :] < np.clip(np.asarray(rooms), 0, steps)[:, None]
+        warm = np.array([self._cold.get(r.rid, 0) < COLD_AFTER for r in requests])
+        allowed = (np.arange(steps)[None, :] < np.clip(np.asarray(rooms), 0, steps)[:, None]) & warm[:, None]
         flat = np.where(allowed, worth, -1.0).ravel()
         order = np.argsort(-flat, kind="stable")[: int(allowed.sum())]  # equal worth: the earlier request first
         size = self._size(n)
         plain = size.plain_rate
         if not len(order):
-            return [0] * n
+            return self._explore(requests, rooms, n)
         rates = (n + np.cumsum(flat[order])) / size.curve[: len(order)]
         best = int(np.argmax(rates))
         if rates[best] <= plain * (1 + 1e-9):
             return self._explore(requests, rooms, n)
-        return np.bincount(order[: best + 1] // steps, minlength=n).tolist()
+        chosen = np.bincount(order[: best + 1] // steps, minlength=n).tolist()
+        return [max(a, b) for a, b in zip(chosen, self._explore(requests, rooms, n))]
 
     def candidates(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[int]:
         """Drafts to ask a cheap drafter for (choose() then picks among what it proposes): each request's room,
@@ -251,6 +258,7 @@ class AdaptivePolicy:
             self.offers = (self.offers[0] * RECOVERY ** 8, self.offers[1] * RECOVERY ** 8)
         own.record(drafted, accepted)
         self._tried_at[request.rid] = len(request.output_ids)
+        self._cold[request.rid] = 0 if accepted else self._cold.get(request.rid, 0) + 1
         self._best_own = None
         self.all.record(drafted, accepted, recency=0.98)
         self._seen_at[request.rid] = len(request.output_ids)
@@ -269,6 +277,7 @@ class AdaptivePolicy:
         self._own.pop(rid, None)
         self._seen_at.pop(rid, None)
         self._tried_at.pop(rid, None)
+        self._cold.pop(rid, None)
 
 
 MAX_PAUSE = 64  # tokens: the longest a request goes without drafts after its drafts kept missing
