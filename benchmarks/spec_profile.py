@@ -32,8 +32,43 @@ WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize
          "aten::item", "Memcpy DtoH")
 
 
-def profiled_run(engine, prompts, batch: int, args) -> tuple[list[float], int, object]:
-    """(host seconds of each engine.step() while the batch is full, tokens emitted in them, the profile)."""
+def count_calls(engine) -> dict[str, int]:
+    """Wrap the engine's step paths so each call is counted: which way each step went (the overlapped verify step
+    from graphs or eagerly, the synchronous verify step, a forward that replayed a decode graph or ran eagerly)."""
+    counts: dict[str, int] = {}
+
+    def wrap(owner, name: str, label, kind: str = ""):
+        real = getattr(owner, name, None)
+        if real is None:
+            return
+
+        def counted(*a, **k):
+            out = real(*a, **k)
+            key = label(out, *a) if callable(label) else label
+            counts[key] = counts.get(key, 0) + 1
+            return out
+
+        setattr(owner, name, counted)
+
+    verify = engine.overlap_verify
+    if verify is not None:
+        wrap(verify, "start", lambda out, *a: "overlap start: " + ("launched" if out is not None else "declined"))
+        wrap(verify, "follow", lambda out, *a: "overlap follow: " + ("launched" if out is not None else "declined"))
+        wrap(verify, "_launch_graphed", "overlap step from graphs")
+        wrap(verify, "launch", "overlap step launched (graphs or eager)")
+    wrap(engine, "_speculative_step", "synchronous verify step")
+    runner = engine.runner
+    graphs = runner.graphs
+    wrap(runner, "forward", lambda out, batch, *a: "forward: " + (
+        "graph" if graphs is not None and graphs.can_run(batch) else f"eager ({batch.mode.name.lower()})"))
+    wrap(runner, "verify_forward", lambda out, batch, *a: "verify forward: " + (
+        "graph" if graphs is not None and graphs.can_run(batch) else f"eager ({batch.mode.name.lower()})"))
+    return counts
+
+
+def profiled_run(engine, prompts, batch: int, args, paths: dict | None = None) -> tuple[list[float], int, object]:
+    """(host seconds of each engine.step() while the batch is full, tokens emitted in them, the profile); `paths`
+    (count_calls' counts) is cleared as the clock starts and frozen as it stops."""
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     queue = list(prompts)
     requests = [engine.add_request(queue.pop(0), params) for _ in range(batch)]
@@ -41,6 +76,8 @@ def profiled_run(engine, prompts, batch: int, args) -> tuple[list[float], int, o
         engine.step()
     sync(args.device)
     times, before = [], sum(len(r.output_ids) for r in requests)
+    if paths is not None:
+        paths.clear()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device != "cpu" else [])
     with profile(activities=activities) as prof:
         while engine.has_work and queue:
@@ -51,8 +88,13 @@ def profiled_run(engine, prompts, batch: int, args) -> tuple[list[float], int, o
             times.append(time.perf_counter() - start)
         sync(args.device)
     tokens = sum(len(r.output_ids) for r in requests) - before
+    if paths is not None:
+        frozen = dict(paths)
     while engine.has_work:
         engine.step()
+    if paths is not None:
+        paths.clear()
+        paths.update(frozen)
     return times, tokens, prof
 
 
@@ -65,7 +107,7 @@ def device_busy(prof) -> float:
     return total / 1e6
 
 
-def report(name: str, times: list[float], tokens: int, prof, args) -> tuple[str, str]:
+def report(name: str, times: list[float], tokens: int, prof, args, paths: dict[str, int]) -> tuple[str, str]:
     steps = len(times)
     host = sorted(times)
     busy = device_busy(prof) if args.device != "cpu" else 0.0
@@ -81,6 +123,8 @@ def report(name: str, times: list[float], tokens: int, prof, args) -> tuple[str,
     text = (f"# {name}: {steps} steps, {tokens} tokens\n\nhost ms per step: median {statistics.median(host) * 1e3:.3f}, "
             f"p90 {host[int(0.9 * (steps - 1))] * 1e3:.3f}\ndevice busy ms per step: {busy / steps * 1e3:.3f}\n"
             f"waits per step: {waits}\n\n{table}\n")
+    text += "\nstep paths per step:\n" + "".join(f"  {k}: {v / steps:.2f}\n" for k, v in sorted(paths.items()))
+    summary = summary[:-1] + " " + "; ".join(f"{k} {v / steps:.2f}" for k, v in sorted(paths.items())) + " |"
     return summary, text
 
 
@@ -108,7 +152,7 @@ def main() -> None:
     reference: dict[int, list] = {}
     lines = [f"batch {args.batch}, steps {args.steps}, device {args.device}", "",
              "| engine | steps | tokens/step | host ms/step (median) | p90 | device busy ms/step | host ms/token | "
-             "host waits per step |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+             "host waits per step | step paths per step |", "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for drafter in ["none", *args.drafters]:
         engine = sp.warmed_engine(folder, args, drafter)
         if drafter == "none":  # the reference the oracle proposes
@@ -117,8 +161,9 @@ def main() -> None:
             sp.script_drafters.SCRIPT[:] = [p + out for p, out in zip(prompts, reference[args.batch])]
         with sp.forced_acceptance(drafter.startswith("test-oracle") and args.device != "cpu"):
             profiled_run(engine, prompts, args.batch, args)  # warm
-            times, tokens, prof = profiled_run(engine, prompts, args.batch, args)
-        summary, text = report(drafter, times, tokens, prof, args)
+            paths = count_calls(engine)
+            times, tokens, prof = profiled_run(engine, prompts, args.batch, args, paths)
+        summary, text = report(drafter, times, tokens, prof, args, paths)
         lines.append(summary)
         print(summary, flush=True)
         with open(os.path.join(args.out, drafter.replace("/", "_") + ".txt"), "w") as f:

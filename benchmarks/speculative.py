@@ -35,7 +35,8 @@ Decode tokens/s counts the tokens generated after every request's first one (the
 over the wall time of those steps; median of --runs runs (one warmed-up engine per drafter), min-max beside it.
 With --steady each batch slot gets 4 prompts in turn (a finished request is replaced at once), and the rate is
 measured while the batch is full: serving's steady state, where a request whose drafts miss no longer holds a
-shrinking batch open.
+shrinking batch open; the prompts' output lengths are spread over 0.5-1.5x --output-len (the same for every
+engine), so plain decoding's requests end apart as a drafter's do and as served ones do.
 SGLang's reported numbers for DeepSeek-V3 with its MTP layer on H200 (1.8x at batch 1, 1.5x at batch 32,
 accept length 2.2-2.4) are printed beside the oracle and ngram rows: a trained MTP layer's ceiling vs ours.
 """
@@ -53,6 +54,7 @@ import sys
 import tempfile
 import time
 
+import attrs
 import torch
 
 from moeplex.config import EngineConfig
@@ -140,19 +142,28 @@ def forced_acceptance(on: bool):
 
 
 
+def steady_lengths(count: int, output_len: int, seed: int) -> list[int]:
+    """--steady: each prompt's max_new_tokens, spread over 0.5 .. 1.5 x output_len (the same for every engine).
+    With one length for all, plain decoding finishes a whole batch in one step and admits its successors in one
+    prompt step, while a drafter's requests finish apart and each admission costs the batch a prompt step of its
+    own: serving's requests end apart whatever decodes them."""
+    rng = random.Random(seed)
+    return [max(1, round(output_len * (0.5 + rng.random()))) for _ in range(count)]
+
+
 def steady_rate(engine: Engine, prompts, params, batch: int, device: str) -> tuple[float, list]:
     """(decode tokens/s with `batch` requests always running, the finished requests): each request that finishes
     is replaced by the next prompt; the clock runs from when the first `batch` requests all have their first token
     to when the last prompt is admitted, so the batch is full throughout (tokens of admitted requests' prefills
     count too, alike for every drafter)."""
-    queue = list(prompts)
-    requests = [engine.add_request(queue.pop(0), params) for _ in range(batch)]
+    queue = list(zip(prompts, params))
+    requests = [engine.add_request(*queue.pop(0)) for _ in range(batch)]
     start = stop = None
     counted = 0
     while engine.has_work:
         for _ in engine.step():
             if queue:
-                requests.append(engine.add_request(queue.pop(0), params))
+                requests.append(engine.add_request(*queue.pop(0)))
         if start is None and all(r.output_ids for r in requests[:batch]):
             sync(device)
             start, counted = time.perf_counter(), sum(len(r.output_ids) for r in requests)
@@ -170,7 +181,9 @@ def measure(engine: Engine, drafter: str, batch: int, prompts, args, reference: 
         script_drafters.SCRIPT[:] = [p + out for p, out in zip(prompts, reference[batch])]
     with forced_acceptance(drafter == "test-oracle" and args.device != "cpu"):
         if args.steady:
-            rate, done = steady_rate(engine, prompts, params, batch, args.device)
+            per_prompt = [attrs.evolve(params, max_new_tokens=n)
+                          for n in steady_lengths(len(prompts), args.output_len, seed=batch)]
+            rate, done = steady_rate(engine, prompts, per_prompt, batch, args.device)
         else:
             rate, done = decode_rate(engine, prompts, params, args.device)
     outputs = [r.output_ids for r in done]

@@ -116,7 +116,13 @@ class AdaptivePolicy:
         self._cold: dict[str, int] = {}  # per request: its verify steps running in which every draft missed
 
     def prior(self) -> np.ndarray:
-        return self.all.rates(np.full(self.steps, PRIOR))
+        """All requests' acceptance per position, each position leaning on the one before it (the first on PRIOR):
+        where drafts miss at the first position the later ones are never tried, and a fixed prior there would
+        keep them worth a verify step's cheap extra rows."""
+        rates, before = np.empty(self.steps), PRIOR
+        for k in range(self.steps):
+            before = rates[k] = (self.all.accepted[k] + PRIOR_WEIGHT * before) / (self.all.tried[k] + PRIOR_WEIGHT)
+        return rates
 
     def worth(self, request: Request) -> np.ndarray:
         """Expected tokens each of the request's drafts 1..steps adds (nonincreasing)."""
@@ -138,7 +144,7 @@ class AdaptivePolicy:
             return []
         if not self.may_draft(n) or not any(room > 0 for room in rooms):
             return [0] * n
-        if self._nothing_pays(requests, expect_offers, n):
+        if all(self._cold.get(r.rid, 0) >= COLD_AFTER for r in requests) or self._nothing_pays(requests, expect_offers, n):
             return self._explore(requests, rooms, n)  # the exact choice below would give none, at several times the cost
         worth = self._worth_matrix(requests)
         if expect_offers:
@@ -164,7 +170,7 @@ class AdaptivePolicy:
         n = len(requests)
         if not self.may_draft(n) or not any(room > 0 for room in rooms):
             return [0] * n
-        if self._nothing_pays(requests, False, n):
+        if all(self._cold.get(r.rid, 0) >= COLD_AFTER for r in requests) or self._nothing_pays(requests, False, n):
             return self._explore(requests, rooms, n)
         return [max(min(room, self.steps), 0) for room in rooms]
 
