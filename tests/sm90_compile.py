@@ -11,7 +11,6 @@ from moeplex.kernels.router_gemv import _router_kernel
 from moeplex.kernels.rope import _rope_kernel
 from moeplex.attention.triton_decode import _split_kernel
 from moeplex.plugins.moe_kernels.triton_moe.align import _align_one_launch_kernel
-from moeplex.plugins.moe_kernels.triton_moe.kernel import grouped_gemm_kernel
 
 target = GPUTarget("cuda", 90, 32)
 
@@ -68,19 +67,6 @@ def main() -> None:
                                             num_padded_ptr="*i32", shift_ptr="*i32", num_pairs="i32", num_experts="i32",
                                             num_slots="i32", num_tiles="i32"),
              dict(BLOCK_M=64, PAIRS=1024, EXPERTS=256, SLOTS_PER_STEP=1024, TILES_PER_STEP=32))
-    # the MoE GEMM's split-K decode path: gate-up writing fp32 partials (sorted, with a tail), the down GEMM reducing
-    # and gating them as it loads A (direct decode rows)
-    def gemm_signature(a, c):
-        pointers = dict(a_ptr=a, b_ptr="*bf16", b_desc="*bf16", c_ptr=c, a_scale_ptr=a, b_scale_ptr="*bf16",
-                        routed_weight_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32")
-        return {n: pointers.get(n, "i32") for n in grouped_gemm_kernel.arg_names}
-    gemm = dict(A_ROW_DIV=8, GATED=True, MUL_ROUTED_WEIGHT=False, IN_PLACE=False, DIRECT=False, TOP_K=8, TOP_K_POW2=8,
-                FP8_BLOCK=False, SCALE_BLOCK=128, EVEN_K=True, B_TMA=False, DOT_PRECISION="tf32", BLOCK_M=16,
-                BLOCK_N=64, BLOCK_K=128, GROUP_M=1, TAIL_M=16, SPLIT_K=4, A_SPLITS=0)
-    compile_(grouped_gemm_kernel, gemm_signature("*bf16", "*fp32"), gemm)
-    compile_(grouped_gemm_kernel, gemm_signature("*fp32", "*bf16"),
-             {**gemm, "GATED": False, "MUL_ROUTED_WEIGHT": True, "A_ROW_DIV": 1, "DIRECT": True, "TAIL_M": 0,
-              "SPLIT_K": 1, "A_SPLITS": 4})
 
 
 if __name__ == "__main__":
