@@ -5,9 +5,8 @@ A table lives in configs/ as `E=<experts>,N=<intermediate>,K=<hidden>,device=<na
 receives (routed pairs on this rank / local experts: what a tile's height must fit) to
 {"gate_up": TILE, "down": TILE}, one tile per GEMM, where TILE is {"BLOCK_SIZE_M", "BLOCK_SIZE_N",
 "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages"} and optionally "USE_TMA" and "TAIL_SIZE_M"
-(rows a tile holds past BLOCK_SIZE_M, run with it on the same weight tiles: kernel.py) and, for gate_up
-only, "SPLIT_K" (K parts, a program each, whose fp32 partials the down GEMM reduces: decode at a few rows,
-where the unsplit GEMM has too few tiles to fill the SMs); an entry that is one TILE serves both GEMMs.
+(rows a tile holds past BLOCK_SIZE_M, run with it on the same weight tiles: kernel.py); an entry that
+is one TILE serves both GEMMs.
 The two GEMMs have transposed shapes (N=2I, K=H against N=H, K=I), so their best tiles differ; they
 share BLOCK_SIZE_M and TAIL_SIZE_M because they share one alignment. benchmarks/tune_fused_moe.py writes the tables.
 
@@ -42,11 +41,8 @@ class TileConfig:
     num_stages: int = 3
     tma: bool = False  # weight tiles through a tensor descriptor (Hopper's copy engine) instead of pointers
     tail_m: int = 0  # sorted tiles hold block_m + tail_m rows and run only as tall as their rows need
-    split_k: int = 1  # gate-up only: K parts whose fp32 partials the down GEMM sums (kernel.py)
 
     def __attrs_post_init__(self):
-        if self.split_k < 1:
-            raise ValueError(f"SPLIT_K must be at least 1, not {self.split_k}")
         if self.tail_m and not (16 <= self.tail_m <= self.block_m and self.tail_m & (self.tail_m - 1) == 0):
             raise ValueError(f"TAIL_SIZE_M must be 0 or a power of two from 16 to BLOCK_SIZE_M, not {self.tail_m}")
 
@@ -61,7 +57,6 @@ class TileConfig:
             num_stages=entry["num_stages"],
             tma=entry.get("USE_TMA", False),
             tail_m=entry.get("TAIL_SIZE_M", 0),
-            split_k=entry.get("SPLIT_K", 1),
         )
 
     def to_json(self) -> dict:
@@ -77,8 +72,6 @@ class TileConfig:
             entry["USE_TMA"] = True
         if self.tail_m:
             entry["TAIL_SIZE_M"] = self.tail_m
-        if self.split_k > 1:
-            entry["SPLIT_K"] = self.split_k
         return entry
 
 
@@ -93,12 +86,10 @@ class MoETiles:
         ours, theirs = (self.gate_up.block_m, self.gate_up.tail_m), (self.down.block_m, self.down.tail_m)
         if ours != theirs:
             raise ValueError(f"both GEMMs tile one alignment: BLOCK_M and TAIL_M {ours} != {theirs}")
-        if self.down.split_k > 1:
-            raise ValueError("only the gate-up GEMM splits K (its partials are reduced as the down GEMM loads them)")
 
     @classmethod
     def both(cls, config: TileConfig) -> MoETiles:
-        return cls(config, attrs.evolve(config, split_k=1))
+        return cls(config, config)
 
     @property
     def block_m(self) -> int:

@@ -96,21 +96,9 @@ def run_experts(
     routed_weights: torch.Tensor | None = None,
     in_place: bool = False,
 ) -> torch.Tensor:
-    """out[row] = SiLU-gated expert of each aligned row (times its routed weight when given).
-
-    A gate-up tile that splits K writes fp32 partials that the down GEMM reduces (kernel.py); fp8 weights
-    (whose product is re-quantized between the GEMMs) and rows in place run it unsplit.
-    """
-    split_k = tiles.gate_up.split_k if not (weights.fp8 or in_place) else 1
-    if split_k > 1:
-        partials = torch.empty(split_k, align.num_valid, 2 * weights.intermediate_size, dtype=torch.float32,
-                               device=out.device)
-        grouped_gemm(acts.values, weights.w13, partials, align, tiles.gate_up, a_row_div=a_row_div, gated=True)
-        grouped_gemm(partials, weights.w2, out, align, tiles.down, routed_weights=routed_weights)
-        return out
-    gate_up = attrs.evolve(tiles.gate_up, split_k=1)
+    """out[row] = SiLU-gated expert of each aligned row (times its routed weight when given)."""
     inter = torch.empty(align.num_valid, weights.intermediate_size, dtype=acts.out_dtype, device=out.device)
-    grouped_gemm(acts.values, weights.w13, inter, align, gate_up, a_scale=acts.scales, b_scale=weights.w13_scale,
+    grouped_gemm(acts.values, weights.w13, inter, align, tiles.gate_up, a_scale=acts.scales, b_scale=weights.w13_scale,
                  a_row_div=a_row_div, gated=True, in_place=in_place)
     inter_scales = None
     if weights.fp8:

@@ -13,11 +13,6 @@ pair has it, and its rows are every token routed to that expert, one lane per to
 B is [E, N, K] row-major like nn.Linear; in the fp8 block format it comes with one fp32 scale per
 128x128 block, and A with one scale per row per 128 columns (DeepSeek-V3's w8a8). B tiles load
 through a tensor descriptor (the Hopper copy engine) when the tile asks for it, else through pointers.
-Split-K (decode): at a few rows the gate-up GEMM has too few tiles to keep every SM streaming weights
-(Qwen3-30B-A3B at one token: 8 experts x 6 tiles on 132 SMs), so its K range can be cut into SPLIT_K
-parts, a program each, that write fp32 gate and up partial sums [SPLIT_K, rows, 2N] (no atomics, no
-zeroing: each part owns its slice). The down GEMM then reads that as A_SPLITS partials, summing them and
-applying SiLU(gate) * up as it loads each A tile, so the split costs no extra launch.
 """
 
 from __future__ import annotations
@@ -55,27 +50,11 @@ def _scaled_dot(a, b, a_scale, b_scale, FP8_BLOCK: tl.constexpr, DOT_PRECISION: 
 
 
 @triton.jit
-def _a_load(a_ptrs, row_mask, k_mask, EVEN_K: tl.constexpr):
+def _a_tile(a_ptrs, row_mask, k_mask, EVEN_K: tl.constexpr):
     if EVEN_K:  # no K mask: the loads stay full-width vectors
         return tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
     else:
         return tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-
-
-@triton.jit
-def _a_tile(a_ptrs, row_mask, k_mask, up_offset, stride_as, EVEN_K: tl.constexpr, A_SPLITS: tl.constexpr,
-            A_DTYPE: tl.constexpr):
-    """A tile; with A_SPLITS, SiLU(gate) * up of split-K partials (gate columns, then up columns `up_offset` on)."""
-    if A_SPLITS > 0:
-        gate = _a_load(a_ptrs, row_mask, k_mask, EVEN_K)
-        up = _a_load(a_ptrs + up_offset, row_mask, k_mask, EVEN_K)
-        for s in tl.static_range(1, A_SPLITS):
-            gate += _a_load(a_ptrs + s * stride_as, row_mask, k_mask, EVEN_K)
-            up += _a_load(a_ptrs + s * stride_as + up_offset, row_mask, k_mask, EVEN_K)
-        # rounded to the weights' type as the unsplit path rounds its stored product
-        return (gate * tl.sigmoid(gate) * up).to(A_DTYPE)
-    else:
-        return _a_load(a_ptrs, row_mask, k_mask, EVEN_K)
 
 
 @triton.jit
@@ -91,24 +70,20 @@ def _b_tile(b_ptrs, b_desc, b_row, kb, k_mask, B_TMA: tl.constexpr, EVEN_K: tl.c
 
 @triton.jit
 def _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, a_rows, row_mask, x_rows, x_mask, expert, pid_n, N, K,
-                kb_start, kb_end,
-                stride_am, stride_ak, stride_as, stride_be, stride_bn, stride_bk,
+                stride_am, stride_ak, stride_be, stride_bn, stride_bk,
                 stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                 GATED: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
-                B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, A_SPLITS: tl.constexpr,
+                B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, X_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The K tiles kb_start..kb_end in fp32: A rows x B tile (x the up-projection B tile too when GATED).
+    """The K loop in fp32: A rows x B tile (x the up-projection B tile too when GATED, then SiLU(gate) * up).
 
-    Returns the gate (or only) and up accumulators; with X_M > 0, X_M more rows (x_rows) share every
-    B tile loaded, and their two accumulators come back too (else copies of the first two).
+    With X_M > 0, X_M more rows (x_rows) share every B tile loaded; both results come back.
     """
-    a_dtype: tl.constexpr = b_ptr.dtype.element_ty
     ks = tl.arange(0, BLOCK_K)
     # Columns past N wrap onto real weight rows so pointer loads of B need no mask; they are never stored.
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)) % N
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + (kb_start * BLOCK_K + ks[None, :]) * stride_ak
-    b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + (kb_start * BLOCK_K + ks[:, None]) * stride_bk
-    a_up_offset = K * stride_ak  # split-K partials hold the gate's K columns, then the up's
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk
     up_offset = N * stride_bn  # the up rows follow the N gate rows
     b_row = (expert * (2 * N if GATED else N) + pid_n * BLOCK_N).to(tl.int32)
     a_scale_ptrs = a_scale_ptr + a_rows * stride_asm
@@ -117,13 +92,13 @@ def _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, a_rows, row_mask
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if X_M > 0:
-        x_ptrs = a_ptr + x_rows[:, None] * stride_am + (kb_start * BLOCK_K + ks[None, :]) * stride_ak
+        x_ptrs = a_ptr + x_rows[:, None] * stride_am + ks[None, :] * stride_ak
         x_scale_ptrs = a_scale_ptr + x_rows * stride_asm
         acc_x = tl.zeros((X_M, BLOCK_N), dtype=tl.float32)
         acc_x_up = tl.zeros((X_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(kb_start, kb_end):
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k_mask = ks < K - kb * BLOCK_K
-        a = _a_tile(a_ptrs, row_mask, k_mask, a_up_offset, stride_as, EVEN_K, A_SPLITS, a_dtype)
+        a = _a_tile(a_ptrs, row_mask, k_mask, EVEN_K)
         b = _b_tile(b_ptrs, b_desc, b_row, kb, k_mask, B_TMA, EVEN_K, BLOCK_K)
         a_scale = 1.0
         b_scale = 1.0
@@ -139,7 +114,7 @@ def _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, a_rows, row_mask
             b_up = _b_tile(b_ptrs + up_offset, b_desc, b_row + N, kb, k_mask, B_TMA, EVEN_K, BLOCK_K)
             acc_up += _scaled_dot(a, b_up, a_scale, up_scale, FP8_BLOCK, DOT_PRECISION)
         if X_M > 0:
-            x = _a_tile(x_ptrs, x_mask, k_mask, a_up_offset, stride_as, EVEN_K, A_SPLITS, a_dtype)
+            x = _a_tile(x_ptrs, x_mask, k_mask, EVEN_K)
             if FP8_BLOCK:
                 x_scale = tl.load(x_scale_ptrs + group * stride_ask, mask=x_mask, other=0.0)
             acc_x += _scaled_dot(x, b, x_scale, b_scale, FP8_BLOCK, DOT_PRECISION)
@@ -148,10 +123,13 @@ def _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, a_rows, row_mask
             x_ptrs += BLOCK_K * stride_ak
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up  # SiLU(gate) * up
+        if X_M > 0:
+            acc_x = acc_x * tl.sigmoid(acc_x) * acc_x_up
     if X_M == 0:
         acc_x = acc  # nothing more was asked for
-        acc_x_up = acc_up
-    return acc, acc_up, acc_x, acc_x_up
+    return acc, acc_x
 
 
 @triton.jit
@@ -171,17 +149,14 @@ def _store_rows(c_ptr, routed_weight_ptr, acc, rows, row_mask, slots, num_slots,
 
 @triton.jit
 def _rows_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr,
-               rows, row_mask, slots, x_rows, x_mask, x_slots, num_slots, expert, pid_n, N, K, kb_start, kb_end,
-               stride_am, stride_ak, stride_as, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+               rows, row_mask, slots, x_rows, x_mask, x_slots, num_slots, expert, pid_n, N, K,
+               stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, IN_PLACE: tl.constexpr,
                FP8_BLOCK: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, B_TMA: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, PARTIALS: tl.constexpr, A_SPLITS: tl.constexpr,
-               BLOCK_M: tl.constexpr, X_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One tile of one expert (-1: none): BLOCK_M rows, and X_M more rows sharing its weight tiles when X_M > 0.
-
-    PARTIALS (a gated split-K part): raw gate and up sums, the up's N columns after the gate's, no SiLU yet.
-    """
+               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, X_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """One tile of one expert (-1: none): BLOCK_M rows, and X_M more rows sharing its weight tiles when X_M > 0."""
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     if expert < 0:
         if IN_PLACE:  # never with X_M: in-place alignments have no tails
@@ -189,37 +164,27 @@ def _rows_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_wei
                      tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty),
                      mask=(slots[:, None] < num_slots) & (cols[None, :] < N))
     else:
-        acc, acc_up, acc_x, acc_x_up = _accumulate(
-            a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, rows // A_ROW_DIV, row_mask,
-            x_rows // A_ROW_DIV, x_mask, expert, pid_n, N, K, kb_start, kb_end,
-            stride_am, stride_ak, stride_as, stride_be, stride_bn, stride_bk,
-            stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
-            GATED, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA, DOT_PRECISION, A_SPLITS,
-            BLOCK_M, X_M, BLOCK_N, BLOCK_K)
-        if GATED and not PARTIALS:
-            acc = acc * tl.sigmoid(acc) * acc_up  # SiLU(gate) * up
-            acc_x = acc_x * tl.sigmoid(acc_x) * acc_x_up
+        acc, acc_x = _accumulate(a_ptr, b_ptr, b_desc, a_scale_ptr, b_scale_ptr, rows // A_ROW_DIV, row_mask,
+                                 x_rows // A_ROW_DIV, x_mask, expert, pid_n, N, K,
+                                 stride_am, stride_ak, stride_be, stride_bn, stride_bk,
+                                 stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+                                 GATED, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA, DOT_PRECISION,
+                                 BLOCK_M, X_M, BLOCK_N, BLOCK_K)
         _store_rows(c_ptr, routed_weight_ptr, acc, rows, row_mask, slots, num_slots, cols, N, stride_cm, stride_cn,
                     MUL_ROUTED_WEIGHT, IN_PLACE)
-        if PARTIALS:
-            _store_rows(c_ptr + N * stride_cn, routed_weight_ptr, acc_up, rows, row_mask, slots, num_slots, cols, N,
-                        stride_cm, stride_cn, MUL_ROUTED_WEIGHT, IN_PLACE)
         if X_M > 0:
             _store_rows(c_ptr, routed_weight_ptr, acc_x, x_rows, x_mask, x_slots, num_slots, cols, N,
                         stride_cm, stride_cn, MUL_ROUTED_WEIGHT, IN_PLACE)
-            if PARTIALS:
-                _store_rows(c_ptr + N * stride_cn, routed_weight_ptr, acc_x_up, x_rows, x_mask, x_slots, num_slots,
-                            cols, N, stride_cm, stride_cn, MUL_ROUTED_WEIGHT, IN_PLACE)
 
 
 @triton.jit
 def _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, sorted_ids_ptr,
-                 first, num_valid, num_slots, expert, pid_n, N, K, kb_start, kb_end,
-                 stride_am, stride_ak, stride_as, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                 first, num_valid, num_slots, expert, pid_n, N, K,
+                 stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                  stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                  A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
                  IN_PLACE: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
-                 B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, PARTIALS: tl.constexpr, A_SPLITS: tl.constexpr,
+                 B_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  HEIGHT: tl.constexpr, X_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The HEIGHT slots from `first` of a sorted alignment as one tile, and the X_M after them with it."""
     slots = first + tl.arange(0, HEIGHT).to(tl.int64)
@@ -232,11 +197,10 @@ def _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_w
         x_rows = rows
     _rows_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr,
                rows, rows < num_valid, slots, x_rows, x_rows < num_valid, x_slots, num_slots, expert, pid_n, N, K,
-               kb_start, kb_end,
-               stride_am, stride_ak, stride_as, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+               stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, IN_PLACE, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
-               DOT_PRECISION, PARTIALS, A_SPLITS, HEIGHT, X_M, BLOCK_N, BLOCK_K)
+               DOT_PRECISION, HEIGHT, X_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -263,7 +227,7 @@ def grouped_gemm_kernel(
     a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr,
     sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
     num_valid, num_slots, num_pid_m, N, K,
-    stride_am, stride_ak, stride_as, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_cs,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     A_ROW_DIV: tl.constexpr,  # rows index (token, k) pairs while A holds one row per token: top_k
     GATED: tl.constexpr,
@@ -279,28 +243,16 @@ def grouped_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TAIL_M: tl.constexpr,  # sorted tiles are BLOCK_M + TAIL_M slots (see the module's docstring)
-    SPLIT_K: tl.constexpr = 1,  # K parts, one per program along grid axis 1; > 1: C holds fp32 partials per part
-    A_SPLITS: tl.constexpr = 0,  # A holds this many split-K gate-up partials, reduced and gated as they load
 ):
     pid_m, pid_n = _tile_coords(num_pid_m, N, BLOCK_N, GROUP_M)
-    PARTIALS: tl.constexpr = SPLIT_K > 1
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    kb_start = 0
-    kb_end = k_tiles
-    if SPLIT_K > 1:
-        part = tl.cdiv(k_tiles, SPLIT_K)
-        kb_start = tl.program_id(1) * part
-        kb_end = tl.minimum(kb_start + part, k_tiles)
-        c_ptr += tl.program_id(1).to(tl.int64) * stride_cs
     if DIRECT:
         expert, rows, row_mask = _direct_rows(sorted_ids_ptr, pid_m, num_valid, TOP_K, TOP_K_POW2, BLOCK_M)
         _rows_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr,
                    rows, row_mask, rows, rows, row_mask, rows, num_slots, expert.to(tl.int64), pid_n, N, K,
-                   kb_start, kb_end,
-                   stride_am, stride_ak, stride_as, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                   stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                    A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, False, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
-                   DOT_PRECISION, PARTIALS, A_SPLITS, BLOCK_M, 0, BLOCK_N, BLOCK_K)
+                   DOT_PRECISION, BLOCK_M, 0, BLOCK_N, BLOCK_K)
     elif pid_m * (BLOCK_M + TAIL_M) < tl.load(num_padded_ptr):  # the grid covers the worst-case padding
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         first = pid_m * (BLOCK_M + TAIL_M)
@@ -310,32 +262,32 @@ def grouped_gemm_kernel(
             # chosen through flags that are Python bools without a tail failed to compile for tiles with none.)
             if tl.load(sorted_ids_ptr + first + BLOCK_M) < num_valid:
                 _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, sorted_ids_ptr,
-                             first, num_valid, num_slots, expert, pid_n, N, K, kb_start, kb_end,
-                             stride_am, stride_ak, stride_as, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                             first, num_valid, num_slots, expert, pid_n, N, K,
+                             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                              stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                              A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, IN_PLACE, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
-                             DOT_PRECISION, PARTIALS, A_SPLITS, BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K)
+                             DOT_PRECISION, BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K)
             elif tl.load(sorted_ids_ptr + first + TAIL_M) < num_valid:
                 _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, sorted_ids_ptr,
-                             first, num_valid, num_slots, expert, pid_n, N, K, kb_start, kb_end,
-                             stride_am, stride_ak, stride_as, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                             first, num_valid, num_slots, expert, pid_n, N, K,
+                             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                              stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                              A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, IN_PLACE, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
-                             DOT_PRECISION, PARTIALS, A_SPLITS, BLOCK_M, 0, BLOCK_N, BLOCK_K)
+                             DOT_PRECISION, BLOCK_M, 0, BLOCK_N, BLOCK_K)
             else:
                 _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, sorted_ids_ptr,
-                             first, num_valid, num_slots, expert, pid_n, N, K, kb_start, kb_end,
-                             stride_am, stride_ak, stride_as, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                             first, num_valid, num_slots, expert, pid_n, N, K,
+                             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                              stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                              A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, IN_PLACE, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
-                             DOT_PRECISION, PARTIALS, A_SPLITS, TAIL_M, 0, BLOCK_N, BLOCK_K)
+                             DOT_PRECISION, TAIL_M, 0, BLOCK_N, BLOCK_K)
         else:
             _sorted_tile(a_ptr, b_ptr, b_desc, c_ptr, a_scale_ptr, b_scale_ptr, routed_weight_ptr, sorted_ids_ptr,
-                         first, num_valid, num_slots, expert, pid_n, N, K, kb_start, kb_end,
-                         stride_am, stride_ak, stride_as, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                         first, num_valid, num_slots, expert, pid_n, N, K,
+                         stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                          stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                          A_ROW_DIV, GATED, MUL_ROUTED_WEIGHT, IN_PLACE, FP8_BLOCK, SCALE_BLOCK, EVEN_K, B_TMA,
-                         DOT_PRECISION, PARTIALS, A_SPLITS, BLOCK_M, 0, BLOCK_N, BLOCK_K)
+                         DOT_PRECISION, BLOCK_M, 0, BLOCK_N, BLOCK_K)
 
 
 def grouped_gemm(
@@ -355,20 +307,9 @@ def grouped_gemm(
     """out[rows] = A[rows // a_row_div] @ B[expert].T (SiLU-gated when `gated`, times the routed weight if given).
 
     a [rows, K]; b [E, N or 2N, K], contiguous; out [rows or slots, N]. fp8 when `b_scale` is given.
-    Split-K: a gated GEMM whose tile has split_k > 1 writes out [split_k, rows, 2N] fp32 partials (gate, then
-    up); given such partials as a 3-d `a` [splits, rows, 2K], the GEMM reduces and gates them as A.
     """
     fp8 = b_scale is not None
     n = b.shape[1] // 2 if gated else b.shape[1]
-    a_splits = a.shape[0] if a.dim() == 3 else 0
-    split_k = config.split_k
-    if (split_k > 1 or a_splits) and (fp8 or in_place):
-        raise ValueError("split-K partials are for plain weights and sorted or direct rows, not fp8 or rows in place")
-    if split_k > 1 and not (gated and out.dim() == 3 and out.shape[0] == split_k and out.dtype == torch.float32):
-        raise ValueError(f"a split-K GEMM is a gated one writing fp32 partials [{split_k}, rows, 2N]")
-    a2 = a[0] if a_splits else a  # one part's [rows, 2K] (its strides are every part's)
-    c2 = out[0] if split_k > 1 else out
-    k = a2.shape[1] // 2 if a_splits else a2.shape[1]
     if fp8 and (a_scale is None or SCALE_BLOCK % config.block_k):
         raise ValueError(f"fp8 block GEMMs need activation scales and BLOCK_K dividing {SCALE_BLOCK}")
     if in_place and align.direct:
@@ -379,19 +320,18 @@ def grouped_gemm(
     if in_place and tail_m:
         raise ValueError("tiles with a tail need sorted rows (rows first in each tile), not rows in place")
     num_pid_m = align.num_tiles
-    grid = (num_pid_m * triton.cdiv(n, config.block_n), split_k)
+    grid = (num_pid_m * triton.cdiv(n, config.block_n),)
     if grid[0] == 0:
         return
-    a_scale = a_scale if fp8 else a2  # never read: FP8_BLOCK is off
+    a_scale = a_scale if fp8 else a  # never read: FP8_BLOCK is off
     b_scale = b_scale if fp8 else b
-    routed = routed_weights if routed_weights is not None else a2
+    routed = routed_weights if routed_weights is not None else a
     b_desc = weight_descriptor(b, config) if config.tma else b
     grouped_gemm_kernel[grid](
-        a2, b, b_desc, c2, a_scale, b_scale, routed,
+        a, b, b_desc, out, a_scale, b_scale, routed,
         align.sorted_ids, align.block_expert, align.num_padded,
-        align.num_valid, align.num_slots, num_pid_m, n, k,
-        a2.stride(0), a2.stride(1), a.stride(0) if a_splits else 0, b.stride(0), b.stride(1), b.stride(2),
-        c2.stride(0), c2.stride(1), out.stride(0) if split_k > 1 else 0,
+        align.num_valid, align.num_slots, num_pid_m, n, a.shape[1],
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
         a_scale.stride(0) if fp8 else 0, a_scale.stride(1) if fp8 else 0,
         b_scale.stride(0) if fp8 else 0, b_scale.stride(1) if fp8 else 0, b_scale.stride(2) if fp8 else 0,
         A_ROW_DIV=a_row_div,
@@ -403,16 +343,14 @@ def grouped_gemm(
         TOP_K_POW2=triton.next_power_of_2(align.top_k),
         FP8_BLOCK=fp8,
         SCALE_BLOCK=SCALE_BLOCK,
-        EVEN_K=k % config.block_k == 0,
+        EVEN_K=a.shape[1] % config.block_k == 0,
         B_TMA=config.tma,
-        DOT_PRECISION="ieee" if (b.dtype if a_splits else a.dtype) == torch.float32 else "tf32",  # A's dot dtype
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
         TAIL_M=tail_m,
-        SPLIT_K=split_k,
-        A_SPLITS=a_splits,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
