@@ -6,8 +6,9 @@
 At one token Qwen3-30B-A3B's gate-up GEMM is 8 experts x 6 column tiles: 48 programs on 132 SMs, so the
 weights stream at a fraction of the memory's rate (issue #31 target 1). For each shape and M this times the
 plugin's whole fused MoE (`TritonMoEKernel.apply`: align, gate-up, down, top-k sum) with the tiles its table
-picks ("table") and with each candidate of CANDIDATES: narrower column tiles, and split-K gate-up tiles whose
-partials the down GEMM reduces (kernel.py).
+picks ("table") and with each candidate of CANDIDATES: narrower and deeper column tiles, more warps, the copy
+engine. (Split-K of the gate-up GEMM was tried on 2026-12-05 and lost at every M, 1.1-4.9x slower than the table:
+results/fused_moe_h200_qwen3-30b-a3b_bf16.md; it was taken out again.)
 
 Weights are cold, as in a decode step that streams 48 layers: each timed CUDA graph holds CALLS calls on fresh
 random top-k routings, and at a few tokens consecutive calls draw from disjoint halves of the experts, so no
@@ -71,23 +72,21 @@ SHAPES = {
 TOKENS = (1, 2, 4, 8, 16, 32)
 
 
-def tile(block_n, block_k, warps=4, stages=3, split_k=1, tma=False) -> TileConfig:
-    return TileConfig(16, block_n, block_k, 1, warps, stages, tma, 0, split_k)
+def tile(block_n, block_k, warps=4, stages=3, tma=False) -> TileConfig:
+    return TileConfig(16, block_n, block_k, 1, warps, stages, tma, 0)
 
 
-# (gate-up, down) pairs for BLOCK_M = 16, the decode row tile. Programs at one token on Qwen3 (gate-up x split,
-# down): the table's 128-wide tiles make 48 and 128.
+# (gate-up, down) pairs for BLOCK_M = 16, the decode row tile. Programs at one token on Qwen3 (gate-up, down):
+# the table's 128-wide tiles make 48 and 128.
 CANDIDATES = {
-    "n32": (tile(32, 256, stages=4), tile(64, 256)),  # 192 + 256 programs, no split
+    "n32": (tile(32, 256, stages=4), tile(64, 256)),  # 192 + 256 programs
     "n16": (tile(16, 256, stages=4), tile(32, 256, stages=4)),  # 384 + 512
-    "n64.s2": (tile(64, 128, split_k=2), tile(64, 128)),  # 192 + 256
-    "n64.s4": (tile(64, 128, split_k=4), tile(64, 128, stages=2)),  # 384 + 256
-    "n128.s4": (tile(128, 128, split_k=4), tile(128, 128, stages=2)),  # 192 + 128
-    "n32.s2": (tile(32, 128, stages=4, split_k=2), tile(32, 256)),  # 384 + 512
-    "n64.s2.w8": (tile(64, 256, warps=8, split_k=2), tile(128, 128, warps=8)),  # 192 + 128
+    "n64": (tile(64, 128), tile(64, 128)),  # 96 + 256
+    "n64.w8": (tile(64, 256, warps=8), tile(128, 128, warps=8)),  # 96 + 128
     "n32.tma": (tile(32, 256, stages=4, tma=True), tile(64, 256, tma=True)),  # the copy engine
+    "n16.tma": (tile(16, 256, stages=4, tma=True), tile(32, 256, stages=4, tma=True)),  # 384 + 512, the copy engine
 }
-QUICK = ("n32", "n64.s2")
+QUICK = ("n32", "n64")
 
 
 class FixedTiles:
@@ -247,7 +246,7 @@ def precompile(shape: Shape, jobs: list[tuple[MoETiles, int]], workers: int) -> 
 
 def describe(tiles: MoETiles) -> str:
     def one(t: TileConfig) -> str:
-        extra = (f"/s{t.split_k}" if t.split_k > 1 else "") + ("/tma" if t.tma else "")
+        extra = "/tma" if t.tma else ""
         return f"{t.block_n}x{t.block_k}/w{t.num_warps}/st{t.num_stages}{extra}"
     return f"gu {one(tiles.gate_up)}, dn {one(tiles.down)}"
 
@@ -255,7 +254,7 @@ def describe(tiles: MoETiles) -> str:
 def report(shape: Shape, results: dict[int, list[dict]], cases: dict[int, Case], rates: dict[int, float]) -> list[str]:
     lines = [f"### {shape.name}: E={shape.experts}, top-{shape.top_k}, hidden {shape.hidden}, "
              f"moe_intermediate {shape.intermediate}", "",
-             "| M | config | tiles (N x K / warps / stages / split) | us (min-max) | GB/s | x nominal roofline "
+             "| M | config | tiles (N x K / warps / stages) | us (min-max) | GB/s | x nominal roofline "
              "| x copy roofline |", "|---:|---|---|---:|---:|---:|---:|"]
     best_lines = ["", "| M | MB per call | copy GB/s | table, us | best | best, us | gain |", "|---:|---:|---:|---:|---|---:|---:|"]
     for m, rows in results.items():

@@ -3,6 +3,7 @@ unseen between GPU sessions. Their numbers here mean nothing; their correctness 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,17 @@ def test_spec_serving_against_the_same_server_without_speculation(tmp_path):
     assert sorted(row[2] for row in rows) == ["ngram", "none"] and all(row[3] == "4/4" for row in rows), out
     summary = table_rows(out, "2")
     assert len(summary) == 1 and float(summary[0][3].split()[0]) > 0, out
+
+
+def test_moe_small_m_under_the_triton_interpreter(tmp_path):
+    """The decode-size MoE sweep (issue #31 target 1) checks each candidate against the torch kernel before timing:
+    a candidate must come out in the table, not as WRONG or skipped, and --write-configs writes the plugin's table."""
+    out = tmp_path / "moe.md"
+    done = subprocess.run([sys.executable, "moe_small_m.py", "--device", "cpu", "--tokens", "1", "--runs", "1",
+                           "--candidates", "n64", "--out", str(out), "--write-configs", str(tmp_path / "configs")],
+                          cwd=BENCHMARKS, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "WRONG" not in done.stdout and "skipped" not in done.stdout, done.stdout
+    assert [row[1] for row in table_rows(out.read_text(), "1")[:2]] == ["table", "n64"], out.read_text()
+    assert list((tmp_path / "configs").glob("E=16,N=32,K=64,device=interpreter,dtype=fp16.json"))

@@ -248,45 +248,6 @@ def test_tiles_with_a_tail_run_at_the_height_their_rows_need_and_match_torch(tmp
         assert torch.equal(padding, torch.zeros_like(padding))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,split_k,tail_m,tma", [(1, 2, 0, False), (3, 3, 0, True), (37, 2, 16, False)])
-def test_split_k_gate_up_matches_torch(tmp_path, dtype, tokens, split_k, tail_m, tma):
-    """Gate-up in K parts (H=72 is three 32-wide K tiles, the last partial: parts of 2 + 1 or 1 + 1 + 1), the
-    partials reduced and gated as the down GEMM loads them: direct decode rows, sorted rows with a tail,
-    pointer and descriptor weight loads."""
-    gate_up = TileConfig(16, 32, 32, tail_m=tail_m, split_k=split_k, tma=tma)
-    tiles = MoETiles(gate_up, TileConfig(16, 32, 32, tail_m=tail_m, tma=tma))
-    triton_kernel, torch_kernel = kernels(dtype, experts=8, top_k=4, tables=one_entry_tables(tmp_path, tiles, dtype, 8))
-    ids, topk_weights = random_routing(tokens, 4, 8, seed=tokens + split_k)
-    if tokens > 16:
-        ids[2:22, 0] = 7  # expert 7 runs a tile with its tail
-    hidden = torch.randn(tokens, H).to(DEVICE, dtype)
-    hidden[ids.lt(0).all(1)] = float("nan")  # tokens routed nowhere here must not be read
-    ours, ref = run_both(StandardLayout(hidden, ids, topk_weights, 8), make_weights(8, H, I, dtype),
-                         triton_kernel, torch_kernel)
-    assert relative_error(ours, ref) <= TOLERANCE[dtype]
-
-
-def test_split_k_partials_are_written_per_part_and_refused_where_they_cannot_serve():
-    ids, _ = random_routing(2, 4, 8, seed=5)
-    align = align_direct(ids, 16)
-    a, w13 = torch.randn(2, H, device=DEVICE), torch.randn(8, 2 * I, H, device=DEVICE)
-    split = TileConfig(16, 32, 32, split_k=3)
-    partials = torch.zeros(3, 8, 2 * I, device=DEVICE)
-    grouped_gemm(a, w13, partials, align, split, a_row_div=4, gated=True)
-    routed = ids.reshape(-1) >= 0
-    for pair in routed.nonzero().squeeze(1).tolist():  # each part holds its K range's gate and up sums
-        token, expert = pair // 4, ids.reshape(-1)[pair]
-        want = torch.stack([a[token, k * 32:(k + 1) * 32] @ w13[expert, :, k * 32:(k + 1) * 32].T for k in range(3)])
-        assert torch.allclose(partials[:, pair], want, atol=1e-4)
-    with pytest.raises(ValueError, match="partials"):  # not fp32 [split_k, rows, 2N]
-        grouped_gemm(a, w13, torch.zeros(8, I, device=DEVICE), align, split, a_row_div=4, gated=True)
-    with pytest.raises(ValueError, match="only the gate-up"):
-        MoETiles(TileConfig(16, 32, 32), TileConfig(16, 32, 32, split_k=2))
-    assert MoETiles.both(split).down.split_k == 1
-    assert TileConfig.from_json(split.to_json()) == split and "SPLIT_K" not in TileConfig(16, 32, 32).to_json()
-
-
 def test_a_tile_with_a_tail_takes_an_alignment_of_its_slots():
     ids, _ = random_routing(45, 4, 8, seed=1)
     with pytest.raises(ValueError, match="slots"):
