@@ -144,15 +144,15 @@ class AdaptivePolicy:
             return []
         if not self.may_draft(n) or not any(room > 0 for room in rooms):
             return [0] * n
-        if all(self._cold.get(r.rid, 0) >= COLD_AFTER for r in requests) or self._nothing_pays(requests, expect_offers, n):
+        cold = self._cold_flags(requests)
+        if all(cold) or self._nothing_pays(requests, expect_offers, n):
             return self._explore(requests, rooms, n)  # the exact choice below would give none, at several times the cost
         if n == 1:
             return self._choose_one(requests[0], rooms[0], expect_offers)
         worth = self._worth_matrix(requests)
         if expect_offers:
             worth *= np.array([self.offer_rate(r) for r in requests])[:, None]
-        warm = np.array([self._cold.get(r.rid, 0) < COLD_AFTER for r in requests])
-        allowed = (np.arange(steps)[None, :] < np.clip(np.asarray(rooms), 0, steps)[:, None]) & warm[:, None]
+        allowed = (np.arange(steps)[None, :] < np.clip(np.asarray(rooms), 0, steps)[:, None]) & ~np.array(cold)[:, None]
         flat = np.where(allowed, worth, -1.0).ravel()
         order = np.argsort(-flat, kind="stable")[: int(allowed.sum())]  # equal worth: the earlier request first
         size = self._size(n)
@@ -186,9 +186,13 @@ class AdaptivePolicy:
         n = len(requests)
         if not self.may_draft(n) or not any(room > 0 for room in rooms):
             return [0] * n
-        if all(self._cold.get(r.rid, 0) >= COLD_AFTER for r in requests) or self._nothing_pays(requests, False, n):
+        if all(self._cold_flags(requests)) or self._nothing_pays(requests, False, n):
             return self._explore(requests, rooms, n)
         return [max(min(room, self.steps), 0) for room in rooms]
+
+    def _cold_flags(self, requests: Sequence[Request]) -> list[bool]:
+        """Per request: whether its drafts all missed in COLD_AFTER verify steps running (it drafts only to explore)."""
+        return [self._cold.get(r.rid, 0) >= COLD_AFTER for r in requests]
 
     def _explore(self, requests: Sequence[Request], rooms: Sequence[int], n: int) -> list[int]:
         """Where the records say no draft pays: full drafts for the requests due to try again (module docstring),
