@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
-#   bash benchmarks/gpu_system.sh OUT tests|spec|spec-steady|e2e|prefix|dgmasked ...
+#   bash benchmarks/gpu_system.sh OUT tests|spec|spec-steady|spec-dsv3|spec-profile|spec-serve|e2e|moe-small-m|large-m|prefix|dgmasked ...
+# What the open issues still need measured, one device call per line (each under ~9 minutes):
+#   bash benchmarks/gpu_system.sh OUT tests spec-steady        # #32: GPU tests; ngram / oracle / adversary, batches 1-64
+#   bash benchmarks/gpu_system.sh OUT spec-dsv3 spec-profile   # #32: nextn random and synthetic MTP; host time per step
+#   bash benchmarks/gpu_system.sh OUT spec-serve large-m       # #32 served run; #31 target 5 (EP8-global large M)
+#   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
+#   bash benchmarks/plan_profile.sh OUT                        # #34: the inputs the shipped plan profile borrows
 # dgmasked needs the DeepGEMM wheel carried in .dg/ (see benchmarks/results/deepgemm_moe_h200.md); its JIT cache
 # goes back as OUT/dg_cache.tgz (unpack it into .dg/cache to skip the compiles next time).
 set -o pipefail
@@ -20,8 +26,26 @@ for part in "$@"; do
       timeout 240 python3 benchmarks/speculative.py --device cuda --qwen-layers 12 --batches 1 8 32 --runs 3 \
         --out "$out/speculative_h200.md" 2>&1 | grep -v -i warn | tail -40 ;;
     spec-steady)
-      timeout 300 python3 benchmarks/speculative.py --device cuda --qwen-layers 12 --batches 1 8 32 --runs 3 --steady \
+      timeout 420 python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
+        --runs 3 --batches 1 8 32 64 --output-len 64 --drafters ngram test-oracle test-adversary \
         --out "$out/speculative_steady_h200.md" 2>&1 | grep -v -i warn | tail -40 ;;
+    spec-dsv3)
+      timeout 360 python3 benchmarks/speculative.py --device cuda --only dsv3 --steady --runs 3 --batches 1 8 32 64 \
+        --output-len 64 --drafters nextn --out "$out/speculative_dsv3_h200.md" 2>&1 | grep -v -i warn | tail -30 ;;
+    spec-profile)
+      timeout 150 python3 benchmarks/spec_profile.py --device cuda --batch 1 --out "$out/prof1" \
+        --drafters ngram/fixed/overlap ngram/overlap 2>&1 | grep -v -i warn | tail -20
+      timeout 150 python3 benchmarks/spec_profile.py --device cuda --batch 8 --out "$out/prof8" \
+        --drafters ngram/overlap 2>&1 | grep -v -i warn | tail -20 ;;
+    spec-serve)
+      timeout 300 python3 benchmarks/spec_serving.py --arch qwen3_moe --preset 30b-a3b --layers 12 --load-format dummy \
+        --dtype bf16 --device cuda --runs 3 --out "$out/spec_serving_h200.md" 2>&1 | grep -v -i warn | tail -20 ;;
+    moe-small-m)
+      timeout 240 python3 benchmarks/moe_small_m.py --shapes deepseek-v3 --runs 5 --out "$out/moe_small_m_dsv3.md" \
+        --write-configs "$out/configs" 2>&1 | grep -v -i warn | tail -20 ;;
+    large-m)
+      timeout 240 python3 benchmarks/fused_moe.py --shape deepseek-v3-ep8 --dtype bf16 --routing global local \
+        --tokens 512 4096 16384 2>&1 | grep -v -i warn | tee "$out/fused_moe_large_m.md" | tail -20 ;;
     e2e)
       for model in qwen dsv3; do
         for run in 1 2 3; do

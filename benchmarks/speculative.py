@@ -63,7 +63,7 @@ from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
 from moeplex.speculation import step as spec_step
 from report import emit
-from timing import decode_rate, sync
+from timing import CLOCK_HELP, CLOCKS, decode_rate, sync
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import script_drafters  # noqa: E402  (the test-only oracle and adversary)
@@ -151,7 +151,7 @@ def steady_lengths(count: int, output_len: int, seed: int) -> list[int]:
     return [max(1, round(output_len * (0.5 + rng.random()))) for _ in range(count)]
 
 
-def steady_rate(engine: Engine, prompts, params, batch: int, device: str) -> tuple[float, list]:
+def steady_rate(engine: Engine, prompts, params, batch: int, device: str, clock=time.perf_counter) -> tuple[float, list]:
     """(decode tokens/s with `batch` requests always running, the finished requests): each request that finishes
     is replaced by the next prompt; the clock runs from when the first `batch` requests all have their first token
     to when the last prompt is admitted, so the batch is full throughout (tokens of admitted requests' prefills
@@ -166,10 +166,10 @@ def steady_rate(engine: Engine, prompts, params, batch: int, device: str) -> tup
                 requests.append(engine.add_request(*queue.pop(0)))
         if start is None and all(r.output_ids for r in requests[:batch]):
             sync(device)
-            start, counted = time.perf_counter(), sum(len(r.output_ids) for r in requests)
+            start, counted = clock(), sum(len(r.output_ids) for r in requests)
         if start is not None and stop is None and not queue:
             sync(device)
-            stop, counted = time.perf_counter(), sum(len(r.output_ids) for r in requests) - counted
+            stop, counted = clock(), sum(len(r.output_ids) for r in requests) - counted
     return counted / (stop - start), requests
 
 
@@ -183,9 +183,9 @@ def measure(engine: Engine, drafter: str, batch: int, prompts, args, reference: 
         if args.steady:
             per_prompt = [attrs.evolve(params, max_new_tokens=n)
                           for n in steady_lengths(len(prompts), args.output_len, seed=batch)]
-            rate, done = steady_rate(engine, prompts, per_prompt, batch, args.device)
+            rate, done = steady_rate(engine, prompts, per_prompt, batch, args.device, CLOCKS[args.clock])
         else:
-            rate, done = decode_rate(engine, prompts, params, args.device)
+            rate, done = decode_rate(engine, prompts, params, args.device, CLOCKS[args.clock])
     outputs = [r.output_ids for r in done]
     if drafter == "none":
         reference.setdefault(batch, outputs)
@@ -292,8 +292,11 @@ def main() -> None:
                         help="build and warm every engine once, then --runs rounds in which every engine runs each "
                         "batch once, the order rotated per round; the ratio is the median of the rounds' ratios (a "
                         "shared machine's load drifts over minutes; the engines must fit in memory together)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help=CLOCK_HELP)
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
+    if args.clock == "cpu" and args.device != "cpu":
+        parser.error("--clock cpu is for CPU runs: a GPU engine's time is the device's")
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     args.output_len = args.output_len or (32 if args.device == "cpu" else 128)
@@ -308,6 +311,8 @@ def main() -> None:
         ratio_head, ratio_rule = "vs none (median of rounds) | rounds' min-max", "---:|---:"
     else:
         ratio_head, ratio_rule = "vs none", "---:"
+    if args.clock == "cpu":
+        mode += "; rates per second of this process's CPU time"
     lines = [f"steps {args.steps}, {args.output_len} tokens per request, prompts of {PHRASE} tokens x {REPEATS}; {mode}", "",
              f"| model | batch | drafter | decode tok/s (median) | min-max | {ratio_head} | accept length | SGLang H200 (reported) |",
              f"|---|---:|---|---:|---:|{ratio_rule}|---:|---:|"]

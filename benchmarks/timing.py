@@ -13,17 +13,24 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def decode_rate(engine, prompts, params, device: str) -> tuple[float, list]:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+CLOCK_HELP = ("what the rates divide by: wall (default) or cpu, this process's CPU time: on a shared virtual "
+              "machine a one-thread CPU engine's CPU time leaves out the time other guests and processes took "
+              "from it, which moves wall-clock rates by +-20%% from one run to the next; equal to wall time on a "
+              "quiet machine (GPU runs: wall only)")
+
+
+def decode_rate(engine, prompts, params, device: str, clock=time.perf_counter) -> tuple[float, list]:
     """(decode tokens/s, the finished requests) of one batch run to completion; a request that failed stops the
-    benchmark (a rate of failed requests means nothing)."""
+    benchmark (a rate of failed requests means nothing). `clock`: one of CLOCKS."""
     requests = [engine.add_request(p, params) for p in prompts]
     while any(not r.output_ids for r in requests):
         engine.step()
     sync(device)
-    start, first = time.perf_counter(), sum(len(r.output_ids) for r in requests)
+    start, first = clock(), sum(len(r.output_ids) for r in requests)
     while engine.has_work:
         engine.step()
     sync(device)
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     assert all(r.error is None for r in requests), [r.error for r in requests if r.error]
     return (sum(len(r.output_ids) for r in requests) - first) / elapsed, requests
