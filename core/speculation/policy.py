@@ -80,6 +80,7 @@ class SizeCosts:
 
     plain_rate: float
     curve: np.ndarray
+    curve_list: list[float]  # the same, as floats (the batch-1 choice runs in plain Python)
     may_draft: bool
     least_worth: float
     explore_every: int  # tokens of a request between tries of drafts its record advises against
@@ -94,7 +95,7 @@ class SizeCosts:
         # for each of the n requests
         extra = max(float(curve[steps - 1]) - plain_cost, 0.0)
         every = int(np.ceil(n * extra / (plain_cost * EXPLORE_LOSS) - 1e-6)) if plain_cost > 0 else 1
-        return cls(plain, curve, bool(np.max((n + d) / curve) > plain * (1 + 1e-9)),
+        return cls(plain, curve, curve.tolist(), bool(np.max((n + d) / curve) > plain * (1 + 1e-9)),
                    float(np.min((plain * (1 + 1e-9) * curve - n) / d)) * (1 - 1e-6), max(every, 1))
 
 
@@ -114,15 +115,23 @@ class AdaptivePolicy:
         self._best_own: float | None = None  # max over the records of accepted / tried at the first draft
         self._tried_at: dict[str, int] = {}  # per request: its output length when it last verified or was asked
         self._cold: dict[str, int] = {}  # per request: its verify steps running in which every draft missed
+        self._prior: list[float] | None = None  # prior(), while all requests' record is unchanged
 
     def prior(self) -> np.ndarray:
         """All requests' acceptance per position, each position leaning on the one before it (the first on PRIOR):
         where drafts miss at the first position the later ones are never tried, and a fixed prior there would
         keep them worth a verify step's cheap extra rows."""
-        rates, before = np.empty(self.steps), PRIOR
-        for k in range(self.steps):
-            before = rates[k] = (self.all.accepted[k] + PRIOR_WEIGHT * before) / (self.all.tried[k] + PRIOR_WEIGHT)
-        return rates
+        return np.array(self._prior_rates())
+
+    def _prior_rates(self) -> list[float]:
+        """prior() as floats, computed once per change of all requests' record (record() drops it)."""
+        if self._prior is None:
+            rates, before = [], PRIOR
+            for accepted, tried in zip(self.all.accepted.tolist(), self.all.tried.tolist()):
+                before = (accepted + PRIOR_WEIGHT * before) / (tried + PRIOR_WEIGHT)
+                rates.append(before)
+            self._prior = rates
+        return self._prior
 
     def worth(self, request: Request) -> np.ndarray:
         """Expected tokens each of the request's drafts 1..steps adds (nonincreasing)."""
@@ -145,10 +154,10 @@ class AdaptivePolicy:
         if not self.may_draft(n) or not any(room > 0 for room in rooms):
             return [0] * n
         cold = self._cold_flags(requests)
+        if n == 1 and not cold[0]:
+            return self._choose_one(requests[0], rooms[0], expect_offers)  # exact, and cheaper than the bounds below
         if all(cold) or self._nothing_pays(requests, expect_offers, n):
             return self._explore(requests, rooms, n)  # the exact choice below would give none, at several times the cost
-        if n == 1:
-            return self._choose_one(requests[0], rooms[0], expect_offers)
         worth = self._worth_matrix(requests)
         if expect_offers:
             worth *= np.array([self.offer_rate(r) for r in requests])[:, None]
@@ -168,14 +177,15 @@ class AdaptivePolicy:
 
     def _choose_one(self, request: Request, room: int, expect_offers: bool) -> list[int]:
         """choose() for one warm request, in plain Python (numpy's per-call cost is most of a step's policy time
-        at batch 1, where a CPU step is a few ms): its drafts in position order, the count with the best rate."""
-        worth = self._worth_matrix([request])[0].tolist()
+        at batch 1, where a step's host work is a millisecond or two): its drafts in position order, the count with
+        the best rate."""
         offer = self.offer_rate(request) if expect_offers else 1.0
         size = self._size(1)
-        best, best_rate, total = 0, size.plain_rate * (1 + 1e-9), 1.0
-        for d in range(min(room, self.steps)):
-            total += worth[d] * offer
-            rate = total / float(size.curve[d])
+        best, best_rate, total, worth = 0, size.plain_rate * (1 + 1e-9), 1.0, 1.0
+        for d, (rate, cost) in enumerate(zip(self._rates_one(request)[: min(room, self.steps)], size.curve_list)):
+            worth *= rate
+            total += worth * offer
+            rate = total / cost
             if rate > best_rate:
                 best, best_rate = d + 1, rate
         return [max(best, self._explore([request], [room], 1)[0])]
@@ -261,6 +271,23 @@ class AdaptivePolicy:
             best = max(best, rate)
         return float(best)
 
+    def _rates_one(self, request: Request) -> list[float]:
+        """One request's acceptance per position (its record faded to now, leaning on the prior), as floats."""
+        prior = self._prior_rates()
+        own = self._own.get(request.rid)
+        if own is None:
+            return prior
+        self._fade_own(request, own)
+        return [(a + PRIOR_WEIGHT * p) / (t + PRIOR_WEIGHT)
+                for a, t, p in zip(own.accepted.tolist(), own.tried.tolist(), prior)]
+
+    def _fade_own(self, request: Request, own: Acceptance) -> None:
+        """Fade the request's record by the tokens it decoded without drafts since it last changed."""
+        faded = len(request.output_ids) - self._seen_at[request.rid]
+        if faded > 0:
+            own.fade(RECOVERY ** faded)
+            self._seen_at[request.rid] = len(request.output_ids)
+
     def _worth_matrix(self, requests: Sequence[Request]) -> np.ndarray:
         """[requests, steps]: worth() of each request, at once."""
         tried, accepted = np.zeros((len(requests), self.steps)), np.zeros((len(requests), self.steps))
@@ -268,10 +295,7 @@ class AdaptivePolicy:
             own = self._own.get(request.rid)
             if own is None:
                 continue
-            faded = len(request.output_ids) - self._seen_at[request.rid]
-            if faded > 0:
-                own.fade(RECOVERY ** faded)
-                self._seen_at[request.rid] = len(request.output_ids)
+            self._fade_own(request, own)
             tried[i], accepted[i] = own.tried, own.accepted
         prior = self.prior()[None, :]
         return np.cumprod((accepted + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT), axis=1)
@@ -280,12 +304,12 @@ class AdaptivePolicy:
         own = self._own.get(request.rid)
         if own is None:
             own = self._own[request.rid] = Acceptance(self.steps)
-            self.all.fade(RECOVERY ** 8)  # each new request moves all requests' record a little back to PRIOR
+            self.all.fade(RECOVERY ** 8)  # (record() drops the cached prior below)  # each new request moves all requests' record a little back to PRIOR
             self.offers = (self.offers[0] * RECOVERY ** 8, self.offers[1] * RECOVERY ** 8)
         own.record(drafted, accepted)
         self._tried_at[request.rid] = len(request.output_ids)
         self._cold[request.rid] = 0 if accepted else self._cold.get(request.rid, 0) + 1
-        self._best_own = None
+        self._best_own = self._prior = None
         self.all.record(drafted, accepted, recency=0.98)
         self._seen_at[request.rid] = len(request.output_ids)
 
