@@ -71,6 +71,8 @@ KERNEL_CASES = {
     "gqa-4-odd-dim": ((9, 16, 2), 8, 2, 24, 24, False),
     "mla-latent": ((7, 33), 4, 1, 40, 32, True),
     "mla-two-head-blocks": ((20, 3), 20, 1, 24, 16, True),
+    # splits of whole tiles: 100 tokens in 3 splits of 16-token tiles are 48 + 48 + 4, 37 are 16 + 16 + 5
+    "gqa-multi-tile-splits": ((100, 37), 4, 2, 16, 16, False),
 }
 
 

@@ -76,7 +76,10 @@ def _split_kernel(
         q_tail = tl.load(q_rows + dv + t[None, :], mask=head_ok[:, None] & t_ok[None, :], other=0.0)
 
     seq_len = tl.load(seq_lens_ptr + request)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    # whole tiles per split: a program walks ceil(split_len / BLOCK_N) tiles whether or not the last is full, so
+    # rounding up costs none of them a tile and leaves the splits past the sequence's end empty (a short context
+    # in a graph captured for long ones runs a few programs, not NUM_SPLITS half-empty ones)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -180,7 +183,8 @@ def decode_attention(
     """q [B, Hq, Dk] against the cached keys [slots, Hkv, Dk] and values [slots, Hkv, Dv] -> [B, Hq, Dv].
 
     Request b's token j sits in slot page_table[b, j // page_size] * page_size + j % page_size,
-    for j < seq_lens[b]. The sequence is cut into `num_splits` parts attended in parallel.
+    for j < seq_lens[b]. The sequence is cut into at most `num_splits` parts of whole BLOCK_N-token tiles, attended
+    in parallel (a sequence shorter than num_splits tiles leaves the last splits empty).
     `merge_counters`: int32 zeros, at least `merge_counters_needed` of them, that no other launch uses
     meanwhile (they are zero again afterwards); with them the last split of each request and head block
     merges the splits itself, in the one launch, instead of a second (reduce) kernel.
