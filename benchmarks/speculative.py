@@ -70,7 +70,7 @@ import script_drafters  # noqa: E402  (the test-only oracle and adversary)
 
 SGLANG = {1: "1.8x", 32: "1.5x"}  # SGLang, DeepSeek-V3 + MTP (EAGLE), H200, as reported in its docs / blog
 PHRASE, REPEATS = 24, 4
-STEADY_WAVES = 4  # --steady: prompts per batch slot
+STEADY_WAVES = 4  # --steady: prompts per batch slot (--waves)
 
 
 def workload(batch: int, seed: int) -> list[list[int]]:
@@ -206,7 +206,7 @@ def rows_for(name: str, folder: str, drafters: list[str], args) -> list[str]:
     """One engine at a time (on a GPU several real-shaped engines would not fit together), `none` first, each
     drafter's --runs runs back to back; or, with --interleave, every engine built and warmed once, then rounds in
     which every engine runs each batch once, the order rotated per round."""
-    waves = STEADY_WAVES if args.steady else 1
+    waves = args.waves if args.steady else 1
     workloads = {batch: workload(batch * waves, seed=batch) for batch in args.batches}
     rates: dict[tuple[str, int], list[float]] = {}
     accept: dict[tuple[str, int], float | None] = {}
@@ -283,9 +283,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads (default: %(default)s; shared "
                         "cores make more threads wait on each other)")
     parser.add_argument("--steady", action="store_true",
-                        help=f"keep each batch full: {STEADY_WAVES} prompts per slot, a finished request replaced by the "
+                        help="keep each batch full: --waves prompts per slot, a finished request replaced by the "
                         "next (serving's steady state); default: one batch run to completion, where the request whose "
                         "drafts land least sets the step count")
+    parser.add_argument("--waves", type=int, default=STEADY_WAVES,
+                        help="--steady: prompts per batch slot (default: %(default)s; more make each timed run longer, "
+                        "which averages out a shared machine's bursts)")
     parser.add_argument("--mtp-acceptance", type=float, default=0.8,
                         help="per-position acceptance of the synthetic MTP checkpoint's drafts (default: %(default)s)")
     parser.add_argument("--interleave", action="store_true",
@@ -305,7 +308,7 @@ def main() -> None:
     chosen = args.drafters or DEFAULT_DRAFTERS + ["nextn"]
     plain = ["none"] + [d for d in chosen if d != "none" and drafter_name(d) != "nextn"]
     with_mtp = plain + [d for d in chosen if drafter_name(d) == "nextn"]
-    mode = f"steady batches ({STEADY_WAVES} prompts per slot)" if args.steady else "each batch run to completion"
+    mode = f"steady batches ({args.waves} prompts per slot)" if args.steady else "each batch run to completion"
     if args.interleave:
         mode += f"; interleaved: {args.runs} rounds, every engine once per round (order rotated)"
         ratio_head, ratio_rule = "vs none (median of rounds) | rounds' min-max", "---:|---:"
