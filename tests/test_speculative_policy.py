@@ -243,3 +243,16 @@ def test_a_request_whose_drafts_keep_missing_only_explores_even_where_verifying_
     assert policy.choose([r], [STEPS]) == [STEPS]
     policy.record(r, STEPS, 2)
     assert policy.choose([r], [STEPS])[0] > 0
+
+
+def test_newcomers_start_from_the_drafters_recent_rate():
+    """All requests' record is what a new request starts from: in a stream of short requests whose first drafts
+    land one time in ten, a newcomer's first draft is worth about 0.1 (0.13: the prior's 0.6 weighs 2 against ~19
+    recent tries), where a fade of 0.97^8 per new request kept ~4 tries and left it at 0.21, twice the rate."""
+    policy = AdaptivePolicy(STEPS, StepCosts(grid_sizes(64), table(1.0, 0.1, fixed=0.1)))
+    for i in range(60):
+        r = request(f"r{i}")
+        policy.record(r, 1, 1 if i % 10 == 0 else 0)
+        policy.finished(r.rid)
+    newcomer = policy.worth(request("new"))
+    assert 0.1 <= newcomer[0] < 0.15, newcomer
