@@ -108,6 +108,8 @@ def engine_for(folder: str, args, drafter: str) -> Engine:
         # verify steps replay the decode graphs with one row per request and draft
         settings.update(dtype="bf16", load_format="dummy", moe_kernel="triton",
                         cuda_graph_max_bs=max(args.batches) * (args.steps + 1))
+    if args.mixed_chunk != "auto":  # prompts inside decode steps (eager) or in steps of their own
+        settings.update(mixed_chunk=args.mixed_chunk == "on")
     if OVERLAP in drafter or SYNC in drafter:
         settings.update(overlap_schedule=OVERLAP in drafter)
     if drafter_name(drafter) != "none":
@@ -295,6 +297,10 @@ def main() -> None:
                         help="build and warm every engine once, then --runs rounds in which every engine runs each "
                         "batch once, the order rotated per round; the ratio is the median of the rounds' ratios (a "
                         "shared machine's load drifts over minutes; the engines must fit in memory together)")
+    parser.add_argument("--mixed-chunk", choices=("auto", "on", "off"), default="auto",
+                        help="the engines' --mixed-chunk (default: auto, the engine's own choice: mixed on CPU, prompts "
+                        "in steps of their own where decode replays graphs). On a GPU each admission of a steady batch "
+                        "is then an eager prompt step; 'on' measures it inside the decode step instead")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help=CLOCK_HELP)
     parser.add_argument("--out", help="also write the table to this file")
     args = parser.parse_args()
