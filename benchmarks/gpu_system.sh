@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
-#   bash benchmarks/gpu_system.sh OUT tests|spec|spec-steady|spec-dsv3|spec-profile|spec-serve|e2e|moe-small-m|large-m|prefix|dgmasked ...
+#   bash benchmarks/gpu_system.sh OUT tests|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-serve|e2e|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
 #   bash benchmarks/gpu_system.sh OUT tests spec-steady        # #32: GPU tests; ngram / oracle / adversary, batches 1-64
 #   bash benchmarks/gpu_system.sh OUT spec-dsv3 spec-profile   # #32: nextn random and synthetic MTP; host time per step
 #   bash benchmarks/gpu_system.sh OUT spec-serve large-m       # #32 served run; #31 target 5 (EP8-global large M)
+#   bash benchmarks/gpu_system.sh OUT spec-mixed               # #32: admissions inside decode steps (batches 8, 32)
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
 #   bash benchmarks/plan_profile.sh OUT                        # #34: the inputs the shipped plan profile borrows
 # dgmasked needs the DeepGEMM wheel carried in .dg/ (see benchmarks/results/deepgemm_moe_h200.md); its JIT cache
@@ -29,6 +30,10 @@ for part in "$@"; do
       timeout 420 python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
         --runs 3 --batches 1 8 32 64 --output-len 64 --drafters ngram test-oracle test-adversary \
         --out "$out/speculative_steady_h200.md" 2>&1 | grep -v -i warn | tail -40 ;;
+    spec-mixed)
+      timeout 300 python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
+        --runs 3 --batches 8 32 --output-len 64 --drafters ngram --mixed-chunk on \
+        --out "$out/speculative_mixed_h200.md" 2>&1 | grep -v -i warn | tail -20 ;;
     spec-dsv3)
       timeout 360 python3 benchmarks/speculative.py --device cuda --only dsv3 --steady --runs 3 --batches 1 8 32 64 \
         --output-len 64 --drafters nextn --out "$out/speculative_dsv3_h200.md" 2>&1 | grep -v -i warn | tail -30 ;;
