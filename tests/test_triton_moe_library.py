@@ -81,11 +81,22 @@ def test_no_pairs_give_empty_groups():
     assert grouped.token.numel() == 0 and grouped.pair_row.numel() == 0 and (grouped.offs == 0).all()
 
 
+@pytest.mark.gpu
+def test_gpu_counting_sort_at_ep8_global_16384_tokens():
+    """DeepSeek-V3 on rank 0 of EP8: 16384 tokens' top-8 over 256 experts, ~16k of the 131k pairs local."""
+    ids = routing(16384, 8, 32, 1 / 8, seed=0)
+    token, pair_row, ends = argsort_grouping(ids, 32)
+    grouped = group_local_pairs(ids, 32, token.numel())
+    assert torch.equal(grouped.token.cpu().long(), token)
+    assert torch.equal(grouped.pair_row.cpu().long(), pair_row)
+    assert torch.equal(grouped.offs.cpu().long(), ends)
+
+
 @needs_grouped_mm
 @pytest.mark.parametrize("share,upper_bound", [(1 / 8, False), (1.0, False), (1 / 8, True)],
                          ids=["global", "local", "global_upper_bound"])
 def test_library_path_matches_the_torch_kernel(share, upper_bound):
-    tokens, top_k, experts, hidden, inter = 40, 8, 8, 48, 40
+    tokens, top_k, experts, hidden, inter = 24, 8, 8, 48, 40
     gen = torch.Generator().manual_seed(3)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
     w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
