@@ -96,7 +96,8 @@ def main() -> None:
     names = ["argsort grouping (before)", "counting sort (now)", "gather", "GEMM 1", "SiLU-and-mul", "GEMM 2",
              "pair sum"]
     print(f"## the library path by stage, {args.shape} ({e} local experts, H={h}, I={i}), {args.device}\n")
-    print("| routing | M | pairs here | " + " | ".join(f"{n} µs" for n in names) + " | stages now µs | whole path µs |")
+    columns = " | ".join(f"{name} µs" for name in names)
+    print(f"| routing | M | pairs here | {columns} | stages now µs | whole path µs |")
     print("|---" * (len(names) + 5) + "|")
     for routing in args.routing:
         for tokens in args.tokens:

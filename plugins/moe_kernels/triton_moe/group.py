@@ -73,7 +73,8 @@ def _place_kernel(ids_ptr, cum_ptr, token_ptr, pair_row_ptr, offs_ptr, num_pairs
         ends = tl.minimum(end + tl.cumsum(total, axis=0), num_rows)
         tl.store(offs_ptr + expert, ends, mask=expert + chunk * num_experts < num_experts)  # program 0 only
         end += tl.sum(total, axis=0)
-    earlier_chunks = tl.load(cum_ptr + experts * num_chunks + chunk - 1, mask=local & (pairs >= CHUNK), other=0)  # chunk > 0
+    # pairs of the same expert in earlier chunks (pairs >= CHUNK: chunk > 0)
+    earlier_chunks = tl.load(cum_ptr + experts * num_chunks + chunk - 1, mask=local & (pairs >= CHUNK), other=0)
     earlier_same = (experts[None, :] == experts[:, None]) & (lane[None, :] < lane[:, None])
     rank = tl.sum(earlier_same.to(tl.int32), axis=1)
     row = expert_start + earlier_chunks + rank
@@ -104,6 +105,7 @@ def group_local_pairs(topk_ids: torch.Tensor, num_experts: int, num_rows: int) -
                                  triton.cdiv(num_rows, num_chunks), CHUNK=CHUNK,
                                  EXPERTS=triton.next_power_of_2(num_experts))
     cum = torch.cumsum(counts, 1, dtype=torch.int32)
+    per_step = min(triton.next_power_of_2(num_experts), EXPERTS_PER_STEP)
     _place_kernel[(num_chunks,)](ids, cum, token, pair_row, offs, num_pairs, num_experts, num_chunks, num_rows, top_k,
-                                 CHUNK=CHUNK, EXPERTS_PER_STEP=min(triton.next_power_of_2(num_experts), EXPERTS_PER_STEP))
+                                 CHUNK=CHUNK, EXPERTS_PER_STEP=per_step)
     return LocalPairs(token, pair_row, offs)
