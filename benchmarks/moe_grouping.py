@@ -1,7 +1,7 @@
 """Where the `triton` kernel's library path (torch._grouped_mm) spends its time, stage by stage, at EP shapes.
 
     python3 benchmarks/moe_grouping.py --shape deepseek-v3-ep8 --routing global local --tokens 4096 16384
-    TRITON_INTERPRET=1 python3 benchmarks/moe_grouping.py --device cpu --shape tiny --tokens 64   # the script, on CPU
+    TRITON_INTERPRET=1 python3 benchmarks/moe_grouping.py --device cpu --shape tiny --tokens 16 --runs 1  # on CPU
 
 Issue #31 target 5: EP8-global M=16384 within 1.05x of the bare grouped GEMMs. One row per routing and M: the
 grouping of the local pairs as the path did it before (an argsort of all N x K ids, a scatter_add count) and as
@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES) + ["tiny"], default="deepseek-v3-ep8")
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--routing", choices=["global", "local"], nargs="+", default=["global", "local"])
+    parser.add_argument("--runs", type=int, default=3, help="wall-time runs per figure on CPU (the GPU takes ColdTimer's)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: fp32 under TRITON_INTERPRET=1, tiny sizes only (checks the script, times nothing)")
     args = parser.parse_args()
@@ -92,7 +93,7 @@ def main() -> None:
     w13 = torch.randn(e, 2 * i, h, device=args.device, generator=gen).to(dtype) / h**0.5
     w2 = torch.randn(e, h, i, device=args.device, generator=gen).to(dtype) / i**0.5
     weights = PreparedWeights(w13, w2)
-    timer = ColdTimer() if args.device == "cuda" else wall_timer
+    timer = ColdTimer() if args.device == "cuda" else lambda fn: wall_timer(fn, args.runs)
     names = ["argsort grouping (before)", "counting sort (now)", "gather", "GEMM 1", "SiLU-and-mul", "GEMM 2",
              "pair sum"]
     print(f"## the library path by stage, {args.shape} ({e} local experts, H={h}, I={i}), {args.device}\n")
