@@ -80,7 +80,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES) + ["tiny"], default="deepseek-v3-ep8")
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--routing", choices=["global", "local"], nargs="+", default=["global", "local"])
-    parser.add_argument("--runs", type=int, default=3, help="wall-time runs per figure on CPU (the GPU takes ColdTimer's)")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="wall-time runs per figure on CPU (the GPU takes ColdTimer's)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: fp32 under TRITON_INTERPRET=1, tiny sizes only (checks the script, times nothing)")
     args = parser.parse_args()
