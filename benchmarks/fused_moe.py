@@ -62,19 +62,20 @@ def make_weights(shape: Shape, fp8: bool, seed: int = 0) -> ExpertWeights:
 ROUTINGS = ("global", "local")
 
 
-def make_layout(shape: Shape, tokens: int, seed: int = 0, routing: str = "global") -> StandardLayout:
+def make_layout(shape: Shape, tokens: int, seed: int = 0, routing: str = "global", device: str = "cuda",
+                dtype: torch.dtype = torch.bfloat16) -> StandardLayout:
     """Uniform top-k routing of `tokens` rows, as rank 0 sees it.
 
     global: over all experts; ids of experts on other ranks become -1 (top_k / ep_size pairs per row).
     local: over the rank's own experts only (top_k pairs per row: rows a dispatcher sent here because
     all their experts live here) — same M, ep_size times the rows per expert.
     """
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     experts = shape.experts if routing == "global" else shape.local_experts
-    ids = torch.rand(tokens, experts, device="cuda", generator=gen).argsort(1)[:, : shape.top_k]
+    ids = torch.rand(tokens, experts, device=device, generator=gen).argsort(1)[:, : shape.top_k]
     ids = torch.where(ids < shape.local_experts, ids, -1).to(torch.int32)
-    weights = torch.rand(tokens, shape.top_k, device="cuda", generator=gen)
-    hidden = torch.randn(tokens, shape.hidden, device="cuda", generator=gen).bfloat16()
+    weights = torch.rand(tokens, shape.top_k, device=device, generator=gen)
+    hidden = torch.randn(tokens, shape.hidden, device=device, generator=gen).to(dtype)
     pairs = int((ids >= 0).sum())  # a dispatcher that knows its counts on the host hands them over like this
     return StandardLayout(hidden, ids, weights, shape.local_experts, routed_pairs=pairs)
 

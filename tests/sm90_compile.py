@@ -11,6 +11,7 @@ from moeplex.kernels.router_gemv import _router_kernel
 from moeplex.kernels.rope import _rope_kernel
 from moeplex.attention.triton_decode import _split_kernel
 from moeplex.plugins.moe_kernels.triton_moe.align import _align_one_launch_kernel
+from moeplex.plugins.moe_kernels.triton_moe.group import _count_kernel, _place_kernel
 
 target = GPUTarget("cuda", 90, 32)
 
@@ -67,6 +68,15 @@ def main() -> None:
                                             num_padded_ptr="*i32", shift_ptr="*i32", num_pairs="i32", num_experts="i32",
                                             num_slots="i32", num_tiles="i32"),
              dict(BLOCK_M=64, PAIRS=1024, EXPERTS=256, SLOTS_PER_STEP=1024, TILES_PER_STEP=32))
+    # the library path's counting sort (issue 31 target 5): EP8's 32 local experts, and 256 (two place steps)
+    for ids, experts in (("*i32", 32), ("*i64", 256)):
+        compile_(_count_kernel, dict(ids_ptr=ids, counts_ptr="*i32", token_ptr="*i32", num_pairs="i32",
+                                     num_experts="i32", num_chunks="i32", num_rows="i32", rows_per_program="i32"),
+                 dict(CHUNK=128, EXPERTS=experts))
+        compile_(_place_kernel, dict(ids_ptr=ids, cum_ptr="*i32", token_ptr="*i32", pair_row_ptr="*i32",
+                                     offs_ptr="*i32", num_pairs="i32", num_experts="i32", num_chunks="i32",
+                                     num_rows="i32", top_k="i32"),
+                 dict(CHUNK=128, EXPERTS_PER_STEP=min(experts, 64)))
 
 
 if __name__ == "__main__":

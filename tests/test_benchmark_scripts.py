@@ -175,3 +175,14 @@ def test_moe_small_m_under_the_triton_interpreter(tmp_path):
     assert "WRONG" not in done.stdout and "skipped" not in done.stdout, done.stdout
     assert [row[1] for row in table_rows(out.read_text(), "1")[:2]] == ["table", "n64"], out.read_text()
     assert list((tmp_path / "configs").glob("E=16,N=32,K=64,device=interpreter,dtype=fp16.json"))
+
+
+def test_moe_grouping_stages_under_the_triton_interpreter():
+    """The library path's stage table (issue #31 target 5) runs end to end: one row with every stage timed."""
+    done = subprocess.run([sys.executable, "moe_grouping.py", "--device", "cpu", "--shape", "tiny", "--tokens", "16",
+                           "--routing", "global", "--runs", "1"],
+                          cwd=BENCHMARKS, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| global | 16 |")]
+    assert len(rows) == 1 and len(rows[0].split("|")) == 14, done.stdout

@@ -21,6 +21,7 @@ from .align import (
 )
 from .configs import MoETiles
 from .finish import silu_mul, sum_topk
+from .group import group_local_pairs
 from .kernel import grouped_gemm
 
 
@@ -126,27 +127,19 @@ def moe_standard_grouped_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_w
                             routed_pairs: int, weights: PreparedWeights) -> torch.Tensor:
     """moe_standard through torch._grouped_mm (CUTLASS) for both GEMMs: bf16 on sm90, where rows per expert are many.
 
-    The `routed_pairs` local pairs (the host's count) are sorted by expert, their rows gathered once, SiLU-and-
-    multiply runs in one pass between the GEMMs, and one kernel weights and sums each token's pairs. Group offsets
-    stay on the device: no host sync, so a CUDA graph can hold it.
+    The `routed_pairs` local pairs (the host's count, or an upper bound on it) are grouped by expert with a
+    counting sort (group.py: O(pairs), however few of them are local), their rows gathered once, SiLU-and-multiply
+    runs in one pass between the GEMMs, and one kernel weights and sums each token's pairs. Group offsets stay on
+    the device: no host sync, so a CUDA graph can hold it.
     """
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0 or routed_pairs == 0:
         return torch.zeros(num_tokens, weights.hidden_size, dtype=hidden.dtype, device=hidden.device)
-    ids = topk_ids.reshape(-1).long()
-    elsewhere = weights.num_experts
-    key = torch.where(ids >= 0, ids, elsewhere)
-    order = torch.argsort(key)[:routed_pairs]  # the local pairs, grouped by expert
-    counts = torch.zeros(elsewhere + 1, dtype=torch.int32, device=ids.device)
-    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-    offs = torch.cumsum(counts[:-1], 0, dtype=torch.int32)
-    rows = gather_rows(hidden.reshape(num_tokens, -1), order // top_k)
-    inter = silu_mul(torch._grouped_mm(rows, weights.w13.transpose(1, 2), offs=offs))
-    down = torch._grouped_mm(inter, weights.w2.transpose(1, 2), offs=offs)
-    # each pair's row of `down`; -1 for pairs routed elsewhere (should the host's count have been an upper bound)
-    valid = torch.arange(routed_pairs, device=ids.device).masked_fill(key[order] == elsewhere, -1)
-    pair_row = torch.full_like(ids, -1).index_copy_(0, order, valid)
-    return weighted_pair_sum(down, pair_row.view(num_tokens, top_k), topk_weights.float(), hidden.dtype)
+    grouped = group_local_pairs(topk_ids, weights.num_experts, routed_pairs)
+    rows = gather_rows(hidden.reshape(num_tokens, -1), grouped.token)  # zeros on rows past the true count
+    inter = silu_mul(torch._grouped_mm(rows, weights.w13.transpose(1, 2), offs=grouped.offs))
+    down = torch._grouped_mm(inter, weights.w2.transpose(1, 2), offs=grouped.offs)
+    return weighted_pair_sum(down, grouped.pair_row.view(num_tokens, top_k), topk_weights.float(), hidden.dtype)
 
 
 def align_standard(topk_ids: torch.Tensor, num_experts: int, block_m: int, tail_m: int = 0,

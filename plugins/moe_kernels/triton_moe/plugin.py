@@ -93,11 +93,12 @@ class TritonMoEKernel(MoEKernel):
         raise TypeError(f"unknown layout {type(layout).__name__}")
 
     def _library_gemms(self, layout: StandardLayout, rows_per_expert: float, weights, acts) -> bool:
-        """Whether torch._grouped_mm runs the GEMMs: bf16, many rows per expert, and most of the rows' top-k here
-        (the path sorts all N x top_k pairs; with an eighth of them local, as under EP8, the sort costs more than the
-        library gains: benchmarks/results/fused_moe_h200_routing.md)."""
+        """Whether torch._grouped_mm runs the GEMMs: bf16 and many rows per expert, whatever share of the rows'
+        top-k is local. The path's grouping is a counting sort (group.py), O(pairs) at one int read per pair, and
+        the bytes it moves beyond the fused kernel's (a gather, the GEMM outputs read back) scale with the local
+        pairs, not the rows: so rows per expert alone decides, as under local routing (an argsort of all N x K ids
+        once made EP8's global routing, an eighth of them local, an exception: fused_moe_h200_routing.md)."""
         return (bool(layout.routed_pairs) and rows_per_expert >= self.grouped_mm_min_rows
-                and 2 * layout.routed_pairs >= layout.topk_ids.numel()
                 and not weights.fp8 and acts.values.dtype == torch.bfloat16)
 
     def rows_per_expert(self, layout) -> float:
