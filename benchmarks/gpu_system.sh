@@ -49,8 +49,13 @@ for part in "$@"; do
       timeout 240 python3 benchmarks/moe_small_m.py --shapes deepseek-v3 --runs 5 --out "$out/moe_small_m_dsv3.md" \
         --write-configs "$out/configs" 2>&1 | grep -v -i warn | tail -20 ;;
     large-m)
-      timeout 240 python3 benchmarks/fused_moe.py --shape deepseek-v3-ep8 --dtype bf16 --routing global local \
-        --tokens 512 4096 16384 2>&1 | grep -v -i warn | tee "$out/fused_moe_large_m.md" | tail -20 ;;
+      timeout 60 python3 -m pytest -q -m gpu tests/test_triton_moe_library.py 2>&1 | tail -3
+      for run in 1 2 3; do
+        timeout 120 python3 benchmarks/fused_moe.py --shape deepseek-v3-ep8 --dtype bf16 --routing global local \
+          --tokens 512 4096 16384 2>&1 | grep -v -i warn | tee "$out/fused_moe_large_m_run$run.md" | tail -8
+      done
+      timeout 90 python3 benchmarks/moe_grouping.py --shape deepseek-v3-ep8 --routing global local --tokens 4096 16384 \
+        2>&1 | grep -v -i warn | tee "$out/moe_grouping.md" | tail -20 ;;
     e2e)
       for model in qwen dsv3; do
         for run in 1 2 3; do
