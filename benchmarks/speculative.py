@@ -11,7 +11,8 @@
                                                                                 are ~45 GB an engine, so Qwen only)
 
 Drafters, every one greedy with ignore_eos (so every run does the same work and gives the same tokens):
-- none: plain decoding, the reference of the ratio column;
+- none: plain decoding, the reference of the ratio column; none/control: a second plain engine (an A/A control:
+  its ratio to none is what the machine's noise alone does to a ratio);
 - ngram: prompt lookup, on a repetitive workload: each prompt is a random 24-token phrase said 4 times, so the
   phrase's tokens are what ngram proposes; random weights do not repeat the phrase, so acceptance is whatever
   the model's own loops give (reported as the accept length column);
@@ -62,7 +63,7 @@ from moeplex.engine import Engine
 from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
 from moeplex.speculation import step as spec_step
-from report import emit
+from report import emit, processor
 from timing import CLOCK_HELP, CLOCKS, decode_rate, sync
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -82,7 +83,8 @@ NO_BACKOFF = "/no-backoff"  # a drafter name with this suffix runs the fixed pol
 FIXED = "/fixed"  # ... the fixed policy with backoff
 OVERLAP = "/overlap"  # ... the overlap schedule forced on (the default on a GPU only)
 SYNC = "/sync"  # ... the overlap schedule off
-SUFFIXES = (NO_BACKOFF, FIXED, OVERLAP, SYNC)
+CONTROL = "/control"  # "none/control": a second plain engine, the A/A control of a shared machine's noise
+SUFFIXES = (NO_BACKOFF, FIXED, OVERLAP, SYNC, CONTROL)
 DEFAULT_DRAFTERS = ["none", "ngram", "test-oracle", "test-adversary"]
 
 
@@ -95,7 +97,7 @@ def drafter_name(drafter: str) -> str:
 
 def label_of(drafter: str) -> str:
     return (drafter.removeprefix("test-").replace(NO_BACKOFF, " (no backoff)").replace(FIXED, " (fixed)")
-            .replace(OVERLAP, " (overlap)").replace(SYNC, " (no overlap)"))
+            .replace(OVERLAP, " (overlap)").replace(SYNC, " (no overlap)").replace(CONTROL, " (second engine)"))
 
 
 def engine_for(folder: str, args, drafter: str) -> Engine:
@@ -322,7 +324,8 @@ def main() -> None:
         ratio_head, ratio_rule = "vs none", "---:"
     if args.clock == "cpu":
         mode += "; rates per second of this process's CPU time"
-    lines = [f"steps {args.steps}, {args.output_len} tokens per request, prompts of {PHRASE} tokens x {REPEATS}; {mode}", "",
+    lines = [processor(), "",
+             f"steps {args.steps}, {args.output_len} tokens per request, prompts of {PHRASE} tokens x {REPEATS}; {mode}", "",
              f"| model | batch | drafter | decode tok/s (median) | min-max | {ratio_head} | accept length | SGLang H200 (reported) |",
              f"|---|---:|---|---:|---:|{ratio_rule}|---:|---:|"]
     if args.device == "cpu":
