@@ -110,8 +110,9 @@ def engine_for(folder: str, args, drafter: str) -> Engine:
         # verify steps replay the decode graphs with one row per request and draft
         settings.update(dtype="bf16", load_format="dummy", moe_kernel="triton",
                         cuda_graph_max_bs=max(args.batches) * (args.steps + 1))
-    if args.mixed_chunk != "auto":  # prompts inside decode steps (eager) or in steps of their own
-        settings.update(mixed_chunk=args.mixed_chunk == "on")
+    mixed = getattr(args, "mixed_chunk", "auto")  # (spec_host_profile.py builds its engines here too)
+    if mixed != "auto":  # prompts inside decode steps (eager) or in steps of their own
+        settings.update(mixed_chunk=mixed == "on")
     if OVERLAP in drafter or SYNC in drafter:
         settings.update(overlap_schedule=OVERLAP in drafter)
     if drafter_name(drafter) != "none":
