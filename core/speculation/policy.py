@@ -189,8 +189,8 @@ class AdaptivePolicy:
         offer = self.offer_rate(request) if expect_offers else 1.0
         size = self._size(1)
         best, best_rate, total, worth = 0, size.plain_rate * (1 + 1e-9), 1.0, 1.0
-        for d, (rate, cost) in enumerate(zip(self._rates_one(request)[: min(room, self.steps)], size.curve_list)):
-            worth *= rate
+        for d, (accept, cost) in enumerate(zip(self._rates_one(request)[: min(room, self.steps)], size.curve_list)):
+            worth *= accept
             total += worth * offer
             rate = total / cost
             if rate > best_rate:
