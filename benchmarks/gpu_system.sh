@@ -15,62 +15,64 @@ set -o pipefail
 out=${1:-.}; shift
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 nvidia-smi -L | tee "$out/gpus.txt"
+deadline=$(( $(date +%s) + ${GPU_BUDGET_S:-3600} ))  # GPU_BUDGET_S: the whole call's seconds; each part's limit shrinks to fit
+lim() { local left=$(( deadline - $(date +%s) - 5 )); echo $(( $1 < left ? $1 : (left > 1 ? left : 1) )); }
 for part in "$@"; do
   echo "== $part $(date +%T)"
   case $part in
     tests)
-      timeout -s ABRT 480 python3 -m pytest -q -rs -m gpu tests/test_kernel_rope.py tests/test_kernel_router_gemv.py \
+      timeout -s ABRT $(lim 480) python3 -m pytest -q -rs -m gpu tests/test_kernel_rope.py tests/test_kernel_router_gemv.py \
         tests/test_triton_attention.py tests/test_triton_moe.py tests/test_fused_kernels.py tests/test_cuda_graph.py \
         tests/test_speculative_gpu.py tests/test_draft_graphs.py tests/test_cuda_graph_parallel.py tests/test_prefix_cache_benchmark.py 2>&1 \
         | tee "$out/gpu_tests.log" | tail -15 ;;
     spec)
-      timeout 240 python3 benchmarks/speculative.py --device cuda --qwen-layers 12 --batches 1 8 32 --runs 3 \
-        --out "$out/speculative_h200.md" 2>&1 | grep -v -i warn | tail -40 ;;
+      timeout $(lim 240) python3 benchmarks/speculative.py --device cuda --qwen-layers 12 --batches 1 8 32 --runs 3 \
+        --out "$out/speculative_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -40 ;;
     spec-steady)
-      timeout 420 python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
+      timeout $(lim 420) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
         --runs 3 --batches 1 8 32 64 --output-len 64 --drafters ngram test-oracle test-adversary \
-        --out "$out/speculative_steady_h200.md" 2>&1 | grep -v -i warn | tail -40 ;;
+        --out "$out/speculative_steady_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -40 ;;
     spec-mixed)
-      timeout 300 python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
+      timeout $(lim 300) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
         --runs 3 --batches 8 32 --output-len 64 --drafters ngram --mixed-chunk on \
-        --out "$out/speculative_mixed_h200.md" 2>&1 | grep -v -i warn | tail -20 ;;
+        --out "$out/speculative_mixed_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
     spec-dsv3)
-      timeout 360 python3 benchmarks/speculative.py --device cuda --only dsv3 --steady --runs 3 --batches 1 8 32 64 \
-        --output-len 64 --drafters nextn --out "$out/speculative_dsv3_h200.md" 2>&1 | grep -v -i warn | tail -30 ;;
+      timeout $(lim 360) python3 benchmarks/speculative.py --device cuda --only dsv3 --steady --runs 3 --batches 1 8 32 64 \
+        --output-len 64 --drafters nextn --out "$out/speculative_dsv3_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -30 ;;
     spec-profile)
-      timeout 150 python3 benchmarks/spec_profile.py --device cuda --batch 1 --out "$out/prof1" \
+      timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch 1 --out "$out/prof1" \
         --drafters ngram/fixed/overlap ngram/overlap 2>&1 | grep -v -i warn | tail -20
-      timeout 150 python3 benchmarks/spec_profile.py --device cuda --batch 8 --out "$out/prof8" \
-        --drafters ngram/overlap 2>&1 | grep -v -i warn | tail -20 ;;
+      timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch 8 --out "$out/prof8" \
+        --drafters ngram/overlap 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
     spec-serve)
-      timeout 300 python3 benchmarks/spec_serving.py --arch qwen3_moe --preset 30b-a3b --layers 12 --load-format dummy \
-        --dtype bf16 --device cuda --runs 3 --out "$out/spec_serving_h200.md" 2>&1 | grep -v -i warn | tail -20 ;;
+      timeout $(lim 300) python3 benchmarks/spec_serving.py --arch qwen3_moe --preset 30b-a3b --layers 12 --load-format dummy \
+        --dtype bf16 --device cuda --runs 3 --out "$out/spec_serving_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
     moe-small-m)
-      timeout 240 python3 benchmarks/moe_small_m.py --shapes deepseek-v3 --runs 5 --out "$out/moe_small_m_dsv3.md" \
-        --write-configs "$out/configs" 2>&1 | grep -v -i warn | tail -20 ;;
+      timeout $(lim 240) python3 benchmarks/moe_small_m.py --shapes deepseek-v3 --runs 5 --out "$out/moe_small_m_dsv3.md" \
+        --write-configs "$out/configs" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
     large-m)
-      timeout 60 python3 -m pytest -q -m gpu tests/test_triton_moe_library.py 2>&1 | tail -3
+      timeout $(lim 120) python3 -m pytest -q -m gpu tests/test_triton_moe_library.py tests/test_triton_attention.py 2>&1 | tee "$out/large_m_tests.log" | tail -3
       for run in 1 2 3; do
-        timeout 120 python3 benchmarks/fused_moe.py --shape deepseek-v3-ep8 --dtype bf16 --routing global local \
+        timeout $(lim 120) python3 benchmarks/fused_moe.py --shape deepseek-v3-ep8 --dtype bf16 --routing global local \
           --tokens 512 4096 16384 2>&1 | grep -v -i warn | tee "$out/fused_moe_large_m_run$run.md" | tail -8
       done
-      timeout 90 python3 benchmarks/moe_grouping.py --shape deepseek-v3-ep8 --routing global local --tokens 4096 16384 \
+      timeout $(lim 90) python3 benchmarks/moe_grouping.py --shape deepseek-v3-ep8 --routing global local --tokens 4096 16384 \
         2>&1 | grep -v -i warn | tee "$out/moe_grouping.md" | tail -20 ;;
     e2e)
       for model in qwen dsv3; do
         for run in 1 2 3; do
-          timeout 150 python3 benchmarks/e2e_gpu.py --skip-correctness --only $model --decode 1 8 32 --prefill \
+          timeout $(lim 150) python3 benchmarks/e2e_gpu.py --skip-correctness --only $model --decode 1 8 32 --prefill \
             --compare-fewer-launches --out "$out/e2e_${model}_run$run.md" 2>&1 | grep -v -i warn | tail -14
         done
       done ;;
     dgmasked)
       python3 -m pip install -q --no-deps --no-index .dg/deepgemm-*.whl
       mkdir -p .dg/cache
-      CPLUS_INCLUDE_PATH=$PWD/.dg/include DG_JIT_CACHE_DIR=$PWD/.dg/cache timeout 420 python3 benchmarks/deepgemm_masked.py \
+      CPLUS_INCLUDE_PATH=$PWD/.dg/include DG_JIT_CACHE_DIR=$PWD/.dg/cache timeout $(lim 420) python3 benchmarks/deepgemm_masked.py \
         --tokens 1 8 32 --runs 3 --out "$out/deepgemm_masked_h200.md" 2>&1 | grep -v -i warn | tail -12
       tar czf "$out/dg_cache.tgz" -C .dg cache ;;
     prefix)
-      timeout 300 python3 benchmarks/prefix_cache.py --device cuda --runs 3 --out "$out/prefix_cache_h200.md" 2>&1 \
-        | grep -v -i warn | tail -20 ;;
+      timeout $(lim 300) python3 benchmarks/prefix_cache.py --device cuda --runs 3 --out "$out/prefix_cache_h200.md" 2>&1 \
+        | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
   esac
 done

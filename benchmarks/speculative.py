@@ -225,6 +225,7 @@ def rows_for(name: str, folder: str, drafters: list[str], args) -> list[str]:
                 for drafter in order:
                     rate, accept[drafter, batch] = measure(engines[drafter], drafter, batch, prompts, args, reference)
                     rates.setdefault((drafter, batch), []).append(rate)
+                    print(f"# batch {batch} round {round + 1} {drafter}: {rate:.1f} tok/s", flush=True)  # survives a kill
         del engines
     for drafter in drafters if not args.interleave else ():
         engine = warmed_engine(folder, args, drafter)
