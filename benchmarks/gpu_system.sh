@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
-#   bash benchmarks/gpu_system.sh OUT tests|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-serve|e2e|moe-small-m|large-m|prefix|dgmasked ...
+#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-serve|e2e|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
 #   bash benchmarks/gpu_system.sh OUT tests spec-steady        # #32: GPU tests; ngram / oracle / adversary, batches 1-64
 #   bash benchmarks/gpu_system.sh OUT spec-dsv3 spec-profile   # #32: nextn random and synthetic MTP; host time per step
@@ -25,6 +25,9 @@ for part in "$@"; do
         tests/test_triton_attention.py tests/test_triton_moe.py tests/test_fused_kernels.py tests/test_cuda_graph.py \
         tests/test_speculative_gpu.py tests/test_draft_graphs.py tests/test_cuda_graph_parallel.py tests/test_prefix_cache_benchmark.py 2>&1 \
         | tee "$out/gpu_tests.log" | tail -15 ;;
+    tests-spec)
+      timeout -s ABRT $(lim 150) python3 -m pytest -q -rs -m gpu tests/test_speculative_gpu.py tests/test_draft_graphs.py 2>&1 \
+        | tee "$out/gpu_tests_spec.log" | tail -5 ;;
     spec)
       timeout $(lim 240) python3 benchmarks/speculative.py --device cuda --qwen-layers 12 --batches 1 8 32 --runs 3 \
         --out "$out/speculative_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -40 ;;

@@ -200,7 +200,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write every run's phases to this file (for --merge)")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="print one table from the runs of several --json files (processes run in turns), no run")
-    args = parser.parse_args()
+    args = spec_bench.with_defaults(parser.parse_args())
     if args.merge:
         merged: dict = {}
         for path in args.merge:

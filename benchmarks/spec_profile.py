@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--qwen-layers", type=int, default=12)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = sp.with_defaults(parser.parse_args())
     args.batches, args.steady = [args.batch], True
     sp.register_script_drafters()
     if args.device == "cpu":

@@ -272,7 +272,8 @@ def register_script_drafters() -> None:
     importlib.invalidate_caches()
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """This script's options; the profiling scripts built on it start from their defaults (with_defaults)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 8 32 (CPU), 1 8 32 64 (GPU)")
@@ -307,6 +308,16 @@ def main() -> None:
                         "is then an eager prompt step; 'on' measures it inside the decode step instead")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help=CLOCK_HELP)
     parser.add_argument("--out", help="also write the table to this file")
+    return parser
+
+
+def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` (another script's) with every option of this script it lacks at its default."""
+    return argparse.Namespace(**{**vars(arguments().parse_args([])), **vars(args)})
+
+
+def main() -> None:
+    parser = arguments()
     args = parser.parse_args()
     if args.clock == "cpu" and args.device != "cpu":
         parser.error("--clock cpu is for CPU runs: a GPU engine's time is the device's")

@@ -134,10 +134,8 @@ class Engine:
                                          graphs, self.parallel.config.world_size))
             self.scheduler.lookahead = self.speculation.lookahead
         # steps that draft run without the overlap schedule (their drafts need the tokens accepted before them);
-        # the steps between them overlap where the drafter needs nothing from them (SpeculativeDecoding)
-        self.overlap_schedule = _overlap_schedule(config, self.device) and (
-            self.speculation is None or self.speculation.plain_steps_overlap
-        )
+        # the steps between them overlap (a drafter that reads hidden states observes them one step late)
+        self.overlap_schedule = _overlap_schedule(config, self.device)
         # verify steps under the overlap schedule, for a drafter that drafts on the device (speculation/overlap.py)
         # (an attention backend that reads flattened KV indices would need a host sync per step to shift them on a GPU)
         self.overlap_verify = None
@@ -302,11 +300,11 @@ class Engine:
             if self.in_flight is None and self._start_verify(work, decoding):
                 return finished
             # (a request resumed fully cached may be due while a step is still in flight: it decodes plainly this once)
-            if self.in_flight is None and (spec.drafts_in(decoding) or not spec.plain_steps_overlap):
+            if self.in_flight is None and spec.drafts_in(decoding):
                 drafts = spec.draft(work)
                 # a drafter asked first (cheap proposals) may have had nothing the policy keeps: then the step is a
-                # plain one and takes the ordinary path, where the drafter allows (the verify path costs more)
-                if any(drafts) or not spec.plain_steps_overlap:
+                # plain one and takes the ordinary path (the verify path costs more)
+                if any(drafts):
                     return finished + self._speculative_step(work, drafts)
             if decoding:
                 spec.counts.step(())  # a decode step the policy left without drafts
@@ -350,11 +348,17 @@ class Engine:
         """Run the batch and sample on the device; the requests due a token hold a place for it."""
         self.hooks.hook.moeplex_batch_scheduled(batch=batch)
         prompt_rows = prompt_logprobs.due_rows(work)
-        if prompt_rows:
-            logits, prompt_logits = self.runner.forward(batch, [row for _, row, _ in prompt_rows])
-            prompt_logprobs.record(prompt_rows, prompt_logits)
+        extra_rows = [row for _, row, _ in prompt_rows]
+        observed = None
+        if self.speculation is not None and self.speculation.reads_plain_steps:  # the drafter reads hidden states
+            logits, prompt_logits, hidden = self.runner.forward_with_hidden(batch, extra_rows)
+            observed = self.speculation.plain_step(work, hidden)
+        elif prompt_rows:
+            logits, prompt_logits = self.runner.forward(batch, extra_rows)
         else:
             logits = self.runner.forward(batch)
+        if prompt_rows:
+            prompt_logprobs.record(prompt_rows, prompt_logits)
         self.balancing.after_forward()  # counts the step in the load recorders; may move experts between steps
         due = []
         for row, item in enumerate(work):
@@ -367,6 +371,8 @@ class Engine:
             if request.num_uncached == 0:
                 due.append(row)
         if not due:
+            if observed is not None:  # prompt chunks only: every token that follows them is known
+                self.speculation.observe_plain(observed)
             return None
         requests = [work[row].request for row in due]
         if len(due) < len(work):  # some requests are mid-prompt
@@ -379,7 +385,7 @@ class Engine:
         drawn = self.sampler.sample(logits, requests)  # penalties and biases, then the draw, all on the device
         for row, request in enumerate(requests):
             request.pending_rows.append(row)
-        return InFlight.start(requests, logits, drawn)
+        return InFlight.start(requests, logits, drawn, observed)
 
     def _complete(self, step: InFlight | None, fill_ahead: bool = True) -> list[Request]:
         """Read a launched step's tokens into its requests; those that finish with them. `fill_ahead`: the next
@@ -403,6 +409,8 @@ class Engine:
             request.pending_rows.pop(0)
             if self._append(request, tokens[row]):
                 finished.append(request)
+        if step.observed is not None:
+            self.speculation.observe_plain(step.observed)
         return finished
 
     def _agree(self, batch: ForwardBatch) -> ForwardBatch | None:

@@ -9,7 +9,7 @@ the token itself in place on the device.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import attrs
 import torch
@@ -24,19 +24,20 @@ class InFlight:
     tokens: torch.Tensor  # [rows] on the device, each a valid token id (what a next step may take as input)
     host: torch.Tensor  # [rows] on the host, complete once `ready` is; FAILED in a row that could not be sampled
     ready: torch.cuda.Event | None
+    observed: Any = None  # what the step tells a drafter once its tokens are read (SpeculativeDecoding.plain_step)
 
     @classmethod
-    def start(cls, requests: Sequence[Request], logits: torch.Tensor, drawn: torch.Tensor) -> InFlight:
+    def start(cls, requests: Sequence[Request], logits: torch.Tensor, drawn: torch.Tensor, observed: Any = None) -> InFlight:
         """`drawn` as the sampler returns it; a FAILED row's request ends when the host reads it, and a step
         launched before that reads token 0 in its place (never an id the embedding would fault on)."""
         tokens = drawn.clamp_min(0)
         if tokens.device.type != "cuda":
-            return cls(requests, logits, tokens, drawn, None)
+            return cls(requests, logits, tokens, drawn, None, observed)
         host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True)
         host.copy_(drawn, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(tokens.device))
-        return cls(requests, logits, tokens, host, ready)
+        return cls(requests, logits, tokens, host, ready, observed)
 
     def token_list(self) -> list[int]:
         """The tokens, waiting for their copy only (not for steps launched after this one)."""

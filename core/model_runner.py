@@ -52,17 +52,30 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch, extra_rows: Sequence[int] = ()) -> torch.Tensor:
         """[B, vocab] fp32 logits of each request's last processed token; with `extra_rows` (token rows of the
         batch: prompt positions whose logprobs are asked for), (those logits, [len(extra_rows), vocab])."""
-        if extra_rows:
-            rows = torch.cat([batch.last_token_index, torch.tensor(list(extra_rows), device=batch.last_token_index.device)])
-            both = self.model(batch, self.kv, self.strategy, logits_at=rows)
-            logits, extra = both[: len(batch.last_token_index)], both[len(batch.last_token_index) :]
-        elif self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.run(batch)
+        logits, extra, _ = self._forward(batch, extra_rows, with_hidden=False)
+        return (logits, extra) if extra_rows else logits
+
+    @torch.inference_mode()
+    def forward_with_hidden(self, batch: ForwardBatch, extra_rows: Sequence[int] = ()):
+        """(logits, the `extra_rows` logits or None, every token's pre-norm hidden state [T, H]): the ordinary step
+        of an engine whose drafter reads hidden states (its decode graphs were captured returning them)."""
+        return self._forward(batch, extra_rows, with_hidden=True)
+
+    def _forward(self, batch: ForwardBatch, extra_rows: Sequence[int], with_hidden: bool):
+        graphs, extra, hidden = self.graphs, None, None
+        if not extra_rows and graphs is not None and graphs.can_run(batch) and (graphs.with_hidden or not with_hidden):
+            logits, hidden = graphs.run_with_hidden(batch) if with_hidden else (graphs.run(batch), None)
         else:
-            logits = self.model(batch, self.kv, self.strategy)
+            rows = batch.last_token_index
+            if extra_rows:
+                rows = torch.cat([rows, torch.tensor(list(extra_rows), device=rows.device)])
+            out = self.model(batch, self.kv, self.strategy, logits_at=rows, return_hidden=with_hidden)
+            logits, hidden = out if with_hidden else (out, None)
+            if extra_rows:
+                logits, extra = logits[: len(batch.last_token_index)], logits[len(batch.last_token_index) :]
         if self.hooks is not None:
             self.hooks.hook.moeplex_forward_done(batch=batch, logits=logits)
-        return (logits, extra) if extra_rows else logits
+        return logits, extra, hidden
 
     @torch.inference_mode()
     def verify_forward(self, batch: ForwardBatch, rows: torch.Tensor, with_hidden: bool):

@@ -82,14 +82,18 @@ def test_the_mtp_kv_built_step_by_step_equals_the_whole_sequence_at_once(mtp_fol
     spec.abort(request.rid)
 
 
-def test_a_request_that_does_not_draft_costs_the_mtp_layer_nothing_until_it_drafts_again(mtp_folder, plain):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_that_does_not_draft_costs_the_mtp_layer_nothing_until_it_drafts_again(mtp_folder, plain, overlap):
     """Random MTP weights miss, so the adaptive policy (under a cost model where rows cost something) stops
-    drafting: the plain steps between keep the target's hidden rows and run no MTP layer; a request that drafts
-    again catches up in one batch, to the state computed from scratch; output unchanged."""
+    drafting: the plain steps between take the engine's ordinary path (under the overlap schedule too, forced on
+    here: the drafter then hears of each step one step late), keep the target's hidden rows and run no MTP layer;
+    a request that drafts again catches up in one batch, to the state computed from scratch; output unchanged."""
     from moeplex.speculation.costs import StepCosts, grid_sizes
     from moeplex.speculation.policy import AdaptivePolicy
 
-    spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3, speculative_policy="adaptive")
+    spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3, speculative_policy="adaptive",
+                  overlap_schedule=overlap, max_running_requests=4)  # (few sizes to measure at start-up)
+    assert spec.overlap_schedule == overlap
     drafter = spec.speculation.drafter
     spec.speculation.policy = AdaptivePolicy(3, StepCosts(grid_sizes(64), lambda n: [1.0] + [1.1 + 0.1 * n * k
                                                                                                for k in range(4)]))
@@ -106,12 +110,45 @@ def test_a_request_that_does_not_draft_costs_the_mtp_layer_nothing_until_it_draf
     request = spec.add_request(PROMPTS[2], SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))
     for _ in range(25):
         spec.step()
+    if spec.in_flight is not None:  # the step in flight tells the drafter its rows when it is read
+        spec._complete(spec.in_flight)
+        spec.in_flight = None
     assert len(drafter.pending[request.rid].next_ids) > 8  # many plain steps' rows, waiting
     drafter.catch_up([request.rid])
     start = drafter.starts[request.rid]
     assert start.position == request.num_cached - 1
     torch.testing.assert_close(start.hidden, reference_chain_start(spec.model, request.all_ids), atol=1e-4, rtol=1e-4)
     spec.abort(request.rid)
+
+
+def test_the_rows_held_for_the_mtp_layer_stay_within_their_budget(mtp_folder, plain, monkeypatch):
+    """Over MAX_PENDING_ROWS rows held in all, the requests holding the most catch up (batches of at most
+    CATCH_UP_ROWS rows) while the others keep theirs: the count stays exact, and a request caught up early then
+    drafts from the state computed from scratch."""
+    import moeplex.plugins.drafters.nextn as nextn
+
+    monkeypatch.setattr(nextn, "MAX_PENDING_ROWS", 24)
+    monkeypatch.setattr(nextn, "CATCH_UP_ROWS", 16)
+    spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3, max_running_requests=4)
+    drafter = spec.speculation.drafter
+    spec.speculation.policy.may_draft = lambda n: False  # every step plain: rows only pile up
+    batches = []
+    run = drafter.run_now
+    drafter.run_now = lambda step: batches.append(sum(len(ids) for ids in step.next_ids)) or run(step)
+    requests = [spec.add_request(p, SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
+    for _ in range(20):
+        spec.step()
+        assert drafter.pending_rows == sum(len(p.next_ids) for p in drafter.pending.values()) <= 24 + 40
+    assert batches and max(batches) <= 16 + 40  # (a single request's rows may exceed a batch: its prompt)
+    longest = requests[2]
+    drafter.catch_up([longest.rid])
+    start = drafter.starts[longest.rid]
+    assert start.position == longest.num_cached - 1
+    torch.testing.assert_close(start.hidden, reference_chain_start(spec.model, longest.all_ids), atol=1e-4, rtol=1e-4)
+    while spec.has_work:
+        spec.step()
+    assert [r.output_ids[:12] for r in requests] == plain
+    assert drafter.pending_rows == 0 and not drafter.pending
 
 
 def test_nextn_without_mtp_weights_is_refused(tiny_model_dir):

@@ -20,17 +20,11 @@ def drafter_class(config) -> type | None:
 
 
 def check_speculation(config, dispatcher_caps, dispatch_tokens: int) -> type | None:
-    """What the flags alone can refuse: an unknown drafter, the overlap schedule asked for with a drafter that
-    reads every step's hidden states, a fixed dispatch
-    buffer smaller than a verify step of every running request (its decode buffer, for deepep-auto)."""
+    """What the flags alone can refuse: an unknown drafter, a fixed dispatch buffer smaller than a verify step of
+    every running request (its decode buffer, for deepep-auto)."""
     cls = drafter_class(config)
     if cls is None:
         return None
-    if config.overlap_schedule and cls.caps.needs_hidden:
-        raise ValueError(
-            f"drafter '{config.speculative_algorithm}' reads the hidden states of every step, so its engine runs "
-            "without the overlap schedule; leave the overlap schedule to its default"
-        )
     need = config.max_running_requests * config.tokens_per_decode
     if dispatcher_caps.fixed_max_tokens and dispatch_tokens < need:  # verify steps are decode steps (deepep-auto: LL)
         raise PluginError(

@@ -9,11 +9,13 @@ never stores a rejected one; their slots are overwritten by later steps, and who
 accepted length go back to the free list.
 
 A step that drafts here runs without the overlap schedule: the drafts of step N+1 depend on the tokens step N
-accepts (a drafter that drafts on the device verifies under it instead: overlap.py). How many drafts each request verifies is the policy's choice (policy.py): adaptive (a measured
-step-cost model and each request's running acceptance) or fixed (every due request drafts num_steps, with
-backoff after misses). A step in which no request drafts is a plain step; where the drafter needs no hidden
-states (it sees every token through DraftRequest), such steps take the engine's ordinary path, overlap schedule
-included. Drafting less never changes a token (verify.py), so the policy changes speed only.
+accepts (a drafter that drafts on the device verifies under it instead: overlap.py). How many drafts each request
+verifies is the policy's choice (policy.py): adaptive (a measured step-cost model and each request's running
+acceptance) or fixed (every due request drafts num_steps, with backoff after misses). A step in which no request
+drafts is a plain step and takes the engine's ordinary path, overlap schedule and decode graphs included; for a
+drafter that reads hidden states that path keeps the step's hidden rows, and the drafter observes them once the
+step's tokens are read (plain_step). Drafting less never changes a token (verify.py), so the policy changes speed
+only.
 """
 
 from __future__ import annotations
@@ -59,6 +61,16 @@ class SpecCounts:
             self.plain_steps += 1
 
 
+@attrs.frozen
+class PlainStep:
+    """A step the engine ran on its ordinary path, for a drafter that reads its hidden states."""
+
+    work: list[ScheduledWork]
+    starts: list[int]  # each request's num_cached before the step
+    preemptions: list[int]  # each request's num_preemptions then
+    hidden: torch.Tensor  # [T, H] every token row's pre-norm hidden state
+
+
 def is_decoding(item: ScheduledWork) -> bool:
     request = item.request
     return item.num_tokens == 1 and request.num_uncached == 1 and bool(request.output_ids)
@@ -94,10 +106,23 @@ class SpeculativeDecoding:
         return self.drafter.num_steps
 
     @property
-    def plain_steps_overlap(self) -> bool:
-        """Whether a step without drafts may take the engine's ordinary path (the overlap schedule included):
-        the drafter sees every token through DraftRequest and needs no hidden states from such a step."""
-        return not self.drafter.caps.needs_hidden
+    def reads_plain_steps(self) -> bool:
+        """Whether the engine's ordinary steps (no drafts) keep their hidden rows for the drafter: one that reads
+        hidden states must see every position the target kept (plain_step, then observe_plain)."""
+        return self.drafter.caps.needs_hidden and self.observes
+
+    @staticmethod
+    def plain_step(work: Sequence[ScheduledWork], hidden: torch.Tensor) -> PlainStep:
+        """A step on the ordinary path, before its requests advance: what observe_plain tells the drafter."""
+        requests = [item.request for item in work]
+        return PlainStep(list(work), [r.num_cached for r in requests], [r.num_preemptions for r in requests], hidden)
+
+    def observe_plain(self, step: PlainStep) -> None:
+        """Once the step's tokens are on the host (under the overlap schedule one step late): the drafter's observe,
+        as a verify step without drafts gives it. A request preempted since keeps nothing of the step."""
+        kept = [item.num_tokens if item.request.num_preemptions == n else 0
+                for item, n in zip(step.work, step.preemptions)]
+        self._observe(step.work, [()] * len(step.work), step.starts, kept, step.hidden)
 
     def room(self, request: Request) -> int:
         """Drafts the request can verify now: its reserved pages and its max_new_tokens bound them."""

@@ -14,11 +14,18 @@ decode rows (a few kept positions per request, each a row reading the cache up t
 Prompts and other extends run eagerly (their logits only at each request's last position).
 
 A request that does not draft costs the layer nothing: `observe` keeps the target's hidden rows of the positions
-it kept (Pending), and the layer runs over them in one batch when the request is next asked to draft (or when
-it holds MAX_PENDING rows, or its rows come from a prompt chunk longer than that): the same rows, the same KV
-slots, computed a little later. A request that ends while rows are pending never gets them written: a later
-request reusing those positions from the prefix cache drafts from whatever MTP rows its pages hold there (worse
-drafts, never another token).
+it kept (Pending), and the layer runs over them in one batch when the request is next asked to draft, or, when
+all requests together hold more than MAX_PENDING_ROWS rows, for the requests holding the most (in batches of at
+most CATCH_UP_ROWS rows): the same rows, the same KV slots, computed later. The engine's plain steps run under
+the overlap schedule and tell the drafter their rows one step late, so nothing here reads the device: the chain
+starts' first drafts stay there until `propose` reads them all at once. A request that ends while rows are
+pending never gets them written: a later request reusing those positions from the prefix cache drafts from
+whatever MTP rows its pages hold there (worse drafts, never another token).
+
+Why a budget over all requests and not a cap per request: a catch-up batch is one MTP layer forward, whose MoE
+reads about every expert's weights once it holds a few hundred rows. Capped at 64 rows per request, a batch of
+64 undrafted requests paid that read at nearly every step (~25% of a DeepSeek-V3 step); 16384 rows between
+catch-ups make it ~1%, and hold 16384 x H hidden values (235 MB at DeepSeek-V3's 7168 in bf16).
 """
 
 from __future__ import annotations
@@ -35,11 +42,12 @@ from moeplex.interfaces import DraftRequest, Drafter, DrafterCaps, DrafterContex
 @attrs.define
 class ChainStart:
     position: int  # the last position the target kept (p - 1 for a request whose next input sits at p)
-    draft: int  # the MTP layer's guess for the token at p + 1
+    draft: torch.Tensor  # [] the MTP layer's guess for the token at p + 1, on the device
     hidden: torch.Tensor  # [H] the layer's output hidden at that position (the next step's input)
 
 
-MAX_PENDING = 64  # rows of target hidden states kept per request before the MTP layer catches up on them
+MAX_PENDING_ROWS = 16384  # target hidden rows kept over all requests before the MTP layer catches up on some
+CATCH_UP_ROWS = 4096  # the most rows one catch-up batch runs
 
 
 @attrs.define
@@ -59,6 +67,7 @@ class NextNDrafter(Drafter):
         super().__init__(num_steps)
         self.starts: dict[str, ChainStart] = {}
         self.pending: dict[str, Pending] = {}
+        self.pending_rows = 0  # rows held in `pending`, over all requests
 
     def kv_layers(self, model) -> list[list[tuple[int, ...]]]:
         return list(model.mtp_kv_shapes()[:1])  # the first MTP layer only: it serves every step
@@ -82,31 +91,44 @@ class NextNDrafter(Drafter):
 
     @torch.inference_mode()
     def observe(self, step: TargetStep) -> None:
-        """Keep the kept positions' hidden rows; the layer runs now only for the requests over MAX_PENDING."""
-        due, at = [], 0
+        """Keep the kept positions' hidden rows; the layer runs now only where all requests hold too many."""
+        at = 0
         for rid, start, ids, pages in zip(step.rids, step.starts, step.next_ids, step.pages):
             rows = step.hidden[at : at + len(ids)]
             at += len(ids)
             held = self.pending.get(rid)
             if held is not None and held.start + len(held.next_ids) != start:  # not where it left off: start over
+                self.pending_rows -= len(held.next_ids)
                 held = None
             if held is None:
                 held = self.pending[rid] = Pending(start, [], (), [])
             held.next_ids.extend(ids)
             held.pages = tuple(pages)
             held.hidden.append(rows)
-            if len(held.next_ids) > MAX_PENDING:
+            self.pending_rows += len(ids)
+        if self.pending_rows > MAX_PENDING_ROWS:  # the requests holding the most, down to half the budget
+            largest = sorted(self.pending, key=lambda rid: -len(self.pending[rid].next_ids))
+            due, left = [], self.pending_rows
+            for rid in largest:
+                if left <= MAX_PENDING_ROWS // 2:
+                    break
                 due.append(rid)
-        self.catch_up(due)
+                left -= len(self.pending[rid].next_ids)
+            self.catch_up(due)
 
     @torch.inference_mode()
     def catch_up(self, rids: Sequence[str]) -> None:
-        """Run the MTP layer over the pending rows of these requests, in one batch."""
+        """Run the MTP layer over the pending rows of these requests, in batches of at most CATCH_UP_ROWS rows."""
         held = [(rid, self.pending.pop(rid)) for rid in rids if rid in self.pending]
-        if held:
+        while held:
+            batch, rows = [], 0
+            while held and (not batch or rows + len(held[0][1].next_ids) <= CATCH_UP_ROWS):
+                batch.append(held.pop(0))
+                rows += len(batch[-1][1].next_ids)
+            self.pending_rows -= rows
             self.run_now(TargetStep(
-                rids=[rid for rid, _ in held], starts=[p.start for _, p in held], next_ids=[p.next_ids for _, p in held],
-                pages=[p.pages for _, p in held], hidden=torch.cat([row for _, p in held for row in p.hidden]),
+                rids=[rid for rid, _ in batch], starts=[p.start for _, p in batch], next_ids=[p.next_ids for _, p in batch],
+                pages=[p.pages for _, p in batch], hidden=torch.cat([row for _, p in batch for row in p.hidden]),
             ))
 
     @torch.inference_mode()
@@ -116,38 +138,40 @@ class NextNDrafter(Drafter):
         counts = [len(ids) for ids in step.next_ids]
         hidden = self.layer.from_target(step.hidden)
         # a verify step's few kept positions: one decode row each (a row at position 0 would make it an extend)
+        last = [end - 1 for end in itertools.accumulate(counts)]  # each request's last row (python ints: views only)
         if self.replays(sum(counts)) and min(step.starts) > 0:
             kept = zip(step.next_ids, step.starts, step.pages)
             batch = context.batch_of([([t], start + k, pages) for ids, start, pages in kept for k, t in enumerate(ids)])
             hidden, drafts = self.rows_step(batch, hidden)
-            last = [end - 1 for end in itertools.accumulate(counts)]
-            drafts = drafts[last].tolist()
+            draft_rows = last
         else:
             batch = context.batch_of(list(zip(step.next_ids, step.starts, step.pages)))
             hidden, logits = self.layer(hidden, batch, context.kv)
-            last = batch.last_token_index
-            drafts = torch.argmax(logits, dim=-1).tolist()
-        for i, rid in enumerate(step.rids):
-            self.starts[rid] = ChainStart(step.starts[i] + counts[i] - 1, drafts[i], hidden[last[i]])
+            drafts, draft_rows = torch.argmax(logits, dim=-1), range(len(counts))  # logits at each request's last row
+        for i, rid in enumerate(step.rids):  # views on the device: propose reads them, never a step in flight
+            self.starts[rid] = ChainStart(step.starts[i] + counts[i] - 1, drafts[draft_rows[i]], hidden[last[i]])
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> Drafts:
         self.catch_up([request.rid for request in requests])
         tokens: list[list[int]] = []
         chains = []  # (row in tokens, request) of the requests whose chain goes on
-        starts = []  # their chain starts' hidden states
+        starts = []  # their chain starts
         for request in requests:
             start = self.starts.get(request.rid)
             if start is None or start.position != request.num_cached - 1 or self.num_steps < 1:
                 tokens.append([])  # nothing observed at its last position (it was just preempted, say)
                 continue
-            tokens.append([start.draft])
+            tokens.append([])
             chains.append((len(tokens) - 1, request))
-            starts.append(start.hidden)
+            starts.append(start)
+        if chains:  # the first drafts, read in one copy
+            for (row, _), draft in zip(chains, torch.stack([start.draft for start in starts]).tolist()):
+                tokens[row].append(draft)
         if not chains or self.num_steps < 2:
             return Drafts(tokens)
         page_size = self.context.kv.page_size
-        hidden, drafted = torch.stack(starts), None  # drafted: the step before's drafts, on the device
+        hidden, drafted = torch.stack([start.hidden for start in starts]), None  # drafted: the step before's drafts
         chained = []  # per step: (rows of tokens, its drafts on the device), read once at the end
         for j in range(2, self.num_steps + 1):
             # step j runs position p + j - 2, whose KV row needs a page (the scheduler reserves them: rarely false)
@@ -171,4 +195,6 @@ class NextNDrafter(Drafter):
 
     def finished(self, rid: str) -> None:
         self.starts.pop(rid, None)
-        self.pending.pop(rid, None)
+        held = self.pending.pop(rid, None)
+        if held is not None:
+            self.pending_rows -= len(held.next_ids)
