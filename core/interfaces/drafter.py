@@ -9,9 +9,10 @@ a good drafter only makes it faster.
 The engine calls, in this order: `kv_layers` (once, before it sizes the KV pool: extra per-token KV
 the drafter keeps in the same pages as the target), `bind` (once, with a DrafterContext), then per
 step `propose` for the decoding requests that draft and `observe` after every target forward (prefill chunks
-included), and `finished` when a request ends or is preempted. A drafter that does not read hidden states
-(`needs_hidden` false) may miss the plain steps between drafting ones (they take the engine's ordinary path,
-overlap schedule included); every token they added is in the next DraftRequest.token_ids.
+included), and `finished` when a request ends or is preempted. The plain steps between drafting ones take the
+engine's ordinary path (overlap schedule included): a drafter that reads hidden states (`needs_hidden`) observes
+them too, once their tokens are read (under the overlap schedule after the next step was launched); one that
+does not may miss them, and every token they added is in the next DraftRequest.token_ids.
 
 Request ids: a rid names one live request; `finished(rid)` comes exactly once per request, after its last
 `observe`, when it ends (length, stop, abort, failure). The same rid may then come back for a new request
