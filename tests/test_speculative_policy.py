@@ -119,6 +119,20 @@ def test_timing_keeps_the_fastest_run_and_more_rows_never_cost_less(monkeypatch)
     assert time_size(1, 4, run) == pytest.approx([1.0, 1.1, 1.5, 1.5, 2.0])
 
 
+def test_shapes_timed_over_two_steps_are_compared_per_step(monkeypatch):
+    """Under the overlap schedule a plain step is timed as two back to back: 1.6 for two is 0.8 a step, below a
+    synchronous verify step's 1.1, and stays 0.8 (compared per run, the envelope would cap it at 1.1 / 2)."""
+    base = [1.6, 1.1, 1.3, 1.5, 2.0]
+    clock = [0.0]
+
+    def run(n, k):
+        clock[0] += base[k]
+
+    monkeypatch.setattr(costs_module.time, "perf_counter", lambda: clock[0])
+    assert time_size(1, 4, run, steps_per_run=[2, 1, 1, 1, 1]) == pytest.approx([0.8, 1.1, 1.3, 1.5, 2.0])
+    assert time_size(1, 4, run, steps_per_run=[2, 2, 2, 2, 2]) == pytest.approx([0.55, 0.55, 0.65, 0.75, 1.0])
+
+
 def config(folder: str, **overrides) -> EngineConfig:
     base = dict(model=folder, dtype="fp32", show_progress=False, max_total_tokens=2048, page_size=PAGE,
                 speculative_num_steps=STEPS)

@@ -37,9 +37,13 @@ def grid_sizes(max_requests: int) -> list[int]:
     return sizes + [max_requests]
 
 
-def time_size(n: int, rows_per_request: int, run: Run, any_rank: Callable[[bool], bool] = lambda flag: flag) -> list[float]:
+def time_size(n: int, rows_per_request: int, run: Run, any_rank: Callable[[bool], bool] = lambda flag: flag,
+              steps_per_run: Sequence[int] = ()) -> list[float]:
     """[plain, verify x1, ..., verify x rows_per_request] seconds for steps of n requests. `any_rank(flag)`:
-    whether the flag is set on any rank (every rank must run as many rounds: the steps' collectives pair up)."""
+    whether the flag is set on any rank (every rank must run as many rounds: the steps' collectives pair up).
+    `steps_per_run[k]`: steps one run of shape k times (two where a step is timed back to back with the next, as
+    the overlap schedule runs it; default one): each shape's time is per step before the envelope compares them
+    (compared per run, two overlapped plain steps were capped at one synchronous verify step's time)."""
     shapes = range(rows_per_request + 1)
     for k in shapes:  # warm-up: first-use allocations, autotuning
         run(n, k)
@@ -54,6 +58,7 @@ def time_size(n: int, rows_per_request: int, run: Run, any_rank: Callable[[bool]
             best[k] = min(best[k], took)
         if round + 1 >= ROUNDS and not any_rank(improved):
             break
+    best = [b / (steps_per_run[k] if k < len(steps_per_run) else 1) for k, b in enumerate(best)]
     for k in reversed(range(rows_per_request)):  # the envelope: more rows never cost less
         best[k] = min(best[k], best[k + 1])
     return best

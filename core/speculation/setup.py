@@ -104,16 +104,13 @@ def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidde
         try:
             for r in recorders:
                 r.recording = False
-            costs = time_size(n, config.speculative_num_steps + 1, run,
-                              lambda flag: any(row[0] for row in world.all_gather_ints([int(flag)])))
+            rows = config.speculative_num_steps + 1
+            costs = time_size(n, rows, run, lambda flag: any(row[0] for row in world.all_gather_ints([int(flag)])),
+                              steps_per_run=[2 if overlap else 1] + [2 if overlap_verify else 1] * rows)
         finally:
             runner.hooks = hooks
             for r, was in zip(recorders, recording):
                 r.recording = was
-        if overlap:
-            costs[0] /= 2
-        if overlap_verify:
-            costs[1:] = [c / 2 for c in costs[1:]]
         if world.size > 1:  # the slowest rank's times, on every rank
             gathered = world.all_gather_ints([round(c * 1e7) for c in costs])
             costs = [max(column) * 1e-7 for column in zip(*gathered)]
