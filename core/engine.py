@@ -155,7 +155,8 @@ class Engine:
                                                  # asked for (its graph outputs must not be overwritten), or where DP
                                                  # ranks would ask for different sizes
                                                  eager=self.overlap_schedule or self.parallel.config.dp_size > 1,
-                                                 overlap_verify=self.overlap_verify is not None)
+                                                 overlap_verify=self.overlap_verify is not None,
+                                                 proposal_cost=drafter.proposal_cost)
             self.speculation.policy = AdaptivePolicy(drafter.num_steps, self.step_costs)
         # prefill/decode disaggregation: this rank's transfer backend and the pages it holds or expects
         self.pd = RankTransfers.create(self) if config.disaggregation_mode != "none" else None

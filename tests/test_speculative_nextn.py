@@ -151,6 +151,22 @@ def test_the_rows_held_for_the_mtp_layer_stay_within_their_budget(mtp_folder, pl
     assert drafter.pending_rows == 0 and not drafter.pending
 
 
+def test_a_verify_step_costs_the_mtp_chain_too(mtp_folder, monkeypatch):
+    """The adaptive policy weighs a verify step with the drafter's proposals in it: nextn times its chain of MTP
+    steps on the scratch page (a real forward, so more than nothing), and the step-cost table adds that to every
+    verify shape, never to the plain step."""
+    import moeplex.plugins.drafters.nextn as nextn
+
+    spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3, speculative_policy="adaptive",
+                  max_running_requests=2)
+    assert spec.speculation.drafter.proposal_cost(2) > 0.0
+    monkeypatch.setattr(nextn.NextNDrafter, "proposal_cost", lambda self, n: 10.0)  # seconds: far above any step
+    spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3, speculative_policy="adaptive",
+                  max_running_requests=2)
+    plain, *verify = spec.step_costs.at(1)
+    assert plain < 10.0 and all(10.0 < cost < 11.0 for cost in verify)
+
+
 def test_nextn_without_mtp_weights_is_refused(tiny_model_dir):
     with pytest.raises(PluginError, match="has none"):
         engine(tiny_model_dir("deepseek_v3"), speculative_algorithm="nextn")

@@ -173,6 +173,13 @@ class Drafter(abc.ABC):
         schedule run `propose_on_device` eagerly."""
         return None
 
+    def proposal_cost(self, n: int) -> float:
+        """Seconds the device work of proposing `num_steps` drafts for each of n requests takes (API 2), measured
+        now, on scratch state (the engine asks while it measures its own step costs, on every rank at once, at
+        start-up or when a batch size is first used): the adaptive policy adds it to a verify step's cost. 0.0
+        (the default): proposing costs nothing worth weighing (host lookups)."""
+        return 0.0
+
     def observe(self, step: TargetStep) -> None:
         """After every target forward: the positions the target kept and the tokens that followed them."""
 

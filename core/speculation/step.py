@@ -302,7 +302,8 @@ class SpeculativeDecoding:
             first.append(first[-1] + item.num_tokens + len(draft))
         if hidden is not None:
             rows = [t for i in live for t in range(first[i], first[i] + kept[i])]
-            hidden = hidden[to_device(hidden.device, torch.tensor(rows, dtype=torch.int64))[0]]
+            if len(rows) < hidden.shape[0]:  # (all of them, in order, in a plain step of live requests: no copy)
+                hidden = hidden[to_device(hidden.device, torch.tensor(rows, dtype=torch.int64))[0]]
         self.drafter.observe(TargetStep(
             rids=[work[i].request.rid for i in live],
             starts=[starts[i] for i in live],

@@ -31,6 +31,7 @@ catch-ups make it ~1%, and hold 16384 x H hidden values (235 MB at DeepSeek-V3's
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Sequence
 
 import attrs
@@ -46,6 +47,8 @@ class ChainStart:
     hidden: torch.Tensor  # [H] the layer's output hidden at that position (the next step's input)
 
 
+SCRATCH_CONTEXT = 128  # proposal_cost: positions each timed row reads
+ROUNDS = 3  # proposal_cost: timings, the fastest kept
 MAX_PENDING_ROWS = 16384  # target hidden rows kept over all requests before the MTP layer catches up on some
 CATCH_UP_ROWS = 4096  # the most rows one catch-up batch runs
 
@@ -150,6 +153,32 @@ class NextNDrafter(Drafter):
             drafts, draft_rows = torch.argmax(logits, dim=-1), range(len(counts))  # logits at each request's last row
         for i, rid in enumerate(step.rids):  # views on the device: propose reads them, never a step in flight
             self.starts[rid] = ChainStart(step.starts[i] + counts[i] - 1, drafts[draft_rows[i]], hidden[last[i]])
+
+    @torch.inference_mode()
+    def proposal_cost(self, n: int) -> float:
+        """The chain's device work for n requests: num_steps MTP row batches of n rows (the catch-up's last row,
+        which gives the first draft, then one per further draft), each row reading SCRATCH_CONTEXT positions of
+        the pool's scratch page, the fastest of ROUNDS timings. A catch-up's other rows (the plain steps since
+        the request last drafted) are left out: they cost the same whenever the request drafts again."""
+        kv, context = self.context.kv, self.context
+        pages = [kv.scratch_page] * kv.pages_for(SCRATCH_CONTEXT + self.num_steps + 1)
+        batch = context.batch_of([([0], SCRATCH_CONTEXT, pages) for _ in range(n)])
+        hidden = torch.zeros(n, self.layer.eh_proj.weight.shape[0], dtype=self.layer.eh_proj.weight.dtype,
+                             device=context.device)
+
+        def chain() -> None:
+            out = hidden
+            for _ in range(max(self.num_steps, 1)):
+                out, drafted = self.rows_step(batch, out)
+            drafted.tolist()  # the host reads the drafts, as propose does
+
+        chain()  # warm-up
+        best = float("inf")
+        for _ in range(ROUNDS):
+            start = time.perf_counter()
+            chain()
+            best = min(best, time.perf_counter() - start)
+        return best
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> Drafts:
