@@ -230,9 +230,10 @@ def rows_for(name: str, folder: str, drafters: list[str], args) -> list[str]:
     for drafter in drafters if not args.interleave else ():
         engine = warmed_engine(folder, args, drafter)
         for batch, prompts in workloads.items():
-            for _ in range(args.runs):
+            for run in range(args.runs):
                 rate, accept[drafter, batch] = measure(engine, drafter, batch, prompts, args, reference)
                 rates.setdefault((drafter, batch), []).append(rate)
+                print(f"# batch {batch} run {run + 1} {drafter}: {rate:.1f} tok/s", flush=True)  # survives a kill
         del engine
         gc.collect()
         if args.device.startswith("cuda"):
