@@ -4,7 +4,7 @@
 # command as its source), check the model with it, then re-measure the fused MoE tables with the time left.
 #
 #   bash benchmarks/plan_profile.sh OUT            # one device call: everything ends within BUDGET_S (default 540 s: 9 min, and a stuck step is killed 5 s past its limit)
-#   bash benchmarks/plan_profile.sh OUT 540 cpu    # every step at toy sizes on a CPU (tests/test_plan_cli.py runs it)
+#   bash benchmarks/plan_profile.sh OUT 540 cpu    # every step at toy sizes on a CPU, the four measurements side by side (tests/test_plan_cli.py runs it)
 #
 # Steps (OUT/steps.txt says how each ended and how long it took; OUT/<step>.log holds its output):
 #   routing   plan_routing.py: the distinct experts e2e_gpu.py's dummy DeepSeek-V3 hits per decode step (routing_deepseek_v3)
@@ -42,13 +42,15 @@ step() {  # step NAME MAX_S CMD...: CMD under the smaller of MAX_S and the time 
 }
 
 if [[ $mode == cpu ]]; then
-  # toy sizes: what each step runs, not what it measures
-  step routing 120 "$py" plan_routing.py --device cpu --preset tiny --batches 1 8 --out "$out/plan_routing_h200.json"
+  # toy sizes: what each step runs, not what it measures; side by side (each is mostly a Python start-up, and the
+  # numbers mean nothing here), then merge and check once all four have ended
+  step routing 120 "$py" plan_routing.py --device cpu --preset tiny --batches 1 8 --out "$out/plan_routing_h200.json" &
   step dispatch 60 "$py" plan_dispatch.py --device cpu --dispatcher local --hidden 256 --experts 16 --tokens 8 --iters 3 --runs 2 \
-    --out "$out/plan_dispatch_h200.md" --measured-out "$out/plan_dispatch_h200.json"
+    --out "$out/plan_dispatch_h200.md" --measured-out "$out/plan_dispatch_h200.json" &
   step gemm 120 "$py" plan_gemm.py --device cpu --model deepseek_v3:tiny --tokens 4 16 --seq 16 --runs 1 \
-    --out "$out/plan_gemm_h200.md" --profile-out "$out/plan_gemm_h200.json"
-  step launch 60 "$py" plan_launch.py --device cpu --kernels 20 --runs 2 --out "$out/plan_launch_h200.md" --profile-out "$out/plan_launch_h200.json"
+    --out "$out/plan_gemm_h200.md" --profile-out "$out/plan_gemm_h200.json" &
+  step launch 60 "$py" plan_launch.py --device cpu --kernels 20 --runs 2 --out "$out/plan_launch_h200.md" --profile-out "$out/plan_launch_h200.json" &
+  wait
 else
   nvidia-smi -L > "$out/gpus.txt" 2>&1
   step routing 180 "$py" plan_routing.py --out "$out/plan_routing_h200.json"

@@ -18,7 +18,14 @@ if not torch.cuda.is_available():
     # Triton kernels run under its interpreter on CPU; the switch must be set before they are decorated
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from moeplex.kernels import cpu_ext
 from moeplex.models.make_model import ARCHES, write_checkpoint
+
+
+def pytest_configure(config):
+    """moeplex's C++ CPU kernels, built side by side before collection (test modules load them as they are
+    collected, which on a fresh machine cache built them one after the other)."""
+    cpu_ext.build_all()
 
 
 @pytest.fixture(scope="session")

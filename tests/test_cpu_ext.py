@@ -31,3 +31,28 @@ def test_the_build_folder_names_the_processor_torch_and_sources():
     folder = cpu_ext.build_directory("paged_decode")
     assert os.path.basename(folder).startswith("paged_decode-") and folder.startswith(cpu_ext.machine_cache_dir())
     assert cpu_ext.build_directory("expert_gemm") != folder
+
+
+def test_build_all_starts_one_process_per_kernel_not_built_yet(tmp_path, monkeypatch):
+    """Each unbuilt kernel compiles in its own process at once; a built one (its library there) starts none, and a
+    lone unbuilt one is left to its first load."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    started = []
+
+    class Build:
+        def __init__(self, command, **_):
+            started.append(command[-1])
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(cpu_ext.subprocess, "Popen", Build)
+    assert cpu_ext.kernel_names() == ["expert_gemm", "paged_decode"]
+    cpu_ext.build_all()
+    assert started == ["expert_gemm", "paged_decode"]
+    built = cpu_ext._library("expert_gemm")
+    os.makedirs(os.path.dirname(built))
+    open(built, "w").close()
+    started.clear()
+    cpu_ext.build_all()
+    assert started == []

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import time
 
@@ -57,6 +58,31 @@ def ops(name: str):
 def why_not(name: str) -> str | None:
     """None where the kernel loads, else why it does not (for logs and test skips)."""
     return _load(name)
+
+
+def kernel_names() -> list[str]:
+    """Every kernel in csrc/ (one .cpp each)."""
+    return sorted(f.removesuffix(".cpp") for f in os.listdir(SOURCES) if f.endswith(".cpp"))
+
+
+def build_all(names: list[str] | None = None) -> None:
+    """Build the kernels this machine has not built yet, each in its own process at once (one compiler each; one
+    after the other they take the sum of their compile times), so that later `load_kernel` calls only load them.
+    A process rather than a thread per kernel: torch's loader switches the process's dlopen flags around each
+    load, which two threads loading at once could leave switched. A build that fails here fails again, and says
+    why, where the kernel is first loaded."""
+    todo = [name for name in (kernel_names() if names is None else names) if not os.path.exists(_library(name))]
+    if len(todo) < 2:  # nothing to overlap: the first load_kernel builds it as before
+        return
+    code = "import sys; from moeplex.kernels import cpu_ext; cpu_ext.load_kernel(sys.argv[1])"
+    builds = [subprocess.Popen([sys.executable, "-c", code, name], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+              for name in todo]
+    for build in builds:
+        build.wait()
+
+
+def _library(name: str) -> str:
+    return os.path.join(build_directory(name), f"moeplex_cpu_{name}.so")
 
 
 @functools.cache
