@@ -257,7 +257,7 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
     flag(
         spec, "--disable-speculative-backoff",
         "draft for every decoding request at every step; by default a request whose drafts missed twice running "
-        "pauses drafting for 2, 4, ... 64 tokens (plain steps, under the overlap schedule where the drafter allows), "
+        "pauses drafting for 2, 4, ... 64 tokens (plain steps, under the overlap schedule), "
         "so a workload the drafter cannot predict costs about what it costs without speculation (--speculative-policy fixed)",
     )
     flag(
