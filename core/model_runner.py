@@ -62,17 +62,12 @@ class ModelRunner:
         return self._forward(batch, extra_rows, with_hidden=True)
 
     def _forward(self, batch: ForwardBatch, extra_rows: Sequence[int], with_hidden: bool):
-        graphs, extra, hidden = self.graphs, None, None
-        if not extra_rows and graphs is not None and graphs.can_run(batch) and (graphs.with_hidden or not with_hidden):
-            logits, hidden = graphs.run_with_hidden(batch) if with_hidden else (graphs.run(batch), None)
-        else:
-            rows = batch.last_token_index
-            if extra_rows:
-                rows = torch.cat([rows, torch.tensor(list(extra_rows), device=rows.device)])
-            out = self.model(batch, self.kv, self.strategy, logits_at=rows, return_hidden=with_hidden)
-            logits, hidden = out if with_hidden else (out, None)
-            if extra_rows:
-                logits, extra = logits[: len(batch.last_token_index)], logits[len(batch.last_token_index) :]
+        rows, extra = batch.last_token_index, None
+        if extra_rows:
+            rows = torch.cat([rows, torch.tensor(list(extra_rows), device=rows.device)])
+        logits, hidden = self._run(batch, rows, with_hidden, may_replay=not extra_rows)
+        if extra_rows:
+            logits, extra = logits[: len(batch.last_token_index)], logits[len(batch.last_token_index) :]
         if self.hooks is not None:
             self.hooks.hook.moeplex_forward_done(batch=batch, logits=logits)
         return logits, extra, hidden
@@ -82,17 +77,20 @@ class ModelRunner:
         """(logits of the token rows `rows`, every token's pre-norm hidden state or None): a speculative step.
         Its decode batches (verify rows included: every token row is then a request row) replay graphs, which
         return the hidden states too where they were captured for a drafter that reads them."""
-        hidden = None
-        graphs = self.graphs
-        if len(rows) == batch.num_tokens and graphs is not None and graphs.can_run(batch) and (graphs.with_hidden or not with_hidden):
-            logits, hidden = graphs.run_with_hidden(batch) if with_hidden else (graphs.run(batch), None)
-        elif with_hidden:
-            logits, hidden = self.model(batch, self.kv, self.strategy, logits_at=rows, return_hidden=True)
-        else:
-            logits = self.model(batch, self.kv, self.strategy, logits_at=rows)
+        logits, hidden = self._run(batch, rows, with_hidden, may_replay=len(rows) == batch.num_tokens)
         if self.hooks is not None:
             self.hooks.hook.moeplex_forward_done(batch=batch, logits=logits)
         return logits, hidden
+
+    def _run(self, batch: ForwardBatch, rows: torch.Tensor, with_hidden: bool, may_replay: bool):
+        """(logits of the token rows `rows`, hidden states or None): replayed from the decode graphs where
+        `may_replay` (the rows are the graph's own) and a graph holds the batch (with hidden states, if asked),
+        else the model run eagerly."""
+        graphs = self.graphs
+        if may_replay and graphs is not None and graphs.can_run(batch) and (graphs.with_hidden or not with_hidden):
+            return graphs.run_with_hidden(batch) if with_hidden else (graphs.run(batch), None)
+        out = self.model(batch, self.kv, self.strategy, logits_at=rows, return_hidden=with_hidden)
+        return out if with_hidden else (out, None)
 
     @torch.inference_mode()
     def replay_verify(self, size: int, batch: ForwardBatch) -> torch.Tensor:
