@@ -26,7 +26,7 @@ for part in "$@"; do
         tests/test_speculative_gpu.py tests/test_draft_graphs.py tests/test_cuda_graph_parallel.py tests/test_prefix_cache_benchmark.py 2>&1 \
         | tee "$out/gpu_tests.log" | tail -15 ;;
     tests-spec)
-      timeout -s ABRT $(lim 150) python3 -m pytest -q -rs -m gpu tests/test_speculative_gpu.py tests/test_draft_graphs.py 2>&1 \
+      timeout -s ABRT $(lim 150) python3 -m pytest -q -rs -m gpu tests/test_speculative_gpu.py tests/test_draft_graphs.py tests/test_ngram_device.py 2>&1 \
         | tee "$out/gpu_tests_spec.log" | tail -5 ;;
     spec)
       timeout $(lim 240) python3 benchmarks/speculative.py --device cuda --qwen-layers 12 --batches 1 8 32 --runs 3 \

@@ -33,23 +33,26 @@ def lookup_batch(history: torch.Tensor, lengths: torch.Tensor, max_n: int, min_n
                  window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row r of `history` [R, L] (its first lengths[r] ids, searched in the last `window` of them): up to
     `count` tokens that followed the latest earlier occurrence of the longest suffix of length max_n .. min_n,
-    as ([R, count] ids with -1 after them, [R] their counts)."""
+    as ([R, count] ids with -1 after them, [R] their counts).
+
+    A fixed, small number of kernels whatever max_n (it runs in every overlapped verify step, at the buffer's
+    whole width): ids outside the window become -2 (no id), each position's last max_n ids are a view
+    (unfold) compared with the suffix at once, and the matched length is the run of equal ids from the end.
+    The longest match and its latest position come from one max over length x width + position."""
     rows, width = history.shape
     device = history.device
     pos = torch.arange(width, device=device)[None, :]
     last = (lengths - 1)[:, None]
     low = (lengths - window).clamp_min(0)[:, None]  # the window's first column
-    suffix = history.gather(1, (last - torch.arange(max_n, device=device)[None, :]).clamp_min(0))
-    run = torch.ones(rows, width, dtype=torch.bool, device=device)
-    matched = torch.zeros(rows, width, dtype=torch.int64, device=device)
-    for k in range(max_n):  # matched[e]: how many tokens ending at e equal the suffix (at most max_n)
-        before = F.pad(history, (k, 0), value=-2)[:, :width]  # before[e] = history[e - k]
-        run = run & (before == suffix[:, k : k + 1]) & (pos - k >= low)
-        matched += run
-    matched = torch.where((pos < last) & (pos >= low), matched, 0)  # an occurrence ends before the last token
-    longest = matched.max(dim=1).values
-    end = torch.where((matched == longest[:, None]) & (matched > 0), pos, -1).max(dim=1).values  # the latest
-    found = (longest >= min_n) & (end >= 0) & (lengths > 1)
+    suffix = history.gather(1, (last - torch.arange(max_n - 1, -1, -1, device=device)[None, :]).clamp_min(0))
+    inside = torch.where(pos >= low, history, -2)
+    ends = F.pad(inside, (max_n - 1, 0), value=-2).unfold(1, max_n, 1)  # [R, L, max_n]: ids e - max_n + 1 .. e
+    differs = (ends != suffix[:, None, :]).flip(-1)  # [..., k]: id e - k differs from the suffix's k-th from last
+    first = torch.where(differs.any(-1), differs.to(torch.uint8).argmax(-1), max_n)  # matched ids ending at e
+    key = torch.where((pos < last) & (first > 0), first * width + pos, -1)  # an occurrence ends before the last id
+    best = key.max(dim=1).values
+    longest, end = best.div(width, rounding_mode="floor"), best.remainder(width)
+    found = (best >= 0) & (longest >= min_n) & (lengths > 1)
     counts = torch.where(found, (lengths - 1 - end).clamp_max(count), 0)  # (no host scalar copied to the device)
     steps = torch.arange(count, device=device)[None, :]
     drafts = history.gather(1, ((end + 1)[:, None] + steps).clamp(0, width - 1))
