@@ -33,7 +33,7 @@ for part in "$@"; do
         --out "$out/speculative_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -40 ;;
     spec-steady)
       timeout $(lim 420) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
-        --runs 3 --batches 1 8 32 64 --output-len 64 --drafters ngram test-oracle test-adversary \
+        --runs 3 --batches 1 8 32 64 --output-len 64 --drafters ngram test-oracle test-oracle-device test-adversary \
         --out "$out/speculative_steady_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -40 ;;
     spec-mixed)
       timeout $(lim 300) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
@@ -44,7 +44,7 @@ for part in "$@"; do
         --output-len 64 --drafters nextn --out "$out/speculative_dsv3_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -30 ;;
     spec-profile)
       timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch 1 --out "$out/prof1" \
-        --drafters ngram/fixed/overlap ngram/overlap 2>&1 | grep -v -i warn | tail -20
+        --drafters ngram/fixed/overlap ngram/overlap test-oracle-device 2>&1 | grep -v -i warn | tail -20
       timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch 8 --out "$out/prof8" \
         --drafters ngram/overlap 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
     spec-serve)

@@ -226,8 +226,8 @@ def main() -> None:
     reference: dict[int, list[list[int]]] = {}
     results = {}
     for drafter in drafters:
-        if spec_bench.drafter_name(drafter) in ("test-oracle", "test-adversary"):
-            spec_bench.script_drafters.SCRIPT[:] = reference_script(folder, args, reference)
+        if spec_bench.drafter_name(drafter) in ("test-oracle", "test-oracle-device", "test-adversary"):
+            spec_bench.script_drafters.set_script(reference_script(folder, args, reference))
         results[drafter] = profile(folder, args, drafter)
     lines = [f"{processor()}; steps {args.steps}, {args.output_len} tokens per request, steady batches "
              f"({spec_bench.STEADY_WAVES} prompts per slot); ms per decode step, median of {args.runs} runs", "",

@@ -158,8 +158,8 @@ def main() -> None:
         if drafter == "none":  # the reference the oracle proposes
             sp.measure(engine, "none", args.batch, prompts, args, reference)
         if drafter.startswith(("test-oracle", "test-adversary")):
-            sp.script_drafters.SCRIPT[:] = [p + out for p, out in zip(prompts, reference[args.batch])]
-        with sp.forced_acceptance(drafter.startswith("test-oracle") and args.device != "cpu"):
+            sp.script_drafters.set_script([p + out for p, out in zip(prompts, reference[args.batch])])
+        with sp.forced_acceptance(sp.forced(drafter, args)):
             profiled_run(engine, prompts, args.batch, args)  # warm
             paths = count_calls(engine)
             times, tokens, prof = profiled_run(engine, prompts, args.batch, args, paths)

@@ -21,6 +21,8 @@ Drafters, every one greedy with ignore_eos (so every run does the same work and 
   of random weights are nearly flat and a verify batch of other shape flips near-ties, so a script from the
   plain run stops matching after a few tokens; there the oracle's verify step is forced to accept its drafts
   (the real verification still runs and is paid for: every step does the work of full acceptance);
+- oracle-device: the oracle drafting on the device (test-oracle-device), so its verify steps run under the overlap
+  schedule, as ngram's do: that mechanism's ceiling (on a GPU forced to accept in the overlapped step's graphs too);
 - adversary: proposes a wrong token at every draft: accept length 1, the price of speculation that never pays;
 - nextn (DeepSeek-V3 only): the checkpoint's MTP layer, random, so it accepts about nothing: its cost;
   and on a synthetic checkpoint (make-model --mtp-acceptance, docs/speculative.md) whose target follows a fixed
@@ -62,7 +64,7 @@ from moeplex.config import EngineConfig
 from moeplex.engine import Engine
 from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
-from moeplex.speculation import step as spec_step
+from moeplex.speculation import overlap as spec_overlap, step as spec_step, verify_graphs as spec_graphs
 from report import emit, processor
 from timing import CLOCK_HELP, CLOCKS, decode_rate, sync
 
@@ -120,28 +122,44 @@ def engine_for(folder: str, args, drafter: str) -> Engine:
         settings.update(speculative_algorithm=drafter_name(drafter), speculative_num_steps=args.steps,
                         speculative_policy="fixed" if fixed else "adaptive",
                         disable_speculative_backoff=NO_BACKOFF in drafter)
-    engine = Engine(EngineConfig(**settings))
+    with forced_acceptance(forced(drafter, args)):  # the overlapped verify step's graphs capture the forced accept
+        engine = Engine(EngineConfig(**settings))
     costs = getattr(engine, "step_costs", None)
-    if costs is not None and drafter_name(drafter) in ("ngram", "test-oracle", "test-adversary", "nextn"):
+    if costs is not None and drafter_name(drafter) in ("ngram", "test-oracle", "test-oracle-device", "test-adversary",
+                                                       "nextn"):
         costs.measure_all()  # before any clock starts
         print(f"# {drafter}: measured step costs (ms)\n{costs.table()}", flush=True)
     return engine
 
 
+def forced(drafter: str, args) -> bool:
+    """Whether the drafter's drafts are forced to be accepted (the oracles on a GPU: see the module docstring)."""
+    return drafter_name(drafter) in ("test-oracle", "test-oracle-device") and args.device != "cpu"
+
+
 @contextlib.contextmanager
 def forced_acceptance(on: bool):
-    """Every draft accepted, after the real verification ran (see the oracle above); off: unchanged."""
-    real = spec_step.verify
+    """Every draft accepted, after the real verification ran (see the oracle above), on the synchronous path and in
+    the overlapped verify step (eager or captured while this is on); off: unchanged."""
+    real, real_accept = spec_step.verify, spec_overlap.accept
 
     def verify(logits, requests, drafts, draft_probs=None):
         tokens = real(logits, requests, drafts, draft_probs)
         return [[*d, t[-1]] if d else t for d, t in zip(drafts, tokens)]
 
-    spec_step.verify, script_drafters.FALLBACK = (verify, True) if on else (real, False)
+    def accept(drawn, drafts, draft_counts):  # the target made to draw each verified draft
+        k = torch.arange(drafts.shape[1], device=drawn.device)[None, :]
+        agreed = torch.where(k < draft_counts[:, None], drafts, drawn[:, : drafts.shape[1]])
+        return real_accept(torch.cat([agreed, drawn[:, drafts.shape[1]:]], dim=1), drafts, draft_counts)
+
+    if on:
+        spec_step.verify, script_drafters.FALLBACK = verify, True
+        spec_overlap.accept = spec_graphs.accept = accept
     try:
         yield
     finally:
         spec_step.verify, script_drafters.FALLBACK = real, False
+        spec_overlap.accept = spec_graphs.accept = real_accept
 
 
 
@@ -183,8 +201,8 @@ def measure(engine: Engine, drafter: str, batch: int, prompts, args, reference: 
     batch become the reference that the oracle proposes and that every drafter must reproduce (on CPU)."""
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     if drafter.startswith(("test-oracle", "test-adversary")):
-        script_drafters.SCRIPT[:] = [p + out for p, out in zip(prompts, reference[batch])]
-    with forced_acceptance(drafter == "test-oracle" and args.device != "cpu"):
+        script_drafters.set_script([p + out for p, out in zip(prompts, reference[batch])])
+    with forced_acceptance(forced(drafter, args)):
         if args.steady:
             per_prompt = [attrs.evolve(params, max_new_tokens=n)
                           for n in steady_lengths(len(prompts), args.output_len, seed=batch)]

@@ -11,7 +11,7 @@ from moeplex.config import EngineConfig
 from moeplex.engine import Engine
 from moeplex.sampling import SamplingParams
 
-from test_speculative import PROMPTS, conserved, script_distribution, settings  # noqa: F401 (a fixture)
+from test_speculative import PROMPTS, conserved, script_distribution, scripted, settings  # noqa: F401 (a fixture)
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 NGRAM = dict(speculative_algorithm="ngram", speculative_num_steps=3)
@@ -57,6 +57,22 @@ def test_greedy_ngram_under_the_overlap_schedule_changes_no_token(tiny_model_dir
     assert outputs(got) == plain[arch]
     assert launches.following > launches.first > 0, "verify steps were not launched ahead of the read"
     assert sum(r.spec_draft_tokens for r in got) > 0  # the repeated prompts gave it something to draft
+    assert conserved(spec)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_the_device_oracle_is_always_accepted_under_the_overlap_schedule(tiny_model_dir, plain, script_distribution,
+                                                                         steps):
+    """The oracle drafting on the device (the benchmarks' ceiling of the overlapped verify step): every draft is
+    accepted, every step after the first is launched before the one in flight is read, no token changes."""
+    scripted(PROMPTS, plain["qwen3_moe"])
+    spec = engine(tiny_model_dir("qwen3_moe"), overlap_schedule=True, speculative_algorithm="test-oracle-device",
+                  speculative_num_steps=steps, speculative_policy="fixed")
+    launches = Launches(spec)
+    got = spec.generate(PROMPTS, GREEDY)
+    assert outputs(got) == plain["qwen3_moe"]
+    assert launches.following > launches.first > 0
+    assert all(r.spec_accept_rate == 1.0 and r.spec_verify_steps > 0 for r in got)
     assert conserved(spec)
 
 

@@ -65,7 +65,7 @@ def plain(tiny_model_dir):
 
 
 def scripted(prompts, outputs):
-    script_drafters.SCRIPT[:] = [list(p) + list(o) for p, o in zip(prompts, outputs)]
+    script_drafters.set_script([list(p) + list(o) for p, o in zip(prompts, outputs)])
 
 
 @pytest.mark.parametrize("steps", [1, 2, 3])
