@@ -51,7 +51,7 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .speculation.policy import AdaptivePolicy, FixedPolicy
 from .speculation.setup import check_drafter, drafter_context, measure_step_costs
-from .speculation.overlap import OverlapVerify, VerifyInFlight
+from .speculation.overlap import OverlapVerify, VerifyInFlight, eligible
 from .speculation.verify_graphs import verify_graphs
 from .speculation.step import SpeculativeDecoding, is_decoding
 from .step_agreement import Vote, agree
@@ -156,7 +156,8 @@ class Engine:
                                                  # ranks would ask for different sizes
                                                  eager=self.overlap_schedule or self.parallel.config.dp_size > 1,
                                                  overlap_verify=self.overlap_verify is not None,
-                                                 proposal_cost=drafter.proposal_cost)
+                                                 proposal_cost=drafter.proposal_cost,
+                                                 verify_overhead=self._verify_overhead)
             self.speculation.policy = AdaptivePolicy(drafter.num_steps, self.step_costs)
         # prefill/decode disaggregation: this rank's transfer backend and the pages it holds or expects
         self.pd = RankTransfers.create(self) if config.disaggregation_mode != "none" else None
@@ -298,10 +299,11 @@ class Engine:
         finished += self._drain_dropped()
         if spec is not None:
             decoding = [item.request for item in work if is_decoding(item)]
-            if self.in_flight is None and self._start_verify(work, decoding):
-                return finished
             # (a request resumed fully cached may be due while a step is still in flight: it decodes plainly this once)
-            if self.in_flight is None and spec.drafts_in(decoding):
+            if self.in_flight is None and self._verify_overlaps(work, decoding):
+                if self._start_verify(decoding):  # else a plain step: the synchronous verify step costs far more
+                    return finished
+            elif self.in_flight is None and spec.drafts_in(decoding):
                 drafts = spec.draft(work)
                 # a drafter asked first (cheap proposals) may have had nothing the policy keeps: then the step is a
                 # plain one and takes the ordinary path (the verify path costs more)
@@ -332,10 +334,20 @@ class Engine:
         self.balancing.after_forward()
         return finished
 
-    def _start_verify(self, work, decoding: list[Request]) -> bool:
-        """A step of decoding requests only, whose drafts the policy wants: launched, its tokens read next step."""
-        if self.overlap_verify is None or self.pd is not None or len(decoding) != len(work):
-            return False
+    def _verify_overlaps(self, work, decoding: list[Request]) -> bool:
+        """Whether a step of `work` would verify under the overlap schedule (speculation/overlap.py), were drafts
+        wanted: decoding requests only, each of which may be stepped before its tokens reach the host."""
+        return (self.overlap_verify is not None and self.pd is None and len(decoding) == len(work)
+                and eligible(decoding, self.grammar.tracks))
+
+    def _verify_overhead(self, requests: int, rows: int) -> float:
+        """Seconds an overlapped verify step's graphs add to its forward (0.0 without them), for the step costs."""
+        graphs = self.overlap_verify.graphs if self.overlap_verify is not None else None
+        return graphs.overhead(requests, rows) if graphs is not None else 0.0
+
+    def _start_verify(self, decoding: list[Request]) -> bool:
+        """A step of decoding requests only (_verify_overlaps), whose drafts the policy wants: launched, its tokens
+        read next step."""
         self.in_flight = self.overlap_verify.start(decoding, self.grammar.tracks, self.hooks)
         if self.in_flight is not None:
             self.balancing.after_forward()

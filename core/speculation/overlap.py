@@ -99,18 +99,23 @@ class OverlapVerify:
 
     def follow(self, previous: VerifyInFlight, scheduler, tracks_grammar, hooks=None) -> VerifyInFlight | None:
         """The next verify step of the same requests, launched before `previous` is read; None where the scheduler
-        must act first (an admission, a request it does not run, pages that only preemption would free)."""
+        must act first (an admission, a request it does not run, pages that only preemption would free) or where
+        the policy drafts for none of them (the engine's plain steps then)."""
         requests = [r for r in previous.requests if not r.finished]
         running = scheduler.running
         if scheduler.waiting or len(requests) != len(running) or not eligible(requests, tracks_grammar) or \
                 {id(r) for r in requests} != {id(r) for r in running}:
             return None
-        spec, counts = self.spec, [0] * len(requests)
-        if spec.policy.may_draft(len(requests)):  # from the records as of the step before `previous` (one stale)
-            rooms = [min(spec.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in requests]
-            counts = spec.policy.choose(requests, rooms, expect_offers=True)
-        if not self._cover(requests, previous.width + 1 + max(counts)):  # the rows may start anywhere in its run
+        spec = self.spec
+        if not spec.policy.may_draft(len(requests)):
             return None
+        # from the records as of the step before `previous` (one stale)
+        rooms = [min(spec.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in requests]
+        counts = spec.policy.choose(requests, rooms, expect_offers=True)
+        # no drafts: the engine's plain step, whose decode graph alone costs less than this step's graphs (its
+        # drafting, inputs and acceptance around the same forward), from the next step on the overlap schedule
+        if not any(counts) or not self._cover(requests, previous.width + 1 + max(counts)):  # (rows start anywhere
+            return None  # in `previous`'s run)
         return self.launch(requests, counts, previous, hooks)
 
     def read(self, step: VerifyInFlight, following: VerifyInFlight | None, append, fail, sampler) -> list[Request]:

@@ -133,6 +133,36 @@ class VerifyGraphs:
             return None
         return rows, width
 
+    def overhead(self, requests: int, width: int, rounds: int = 5, repeat: int = 4) -> float:
+        """Seconds a graphed step of `requests` requests x `width` rows spends in its pre and post replays (drafting,
+        inputs, acceptance): what it costs beyond the target's forward, for the policy's step costs. Padding rows
+        only (nothing staged of any request), so call it only while no step is in flight (start-up); best of
+        `rounds` timings of `repeat` back-to-back replays. 0.0 for a shape no graph holds (its eager path)."""
+        rows = padded_size(requests, self.request_sizes)
+        shape = (rows, width)
+        if rows is None or shape not in self.pre:
+            return 0.0
+        inputs = self.graphs.inputs
+        self.staged[:rows].copy_(torch.tensor([[-1, 0, 0, 0]] * rows, dtype=torch.int64))
+        self.table[:rows].fill_(inputs.scratch_page)
+        self.proposer.stage([], rows)
+        device = inputs.input_ids.device
+
+        def wait():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        best = float("inf")
+        for _ in range(rounds + 1):  # (the first is a warm-up)
+            wait()
+            start = time.perf_counter()
+            for _ in range(repeat):
+                self.pre[shape]()
+                self.post[shape]()
+            wait()
+            best = min(best, (time.perf_counter() - start) / repeat) if _ else best
+        return best
+
     def carry(self, accepted: Accepted) -> None:
         """Make an eagerly launched step's accepted tokens the state the next "pre" reads."""
         count, width = accepted.tokens.shape
