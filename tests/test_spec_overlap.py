@@ -5,6 +5,7 @@ the prefix cache, sampled requests (seeded ones reproduce), and the KV pool back
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from moeplex.config import EngineConfig
@@ -73,6 +74,27 @@ def test_the_device_oracle_is_always_accepted_under_the_overlap_schedule(tiny_mo
     assert outputs(got) == plain["qwen3_moe"]
     assert launches.following > launches.first > 0
     assert all(r.spec_accept_rate == 1.0 and r.spec_verify_steps > 0 for r in got)
+    assert conserved(spec)
+
+
+def test_a_step_the_policy_drafts_nothing_for_is_a_plain_step(tiny_model_dir, plain, monkeypatch):
+    """No overlapped verify step is launched without a draft chosen (it would pay its drafting and acceptance for
+    a plain step's work): once the requests' drafts keep missing, the adaptive policy's steps take the ordinary
+    path. The step costs are given (a verify step a little dearer than a plain one), not measured."""
+    import moeplex.engine
+    from moeplex.speculation.costs import StepCosts, grid_sizes
+
+    monkeypatch.setattr(moeplex.engine, "measure_step_costs",
+                        lambda *a, **k: StepCosts(grid_sizes(4), lambda n: [1.0, 1.05, 1.1, 1.15, 1.2]))
+    spec = engine(tiny_model_dir("qwen3_moe"), overlap_schedule=True, max_running_requests=4, **NGRAM)
+    chosen = []
+    launch = spec.overlap_verify.launch
+    spec.overlap_verify.launch = lambda requests, counts, *rest: chosen.append(list(counts)) or launch(requests, counts,
+                                                                                                      *rest)
+    got = spec.generate(PROMPTS, attrs.evolve(GREEDY, max_new_tokens=32))
+    assert [o[:16] for o in outputs(got)] == plain["qwen3_moe"]  # (plain: 16 tokens each)
+    assert chosen and all(any(counts) for counts in chosen), chosen
+    assert spec.speculation.counts.plain_steps > 0 and spec.speculation.counts.verify_steps > 0
     assert conserved(spec)
 
 

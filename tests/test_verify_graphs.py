@@ -164,6 +164,30 @@ def test_replayed_and_eager_steps_alternate_and_stops_land_inside_runs(echo, pla
     assert conserved(spec)
 
 
+@interpreted
+def test_the_graphs_around_the_forward_are_timed_and_priced_into_verify_steps(echo, plain):
+    """VerifyGraphs.overhead replays a shape's pre and post graphs on padding rows (no request's state touched:
+    the engine's output after it is unchanged); the step costs add it to every verify shape of that width."""
+    from moeplex.speculation.setup import measure_step_costs
+
+    spec = engine(echo, overlap_schedule=True, speculative_algorithm="ngram", speculative_num_steps=3)
+    install_graphs(spec)
+    graphs = spec.overlap_verify.graphs
+    replays = []
+    pre = graphs.pre[(4, 2)]
+    graphs.pre[(4, 2)] = lambda: replays.append(1) or pre()
+    took = graphs.overhead(3, 2, rounds=2, repeat=3)  # 3 requests: the graphs of 4
+    assert took > 0 and len(replays) == 3 * 3  # a warm-up round, then 2 timed ones
+    assert graphs.overhead(3, 9) == 0.0  # a width no graph holds
+    assert [r.output_ids for r in spec.generate(ECHO_PROMPTS, GREEDY)] == plain
+
+    extra = {1: 0.25, 2: 0.5, 3: 0.75, 4: 1.0}  # seconds: far above the measured forward, so it shows
+    costs = measure_step_costs(spec.runner, spec.kv, spec.config, False, False, spec._agree, spec.parallel.world,
+                               overlap=True, overlap_verify=True, verify_overhead=lambda n, k: extra[k])
+    measured = costs.at(1)
+    assert all(measured[k] >= extra[k] for k in extra) and measured[0] < extra[1]
+
+
 @pytest.mark.gpu
 def test_on_gpu_graphed_verify_steps_change_no_token(tiny_model_dir):
     """The real capture: a CUDA engine's overlapped ngram steps replay verify graphs and keep greedy's tokens."""
