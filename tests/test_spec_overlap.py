@@ -337,3 +337,18 @@ def test_shifted_rows_equal_rows_built_at_the_shifted_positions(seed):
     for field in ("positions", "seq_lens", "out_cache_loc", "kv_indices", "kv_indptr"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
     assert all(a >= b for a, b in zip(got.seq_lens_cpu, want.seq_lens_cpu))  # host lengths: an upper bound
+
+
+def test_the_step_costs_are_measured_on_rows_of_distinct_tokens(tiny_model_dir):
+    """The measured steps' rows carry distinct ids, so they route as a real batch's do: one id on every row sent
+    them all to the same top-k experts and priced a MoE step at a few experts' reads."""
+    from moeplex.speculation.setup import measure_step_costs
+
+    spec = engine(tiny_model_dir("qwen3_moe"), speculative_policy="fixed", **NGRAM)
+    seen = []
+    forward, verify = spec.runner.forward, spec.runner.verify_forward
+    spec.runner.forward = lambda batch, *a, **k: seen.append(batch.input_ids.tolist()) or forward(batch, *a, **k)
+    spec.runner.verify_forward = lambda batch, *a, **k: seen.append(batch.input_ids.tolist()) or verify(batch, *a, **k)
+    measure_step_costs(spec.runner, spec.kv, spec.config, False, False, spec._agree, spec.parallel.world).at(4)
+    assert seen and all(len(set(ids)) == len(ids) for ids in seen)
+    assert {len(ids) for ids in seen} == {4, 8, 12, 16}  # plain, then 1..4 rows per request (x1 is one a request)

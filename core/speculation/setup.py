@@ -76,16 +76,23 @@ def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidde
     recording and the runner's hooks are off meanwhile: these steps serve no request."""
     pages = [kv.scratch_page] * kv.pages_for(CONTEXT + config.speculative_num_steps + 1)
 
+    vocab = int(runner.model.hf_config["vocab_size"])
+
+    def ids(count: int, first: int) -> list[int]:
+        """Distinct token ids, spread over the vocabulary: a real batch's rows route to many experts (one id
+        for every row sent them all to the same top-k experts, and priced a MoE step at a few experts' reads)."""
+        return [(first + i) * 7919 % vocab for i in range(count)]
+
     def run(n: int, k: int) -> None:
         plain = k == 0
         seqs = []
-        for _ in range(n):
+        for i in range(n):
             if plain:
-                seqs.append(ScheduledSeq([0], CONTEXT, pages))
+                seqs.append(ScheduledSeq(ids(1, i), CONTEXT, pages))
             elif decode_rows:
-                seqs += [ScheduledSeq([0], CONTEXT + j, pages) for j in range(k)]
+                seqs += [ScheduledSeq(ids(1, i * k + j), CONTEXT + j, pages) for j in range(k)]
             else:
-                seqs.append(ScheduledSeq([0] * k, CONTEXT, pages))
+                seqs.append(ScheduledSeq(ids(k, i * k), CONTEXT, pages))
         batch = build_forward_batch(seqs, kv, runner.device)
         batch = agree(batch if plain else attrs.evolve(batch, overlap_split=False))
         if plain:
