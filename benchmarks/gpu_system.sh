@@ -3,8 +3,8 @@
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-serve|e2e|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
-#   bash benchmarks/gpu_system.sh OUT tests spec-steady        # #32: GPU tests; ngram / oracle / adversary, batches 1-64
-#   bash benchmarks/gpu_system.sh OUT spec-dsv3 spec-profile   # #32: nextn random and synthetic MTP; host time per step
+#   bash benchmarks/gpu_system.sh OUT spec-profile spec-dsv3   # #32: where the device oracle loses at 32; nextn after the fix
+#   bash benchmarks/gpu_system.sh OUT tests spec-steady        # #32: GPU tests; ngram / oracles / adversary, batches 1-64
 #   bash benchmarks/gpu_system.sh OUT spec-serve large-m       # #32 served run; #31 target 5 (EP8-global large M)
 #   bash benchmarks/gpu_system.sh OUT spec-mixed               # #32: admissions inside decode steps (batches 8, 32)
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
@@ -46,7 +46,9 @@ for part in "$@"; do
       timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch 1 --out "$out/prof1" \
         --drafters ngram/fixed/overlap ngram/overlap test-oracle-device 2>&1 | grep -v -i warn | tail -20
       timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch 8 --out "$out/prof8" \
-        --drafters ngram/overlap 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
+        --drafters ngram/overlap 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20
+      timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch 32 --out "$out/prof32" \
+        --drafters test-oracle-device ngram/overlap 2>&1 | grep -v -i warn | tee -a "$out/$part.log" | tail -20 ;;
     spec-serve)
       timeout $(lim 300) python3 benchmarks/spec_serving.py --arch qwen3_moe --preset 30b-a3b --layers 12 --load-format dummy \
         --dtype bf16 --device cuda --runs 3 --out "$out/spec_serving_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
