@@ -37,12 +37,8 @@ def script_row(ids: Sequence[int]) -> int:
 
 
 def expected(ids: Sequence[int], count: int) -> list[int]:
-    ids = list(ids)
-    head = ids[:HEAD]
-    for sequence in SCRIPT:
-        if sequence[: len(head)] == head and sequence[: len(ids)] == ids:
-            return sequence[len(ids) : len(ids) + count]
-    return []
+    row = script_row(ids)
+    return SCRIPT[row][len(ids) : len(ids) + count] if row >= 0 else []
 
 
 class OracleDrafter(Drafter):
@@ -112,11 +108,11 @@ class ScriptTable:
         row, known = meta.unbind(1)
         if pending is not None:
             known = known + pending.counts
-        cols = (known[:, None] + torch.arange(steps, device=meta.device)[None, :]).clamp_max(self.ids.shape[1] - 1)
+        k = torch.arange(steps, device=meta.device)[None, :]
+        cols = (known[:, None] + k).clamp_max(self.ids.shape[1] - 1)
         drafts = self.ids[row[:, None], cols]
         counts = torch.cumprod((drafts >= 0).to(torch.int64), dim=1).sum(dim=1)
-        steps_ = torch.arange(steps, device=meta.device)[None, :]
-        return DeviceDrafts(torch.where(steps_ < counts[:, None], drafts, -1), counts)
+        return DeviceDrafts(torch.where(k < counts[:, None], drafts, -1), counts)
 
 
 class DeviceOracleDrafter(OracleDrafter):

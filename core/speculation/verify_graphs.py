@@ -153,14 +153,15 @@ class VerifyGraphs:
                 torch.cuda.synchronize(device)
 
         best = float("inf")
-        for _ in range(rounds + 1):  # (the first is a warm-up)
+        for round in range(rounds + 1):  # (round 0 is a warm-up)
             wait()
             start = time.perf_counter()
             for _ in range(repeat):
                 self.pre[shape]()
                 self.post[shape]()
             wait()
-            best = min(best, (time.perf_counter() - start) / repeat) if _ else best
+            if round:
+                best = min(best, (time.perf_counter() - start) / repeat)
         return best
 
     def carry(self, accepted: Accepted) -> None:
