@@ -156,7 +156,7 @@ class Engine:
                                                  # ranks would ask for different sizes
                                                  eager=self.overlap_schedule or self.parallel.config.dp_size > 1,
                                                  overlap_verify=self.overlap_verify is not None,
-                                                 proposal_cost=drafter.proposal_cost,
+                                                 proposal_costs=drafter.proposal_costs,
                                                  verify_overhead=self._verify_overhead)
             self.speculation.policy = AdaptivePolicy(drafter.num_steps, self.step_costs)
         # prefill/decode disaggregation: this rank's transfer backend and the pages it holds or expects

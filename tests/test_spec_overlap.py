@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
+import torch
 
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
@@ -75,6 +76,26 @@ def test_the_device_oracle_is_always_accepted_under_the_overlap_schedule(tiny_mo
     assert launches.following > launches.first > 0
     assert all(r.spec_accept_rate == 1.0 and r.spec_verify_steps > 0 for r in got)
     assert conserved(spec)
+
+
+def test_where_acceptance_is_forced_the_device_oracle_drafts_from_the_closest_script(monkeypatch):
+    """A benchmark that forces acceptance (FALLBACK) measures the ceiling only while every request drafts: one whose
+    own tokens left its script (a near tie broken the other way by another batch shape) drafts by position from the
+    sequence sharing its longest prefix, where it used to draft nothing for the rest of its life."""
+    import script_drafters as sd
+    from moeplex.interfaces import DeviceTokens, DraftRequest
+
+    monkeypatch.setattr(sd, "SCRIPT", [])
+    sd.set_script([[1, 2, 3, 10, 11, 12, 13], [1, 5, 6, 20, 21, 22, 23]])
+    left = DraftRequest("a", [1, 5, 6, 99], 3)  # the second script, left after its prompt
+    for fallback, row in ((False, 2), (True, 1)):
+        monkeypatch.setattr(sd, "FALLBACK", fallback)
+        table = sd.ScriptTable("cpu", rows=2, width=8)
+        assert table.rows([left]) == [[row, 4]]
+        meta = torch.tensor(table.rows([left]))
+        drafts = table.propose(meta, DeviceTokens(torch.tensor([[7]]), torch.tensor([1])), 2)
+        assert drafts.counts.tolist() == [2 * fallback] and drafts.tokens.tolist() == [[22, 23] if fallback else [-1, -1]]
+    assert sd.closest_row([4, 4]) == -1  # shares no token with any sequence
 
 
 def test_a_step_the_policy_drafts_nothing_for_is_a_plain_step(tiny_model_dir, plain, monkeypatch):

@@ -3,6 +3,7 @@ through prompts, chunks, verify steps and rejections; refused where the checkpoi
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -151,20 +152,47 @@ def test_the_rows_held_for_the_mtp_layer_stay_within_their_budget(mtp_folder, pl
     assert drafter.pending_rows == 0 and not drafter.pending
 
 
-def test_a_verify_step_costs_the_mtp_chain_too(mtp_folder, monkeypatch):
-    """The adaptive policy weighs a verify step with the drafter's proposals in it: nextn times its chain of MTP
-    steps on the scratch page (a real forward, so more than nothing), and the step-cost table adds that to every
-    verify shape, never to the plain step."""
+def test_a_verify_step_costs_the_mtp_chain_it_runs(mtp_folder, monkeypatch):
+    """The adaptive policy weighs a verify step with the drafter's proposals in it: nextn times its chain of d MTP
+    steps on the scratch page for every d (real forwards: more than nothing, never less for more steps), and the
+    step-cost table adds the chain of d steps to the verify shape of d drafts per request (that of one to the shape
+    of none), never to the plain step."""
     import moeplex.plugins.drafters.nextn as nextn
 
     spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3, speculative_policy="adaptive",
                   max_running_requests=2)
-    assert spec.speculation.drafter.proposal_cost(2) > 0.0
-    monkeypatch.setattr(nextn.NextNDrafter, "proposal_cost", lambda self, n: 10.0)  # seconds: far above any step
+    costs = spec.speculation.drafter.proposal_costs(2)
+    assert len(costs) == 3 and 0.0 < costs[0] <= costs[1] <= costs[2] and spec.speculation.drafter.proposal_cost(2) > 0
+    monkeypatch.setattr(nextn.NextNDrafter, "proposal_costs", lambda self, n: [10.0, 20.0, 30.0])  # seconds: far
     spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3, speculative_policy="adaptive",
-                  max_running_requests=2)
+                  max_running_requests=2)  # above any step
     plain, *verify = spec.step_costs.at(1)
-    assert plain < 10.0 and all(10.0 < cost < 11.0 for cost in verify)
+    assert plain < 10.0 and [int(cost // 10) for cost in verify] == [1, 1, 2, 3]
+
+
+def test_nextn_chains_only_as_far_as_the_engine_verifies(mtp_folder):
+    """DraftRequest.max_drafts: a request verifying one draft gets it from the catch-up alone (no chain step), one
+    verifying two runs one chain step, and the drafts equal the first ones of a full chain."""
+    from moeplex.interfaces import DraftRequest
+
+    spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3)
+    drafter = spec.speculation.drafter
+    request = spec.add_request(PROMPTS[2], GREEDY)
+    spec.step()
+    request.pages.extend(spec.kv.allocate(2))  # pages for the chain's rows (the scheduler reserves them when drafting)
+    steps = []
+    real = drafter.rows_step
+    drafter.rows_step = lambda batch, hidden: steps.append(hidden.shape[0]) or real(batch, hidden)
+    ask = [DraftRequest(request.rid, request.token_view, request.num_cached, tuple(request.pages))]
+    full = drafter.propose(ask).tokens[0]
+    assert len(full) == 3
+    for most in (1, 2, 3):
+        steps.clear()
+        ask = [attrs.evolve(ask[0], max_drafts=most)]
+        assert drafter.propose(ask).tokens[0] == full[:most]
+        assert len(steps) == most - 1
+    while spec.has_work:
+        spec.step()
 
 
 def test_nextn_without_mtp_weights_is_refused(tiny_model_dir):

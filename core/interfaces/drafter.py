@@ -54,6 +54,9 @@ class DraftRequest:
     token_ids: Sequence[int]  # prompt + accepted output, the last one not yet through the target
     num_cached: int  # positions with target KV (len(token_ids) - 1 for a decoding request)
     pages: Sequence[int] = ()  # the request's KV page table; pages cover num_cached + 1 + num_steps positions
+    # API 2: the most drafts the engine verifies for this request this step (None: num_steps); a drafter whose
+    # drafts cost forwards may stop there (drafts beyond it are dropped)
+    max_drafts: int | None = None
 
 
 @attrs.define
@@ -179,6 +182,12 @@ class Drafter(abc.ABC):
         start-up or when a batch size is first used): the adaptive policy adds it to a verify step's cost. 0.0
         (the default): proposing costs nothing worth weighing (host lookups)."""
         return 0.0
+
+    def proposal_costs(self, n: int) -> list[float]:
+        """Seconds proposing k = 1 .. num_steps drafts for each of n requests takes (API 2), measured as
+        `proposal_cost` is: a drafter that honours DraftRequest.max_drafts (a chain of forwards cut short) makes
+        the policy weigh short verify steps at what they cost. Default: `proposal_cost(n)` for every k."""
+        return [self.proposal_cost(n)] * max(self.num_steps, 1)
 
     def observe(self, step: TargetStep) -> None:
         """After every target forward: the positions the target kept and the tokens that followed them."""

@@ -161,7 +161,8 @@ class OverlapVerify:
         requests = list(requests)
         width = 1 + max(counts)
         steps = self.spec.drafter.num_steps
-        drafter_requests = [DraftRequest(r.rid, r.token_view, r.num_cached, tuple(r.pages)) for r in requests]
+        drafter_requests = [DraftRequest(r.rid, r.token_view, r.num_cached, tuple(r.pages), count)
+                            for r, count in zip(requests, counts)]
         shape = None
         if self.graphs is not None:
             runtime = getattr(self.runner.model, "moe_runtime", None)

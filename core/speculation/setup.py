@@ -54,7 +54,7 @@ CONTEXT = 128  # tokens of context each measured request reads (its KV: the pool
 
 def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidden: bool, agree, world,
                        overlap: bool = False, eager: bool = False, overlap_verify: bool = False,
-                       proposal_cost=lambda n: 0.0, verify_overhead=lambda n, rows: 0.0) -> StepCosts:
+                       proposal_costs=lambda n: [0.0], verify_overhead=lambda n, rows: 0.0) -> StepCosts:
     """The adaptive policy's cost model (costs.py), measured on this engine's own forward paths: a plain step
     through `runner.forward` (graphs where they are captured), a verify step through `runner.verify_forward`
     with logits on every row, built the way ModelRunner.prepare builds them (decode rows, or one extend per
@@ -65,10 +65,11 @@ def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidde
     `overlap_verify` (verify steps run under the overlap schedule too: speculation/overlap.py) a verify step is
     timed the same way, so the policy weighs a verify step at what it costs there: the device's time where the
     host's is hidden, not the host's and the device's one after the other. A verify step also costs what the
-    drafter's proposals for it take (`proposal_cost(n)`, Drafter.proposal_cost: nextn's MTP chain), added to
-    every verify shape, and what an overlapped verify step does beyond the forward where it replays graphs
-    (`verify_overhead(n, rows per request)`, VerifyGraphs.overhead: the drafter's device half, the inputs and the
-    acceptance), measured only at start-up (it replays those graphs).
+    drafter's proposals for it take (`proposal_costs(n)[d - 1]`, Drafter.proposal_costs: nextn's chain of d MTP
+    steps), added to every verify shape of d drafts per request (to the shape of none that of d = 1: it stands for
+    steps where only some requests draft), and what an overlapped verify step does beyond the forward where it
+    replays graphs (`verify_overhead(n, rows per request)`, VerifyGraphs.overhead: the drafter's device half, the
+    inputs and the acceptance), measured only at start-up (it replays those graphs).
 
     Every rank measures the same sizes at the same time (their collectives pair up: TP ranks schedule the same
     requests, so they ask for a size at the same step; under DP attention all sizes are measured at start-up,
@@ -119,8 +120,9 @@ def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidde
             rows = config.speculative_num_steps + 1
             costs = time_size(n, rows, run, lambda flag: any(row[0] for row in world.all_gather_ints([int(flag)])),
                               steps_per_run=[2 if overlap else 1] + [2 if overlap_verify else 1] * rows)
-            proposing = proposal_cost(n)
-            costs = costs[:1] + [c + proposing + verify_overhead(n, k) for k, c in enumerate(costs[1:], start=1)]
+            proposing = list(proposal_costs(n))
+            costs = costs[:1] + [c + proposing[min(max(k - 2, 0), len(proposing) - 1)] + verify_overhead(n, k)
+                                 for k, c in enumerate(costs[1:], start=1)]
         finally:
             runner.hooks = hooks
             for r, was in zip(recorders, recording):

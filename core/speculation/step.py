@@ -175,9 +175,8 @@ class SpeculativeDecoding:
         asked = [j for j, m in enumerate(counts) if m > 0]
         if not asked:
             return drafts
-        proposed = self.drafter.propose(
-            [DraftRequest(r.rid, r.token_view, r.num_cached, tuple(r.pages)) for r in (requests[j] for j in asked)]
-        ).tokens
+        proposed = self.drafter.propose([DraftRequest(requests[j].rid, requests[j].token_view, requests[j].num_cached,
+                                                      tuple(requests[j].pages), counts[j]) for j in asked]).tokens
         made = [[] for _ in requests]
         for j, tokens in zip(asked, proposed):
             made[j] = self._in_vocabulary(requests[j], list(tokens))[: counts[j]]  # a bad id anywhere: none of it

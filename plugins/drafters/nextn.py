@@ -154,31 +154,37 @@ class NextNDrafter(Drafter):
         for i, rid in enumerate(step.rids):  # views on the device: propose reads them, never a step in flight
             self.starts[rid] = ChainStart(step.starts[i] + counts[i] - 1, drafts[draft_rows[i]], hidden[last[i]])
 
-    @torch.inference_mode()
     def proposal_cost(self, n: int) -> float:
-        """The chain's device work for n requests: num_steps MTP row batches of n rows (the catch-up's last row,
-        which gives the first draft, then one per further draft), each row reading SCRATCH_CONTEXT positions of
-        the pool's scratch page, the fastest of ROUNDS timings. A catch-up's other rows (the plain steps since
-        the request last drafted) are left out: they cost the same whenever the request drafts again."""
+        return self.proposal_costs(n)[-1]
+
+    @torch.inference_mode()
+    def proposal_costs(self, n: int) -> list[float]:
+        """The chain's device work for n requests and d = 1 .. num_steps drafts each: d MTP row batches of n rows
+        (the catch-up's last row, which gives the first draft, then one per further draft), each row reading
+        SCRATCH_CONTEXT positions of the pool's scratch page, the fastest of ROUNDS timings. A catch-up's other
+        rows (the plain steps since the request last drafted) are left out: they cost the same whenever the
+        request drafts again."""
         kv, context = self.context.kv, self.context
         pages = [kv.scratch_page] * kv.pages_for(SCRATCH_CONTEXT + self.num_steps + 1)
         batch = context.batch_of([([0], SCRATCH_CONTEXT, pages) for _ in range(n)])
         hidden = torch.zeros(n, self.layer.eh_proj.weight.shape[0], dtype=self.layer.eh_proj.weight.dtype,
                              device=context.device)
 
-        def chain() -> None:
+        def chain(steps: int) -> None:
             out = hidden
-            for _ in range(max(self.num_steps, 1)):
+            for _ in range(steps):
                 out, drafted = self.rows_step(batch, out)
             drafted.tolist()  # the host reads the drafts, as propose does
 
-        chain()  # warm-up
-        best = float("inf")
-        for _ in range(ROUNDS):
-            start = time.perf_counter()
-            chain()
-            best = min(best, time.perf_counter() - start)
-        return best
+        steps = range(1, max(self.num_steps, 1) + 1)
+        chain(steps[-1])  # warm-up
+        best = [float("inf")] * len(steps)
+        for _ in range(ROUNDS):  # interleaved: a burst of interference spoils one timing of each length, not all
+            for i, d in enumerate(steps):
+                start = time.perf_counter()
+                chain(d)
+                best[i] = min(best[i], time.perf_counter() - start)
+        return [max(best[: i + 1]) for i in range(len(best))]  # more steps never cost less
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> Drafts:
@@ -203,8 +209,10 @@ class NextNDrafter(Drafter):
         hidden, drafted = torch.stack([start.hidden for start in starts]), None  # drafted: the step before's drafts
         chained = []  # per step: (rows of tokens, its drafts on the device), read once at the end
         for j in range(2, self.num_steps + 1):
-            # step j runs position p + j - 2, whose KV row needs a page (the scheduler reserves them: rarely false)
-            keep = [k for k, (_, q) in enumerate(chains) if q.num_cached + j - 1 <= len(q.pages) * page_size]
+            # step j runs position p + j - 2, whose KV row needs a page (the scheduler reserves them: rarely false),
+            # for the requests the engine verifies j drafts of
+            keep = [k for k, (_, q) in enumerate(chains) if q.num_cached + j - 1 <= len(q.pages) * page_size
+                    and (q.max_drafts is None or q.max_drafts >= j)]
             if not keep:
                 break
             if len(keep) < len(chains):
