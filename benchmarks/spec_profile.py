@@ -137,6 +137,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--qwen-layers", type=int, default=12)
+    parser.add_argument("--model", choices=("qwen", "dsv3"), default="qwen",
+                        help="GPU: Qwen3-30B-A3B shapes, or DeepSeek-V3 shapes (4 layers) with the synthetic MTP layer "
+                             "(--mtp-acceptance) for nextn")
     parser.add_argument("--out", required=True)
     args = sp.with_defaults(parser.parse_args())
     args.batches, args.steady = [args.batch], True
@@ -147,6 +150,9 @@ def main() -> None:
     else:
         folder = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True,
                                   overrides={"num_hidden_layers": args.qwen_layers})
+    if args.device != "cpu" and args.model == "dsv3":
+        folder = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4},
+                                  config_only=True, mtp=1, mtp_acceptance=args.mtp_acceptance)
     os.makedirs(args.out, exist_ok=True)
     prompts = sp.workload(args.batch * 2, seed=args.batch)
     reference: dict[int, list] = {}

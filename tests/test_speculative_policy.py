@@ -238,6 +238,28 @@ def test_where_the_prior_advises_against_drafts_a_request_tries_them_now_and_the
     assert policy.choose([misses], [STEPS]) == [STEPS]
 
 
+def test_requests_shorter_than_the_exploring_interval_are_tried_too():
+    """The interval between tries counts the batch's tokens, not one request's: in a stream of 40-token requests
+    where a try is due every 150 tokens (a verify step of 2.5 plain ones), one request in about four tries; counted
+    per request (as it was), none ever did, and a drafter whose drafts land (nextn, accepted at 0.8 a position) was
+    never found out at batch 1 on an H100."""
+    policy = AdaptivePolicy(STEPS, StepCosts(grid_sizes(64), table(1.0, 0.25, fixed=0.75)))
+    first = request("first")
+    assert policy.choose([first], [STEPS]) == [STEPS]  # fresh: a try at once
+    policy.record(first, STEPS, 0)
+    policy.finished(first.rid)
+    tried = []
+    for i in range(12):
+        r = request(f"r{i}")
+        for _ in range(40):
+            if policy.choose([r], [STEPS]) != [0]:
+                tried.append((i, len(r.output_ids)))
+                policy.record(r, STEPS, 0)
+            r.output_ids.append(5)
+        policy.finished(r.rid)
+    assert len(tried) == 3 and all(b[0] * 40 + b[1] - a[0] * 40 - a[1] >= 150 for a, b in zip(tried, tried[1:])), tried
+
+
 def test_a_request_whose_drafts_keep_missing_only_explores_even_where_verifying_is_cheap():
     """A verify step of one request costs 1.16 plain steps (the CPU's batch 1): the prior alone would have a
     request that never lands try again every few tokens. After two verify steps running with every draft missed

@@ -152,3 +152,28 @@ def test_paged_gather_is_measured_once_per_cache_shape_on_a_batch_big_enough(mon
     monkeypatch.setattr("moeplex.kernels.cpu.stored_choice", MeasuredChoices(str(tmp_path / "c.json")).stored)
     calls.clear()
     assert PagedGather().way(q[:2], keys, values, decode_batch(kv, [5, 9])) == "pages" and not calls
+
+
+@pytest.mark.gpu
+def test_gpu_extends_and_padded_decode_never_run_cudnn_attention():
+    """cuDNN's SDPA kernel builds a graph for every new shape (hundreds of ms each): extends and eager decodes of
+    new lengths must take the other kernels, with the same values as on the CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gen = torch.Generator().manual_seed(0)
+    for mode, spans in (("extend", ((0, 37), (5, 11), (20, 3))), ("decode", ((13, 1), (40, 1), (7, 1)))):
+        kv = KVPool(64, PAGE, [[(2, 64), (2, 64)]], torch.bfloat16, "cpu")
+        seqs = [ScheduledSeq([1] * n, prefix, kv.allocate(kv.pages_for(prefix + n))) for prefix, n in spans]
+        batch = build_forward_batch(seqs, kv, "cpu")
+        q = torch.randn(sum(n for _, n in spans), 8, 64, generator=gen)
+        k, v = (torch.randn(sum(p + n for p, n in spans), 2, 64, generator=gen) for _ in range(2))
+        expected = ragged_attention(q, k, v, batch, 0.125)
+        on_gpu = build_forward_batch(seqs, kv, "cuda")
+        assert on_gpu.mode == (ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = ragged_attention(*(x.to("cuda", torch.bfloat16) for x in (q, k, v)), on_gpu, 0.125)
+            torch.cuda.synchronize()
+        assert not [e.key for e in prof.key_averages() if "cudnn" in e.key.lower()], mode
+        torch.testing.assert_close(out.float().cpu(), expected, atol=3e-2, rtol=3e-2)

@@ -12,12 +12,27 @@ all requests at once, their KV gathered into a [B, longest, ...] block with the 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..kernels import cpu as cpu_kernels
 from .in_place import decode_in_place, in_place_takes
+
+
+# SDPA's kernels on a GPU, all but cuDNN's: cuDNN builds an execution graph for every new shape (measured at
+# hundreds of ms by others: sglang#4650, pytorch#191576), and here every prompt, catch-up or eager decode of a
+# new length is a new shape. On an H100 a steady batch of nextn's MTP catch-ups (extends of every length) ran at
+# 0.36x of plain decoding with it.
+GPU_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def gpu_kernels(device: torch.device):
+    """The context SDPA calls on `device` run in: GPU_SDPA on a GPU, anything on a CPU."""
+    return sdpa_kernel(GPU_SDPA) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def write_kv(buffer: torch.Tensor, batch: ForwardBatch, values: torch.Tensor) -> None:
@@ -40,14 +55,10 @@ def padded_rows(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, Hq, D] against k [B, L, Hkv, D], v [B, L, Hkv, Dv] -> [B, Hq, Dv]."""
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[2],
-    )
+    with gpu_kernels(q.device):
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=valid[:, None, None, :], scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[2])
     return out.squeeze(2)
 
 
@@ -210,6 +221,12 @@ def ragged_attention(
         k = k.index_select(0, rows).view(*valid.shape, *k.shape[1:])
         v = v.index_select(0, rows).view(*valid.shape, *v.shape[1:])
         return _attend_padded(q, k, v, valid, scale)
+    with gpu_kernels(q.device):
+        return _extend(q, k, v, batch, scale)
+
+
+def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """ragged_attention of an extend batch: one causal SDPA call per request."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     gqa = q.shape[1] != k.shape[1]
     t0 = 0

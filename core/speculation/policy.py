@@ -23,9 +23,11 @@ the cost table (the same on every rank), never on timing during serving, so TP r
 
 Exploration: a record only changes when a request verifies, so where the prior says no draft pays (a verify step
 that costs two or three plain ones: a drafter that cannot overlap, a small model whose steps are host work), a
-drafter whose drafts would land is never found out. Where a sure draft could pay (may_draft), a request that has
-not verified for `explore_every` of its tokens drafts fully once: that interval is set from the cost table so that
-trying costs the batch at most EXPLORE_LOSS of its plain rate when every try misses. A new request tries at once
+drafter whose drafts would land is never found out. Where a sure draft could pay (may_draft), once per
+`explore_every` tokens decoded by the whole batch the request that verified longest ago (none: first) drafts fully
+once: that interval is set from the cost table so that trying costs the batch at most EXPLORE_LOSS of its plain
+rate when every try misses. The clock is the batch's because requests are often shorter than the interval (150
+tokens where a verify step costs 2.5 plain ones): counted per request, none of them ever tried. A new request tries at once
 while no request has a record worth one verify (a fresh engine, or one whose records faded). A request whose
 drafts all missed in COLD_AFTER verify steps running drafts only when it is due to explore: its record leans on
 the prior, which alone would have it try again every few tokens wherever a verify step costs little more than a
@@ -121,6 +123,11 @@ class AdaptivePolicy:
         self._sizes_version = -1
         self._best_own: float | None = None  # max over the records of accepted / tried at the first draft
         self._tried_at: dict[str, int] = {}  # per request: its output length when it last verified or was asked
+        self._clock = 0  # tokens decoded by all requests (seen in _explore): exploration's clock
+        self._clock_seen: dict[str, int] = {}  # per request: its output length when the clock last counted it
+        self._tried_clock: dict[str, int] = {}  # per request: the clock when it last verified or was asked
+        self._last_try = 0  # the clock at the last try _explore chose (once recorded or offered)
+        self._due: str | None = None  # the request _explore chose to try, until its try is recorded or offered
         self._cold: dict[str, int] = {}  # per request: its verify steps running in which every draft missed
         self._prior: list[float] | None = None  # prior(), while all requests' record is unchanged
 
@@ -180,7 +187,7 @@ class AdaptivePolicy:
         if rates[best] <= plain * (1 + 1e-9):
             return self._explore(requests, rooms, n)
         chosen = np.bincount(order[: best + 1] // steps, minlength=n).tolist()
-        return [max(a, b) for a, b in zip(chosen, self._explore(requests, rooms, n))]
+        return [max(a, b) for a, b in zip(chosen, self._explore(requests, rooms, n, drafting=chosen))]
 
     def _choose_one(self, request: Request, room: int, expect_offers: bool) -> list[int]:
         """choose() for one warm request, in plain Python (numpy's per-call cost is most of a step's policy time
@@ -211,18 +218,41 @@ class AdaptivePolicy:
         """Per request: whether its drafts all missed in COLD_AFTER verify steps running (it drafts only to explore)."""
         return [self._cold.get(r.rid, 0) >= COLD_AFTER for r in requests]
 
-    def _explore(self, requests: Sequence[Request], rooms: Sequence[int], n: int) -> list[int]:
-        """Where the records say no draft pays: full drafts for the requests due to try again (module docstring),
-        none for the rest. The same requests at the same tokens get the same answer (it reads, never writes,
-        the clock of a request already seen)."""
+    def _explore(self, requests: Sequence[Request], rooms: Sequence[int], n: int,
+                 drafting: Sequence[int] = ()) -> list[int]:
+        """Where the records say no draft pays: full drafts for the request due to try again (module docstring),
+        none for the rest. The clock is the batch's: one try per explore_every tokens decoded over all requests,
+        by the request whose last try (or none) is oldest, so requests shorter than the interval are tried too.
+        The same requests at the same tokens get the same answer (a try moves the clock's mark only once it is
+        recorded or offered). Requests `drafting` drafts already are not the one due."""
         every = self._size(n).explore_every
-        fresh = self.all.tried[0] < 1.0  # no record worth one verify: a new request tries at once
+        for request in requests:  # the clock: every token any request decoded since it was last seen here
+            now = len(request.output_ids)
+            self._clock += max(now - self._clock_seen.get(request.rid, now), 0)
+            self._clock_seen[request.rid] = now
         counts = [0] * n
-        for i, (request, room) in enumerate(zip(requests, rooms)):
-            at = self._tried_at.setdefault(request.rid, len(request.output_ids) - (every if fresh else 0))
-            if room > 0 and len(request.output_ids) - at >= every:
-                counts[i] = min(room, self.steps)
+        if self.all.tried[0] < 1.0:  # no record worth one verify: every request not tried yet tries at once
+            for i, (request, room) in enumerate(zip(requests, rooms)):
+                if room > 0 and request.rid not in self._tried_at:
+                    counts[i] = min(room, self.steps)
+            return counts
+        if self._clock - self._last_try < every:
+            return counts
+        due = [i for i, (request, room) in enumerate(zip(requests, rooms))
+               if room > 0 and not (i < len(drafting) and drafting[i])
+               and self._clock - self._tried_clock.get(request.rid, self._last_try) >= every]
+        if due:
+            oldest = min(due, key=lambda i: self._tried_clock.get(requests[i].rid, -1))  # never tried: first
+            counts[oldest] = min(rooms[oldest], self.steps)
+            self._due = requests[oldest].rid
         return counts
+
+    def _tried(self, request: Request) -> None:
+        """The request verified or was asked: its clock, and the batch's where it was the one due to try."""
+        self._tried_at[request.rid] = len(request.output_ids)
+        self._tried_clock[request.rid] = self._clock
+        if request.rid == self._due:
+            self._last_try, self._due = self._clock, None
 
     def may_draft(self, n: int) -> bool:
         """Whether any draft could pay in a step of n decoding requests: a draft adds at most one token, so where
@@ -315,7 +345,7 @@ class AdaptivePolicy:
             self.all.fade(NEW_REQUEST_FADE)
             self.offers = (self.offers[0] * NEW_REQUEST_FADE, self.offers[1] * NEW_REQUEST_FADE)
         own.record(drafted, accepted)
-        self._tried_at[request.rid] = len(request.output_ids)
+        self._tried(request)
         self._cold[request.rid] = 0 if accepted else self._cold.get(request.rid, 0) + 1
         self._best_own = self._prior = None
         self.all.record(drafted, accepted, recency=0.98)
@@ -325,7 +355,7 @@ class AdaptivePolicy:
         """The drafter was asked for the request, and proposed something (or nothing)."""
         asked, got, at = self._offers.get(request.rid, (0.0, 0.0, 0))
         fade = RECENCY * RECOVERY ** max(len(request.output_ids) - at, 0)
-        self._tried_at[request.rid] = len(request.output_ids)
+        self._tried(request)
         self._offers[request.rid] = (asked * fade + 1.0, got * fade + float(given), len(request.output_ids))
         self.offers = (self.offers[0] * 0.98 + 1.0, self.offers[1] * 0.98 + float(given))
 
@@ -335,6 +365,8 @@ class AdaptivePolicy:
         self._own.pop(rid, None)
         self._seen_at.pop(rid, None)
         self._tried_at.pop(rid, None)
+        self._clock_seen.pop(rid, None)
+        self._tried_clock.pop(rid, None)
         self._cold.pop(rid, None)
 
 
