@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import statistics
 import tempfile
@@ -87,6 +88,7 @@ def instrument(engine, clock: PhaseClock) -> None:
     clock.attach(engine.scheduler, "schedule", "schedule")
     clock.attach(engine.runner, "prepare", "prepare")
     clock.attach(engine.runner, "forward", "forward")
+    clock.attach(engine.runner, "forward_with_hidden", "forward")  # a drafter that reads hidden states (nextn)
     clock.attach(engine.runner, "verify_forward", "forward")
     clock.attach(engine.sampler, "sample", "sample")
     clock.attach(engine, "_append", "append")
@@ -98,9 +100,9 @@ def instrument(engine, clock: PhaseClock) -> None:
         clock.attach(spec, "draft", "draft")
         clock.attach(spec.drafter, "propose", "propose")
         clock.attach(spec.drafter, "propose_on_device", "propose")
+        clock.attach(spec.drafter, "observe", "observe")
     if getattr(engine, "overlap_verify", None) is not None:  # a verify step built and launched from device state
         clock.attach(engine.overlap_verify, "launch", "prepare")
-        clock.attach(spec.drafter, "observe", "observe")
 
 
 class patched:
@@ -195,6 +197,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32, help="tokens per request (default: %(default)s)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4, help="GPU: Qwen3-30B-A3B decoder layers (default: %(default)s)")
+    parser.add_argument("--model", choices=("qwen", "dsv3"), default="qwen",
+                        help="GPU: Qwen3-30B-A3B shapes, or DeepSeek-V3 shapes (4 layers) with the synthetic MTP layer "
+                             "(--mtp-acceptance) for nextn")
     parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads (default: %(default)s)")
     parser.add_argument("--out", help="also write the table to this file")
     parser.add_argument("--json", help="also write every run's phases to this file (for --merge)")
@@ -216,7 +221,11 @@ def main() -> None:
         return
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-        folder, name = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "tiny", seed=0), "tiny DeepSeek-V3, fp32"
+        folder, name = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "tiny", seed=0, mtp=1), "tiny DeepSeek-V3, fp32"
+    elif args.model == "dsv3":
+        folder = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4},
+                                  config_only=True, mtp=1, mtp_acceptance=args.mtp_acceptance)
+        name = f"DeepSeek-V3 shapes (4 layers) + synthetic MTP ({args.mtp_acceptance}), bf16"
     else:
         folder = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True,
                                   overrides={"num_hidden_layers": args.layers})
@@ -229,6 +238,9 @@ def main() -> None:
         if spec_bench.drafter_name(drafter) in ("test-oracle", "test-oracle-device", "test-adversary"):
             spec_bench.script_drafters.set_script(reference_script(folder, args, reference))
         results[drafter] = profile(folder, args, drafter)
+        gc.collect()  # the engine, before the next one is built (two real-shaped engines may not fit a GPU)
+        if args.device != "cpu":
+            torch.cuda.empty_cache()
     lines = [f"{processor()}; steps {args.steps}, {args.output_len} tokens per request, steady batches "
              f"({spec_bench.STEADY_WAVES} prompts per slot); ms per decode step, median of {args.runs} runs", "",
              *table(name, results, args.batches)]
