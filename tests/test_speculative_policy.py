@@ -260,6 +260,20 @@ def test_requests_shorter_than_the_exploring_interval_are_tried_too():
     assert len(tried) == 3 and all(b[0] * 40 + b[1] - a[0] * 40 - a[1] >= 150 for a, b in zip(tried, tried[1:])), tried
 
 
+def test_only_a_fresh_engine_has_every_newcomer_try_at_once():
+    """All requests' record fades with each new request; once it is below one try, newcomers still wait for the
+    batch's exploring clock (it used to count as a fresh engine, where every newcomer tries at once)."""
+    policy = AdaptivePolicy(STEPS, StepCosts(grid_sizes(64), table(1.0, 0.25, fixed=0.75)))
+    first, second = request("first"), request("second")
+    assert policy.choose([first, second], [STEPS, STEPS]) == [STEPS, STEPS]  # fresh: both try
+    policy.record(first, STEPS, 0)
+    policy.record(second, STEPS, 0)
+    policy.all.fade(0.97 ** 200)  # as 200 new requests since fade it
+    assert policy.all.tried[0] < 1.0
+    newcomers = [request(f"new{i}") for i in range(4)]
+    assert policy.choose(newcomers, [STEPS] * 4) == [0] * 4
+
+
 def test_a_request_whose_drafts_keep_missing_only_explores_even_where_verifying_is_cheap():
     """A verify step of one request costs 1.16 plain steps (the CPU's batch 1): the prior alone would have a
     request that never lands try again every few tokens. After two verify steps running with every draft missed

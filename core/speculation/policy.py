@@ -126,6 +126,7 @@ class AdaptivePolicy:
         self._clock = 0  # tokens decoded by all requests (seen in _explore): exploration's clock
         self._clock_seen: dict[str, int] = {}  # per request: its output length when the clock last counted it
         self._tried_clock: dict[str, int] = {}  # per request: the clock when it last verified or was asked
+        self._ever_tried = False  # whether any request ever verified or was asked
         self._last_try = 0  # the clock at the last try _explore chose (once recorded or offered)
         self._due: str | None = None  # the request _explore chose to try, until its try is recorded or offered
         self._cold: dict[str, int] = {}  # per request: its verify steps running in which every draft missed
@@ -231,7 +232,9 @@ class AdaptivePolicy:
             self._clock += max(now - self._clock_seen.get(request.rid, now), 0)
             self._clock_seen[request.rid] = now
         counts = [0] * n
-        if self.all.tried[0] < 1.0:  # no record worth one verify: every request not tried yet tries at once
+        if not self._ever_tried:  # a fresh engine: every request not tried yet tries at once (not where the records
+            # faded below one try: all requests' record fades with every new request, and where tries are rarer than
+            # new requests every newcomer would then try at once)
             for i, (request, room) in enumerate(zip(requests, rooms)):
                 if room > 0 and request.rid not in self._tried_at:
                     counts[i] = min(room, self.steps)
@@ -251,6 +254,7 @@ class AdaptivePolicy:
         """The request verified or was asked: its clock, and the batch's where it was the one due to try."""
         self._tried_at[request.rid] = len(request.output_ids)
         self._tried_clock[request.rid] = self._clock
+        self._ever_tried = True
         if request.rid == self._due:
             self._last_try, self._due = self._clock, None
 
