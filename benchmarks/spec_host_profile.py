@@ -221,7 +221,8 @@ def main() -> None:
         return
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-        folder, name = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "tiny", seed=0, mtp=1), "tiny DeepSeek-V3, fp32"
+        folder = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "tiny", seed=0, mtp=1)
+        name = "tiny DeepSeek-V3, fp32"
     elif args.model == "dsv3":
         folder = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4},
                                   config_only=True, mtp=1, mtp_acceptance=args.mtp_acceptance)

@@ -94,7 +94,8 @@ def test_where_acceptance_is_forced_the_device_oracle_drafts_from_the_closest_sc
         assert table.rows([left]) == [[row, 4]]
         meta = torch.tensor(table.rows([left]))
         drafts = table.propose(meta, DeviceTokens(torch.tensor([[7]]), torch.tensor([1])), 2)
-        assert drafts.counts.tolist() == [2 * fallback] and drafts.tokens.tolist() == [[22, 23] if fallback else [-1, -1]]
+        assert drafts.counts.tolist() == [2 * fallback]
+        assert drafts.tokens.tolist() == [[22, 23] if fallback else [-1, -1]]
     assert sd.closest_row([4, 4]) == -1  # shares no token with any sequence
 
 

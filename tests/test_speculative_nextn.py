@@ -177,7 +177,8 @@ def test_the_chain_is_timed_on_rows_that_route_apart(mtp_folder):
     drafter = spec.speculation.drafter
     seen = []
     real = drafter.rows_step
-    drafter.rows_step = lambda batch, hidden: seen.append((batch.input_ids.tolist(), hidden.clone())) or real(batch, hidden)
+    drafter.rows_step = lambda batch, hidden: seen.append((batch.input_ids.tolist(), hidden.clone())) or real(batch,
+                                                                                                          hidden)
     drafter.proposal_costs(4)
     ids, hidden = seen[0]
     assert len(set(ids)) == 4 and len({tuple(row.tolist()) for row in hidden}) == 4

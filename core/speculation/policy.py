@@ -27,8 +27,8 @@ drafter whose drafts would land is never found out. Where a sure draft could pay
 `explore_every` tokens decoded by the whole batch the request that verified longest ago (none: first) drafts fully
 once: that interval is set from the cost table so that trying costs the batch at most EXPLORE_LOSS of its plain
 rate when every try misses. The clock is the batch's because requests are often shorter than the interval (150
-tokens where a verify step costs 2.5 plain ones): counted per request, none of them ever tried. A new request tries at once
-while no request has a record worth one verify (a fresh engine, or one whose records faded). A request whose
+tokens where a verify step costs 2.5 plain ones): counted per request, none of them ever tried. In a fresh engine
+(no request verified or was asked yet) every new request tries at once. A request whose
 drafts all missed in COLD_AFTER verify steps running drafts only when it is due to explore: its record leans on
 the prior, which alone would have it try again every few tokens wherever a verify step costs little more than a
 plain one (a drafter that never lands then cost 5-8% at batch 1 on CPU).
@@ -122,7 +122,6 @@ class AdaptivePolicy:
         self._sizes: dict[int, SizeCosts] = {}  # per batch size: the cost table's numbers the choice reads
         self._sizes_version = -1
         self._best_own: float | None = None  # max over the records of accepted / tried at the first draft
-        self._tried_at: dict[str, int] = {}  # per request: its output length when it last verified or was asked
         self._clock = 0  # tokens decoded by all requests (seen in _explore): exploration's clock
         self._clock_seen: dict[str, int] = {}  # per request: its output length when the clock last counted it
         self._tried_clock: dict[str, int] = {}  # per request: the clock when it last verified or was asked
@@ -236,7 +235,7 @@ class AdaptivePolicy:
             # faded below one try: all requests' record fades with every new request, and where tries are rarer than
             # new requests every newcomer would then try at once)
             for i, (request, room) in enumerate(zip(requests, rooms)):
-                if room > 0 and request.rid not in self._tried_at:
+                if room > 0 and request.rid not in self._tried_clock:
                     counts[i] = min(room, self.steps)
             return counts
         if self._clock - self._last_try < every:
@@ -252,7 +251,6 @@ class AdaptivePolicy:
 
     def _tried(self, request: Request) -> None:
         """The request verified or was asked: its clock, and the batch's where it was the one due to try."""
-        self._tried_at[request.rid] = len(request.output_ids)
         self._tried_clock[request.rid] = self._clock
         self._ever_tried = True
         if request.rid == self._due:
@@ -368,7 +366,6 @@ class AdaptivePolicy:
         self._offers.pop(rid, None)
         self._own.pop(rid, None)
         self._seen_at.pop(rid, None)
-        self._tried_at.pop(rid, None)
         self._clock_seen.pop(rid, None)
         self._tried_clock.pop(rid, None)
         self._cold.pop(rid, None)
