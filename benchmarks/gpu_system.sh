@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
-#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-serve|e2e|moe-small-m|large-m|prefix|dgmasked ...
+#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-profile-dsv3|
+#                                     spec-serve|e2e|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
-#   bash benchmarks/gpu_system.sh OUT spec-profile spec-dsv3   # #32: where the device oracle loses at 32; nextn after the fix
+#   bash benchmarks/gpu_system.sh OUT spec-dsv3 spec-profile-dsv3  # #32: nextn after session 6's fixes; where b8 loses
 #   bash benchmarks/gpu_system.sh OUT tests spec-steady        # #32: GPU tests; ngram / oracles / adversary, batches 1-64
-#   bash benchmarks/gpu_system.sh OUT spec-serve large-m       # #32 served run; #31 target 5 (EP8-global large M)
-#   bash benchmarks/gpu_system.sh OUT spec-mixed               # #32: admissions inside decode steps (batches 8, 32)
+#   bash benchmarks/gpu_system.sh OUT spec-serve spec-mixed    # #32 served run; admissions inside decode steps
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
+#   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M)
 #   bash benchmarks/plan_profile.sh OUT                        # #34: the inputs the shipped plan profile borrows
 # dgmasked needs the DeepGEMM wheel carried in .dg/ (see benchmarks/results/deepgemm_moe_h200.md); its JIT cache
 # goes back as OUT/dg_cache.tgz (unpack it into .dg/cache to skip the compiles next time).
@@ -23,7 +24,8 @@ for part in "$@"; do
     tests)
       timeout -s ABRT $(lim 480) python3 -m pytest -q -rs -m gpu tests/test_kernel_rope.py tests/test_kernel_router_gemv.py \
         tests/test_triton_attention.py tests/test_triton_moe.py tests/test_fused_kernels.py tests/test_cuda_graph.py \
-        tests/test_speculative_gpu.py tests/test_draft_graphs.py tests/test_cuda_graph_parallel.py tests/test_prefix_cache_benchmark.py 2>&1 \
+        tests/test_speculative_gpu.py tests/test_draft_graphs.py tests/test_cuda_graph_parallel.py tests/test_prefix_cache_benchmark.py \
+        tests/test_torch_attention.py tests/test_ngram_device.py tests/test_verify_graphs.py 2>&1 \
         | tee "$out/gpu_tests.log" | tail -15 ;;
     tests-spec)
       timeout -s ABRT $(lim 150) python3 -m pytest -q -rs -m gpu tests/test_speculative_gpu.py tests/test_draft_graphs.py tests/test_ngram_device.py 2>&1 \
@@ -49,6 +51,11 @@ for part in "$@"; do
         --drafters ngram/overlap 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20
       timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch 32 --out "$out/prof32" \
         --drafters test-oracle-device ngram/overlap 2>&1 | grep -v -i warn | tee -a "$out/$part.log" | tail -20 ;;
+    spec-profile-dsv3)
+      timeout $(lim 200) python3 benchmarks/spec_host_profile.py --device cuda --model dsv3 --drafters none nextn \
+        --batches 1 8 32 --runs 3 --output-len 48 --out "$out/spec_host_dsv3.md" 2>&1 | grep -v -i warn | tail -8
+      timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --model dsv3 --batch 8 --out "$out/prof8_dsv3" \
+        --drafters nextn 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -8 ;;
     spec-serve)
       timeout $(lim 300) python3 benchmarks/spec_serving.py --arch qwen3_moe --preset 30b-a3b --layers 12 --load-format dummy \
         --dtype bf16 --device cuda --runs 3 --out "$out/spec_serving_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
