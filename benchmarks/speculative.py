@@ -39,7 +39,10 @@ over the wall time of those steps; median of --runs runs (one warmed-up engine p
 With --steady each batch slot gets 4 prompts in turn (a finished request is replaced at once), and the rate is
 measured while the batch is full: serving's steady state, where a request whose drafts miss no longer holds a
 shrinking batch open; the prompts' output lengths are spread over 0.5-1.5x --output-len (the same for every
-engine), so plain decoding's requests end apart as a drafter's do and as served ones do.
+engine), so plain decoding's requests end apart as a drafter's do and as served ones do. Its table adds the rate
+over the decode-only steps (every step that scheduled a prompt, and the one after it, left out): at 32 and 64
+requests on a GPU the admissions' prefills are about half of the steady rate's time (Qwen3 shapes: ~12 ms a step
+of 32 tokens where a decode step takes ~5.4), and speculation speeds up only the rest.
 SGLang's reported numbers for DeepSeek-V3 with its MTP layer on H200 (1.8x at batch 1, 1.5x at batch 32,
 accept length 2.2-2.4) are printed beside the oracle and ngram rows: a trained MTP layer's ceiling vs ours.
 """
@@ -174,31 +177,56 @@ def steady_lengths(count: int, output_len: int, seed: int) -> list[int]:
     return [max(1, round(output_len * (0.5 + rng.random()))) for _ in range(count)]
 
 
-def steady_rate(engine: Engine, prompts, params, batch: int, device: str, clock=time.perf_counter) -> tuple[float, list]:
-    """(decode tokens/s with `batch` requests always running, the finished requests): each request that finishes
-    is replaced by the next prompt; the clock runs from when the first `batch` requests all have their first token
-    to when the last prompt is admitted, so the batch is full throughout (tokens of admitted requests' prefills
-    count too, alike for every drafter)."""
+def steady_rate(engine: Engine, prompts, params, batch: int, device: str, clock=time.perf_counter
+                ) -> tuple[float, list, float]:
+    """(decode tokens/s with `batch` requests always running, the finished requests, the same over the decode-only
+    steps): each request that finishes is replaced by the next prompt; the clock runs from when the first `batch`
+    requests all have their first token to when the last prompt is admitted, so the batch is full throughout
+    (tokens of admitted requests' prefills count too, alike for every drafter). The decode-only rate leaves out
+    every step that scheduled a prompt and the step after it (under the overlap schedule it reads the prompt's
+    step): what speculation can speed up, where the whole rate also holds the admissions, which it cannot."""
     queue = list(zip(prompts, params))
     requests = [engine.add_request(*queue.pop(0)) for _ in range(batch)]
     start = stop = None
     counted = 0
-    while engine.has_work:
-        for _ in engine.step():
-            if queue:
-                requests.append(engine.add_request(*queue.pop(0)))
-        if start is None and all(r.output_ids for r in requests[:batch]):
-            sync(device)
-            start, counted = clock(), sum(len(r.output_ids) for r in requests)
-        if start is not None and stop is None and not queue:
-            sync(device)
-            stop, counted = clock(), sum(len(r.output_ids) for r in requests) - counted
-    return counted / (stop - start), requests
+    admitted: list[bool] = []  # whether the step now running scheduled a prompt
+    schedule = engine.scheduler.schedule
+
+    def watched():
+        work = schedule()
+        admitted.append(any(not spec_step.is_decoding(item) for item in work))
+        return work
+
+    engine.scheduler.schedule = watched
+    clean_time, clean_tokens, touched_before = 0.0, 0, True
+    try:
+        while engine.has_work:
+            admitted.clear()
+            began, before = clock(), sum(len(r.output_ids) for r in requests)
+            for _ in engine.step():
+                if queue:
+                    requests.append(engine.add_request(*queue.pop(0)))
+            touched = any(admitted)
+            if start is not None and stop is None and not (touched or touched_before):
+                clean_time += clock() - began
+                clean_tokens += sum(len(r.output_ids) for r in requests) - before
+            touched_before = touched
+            if start is None and all(r.output_ids for r in requests[:batch]):
+                sync(device)
+                start, counted = clock(), sum(len(r.output_ids) for r in requests)
+            if start is not None and stop is None and not queue:
+                sync(device)
+                stop, counted = clock(), sum(len(r.output_ids) for r in requests) - counted
+    finally:
+        engine.scheduler.schedule = schedule
+    return counted / (stop - start), requests, clean_tokens / clean_time if clean_time > 0 else 0.0
 
 
-def measure(engine: Engine, drafter: str, batch: int, prompts, args, reference: dict) -> tuple[float, float | None]:
-    """One timed run of `engine` on a batch: (decode tokens/s, accept length or None). `none`'s first outputs per
-    batch become the reference that the oracle proposes and that every drafter must reproduce (on CPU)."""
+def measure(engine: Engine, drafter: str, batch: int, prompts, args, reference: dict
+            ) -> tuple[float, float | None, float | None]:
+    """One timed run of `engine` on a batch: (decode tokens/s, accept length or None, decode-only tokens/s with
+    --steady or None). `none`'s first outputs per batch become the reference that the oracle proposes and that
+    every drafter must reproduce (on CPU)."""
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     if drafter.startswith(("test-oracle", "test-adversary")):
         script_drafters.set_script([p + out for p, out in zip(prompts, reference[batch])])
@@ -206,16 +234,16 @@ def measure(engine: Engine, drafter: str, batch: int, prompts, args, reference: 
         if args.steady:
             per_prompt = [attrs.evolve(params, max_new_tokens=n)
                           for n in steady_lengths(len(prompts), args.output_len, seed=batch)]
-            rate, done = steady_rate(engine, prompts, per_prompt, batch, args.device, CLOCKS[args.clock])
+            rate, done, clean = steady_rate(engine, prompts, per_prompt, batch, args.device, CLOCKS[args.clock])
         else:
-            rate, done = decode_rate(engine, prompts, params, args.device, CLOCKS[args.clock])
+            (rate, done), clean = decode_rate(engine, prompts, params, args.device, CLOCKS[args.clock]), None
     outputs = [r.output_ids for r in done]
     if drafter == "none":
         reference.setdefault(batch, outputs)
     elif outputs != reference[batch] and args.device == "cpu":  # bf16 GPU runs differ in near-ties
         raise AssertionError(f"{drafter} changed the output at batch {batch}")
     steps = sum(r.spec_verify_steps for r in done)
-    return rate, (sum(r.spec_accepted_tokens for r in done) + steps) / steps if steps else None
+    return rate, (sum(r.spec_accepted_tokens for r in done) + steps) / steps if steps else None, clean
 
 
 def warmed_engine(folder: str, args, drafter: str) -> Engine:
@@ -232,6 +260,7 @@ def rows_for(name: str, folder: str, drafters: list[str], args) -> list[str]:
     waves = args.waves if args.steady else 1
     workloads = {batch: workload(batch * waves, seed=batch) for batch in args.batches}
     rates: dict[tuple[str, int], list[float]] = {}
+    clean: dict[tuple[str, int], list[float]] = {}  # decode-only rates (--steady)
     accept: dict[tuple[str, int], float | None] = {}
     reference: dict[int, list] = {}
     if args.interleave:
@@ -241,27 +270,30 @@ def rows_for(name: str, folder: str, drafters: list[str], args) -> list[str]:
             for round in range(args.runs):
                 order = drafters[round % len(drafters):] + drafters[: round % len(drafters)]
                 for drafter in order:
-                    rate, accept[drafter, batch] = measure(engines[drafter], drafter, batch, prompts, args, reference)
+                    rate, accept[drafter, batch], decode = measure(engines[drafter], drafter, batch, prompts, args,
+                                                                   reference)
                     rates.setdefault((drafter, batch), []).append(rate)
+                    clean.setdefault((drafter, batch), []).append(decode)
                     print(f"# batch {batch} round {round + 1} {drafter}: {rate:.1f} tok/s", flush=True)  # survives a kill
         del engines
     for drafter in drafters if not args.interleave else ():
         engine = warmed_engine(folder, args, drafter)
         for batch, prompts in workloads.items():
             for run in range(args.runs):
-                rate, accept[drafter, batch] = measure(engine, drafter, batch, prompts, args, reference)
+                rate, accept[drafter, batch], decode = measure(engine, drafter, batch, prompts, args, reference)
                 rates.setdefault((drafter, batch), []).append(rate)
+                clean.setdefault((drafter, batch), []).append(decode)
                 print(f"# batch {batch} run {run + 1} {drafter}: {rate:.1f} tok/s", flush=True)  # survives a kill
         del engine
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    return table_rows(name, drafters, args, rates, accept)
+    return table_rows(name, drafters, args, rates, accept, clean)
 
 
-def table_rows(name: str, drafters: list[str], args, rates: dict, accept: dict) -> list[str]:
+def table_rows(name: str, drafters: list[str], args, rates: dict, accept: dict, clean: dict) -> list[str]:
     """Interleaved, the ratio is the median of the rounds' own ratios (each round's engines ran minutes apart at
-    most), with their min-max."""
+    most), with their min-max. With --steady, the decode-only steps' rate and its ratio the same way."""
     lines = []
     for batch in args.batches:
         base = rates["none", batch]
@@ -276,8 +308,14 @@ def table_rows(name: str, drafters: list[str], args, rates: dict, accept: dict) 
                 ratio = f"{statistics.median(ratios):.2f}x | {min(ratios):.2f}-{max(ratios):.2f}"
             else:
                 ratio = f"{med / statistics.median(base):.2f}x"
+            decode = ""
+            if args.steady:
+                c, base_c = clean[drafter, batch], clean["none", batch]
+                ratios = [a / b for a, b in zip(c, base_c)] if args.interleave else \
+                    [statistics.median(c) / statistics.median(base_c)]
+                decode = f" {statistics.median(c):.1f} | {statistics.median(ratios):.2f}x |"
             lines.append(f"| {name} | {batch} | {label} | {med:.1f} | {min(r):.1f}-{max(r):.1f} | {ratio} "
-                         f"| {length} | {sglang} |")
+                         f"| {length} | {sglang} |{decode}")
             print(lines[-1], flush=True)
     return lines
 
@@ -358,8 +396,9 @@ def main() -> None:
         mode += "; rates per second of this process's CPU time"
     lines = [processor(), "",
              f"steps {args.steps}, {args.output_len} tokens per request, prompts of {PHRASE} tokens x {REPEATS}; {mode}", "",
-             f"| model | batch | drafter | decode tok/s (median) | min-max | {ratio_head} | accept length | SGLang H200 (reported) |",
-             f"|---|---:|---|---:|---:|{ratio_rule}|---:|---:|"]
+             f"| model | batch | drafter | decode tok/s (median) | min-max | {ratio_head} | accept length | SGLang H200 (reported) |"
+             + (" decode-only steps: tok/s (median) | vs none |" if args.steady else ""),
+             f"|---|---:|---|---:|---:|{ratio_rule}|---:|---:|" + ("---:|---:|" if args.steady else "")]
     if args.device == "cpu":
         folder = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "tiny", seed=0, mtp=1)
         lines += rows_for("tiny DeepSeek-V3 + MTP, fp32", folder, with_mtp, args)
