@@ -143,6 +143,8 @@ def test_speculative_interleaved_rounds(tmp_path):
     rows = table_rows(out, "tiny DeepSeek-V3 + MTP, fp32")
     assert [row[2] for row in rows] == ["none", "ngram", "adversary"], out
     assert rows[0][5] == "1.00x" and all(row[5].endswith("x") and "-" in row[6] for row in rows), out
+    # the decode-only steps' rate and ratio (admissions left out): a rate, and none's own ratio 1.00x
+    assert rows[0][-1] == "1.00x" and all(float(row[-2]) > 0 and row[-1].endswith("x") for row in rows), out
 
 
 def test_spec_device_parts_against_the_host_paths(tmp_path):
