@@ -198,19 +198,20 @@ def steady_rate(engine: Engine, prompts, params, batch: int, device: str, clock=
         return work
 
     engine.scheduler.schedule = watched
-    clean_time, clean_tokens, touched_before = 0.0, 0, True
+    clean_time, clean_tokens, touched_before, before = 0.0, 0, True, 0
     try:
         while engine.has_work:
             admitted.clear()
-            began, before = clock(), sum(len(r.output_ids) for r in requests)
+            began = clock()
             for _ in engine.step():
                 if queue:
                     requests.append(engine.add_request(*queue.pop(0)))
-            touched = any(admitted)
+            ended, touched = clock(), any(admitted)
+            after = sum(len(r.output_ids) for r in requests)  # (one sum a step: the last step's is this one's before)
             if start is not None and stop is None and not (touched or touched_before):
-                clean_time += clock() - began
-                clean_tokens += sum(len(r.output_ids) for r in requests) - before
-            touched_before = touched
+                clean_time += ended - began
+                clean_tokens += after - before
+            touched_before, before = touched, after
             if start is None and all(r.output_ids for r in requests[:batch]):
                 sync(device)
                 start, counted = clock(), sum(len(r.output_ids) for r in requests)
