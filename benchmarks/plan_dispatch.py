@@ -7,7 +7,8 @@ This script measures both on ONE GPU (one EP rank: every pair stays local, so th
 cost plus a local copy at HBM speed):
 
 - GPU µs of dispatch and of combine, timed with CUDA events while the host runs ahead of a GPU held busy by a
-  sleep kernel, so no launch gap enters (the kernels alone);
+  sleep kernel, so no launch gap enters (the kernels alone), less a plain copy of the pairs' rows timed the same
+  way (over several ranks the model prices the bytes by themselves: the rest is the kernels' fixed cost);
 - wall µs of dispatch + combine from an idle GPU, synchronized before and after (as ep_multi_gpu.py times a
   layer); wall less the kernels is the host's exposed share of bare calls.
 
@@ -84,6 +85,29 @@ def kernel_us(dispatcher, x, ids, weights, device: torch.device, iters: int) -> 
     return statistics.median(dispatch), statistics.median(combine)
 
 
+def copy_us(rows: int, hidden: int, device: torch.device, iters: int) -> float:
+    """GPU µs of one copy of `rows` bf16 rows at HBM speed (the host ahead, as kernel_us): what the one-rank
+    kernels spend moving their pairs' bytes, all of them local. CPU: wall time."""
+    src = torch.randn(rows, hidden, device=device).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(iters):
+        sync(device)
+        if device.type == "cuda":
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            torch.cuda._sleep(1_000_000)
+            marks[0].record()
+            dst.copy_(src)
+            marks[1].record()
+            sync(device)
+            times.append(marks[0].elapsed_time(marks[1]) * 1e3)
+        else:
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -117,10 +141,13 @@ def main() -> None:
     rounds = []
     for _ in range(args.runs):
         d, c = kernel_us(dispatcher, x, ids, weights, device, args.iters)
-        rounds.append((d, c, wall_us(layer, device, args.iters)))
-    med = [statistics.median(r[i] for r in rounds) for i in range(3)]
-    spread = [max(r[i] for r in rounds) - min(r[i] for r in rounds) for i in range(3)]
+        rounds.append((d, c, wall_us(layer, device, args.iters), copy_us(args.tokens * args.top_k, args.hidden, device, args.iters)))
+    med = [statistics.median(r[i] for r in rounds) for i in range(4)]
+    spread = [max(r[i] for r in rounds) - min(r[i] for r in rounds) for i in range(4)]
     host = max(med[2] - med[0] - med[1], 0.0)
+    # each half moves every pair's row once, here all of them inside the GPU; over several ranks the local share
+    # moves at HBM speed beside the remote one, which the model prices by itself: the fixed cost is the rest
+    fixed = [max(med[i] - med[3], 0.0) for i in range(2)]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else processor()
     lines = [f"## {args.dispatcher} on one rank, {args.tokens} tokens, hidden {args.hidden}, top-{args.top_k} of {args.experts} "
              f"(bf16 rows, identity experts; {name}, torch {torch.__version__})", "",
@@ -130,16 +157,19 @@ def main() -> None:
              f"| combine kernels (host ahead) | {med[1]:.1f} | {spread[1]:.1f} |",
              f"| dispatch + combine, wall from an idle GPU | {med[2]:.1f} | {spread[2]:.1f} |",
              f"| ratio wall / kernels | {med[2] / max(med[0] + med[1], 1e-9):.2f}x | |",
-             f"| host's exposed share (wall - kernels) | {host:.1f} | |"]
+             f"| host's exposed share (wall - kernels) | {host:.1f} | |",
+             f"| copy of the {args.tokens * args.top_k} pairs' rows at HBM speed | {med[3]:.1f} | {spread[3]:.1f} |",
+             f"| fixed cost besides the bytes (kernels - copy): dispatch, combine | {fixed[0]:.1f}, {fixed[1]:.1f} | |"]
     emit("\n".join(lines), args.out)
     if args.measured_out:
         command = (f"python benchmarks/plan_dispatch.py --dispatcher {args.dispatcher} --tokens {args.tokens} "
                    f"--hidden {args.hidden} --experts {args.experts} ({name}, one rank)")
         prefix = args.dispatcher.replace("-", "_")  # deepep-ll -> deepep_ll_kernel_us, the key the model reads
         entries = {
-            f"{prefix}_kernel_us": {"value": [round(med[0], 2), round(med[1], 2)], "unit": "[dispatch µs, combine µs]",
+            f"{prefix}_kernel_us": {"value": [round(fixed[0], 2), round(fixed[1], 2)], "unit": "[dispatch µs, combine µs]",
                                     "source": f"{command}: kernels of one rank at {args.tokens} tokens (every pair local), "
-                                              "host ahead of the GPU; the low-latency kernels' cost besides NVLink bytes"},
+                                              f"host ahead of the GPU ({med[0]:.1f}, {med[1]:.1f}), less a copy of the "
+                                              f"pairs' rows ({med[3]:.1f}): the low-latency kernels' cost besides their bytes"},
             f"{prefix}_call_host_us": {"value": round(host, 2),
                                        "source": f"{command}: wall of dispatch + combine from an idle GPU less their kernels "
                                                  "(the host's exposed share of two bare low-latency calls)"},

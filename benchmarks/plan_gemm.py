@@ -19,6 +19,7 @@ import torch
 
 from report import emit, processor
 
+from moeplex.attention.torch_ref import flash_value_width, gpu_kernels
 from moeplex.plan.costs import gemm_us
 from moeplex.plan.profile import Profile
 from moeplex.plan.shapes import load_config, model_shape
@@ -110,9 +111,12 @@ def main() -> None:
         q = torch.randn(1, heads, s, qk_dim, device=args.device, dtype=dtype)
         k = torch.randn(1, kv_heads, s, qk_dim, device=args.device, dtype=dtype)
         v = torch.randn(1, kv_heads, s, v_dim, device=args.device, dtype=dtype)
+        v = torch.nn.functional.pad(v, (0, flash_value_width(q, v) - v_dim))  # as _extend widens MLA's values
         # the call our extend path makes (core/attention/torch_ref.py): 4-D, causal, GQA where the heads differ
+        # under the same kernel choice (GPU_SDPA: flash, memory-efficient or math, never cuDNN)
         call = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)  # noqa: E731
-        runs = [timed_us(call, args.device, 5) for _ in range(args.runs)]
+        with gpu_kernels(torch.device(args.device)):
+            runs = [timed_us(call, args.device, 5) for _ in range(args.runs)]
         flops = 2 * heads * (qk_dim + v_dim) * s * (s + 1) / 2
         model = flops / (peak_tflops * 1e6)
         attention_ratios.append([s, round(statistics.median(runs) / model, 3)])

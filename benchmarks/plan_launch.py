@@ -1,7 +1,10 @@
 """Launch costs `moeplex plan` prices: a replayed CUDA graph's time per node beyond its kernel, and an eager launch's host time.
 
-A graph of `--kernels` tiny kernels is replayed; its time per node minus the kernels' own device time (from the
-profiler) is the gap between consecutive graph nodes (`graph_gap_us` of the profile). The same kernels launched
+A graph of `--kernels` kernels is replayed; its time per node minus the kernels' own device time (from the
+profiler) is the gap between consecutive graph nodes. Two kinds of kernel: a tiny one (one block, ~1 µs), and a
+copy of `--copy-mib` MiB that fills every SM, as a model step's memory-bound kernels do. A full-grid kernel must
+drain before the next one's blocks start, and that drain and fill is part of the gap a real step pays (a graph of
+tiny kernels hides it), so the full-grid gap is the profile's `graph_gap_us`. The tiny kernels launched
 eagerly from Python give the host's cost of one bare launch (a floor under the profile's `eager_host_us`, which
 is a whole model's eager launch with its module overhead). Median (min-max) of --runs.
 
@@ -33,15 +36,15 @@ def eager_us(x: torch.Tensor, kernels: int) -> float:
     return (time.perf_counter() - start) * 1e6 / kernels
 
 
-def graph_us(x: torch.Tensor, kernels: int) -> tuple[float, float | None]:
-    """(µs per node of a replayed graph of `kernels` tiny kernels, their own device µs per kernel or None)."""
+def graph_us(kernel, kernels: int) -> tuple[float, float | None]:
+    """(µs per node of a replayed graph of `kernels` calls of `kernel`, their own device µs per kernel or None)."""
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        x.add_(1)  # warm-up outside the capture
+        kernel()  # warm-up outside the capture
         with torch.cuda.graph(graph, stream=stream):
             for _ in range(kernels):
-                x.add_(1)
+                kernel()
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -62,6 +65,23 @@ def graph_us(x: torch.Tensor, kernels: int) -> tuple[float, float | None]:
     return per_node, sum(device) / len(device)
 
 
+def graph_rows(lines: list[str], name: str, kernel, args) -> list[float]:
+    """Append the replayed graph's rows for one kind of kernel; its gaps between nodes (empty where not read)."""
+    try:
+        graphs = [graph_us(kernel, args.kernels) for _ in range(args.runs)]
+    except RuntimeError as err:  # a profiler without CUPTI, say: the table still says what was measured
+        lines.append(f"| replayed graph of {name}s | failed: {str(err).splitlines()[0][:120]} |")
+        return []
+    lines.append(f"| replayed graph of {name}s, time per node | {spread([g[0] for g in graphs])} |")
+    if not all(g[1] is not None for g in graphs):
+        lines.append(f"| replayed graph of {name}s, gap between nodes | not read: the profiler saw no kernels of the replay |")
+        return []
+    lines.append(f"| replayed graph of {name}s, the kernel itself (profiler) | {spread([g[1] for g in graphs])} |")
+    gaps = [g[0] - g[1] for g in graphs]
+    lines.append(f"| replayed graph of {name}s, gap between nodes | {spread(gaps)} |")
+    return gaps
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
@@ -69,7 +89,8 @@ def spread(values: list[float]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--kernels", type=int, default=2000, help="tiny kernels per timed run")
+    ap.add_argument("--kernels", type=int, default=2000, help="graph nodes (kernels) per timed run")
+    ap.add_argument("--copy-mib", type=float, default=4.0, help="bytes each full-grid copy kernel reads, MiB")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", help="also write the table here")
     ap.add_argument("--profile-in", help="a profile JSON to copy (default: the shipped h200.json)")
@@ -81,7 +102,7 @@ def main() -> None:
     lines = [
         f"## Launch costs ({processor()}, torch {torch.__version__})",
         "",
-        f"Command: `python benchmarks/plan_launch.py {' '.join(sys.argv[1:])}`; {args.kernels} tiny kernels a run, median (min-max) of {args.runs} runs.",
+        f"Command: `python benchmarks/plan_launch.py {' '.join(sys.argv[1:])}`; {args.kernels} kernels a run, median (min-max) of {args.runs} runs.",
         "",
         "| measurement | µs per launch |",
         "|---|---:|",
@@ -89,18 +110,11 @@ def main() -> None:
     ]
     gaps: list[float] = []
     if args.device == "cuda":
-        try:
-            graphs = [graph_us(x, args.kernels) for _ in range(args.runs)]
-        except RuntimeError as err:  # a profiler without CUPTI, say: the table still says what was measured
-            graphs = [(float("nan"), None)]
-            lines.append(f"| replayed graph | failed: {str(err).splitlines()[0][:120]} |")
-        lines.append(f"| replayed graph, time per node | {spread([g[0] for g in graphs])} |")
-        if all(g[1] is not None for g in graphs):
-            lines.append(f"| replayed graph, the kernel itself (profiler) | {spread([g[1] for g in graphs])} |")
-            gaps = [g[0] - g[1] for g in graphs]
-            lines.append(f"| replayed graph, gap between nodes (graph_gap_us) | {spread(gaps)} |")
-        else:
-            lines.append("| replayed graph, gap between nodes | not read: the profiler saw no kernels of the replay |")
+        src = torch.zeros(int(args.copy_mib * 2**18), device=args.device)
+        dst = torch.empty_like(src)
+        kinds = (("tiny kernel", lambda: x.add_(1)), (f"full-grid copy of {args.copy_mib:g} MiB", lambda: dst.copy_(src)))
+        for name, kernel in kinds:
+            gaps = graph_rows(lines, name, kernel, args)
     else:
         lines.append("| replayed graph | skipped: needs CUDA |")
     emit("\n".join(lines), args.out)
@@ -117,7 +131,7 @@ def write_profile(args, gap: float) -> None:
     else:
         data = json.loads(resources.files("moeplex.plan").joinpath("profiles", "h200.json").read_text())
     command = "python benchmarks/plan_launch.py " + " ".join(sys.argv[1:])
-    data["graph_gap_us"] = {"value": round(gap, 3), "source": f"{command} ({processor()}, {time.strftime('%Y-%m-%d')}): replayed graph time per node less the kernel's own device time"}
+    data["graph_gap_us"] = {"value": round(gap, 3), "source": f"{command} ({processor()}, {time.strftime('%Y-%m-%d')}): replayed graph of full-grid copy kernels ({args.copy_mib:g} MiB each), time per node less the kernel's own device time"}
     with open(args.profile_out, "w") as f:
         json.dump(data, f, indent=1, ensure_ascii=False)
     print(f"wrote {args.profile_out}")

@@ -38,3 +38,14 @@ def test_tokens_per_second_and_accept_length_with_the_oracle(tiny_model_dir, scr
     assert row["decode_steps"] == 2 and row["accept_length"] == STEPS + 1
     # tokens per second: 2 x 8 tokens over two steps, not 2 requests per step
     assert row["decode_tok_s"] == pytest.approx(BATCH * (OUTPUT - 1) / (2 * row["decode_step_ms"] / 1e3), rel=0.01)
+
+
+def test_a_repeated_measurement_computes_its_prefill_again(tiny_model_dir):
+    # the prompts of measure() repeat from call to call; the prefix cache must not turn the second prefill into a
+    # lookup of the first one's pages (a 4k prefill timed at a quarter of its FLOP roofline did, on a GPU)
+    plain = engine(tiny_model_dir("qwen3_moe"))
+    assert plain.prefix_cache is not None
+    for _ in range(2):
+        plain.prefix_cache.reset_counters()
+        measure(plain, BATCH, 4 * INPUT, 2)
+        assert plain.prefix_cache.queried_tokens > 0 and plain.prefix_cache.hit_tokens == 0

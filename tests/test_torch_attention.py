@@ -177,3 +177,27 @@ def test_gpu_extends_and_padded_decode_never_run_cudnn_attention():
             torch.cuda.synchronize()
         assert not [e.key for e in prof.key_averages() if "cudnn" in e.key.lower()], mode
         torch.testing.assert_close(out.float().cpu(), expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_mla_prompts_take_the_flash_kernel():
+    """MLA's prompt attention (192-wide queries and keys, 128-wide values) runs SDPA's flash kernel, its values widened
+    with zero columns that are cut from the output, with the same values as on the CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gen = torch.Generator().manual_seed(0)
+    spans = ((0, 37), (0, 11))
+    kv = KVPool(64, PAGE, [[(2, 192), (2, 128)]], torch.bfloat16, "cpu")
+    seqs = [ScheduledSeq([1] * n, prefix, kv.allocate(kv.pages_for(prefix + n))) for prefix, n in spans]
+    q = torch.randn(48, 2, 192, generator=gen)
+    k, v = torch.randn(48, 2, 192, generator=gen), torch.randn(48, 2, 128, generator=gen)
+    expected = ragged_attention(q, k, v, build_forward_batch(seqs, kv, "cpu"), 0.1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = ragged_attention(*(x.to("cuda", torch.bfloat16) for x in (q, k, v)), build_forward_batch(seqs, kv, "cuda"), 0.1)
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages()]
+    assert any("flash" in n.lower() for n in names) and not any("efficient_attention" in n for n in names), names
+    assert out.shape == (48, 2, 128)
+    torch.testing.assert_close(out.float().cpu(), expected, atol=3e-2, rtol=3e-2)

@@ -225,10 +225,20 @@ def ragged_attention(
         return _extend(q, k, v, batch, scale)
 
 
+def flash_value_width(q: torch.Tensor, v: torch.Tensor) -> int:
+    """The value width a causal prompt's SDPA call gets: the query's where they differ on a GPU (MLA's 192-wide
+    keys against 128-wide values), because the flash kernel takes one width for all three, and without it SDPA
+    falls to the memory-efficient kernel, several times slower on a DeepSeek-V3 prompt; the zero columns added are cut from
+    the output. The values' own width elsewhere."""
+    fits = q.is_cuda and v.shape[-1] < q.shape[-1] <= 256
+    return q.shape[-1] if fits else v.shape[-1]
+
+
 def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
     """ragged_attention of an extend batch: one causal SDPA call per request."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     gqa = q.shape[1] != k.shape[1]
+    width = flash_value_width(q, v)
     t0 = 0
     indptr = batch.kv_indptr.tolist()
     for i, (prefix, n) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
@@ -240,10 +250,12 @@ def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBat
             causal = dict(attn_mask=positions[None, :] <= (prefix + torch.arange(n, device=q.device))[:, None])
         else:
             causal = dict(is_causal=True)  # no mask to build, and SDPA may pick its flash kernel
+            if width != vs.shape[-1]:
+                vs = F.pad(vs, (0, width - vs.shape[-1]))
         # 4-D [1, heads, tokens, dim]: SDPA's flash and memory-efficient kernels take nothing else and
         # would fall back to the math path, which materializes every score in fp32
         out[t0 : t0 + n] = F.scaled_dot_product_attention(
             *(x.transpose(0, 1).unsqueeze(0) for x in (qs, ks, vs)), scale=scale, enable_gqa=gqa, **causal
-        )[0].transpose(0, 1)
+        )[0, ..., : v.shape[-1]].transpose(0, 1)
         t0 += n
     return out

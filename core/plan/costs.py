@@ -147,7 +147,8 @@ def deepep_ll_us(hw: Profile, tokens: float, hidden: int, top_k: int, ep: int, f
 
 def ll_fixed_us(hw: Profile) -> tuple[float, float]:
     """(dispatch, combine) µs the low-latency kernels cost besides their NVLink bytes: measured on one rank, where
-    every pair stays local (`deepep_ll_kernel_us`, benchmarks/plan_dispatch.py), else one kernel each."""
+    every pair stays local, less a copy of those pairs' rows (`deepep_ll_kernel_us`, benchmarks/plan_dispatch.py),
+    else one kernel each."""
     measured = hw.values.get("deepep_ll_kernel_us")
     if measured:
         return float(measured[0]), float(measured[1])
