@@ -4,7 +4,8 @@ A graph of `--kernels` kernels is replayed; its time per node minus the kernels'
 profiler) is the gap between consecutive graph nodes. Two kinds of kernel: a tiny one (one block, ~1 µs), and a
 copy of `--copy-mib` MiB that fills every SM, as a model step's memory-bound kernels do. A full-grid kernel must
 drain before the next one's blocks start, and that drain and fill is part of the gap a real step pays (a graph of
-tiny kernels hides it), so the full-grid gap is the profile's `graph_gap_us`. The tiny kernels launched
+tiny kernels hides it), so --profile-out writes the full-grid gap as `graph_gap_us` (a candidate: a real step's
+kernels of different grids gap longer still, docs/plan.md). The tiny kernels launched
 eagerly from Python give the host's cost of one bare launch (a floor under the profile's `eager_host_us`, which
 is a whole model's eager launch with its module overhead). Median (min-max) of --runs.
 
@@ -112,9 +113,8 @@ def main() -> None:
     if args.device == "cuda":
         src = torch.zeros(int(args.copy_mib * 2**18), device=args.device)
         dst = torch.empty_like(src)
-        kinds = (("tiny kernel", lambda: x.add_(1)), (f"full-grid copy of {args.copy_mib:g} MiB", lambda: dst.copy_(src)))
-        for name, kernel in kinds:
-            gaps = graph_rows(lines, name, kernel, args)
+        graph_rows(lines, "tiny kernel", lambda: x.add_(1), args)
+        gaps = graph_rows(lines, f"full-grid copy of {args.copy_mib:g} MiB", lambda: dst.copy_(src), args)
     else:
         lines.append("| replayed graph | skipped: needs CUDA |")
     emit("\n".join(lines), args.out)

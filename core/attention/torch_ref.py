@@ -228,8 +228,8 @@ def ragged_attention(
 def flash_value_width(q: torch.Tensor, v: torch.Tensor) -> int:
     """The value width a causal prompt's SDPA call gets: the query's where they differ on a GPU (MLA's 192-wide
     keys against 128-wide values), because the flash kernel takes one width for all three, and without it SDPA
-    falls to the memory-efficient kernel, several times slower on a DeepSeek-V3 prompt; the zero columns added are cut from
-    the output. The values' own width elsewhere."""
+    falls to the memory-efficient kernel, ~1.9x slower on a DeepSeek-V3 prompt (docs/attention.md); the zero
+    columns added are cut from the output. The values' own width elsewhere."""
     fits = q.is_cuda and v.shape[-1] < q.shape[-1] <= 256
     return q.shape[-1] if fits else v.shape[-1]
 
