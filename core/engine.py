@@ -286,11 +286,15 @@ class Engine:
         if isinstance(self.in_flight, VerifyInFlight):  # launch the next verify step before reading this one
             previous = self.in_flight
             self.in_flight = self.overlap_verify.follow(previous, self.scheduler, self.grammar.tracks, self.hooks)
+            admitted = self._admit_ahead() if self.in_flight is None and self.scheduler.waiting else None
             if self.in_flight is not None:
                 self.balancing.after_forward()
             finished = self.overlap_verify.read(previous, self.in_flight, self._append, self._fail, self.sampler)
             if self.in_flight is not None:
                 return finished
+            if admitted is not None:
+                (self.in_flight,) = admitted
+                return finished + self._drain_dropped()
         if spec is not None and self.in_flight is not None and spec.wants_drafts(self.scheduler.running):
             finished, self.in_flight = self._complete(self.in_flight), None  # drafts need the token in flight
         if spec is not None:  # pages for drafts only where a draft could pay at this batch size (the policy says)
@@ -318,6 +322,17 @@ class Engine:
         if self.overlap_schedule:
             launched, self.in_flight = self.in_flight, launched
         return finished + self._complete(launched)
+
+    def _admit_ahead(self) -> tuple[InFlight | None] | None:
+        """Where a verify step in flight ends its run because requests wait: their prompt step, scheduled and
+        launched before that step is read, so the device runs it while the host reads (the prompt needs none of
+        the tokens in flight, as when the plain overlap schedule admits). The launched step in a 1-tuple (None in
+        it where no token is due: a prompt chunk); None where nothing is admitted."""
+        work = self.scheduler.admissions() if self.pd is None else []
+        if not work:
+            return None
+        batch = self._agree(self.runner.prepare(work, None))
+        return (self._launch(work, batch) if batch is not None else None,)
 
     def _speculative_step(self, work, drafts: list[list[int]]) -> list[Request]:
         batch = self.runner.prepare(work, drafts=drafts, decode_rows=self.speculation.decode_rows)

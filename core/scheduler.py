@@ -68,12 +68,20 @@ class Scheduler:
             return self._step(self.running, admit=True)
         # a prompt chunk never preempts: under memory pressure the decodes run (and preempt the newest
         # request), so a prompt recomputed after preemption cannot starve them
-        prefill = self._step([r for r in self.running if r.num_uncached > 1], admit=True, preempt=False)
+        prefill = self.admissions()
         if prefill:
             return prefill
         decode = self._step([r for r in self.running if r.num_uncached == 1], admit=False)
         # neither: a prompt that needs pages only preemption frees (or that can never fit)
         return decode or self._step(self.running, admit=True)
+
+    def admissions(self) -> list[ScheduledWork]:
+        """The prompt step schedule() would give where every running request decodes: waiting requests admitted
+        (and running ones mid-prompt), nothing else scheduled or reserved; none with mixed steps or nothing to
+        admit. A caller with a step in flight whose tokens are not read yet may launch it before reading them."""
+        if self.mixed:
+            return []
+        return self._step([r for r in self.running if r.num_uncached > 1], admit=True, preempt=False)
 
     def _step(self, candidates: list[Request], admit: bool, preempt: bool = True) -> list[ScheduledWork]:
         """Work for `candidates` (running requests, oldest first), then for admitted waiting requests."""

@@ -12,6 +12,7 @@ import torch
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
 from moeplex.sampling import SamplingParams
+from moeplex.speculation.overlap import VerifyInFlight
 
 from test_speculative import PROMPTS, conserved, script_distribution, scripted, settings  # noqa: F401 (a fixture)
 
@@ -374,3 +375,29 @@ def test_the_step_costs_are_measured_on_rows_of_distinct_tokens(tiny_model_dir):
     measure_step_costs(spec.runner, spec.kv, spec.config, False, False, spec._agree, spec.parallel.world).at(4)
     assert seen and all(len(set(ids)) == len(ids) for ids in seen)
     assert {len(ids) for ids in seen} == {4, 8, 12, 16}  # plain, then 1..4 rows per request (x1 is one a request)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+@pytest.mark.parametrize("chunk", [512, 16])
+def test_a_request_arriving_mid_run_is_prefilled_before_the_verify_step_in_flight_is_read(tiny_model_dir, plain, arch,
+                                                                                          chunk):
+    """Where a verify step's run ends because a request arrived, its prompt step (or first chunk of it) is launched
+    before the step in flight is read (the device runs it meanwhile, as the plain overlap schedule admits), and no
+    token changes. Prompt and decode steps apart, as on a GPU with graphs (a mixed step needs the tokens in flight)."""
+    spec = engine(tiny_model_dir(arch), overlap_schedule=True, mixed_chunk=False, chunked_prefill_size=chunk, **NGRAM)
+    order = []
+    admit, read = spec._admit_ahead, spec.overlap_verify.read
+    spec._admit_ahead = lambda: order.append("admit") or admit()
+    spec.overlap_verify.read = lambda *args: order.append("read") or read(*args)
+    ahead = []
+    launch = spec._launch
+    spec._launch = lambda work, batch: ahead.append(order[-1:] == ["admit"]) or launch(work, batch)
+    requests = [spec.add_request(p, GREEDY) for p in PROMPTS[:2]]
+    while not isinstance(spec.in_flight, VerifyInFlight):  # a run of verify steps under way
+        spec.step()
+    requests.append(spec.add_request(PROMPTS[2], GREEDY))
+    while spec.has_work:
+        spec.step()
+    assert outputs(requests) == plain[arch]
+    assert any(ahead), "no prompt step was launched ahead of a verify step's read"
+    assert conserved(spec)
