@@ -4,9 +4,10 @@
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-profile-dsv3|
 #                                     spec-serve|e2e|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
-#   bash benchmarks/gpu_system.sh OUT spec-dsv3 spec-profile-dsv3  # #32: nextn after session 6's fixes; where b8 loses
-#   bash benchmarks/gpu_system.sh OUT tests spec-steady        # #32: GPU tests; ngram / oracles / adversary, batches 1-64
-#   bash benchmarks/gpu_system.sh OUT spec-serve spec-mixed    # #32 served run; admissions inside decode steps
+#   bash benchmarks/gpu_system.sh OUT spec-serve spec-steady   # #32: served ngram (session 7: 0.61x at 16) after the
+#                                                              #      prompt step launched ahead of the verify read
+#   bash benchmarks/gpu_system.sh OUT tests spec-dsv3          # #32: GPU tests; nextn (where b8 loses)
+#   bash benchmarks/gpu_system.sh OUT spec-profile-dsv3 spec-mixed
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
 #   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M)
 #   bash benchmarks/plan_profile.sh OUT                        # #34: the inputs the shipped plan profile borrows
@@ -58,7 +59,7 @@ for part in "$@"; do
         --drafters nextn 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -8 ;;
     spec-serve)
       timeout $(lim 300) python3 benchmarks/spec_serving.py --arch qwen3_moe --preset 30b-a3b --layers 12 --load-format dummy \
-        --dtype bf16 --device cuda --runs 3 --out "$out/spec_serving_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
+        --dtype bf16 --device cuda --runs 3 --num-requests 128 --output-len 64 --out "$out/spec_serving_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
     moe-small-m)
       timeout $(lim 240) python3 benchmarks/moe_small_m.py --shapes deepseek-v3 --runs 5 --out "$out/moe_small_m_dsv3.md" \
         --write-configs "$out/configs" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
