@@ -47,6 +47,33 @@ def repetitive_workload(num_requests: int, phrase: int, repeats: int, output_len
     return [([256] + [rng.randrange(256) for _ in range(phrase)] * repeats, output_len) for _ in range(num_requests)]
 
 
+def step_counts(url: str) -> dict:
+    """The server's engine steps by kind ({kind: (steps, seconds)}) and overlap breaks by reason, since start-up."""
+    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    kinds = {kind: (v["steps"], v["seconds"]) for kind, v in info.get("engine_steps", {}).items()}
+    return {"kinds": kinds, "breaks": dict(info.get("overlap_breaks", {}))}
+
+
+def step_mix(before: dict, after: dict) -> dict:
+    kinds = {k: (n - before["kinds"].get(k, (0, 0.0))[0], t - before["kinds"].get(k, (0, 0.0))[1])
+             for k, (n, t) in after["kinds"].items()}
+    return {"kinds": kinds, "breaks": {r: n - before["breaks"].get(r, 0) for r, n in after["breaks"].items()}}
+
+
+MIX_KINDS = ("prompt", "decode", "verify_overlap", "verify", "none")
+
+
+def mix_row(run: int, concurrency: int, name: str, mix: dict) -> str:
+    """Steps of each kind in the level, with their mean host ms, and the overlap breaks."""
+    cells = []
+    for kind in MIX_KINDS:
+        n, t = mix["kinds"].get(kind, (0, 0.0))
+        cells.append(f"{n} ({1e3 * t / n:.2f})" if n else "0")
+    breaks = mix["breaks"]
+    return (f"| {run} | {concurrency} | {name} | " + " | ".join(cells) +
+            f" | {breaks.get('drafts_wanted', 0)} | {breaks.get('verify_run_ended', 0)} |")
+
+
 def accept_length(url: str) -> tuple[float, float]:
     """(sum, count) of the server's per-request accept length histogram (/metrics)."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
@@ -65,11 +92,12 @@ class Server:
 
     def level(self, args, work, concurrency: int) -> dict:
         flush(self.url)
-        before = accept_length(self.url)
+        before, steps_before = accept_length(self.url), step_counts(self.url)
         result = summarize(asyncio.run(run_level(self.url, work, concurrency, args.time_limit, args.grace, {}, self.pids)))
         after = accept_length(self.url)
         count = after[1] - before[1]
         result["accept_length"] = (after[0] - before[0]) / count if count else None
+        result["mix"] = step_mix(steps_before, step_counts(self.url))
         return result
 
     def stop(self) -> None:
@@ -160,6 +188,7 @@ def main() -> None:
         for server in servers.values():  # warm-up (and, on CPU, the adaptive policy's lazily measured sizes)
             server.level(args, warm, max(args.concurrency))
         results: dict[tuple[str, int], list[dict]] = {}
+        mixes = []
         for run in range(args.runs):
             for i, concurrency in enumerate(args.concurrency):
                 order = ["none", "ngram"] if (run + i) % 2 == 0 else ["ngram", "none"]
@@ -167,10 +196,15 @@ def main() -> None:
                     result = servers[name].level(args, work, concurrency)
                     results.setdefault((name, concurrency), []).append(result)
                     lines.append(row(run + 1, concurrency, name, result, args.num_requests))
+                    mixes.append(mix_row(run + 1, concurrency, name, result["mix"]))
                     print(lines[-1], flush=True)
     finally:
         for server in servers.values():
             server.stop()
+    lines += ["", "The engine's steps in each level by what they launched (/get_server_info `engine_steps`: count, mean "
+              "host ms a step), and the overlap schedule's breaks (a step in flight read before the next launched):", "",
+              "| run | concurrency | server | " + " | ".join(MIX_KINDS) + " | breaks: drafts wanted | breaks: verify run "
+              "ended |", "|---:|---:|---|" + "---:|" * (len(MIX_KINDS) + 2), *mixes]
     lines += ["", f"median (min-max) of {args.runs} runs; ngram / none taken within each run:", "",
               *summary(results, args.concurrency)]
     text = "\n".join(lines)

@@ -55,6 +55,7 @@ from .speculation.overlap import OverlapVerify, VerifyInFlight, eligible
 from .speculation.verify_graphs import verify_graphs
 from .speculation.step import SpeculativeDecoding, is_decoding
 from .step_agreement import Vote, agree
+from .step_log import StepLog, launch_kind
 from .selection import resolve
 from .tokenizer import Detokenizer, load_tokenizer, whole_text
 from .host_memory import keep_freed_host_memory
@@ -162,6 +163,7 @@ class Engine:
         # prefill/decode disaggregation: this rank's transfer backend and the pages it holds or expects
         self.pd = RankTransfers.create(self) if config.disaggregation_mode != "none" else None
         self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet
+        self.step_log = StepLog()  # steps by kind and overlap breaks (/metrics)
         self._read_early: list[Request] = []  # finished by a step in flight read before the next draw (grammar)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_ids = _eos_ids(config.model, self.model.hf_config)
@@ -279,6 +281,13 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one scheduled step; return the requests that finished (under the overlap schedule: whose
         tokens of the step before, read now, finished them)."""
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_log.timed(time.perf_counter() - start)
+
+    def _step(self) -> list[Request]:
         if self.pd is not None:
             self.pd.before_step()
         spec = self.speculation
@@ -289,6 +298,9 @@ class Engine:
             admitted = self._admit_ahead() if self.in_flight is None and self.scheduler.waiting else None
             if self.in_flight is not None:
                 self.balancing.after_forward()
+                self.step_log.launched("verify_overlap")
+            elif admitted is None:
+                self.step_log.broke("verify_run_ended")
             finished = self.overlap_verify.read(previous, self.in_flight, self._append, self._fail, self.sampler)
             if self.in_flight is not None:
                 return finished
@@ -297,6 +309,7 @@ class Engine:
                 return finished + self._drain_dropped()
         if spec is not None and self.in_flight is not None and spec.wants_drafts(self.scheduler.running):
             finished, self.in_flight = self._complete(self.in_flight), None  # drafts need the token in flight
+            self.step_log.broke("drafts_wanted")
         if spec is not None:  # pages for drafts only where a draft could pay at this batch size (the policy says)
             self.scheduler.lookahead = spec.lookahead if spec.policy.may_draft(max(len(self.scheduler.running), 1)) else 0
         work = self.scheduler.schedule()
@@ -342,6 +355,7 @@ class Engine:
         if batch is None:
             return []
         self.hooks.hook.moeplex_batch_scheduled(batch=batch)
+        self.step_log.launched("verify")
         finished = self.speculation.run(
             work, batch, drafts, self.runner.verify_forward, self.scheduler, self._append, self._fail, self.sampler,
             mask=self.grammar.mask_drafts,
@@ -366,6 +380,7 @@ class Engine:
         self.in_flight = self.overlap_verify.start(decoding, self.grammar.tracks, self.hooks)
         if self.in_flight is not None:
             self.balancing.after_forward()
+            self.step_log.launched("verify_overlap")
         return self.in_flight is not None
 
     def _fail(self, request: Request) -> None:
@@ -375,6 +390,7 @@ class Engine:
     def _launch(self, work, batch: ForwardBatch) -> InFlight | None:
         """Run the batch and sample on the device; the requests due a token hold a place for it."""
         self.hooks.hook.moeplex_batch_scheduled(batch=batch)
+        self.step_log.launched(launch_kind(work))
         prompt_rows = prompt_logprobs.due_rows(work)
         extra_rows = [row for _, row, _ in prompt_rows]
         observed = None

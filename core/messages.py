@@ -184,6 +184,8 @@ class GroupStats:
     spec_drafting: int = 0
     grammar_mask_waits: int = 0  # since start-up: steps that waited for a constraint's compile or matcher
     grammar_mask_wait_seconds: float = 0.0  # the time they waited
+    engine_steps: tuple[tuple[str, int, float], ...] = ()  # since start-up: (kind, steps, seconds) (step_log.py)
+    overlap_breaks: tuple[tuple[str, int], ...] = ()  # since start-up: (reason, count) (step_log.py)
 
 
 @pickled_as_fields
@@ -243,6 +245,23 @@ class LoopStats:
     def grammar_total(self, counter: str) -> float:
         """A grammar counter summed over the DP groups: mask_waits or mask_wait_seconds."""
         return sum(getattr(g, f"grammar_{counter}") for g in self.groups)
+
+    def step_totals(self) -> dict[str, tuple[int, float]]:
+        """Per step kind (step_log.py), its steps and seconds summed over the DP groups."""
+        totals: dict[str, tuple[int, float]] = {}
+        for group in self.groups:
+            for kind, steps, seconds in group.engine_steps:
+                before = totals.get(kind, (0, 0.0))
+                totals[kind] = (before[0] + steps, before[1] + seconds)
+        return totals
+
+    def break_totals(self) -> dict[str, int]:
+        """Per reason (step_log.py), the times the overlap schedule was broken, summed over the DP groups."""
+        totals: dict[str, int] = {}
+        for group in self.groups:
+            for reason, count in group.overlap_breaks:
+                totals[reason] = totals.get(reason, 0) + count
+        return totals
 
     @property
     def page_size(self) -> int:

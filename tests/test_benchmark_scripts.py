@@ -159,8 +159,11 @@ def test_spec_serving_against_the_same_server_without_speculation(tmp_path):
     """Both servers serve every request its tokens (or the script fails); the summary has the ratio per level."""
     out = run("spec_serving.py", tmp_path / "serve.md", "--concurrency", "2", "--num-requests", "4", "--output-len", "8",
               "--runs", "1", "--threads", "1", "--max-total-tokens", "4096", "--max-running-requests", "4", timeout=300)
-    rows = table_rows(out, "1")
+    rows = [row for row in table_rows(out, "1") if len(row) == 12]
     assert sorted(row[2] for row in rows) == ["ngram", "none"] and all(row[3] == "4/4" for row in rows), out
+    # the step mix: every level ran a prompt step and decoded (the ngram server verified or stepped plainly)
+    mixes = [row for row in table_rows(out, "1") if len(row) == 10]
+    assert sorted(row[2] for row in mixes) == ["ngram", "none"] and all(row[3] != "0" for row in mixes), out
     summary = table_rows(out, "2")
     assert len(summary) == 1 and float(summary[0][3].split()[0]) > 0, out
 

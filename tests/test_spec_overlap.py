@@ -401,3 +401,32 @@ def test_a_request_arriving_mid_run_is_prefilled_before_the_verify_step_in_fligh
     assert outputs(requests) == plain[arch]
     assert any(ahead), "no prompt step was launched ahead of a verify step's read"
     assert conserved(spec)
+
+
+def test_the_step_log_counts_every_step_by_what_it_launched(tiny_model_dir, plain):
+    """Engine.step_log (/metrics): every step counted once, by what it launched; the overlapped verify steps are
+    the policy's verify steps; every read of a verify step in flight that launched nothing before it is a break
+    (an admission launched ahead is not), and every plain step read because drafts were wanted is one too."""
+    spec = engine(tiny_model_dir("qwen3_moe"), overlap_schedule=True, mixed_chunk=False, **NGRAM)
+    log = spec.step_log
+    ran, reads, wanted = 0, [], []
+    read, complete = spec.overlap_verify.read, spec._complete
+    spec.overlap_verify.read = lambda previous, following, *args: reads.append(
+        following is None and log.kind == "none") or read(previous, following, *args)
+    requests = [spec.add_request(p, GREEDY) for p in PROMPTS[:2]]
+    while not isinstance(spec.in_flight, VerifyInFlight):
+        spec.step()
+        ran += 1
+    requests.append(spec.add_request(PROMPTS[2], GREEDY))  # arrives mid-run: its prompt goes ahead of the read
+    while spec.has_work:
+        spec.step()
+        ran += 1
+    assert outputs(requests) == plain["qwen3_moe"][:3]
+    assert sum(log.steps.values()) == ran and all(s >= 0 for s in log.seconds.values())
+    counts = spec.speculation.counts  # (a verify step whose drafts did not come counts as a plain one there)
+    assert log.steps["verify_overlap"] >= counts.verify_steps > 0
+    # (and a decode step whose requests' tokens are all in flight is not counted there)
+    assert counts.verify_steps + counts.plain_steps <= log.steps["verify_overlap"] + log.steps["decode"]
+    assert log.steps["prompt"] >= 2 and log.steps["verify"] == log.steps["mixed"] == 0
+    assert log.breaks["verify_run_ended"] == sum(reads)
+    assert sum(log.seconds.values()) > 0

@@ -35,6 +35,12 @@ def test_generate_meta_and_prometheus_report_acceptance(tiny_model_dir):
     assert verify_steps <= drafts <= 2 * verify_steps
     gained = round(meta["spec_accept_length"] * meta["spec_verify_ct"])  # tokens the verify steps gave
     assert gained + metric(text, "moeplex_spec_plain_steps_total") == 19  # 20 tokens: the first from the prompt
+    # the engine's steps by what they launched (no overlap schedule on a CPU: verify steps are synchronous)
+    assert metric(text, 'moeplex_engine_steps_total{kind="verify"}') == verify_steps
+    assert metric(text, 'moeplex_engine_steps_total{kind="prompt"}') == 1
+    assert metric(text, 'moeplex_engine_steps_total{kind="decode"}') == metric(text, "moeplex_spec_plain_steps_total")
+    assert metric(text, 'moeplex_engine_step_seconds_total{kind="verify"}') > 0
+    assert metric(text, 'moeplex_engine_overlap_breaks_total{reason="drafts_wanted"}') == 0
 
 
 def metric(text: str, name: str) -> float:

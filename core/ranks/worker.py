@@ -36,7 +36,8 @@ def group_stats(engine: Engine) -> GroupStats:
         spec_verify_steps=spec.counts.verify_steps, spec_plain_steps=spec.counts.plain_steps,
         spec_drafts=spec.counts.drafts, spec_drafting=spec.counts.drafting,
     )
-    extra.update(grammar_mask_waits=engine.grammar.mask_waits, grammar_mask_wait_seconds=engine.grammar.mask_wait_seconds)
+    extra.update(grammar_mask_waits=engine.grammar.mask_waits, grammar_mask_wait_seconds=engine.grammar.mask_wait_seconds,
+                 engine_steps=engine.step_log.totals(), overlap_breaks=engine.step_log.break_totals())
     if cache is None:
         return GroupStats(*counts, **extra)
     return GroupStats(*counts, cache.num_pages, cache.queried_tokens, cache.hit_tokens, cache.evicted_pages,

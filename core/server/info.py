@@ -126,6 +126,9 @@ class InfoRoutes:
                 "num_queued_requests": stats.num_queued,
                 "steps": stats.steps,
                 "failed_steps": stats.failed_steps,
+                # since start-up: engine steps by what they launched, and the overlap schedule's breaks (step_log.py)
+                "engine_steps": {kind: {"steps": n, "seconds": t} for kind, (n, t) in stats.step_totals().items()},
+                "overlap_breaks": stats.break_totals(),
                 "parallel": self._parallel(),
                 "disaggregation": self._disaggregation(),
             }

@@ -81,6 +81,7 @@ class ServerMetrics:
         self.registry.register(SummedCounters(stats, "cache_total", PREFIX_CACHE_COUNTERS))
         self.registry.register(SummedCounters(stats, "spec_total", SPECULATION_COUNTERS))
         self.registry.register(SummedCounters(stats, "grammar_total", GRAMMAR_COUNTERS))
+        self.registry.register(StepCounters(stats))
 
     def watch_transfers(self, transfers: Callable[[], object]) -> None:
         """Disaggregation: the leader's TransferStats (None on a co-located server) at scrape time."""
@@ -122,6 +123,27 @@ class SummedCounters:
             family = CounterMetricFamily(name, documentation)
             family.add_metric([], total(counter))
             yield family
+
+
+class StepCounters:
+    """The engine's steps by kind and the overlap schedule's breaks by reason (step_log.py), read at scrape time."""
+
+    def __init__(self, stats: Callable[[], object]):
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats()
+        steps = CounterMetricFamily("moeplex_engine_steps", "Engine steps by what they launched", labels=["kind"])
+        seconds = CounterMetricFamily("moeplex_engine_step_seconds",
+                                      "Host seconds of the engine steps, by what they launched", labels=["kind"])
+        for kind, (count, total) in stats.step_totals().items():
+            steps.add_metric([kind], count)
+            seconds.add_metric([kind], total)
+        breaks = CounterMetricFamily("moeplex_engine_overlap_breaks",
+                                     "Steps in flight read before the next step was launched, by reason", labels=["reason"])
+        for reason, count in stats.break_totals().items():
+            breaks.add_metric([reason], count)
+        yield from (steps, seconds, breaks)
 
 
 PREFIX_CACHE_COUNTERS = (

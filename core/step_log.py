@@ -1,0 +1,60 @@
+"""The engine's steps by kind since start-up, for /metrics and /get_server_info: how many of each kind ran, the host
+seconds `Engine.step` took for them, and how often the overlap schedule was broken (a step in flight read before
+the next one was launched), by reason.
+
+Kinds (what a step launched):
+  prompt          prompt tokens only (prefills and prompt chunks)
+  decode          decode rows only
+  mixed           both in one step
+  verify          a speculative verify step on the synchronous path (drafts from the host, tokens read in the step)
+  verify_overlap  a verify step under the overlap schedule (speculation/overlap.py)
+  none            nothing launched (a step that only read the step in flight, or found no work)
+
+Under the overlap schedule `step()` waits for the step launched before it, so the seconds a kind gets are the
+wall time of the steps that launched it: with the host hidden they are about the device's time of the step
+before. The breaks say where the host and the device ran one after the other instead:
+  drafts_wanted     a plain step was in flight when the draft policy wanted drafts (the drafts need its tokens)
+  verify_run_ended  a verify step was in flight when the next could not follow it (an admission, a preemption,
+                    or the policy drafting for no request), and nothing was launched before it was read
+"""
+
+from __future__ import annotations
+
+import attrs
+
+KINDS = ("prompt", "decode", "mixed", "verify", "verify_overlap", "none")
+BREAKS = ("drafts_wanted", "verify_run_ended")
+
+
+@attrs.define
+class StepLog:
+    steps: dict[str, int] = attrs.Factory(lambda: dict.fromkeys(KINDS, 0))
+    seconds: dict[str, float] = attrs.Factory(lambda: dict.fromkeys(KINDS, 0.0))
+    breaks: dict[str, int] = attrs.Factory(lambda: dict.fromkeys(BREAKS, 0))
+    kind: str = "none"  # what the step under way launched (the last launch wins: a step launches at most one)
+
+    def launched(self, kind: str) -> None:
+        self.kind = kind
+
+    def broke(self, reason: str) -> None:
+        self.breaks[reason] += 1
+
+    def timed(self, seconds: float) -> None:
+        """The step under way ended after `seconds`: counted for what it launched."""
+        self.steps[self.kind] += 1
+        self.seconds[self.kind] += seconds
+        self.kind = "none"
+
+    def totals(self) -> tuple[tuple[str, int, float], ...]:
+        """(kind, steps, seconds) per kind, for GroupStats."""
+        return tuple((kind, self.steps[kind], self.seconds[kind]) for kind in KINDS)
+
+    def break_totals(self) -> tuple[tuple[str, int], ...]:
+        return tuple((reason, self.breaks[reason]) for reason in BREAKS)
+
+
+def launch_kind(work) -> str:
+    """The kind of a plain step of this scheduled work (before it runs): a row is a prompt row where it computes
+    several tokens or a request's prompt is not all cached yet."""
+    prompts = sum(1 for item in work if item.num_tokens > 1 or item.request.num_cached < len(item.request.prompt_ids))
+    return "decode" if prompts == 0 else "prompt" if prompts == len(work) else "mixed"
