@@ -1,12 +1,15 @@
 """Where the host spends its time in steady decode, and which calls make it wait for the GPU.
 
     python benchmarks/host_profile.py [--batch 1 64] [--steps 30] [--out FILE]
+    python benchmarks/host_profile.py --batch 16 --admit-every 4 --prompt-len 97     # prompts arriving meanwhile
 
 A Qwen3-30B-A3B-shaped model cut to a few layers (random weights on the device) decodes with
 CUDA graphs and the overlap schedule. Under torch.cuda.set_sync_debug_mode("warn") every call that
 makes the host wait for the GPU is reported with the line that made it: in steady decode there
 should be none but the read of the previous step's tokens (an event wait, which the mode does not
-flag). cProfile then lists the host functions of the same steps by their cumulative time.
+flag). cProfile then lists the host functions of the same steps by their cumulative time. With --admit-every K
+a request of --prompt-len tokens arrives every K steps (as in serving, where prompt steps come between decode
+steps), and the engine's steps are listed by kind with their mean host time (Engine.step_log).
 """
 
 from __future__ import annotations
@@ -42,7 +45,36 @@ def start(engine: Engine, batch: int, steps: int) -> None:
     torch.cuda.synchronize()
 
 
-def syncs(engine: Engine, steps: int) -> list[str]:
+class Arrivals:
+    """engine.step, with a request of `length` prompt tokens added every `every` steps (never, with every 0)."""
+
+    def __init__(self, engine: Engine, every: int, length: int):
+        self.engine, self.every, self.length, self.count = engine, every, length, 0
+        self.rng = random.Random(1)
+        self.params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+
+    def step(self) -> None:
+        if self.every and self.count % self.every == 0:
+            self.engine.add_request([self.rng.randrange(256) for _ in range(self.length)], self.params)
+        self.count += 1
+        self.engine.step()
+
+
+def step_kinds(engine: Engine, step, steps: int) -> list[str]:
+    """The engine's steps over `steps` steps by what they launched: count and mean host ms (Engine.step_log)."""
+    before = {k: (n, t) for k, n, t in engine.step_log.totals()}
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    lines = ["| kind | steps | mean host ms |", "|---|---:|---:|"]
+    for kind, n, t in engine.step_log.totals():
+        n, t = n - before[kind][0], t - before[kind][1]
+        if n:
+            lines.append(f"| {kind} | {n} | {1e3 * t / n:.3f} |")
+    return lines
+
+
+def syncs(engine: Engine, steps: int, step=None) -> list[str]:
     """The source lines (moeplex's own frame nearest the call) of every synchronizing call in `steps` steps."""
     seen: dict[str, int] = {}
 
@@ -57,19 +89,19 @@ def syncs(engine: Engine, steps: int) -> list[str]:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             for _ in range(steps):
-                engine.step()
+                (step or engine.step)()
     finally:
         torch.cuda.set_sync_debug_mode("default")
         warnings.showwarning = old
     return [f"- {count}x {where}" for where, count in sorted(seen.items(), key=lambda kv: -kv[1])]
 
 
-def host_profile(engine: Engine, steps: int) -> str:
+def host_profile(engine: Engine, steps: int, step=None) -> str:
     profiler = cProfile.Profile()
     began = time.perf_counter()
     profiler.enable()
     for _ in range(steps):
-        engine.step()
+        (step or engine.step)()
     profiler.disable()
     elapsed = (time.perf_counter() - began) / steps * 1e3
     text = io.StringIO()
@@ -82,20 +114,28 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--admit-every", type=int, default=0, help="a new request every K steps (default: none)")
+    parser.add_argument("--prompt-len", type=int, default=97, help="prompt tokens of each new request")
     parser.add_argument("--out")
     args = parser.parse_args()
     folder = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True,
                               overrides={"num_hidden_layers": args.layers})
     config = EngineConfig(model=folder, device="cuda", dtype="bf16", moe_kernel="triton", load_format="dummy",
-                          show_progress=False, max_running_requests=max(args.batch), max_total_tokens=65536)
+                          show_progress=False, max_running_requests=max(args.batch) + 3 * args.steps,
+                          max_total_tokens=65536)
     engine = Engine(config)
-    lines = [f"## Host time in steady decode ({args.layers}-layer Qwen3-30B-A3B shapes, CUDA graphs, overlap schedule)", ""]
+    arriving = (f", a {args.prompt_len}-token request arriving every {args.admit_every} steps" if args.admit_every
+                else "")
+    lines = [f"## Host time in steady decode ({args.layers}-layer Qwen3-30B-A3B shapes, CUDA graphs, overlap "
+             f"schedule{arriving})", ""]
     for batch in args.batch:
-        start(engine, batch, 2 * args.steps)
-        found = syncs(engine, args.steps)
+        start(engine, batch, 4 * args.steps)
+        step = Arrivals(engine, args.admit_every, args.prompt_len).step
+        found = syncs(engine, args.steps, step)
         lines += [f"### batch {batch}", "", f"Synchronizing calls in {args.steps} steps:", ""]
         lines += found or ["- none"]
-        lines += ["", host_profile(engine, args.steps), ""]
+        lines += ["", "Steps by kind:", "", *step_kinds(engine, step, args.steps)]
+        lines += ["", host_profile(engine, args.steps, step), ""]
         while engine.has_work:
             engine.step()
     emit("\n".join(lines), args.out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 
 import attrs
 import torch
@@ -68,6 +69,12 @@ class ForwardBatch:
     @property
     def seq_lens_cpu(self) -> tuple[int, ...]:
         return tuple(p + e for p, e in zip(self.prefix_lens, self.extend_lens))
+
+    @property
+    def kv_indptr_cpu(self) -> list[int]:
+        """kv_indptr's values from the host's lengths (reading the tensor on a GPU waits for the device). Not for
+        a batch whose lengths are bounds (speculation/overlap.shift_rows: a decode batch moved on the device)."""
+        return list(itertools.accumulate(self.seq_lens_cpu, initial=0))
 
     @property
     def last_token_index(self) -> torch.Tensor:

@@ -240,7 +240,7 @@ def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBat
     gqa = q.shape[1] != k.shape[1]
     width = flash_value_width(q, v)
     t0 = 0
-    indptr = batch.kv_indptr.tolist()
+    indptr = batch.kv_indptr_cpu  # (reading kv_indptr itself on a GPU would wait for the device, in every layer)
     for i, (prefix, n) in enumerate(zip(batch.prefix_lens, batch.extend_lens)):
         ks, vs = k[indptr[i] : indptr[i + 1]], v[indptr[i] : indptr[i + 1]]
         qs = q[t0 : t0 + n]
