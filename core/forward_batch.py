@@ -8,6 +8,8 @@ import itertools
 import attrs
 import torch
 
+from .transfer import to_device
+
 TOKEN = "token"  # field indexed by token: sliced by token ranges when a batch is split
 REQUEST = "request"  # field indexed by request: sliced by request ranges
 RAGGED = "ragged"  # flat per-request runs delimited by the `indptr` field named in the metadata
@@ -80,7 +82,7 @@ class ForwardBatch:
     def last_token_index(self) -> torch.Tensor:
         """[B] index in T of each request's last new token (where its logits come from)."""
         ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
-        return ends.to(self.input_ids.device)
+        return to_device(self.input_ids.device, ends)[0]  # (a pageable copy would wait for the step in flight)
 
     @classmethod
     def idle(cls, device: torch.device | str = "cpu") -> "ForwardBatch":
@@ -120,10 +122,10 @@ class ForwardBatch:
             seq_lens = self.seq_lens[first:last]
             table = None if self.page_table is None else self.page_table[first:last]
         else:
-            seq_lens = torch.tensor(seq, dtype=torch.int64, device=device)
+            seq_lens = to_device(device, torch.tensor(seq, dtype=torch.int64))[0]
             table = self.page_table
             if table is not None:
-                table = table[torch.tensor(kept, dtype=torch.int64, device=table.device)]
+                table = table[to_device(table.device, torch.tensor(kept, dtype=torch.int64))[0]]
         if self.kv_indices.numel() == 0:  # a captured step's batch: attention reads the page table
             kv_indices, kv_indptr = self.kv_indices, torch.zeros(len(kept) + 1, dtype=torch.int64, device=device)
         else:

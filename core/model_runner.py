@@ -13,6 +13,7 @@ from .forward_batch import ForwardBatch
 from .in_flight import InFlight, fill_placeholders
 from .kv_cache import KVPool
 from .scheduler import ScheduledWork
+from .transfer import to_device
 
 
 class ModelRunner:
@@ -64,7 +65,7 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch, extra_rows: Sequence[int], with_hidden: bool):
         rows, extra = batch.last_token_index, None
         if extra_rows:
-            rows = torch.cat([rows, torch.tensor(list(extra_rows), device=rows.device)])
+            rows = torch.cat([rows, to_device(rows.device, torch.tensor(list(extra_rows), dtype=torch.int64))[0]])
         logits, hidden = self._run(batch, rows, with_hidden, may_replay=not extra_rows)
         if extra_rows:
             logits, extra = logits[: len(batch.last_token_index)], logits[len(batch.last_token_index) :]

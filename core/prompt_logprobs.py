@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from .request import Request
+from .transfer import to_device
 
 
 def due_rows(work: Sequence) -> list[tuple[Request, int, int]]:
@@ -35,7 +36,7 @@ def due_rows(work: Sequence) -> list[tuple[Request, int, int]]:
 def record(due: Sequence[tuple[Request, int, int]], logits: torch.Tensor) -> None:
     """Each due row's prompt logprob into its request: logits [len(due), vocab] (fp32)."""
     logprobs = torch.log_softmax(logits, dim=-1)
-    targets = torch.tensor([r.prompt_ids[q + 1] for r, _, q in due], device=logits.device)
+    targets = to_device(logits.device, torch.tensor([r.prompt_ids[q + 1] for r, _, q in due], dtype=torch.int64))[0]
     chosen_t = logprobs.gather(-1, targets[:, None])
     ranks = ((logprobs > chosen_t).sum(-1) + 1).tolist()  # 1 + tokens the model found likelier (vLLM's rank)
     chosen = chosen_t[:, 0].tolist()
