@@ -51,7 +51,7 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .speculation.policy import AdaptivePolicy, FixedPolicy
 from .speculation.setup import check_drafter, drafter_context, measure_step_costs
-from .speculation.overlap import OverlapVerify, VerifyInFlight, eligible
+from .speculation.overlap import OverlapVerify, VerifyInFlight, eligible, host_decodes
 from .speculation.verify_graphs import verify_graphs
 from .speculation.step import SpeculativeDecoding, is_decoding
 from .step_agreement import Vote, agree
@@ -308,7 +308,11 @@ class Engine:
                 (self.in_flight,) = admitted
                 return finished + self._drain_dropped()
         if spec is not None and self.in_flight is not None and spec.wants_drafts(self.scheduler.running):
-            finished, self.in_flight = self._complete(self.in_flight), None  # drafts need the token in flight
+            ahead = self._verify_ahead()
+            finished = self._complete(self.in_flight)  # drafts need the tokens in flight
+            self.in_flight = ahead
+            if ahead is not None:
+                return finished + self._drain_dropped()
             self.step_log.broke("drafts_wanted")
         if spec is not None:  # pages for drafts only where a draft could pay at this batch size (the policy says)
             self.scheduler.lookahead = spec.lookahead if spec.policy.may_draft(max(len(self.scheduler.running), 1)) else 0
@@ -346,6 +350,23 @@ class Engine:
             return None
         batch = self._agree(self.runner.prepare(work, None))
         return (self._launch(work, batch) if batch is not None else None,)
+
+    def _verify_ahead(self) -> VerifyInFlight | None:
+        """Where the plain step in flight samples only for some running requests (a prompt step launched ahead of a
+        verify step's read) and every other one decodes with its token on the host: their verify step, launched
+        before the step in flight is read, so the device runs it while the host reads (the requests of the step in
+        flight join the next verify step: OverlapVerify.follow). None where that does not apply or the policy
+        drafts for none of them."""
+        pending = {id(r) for r in self.in_flight.requests}
+        ready = [r for r in self.scheduler.running if id(r) not in pending]
+        if self.overlap_verify is None or self.pd is not None or self.scheduler.waiting or not ready or \
+                not all(host_decodes(r) for r in ready):
+            return None
+        launched = self.overlap_verify.start(ready, self.grammar.tracks, self.hooks)
+        if launched is not None:
+            self.balancing.after_forward()
+            self.step_log.launched("verify_overlap")
+        return launched
 
     def _speculative_step(self, work, drafts: list[list[int]]) -> list[Request]:
         batch = self.runner.prepare(work, drafts=drafts, decode_rows=self.speculation.decode_rows)

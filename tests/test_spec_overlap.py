@@ -430,3 +430,32 @@ def test_the_step_log_counts_every_step_by_what_it_launched(tiny_model_dir, plai
     assert log.steps["prompt"] >= 2 and log.steps["verify"] == log.steps["mixed"] == 0
     assert log.breaks["verify_run_ended"] == sum(reads)
     assert sum(log.seconds.values()) > 0
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_requests_arriving_mid_run_join_it_without_a_break(tiny_model_dir, plain, arch):
+    """A request arriving during a run of verify steps: its prompt step goes ahead of the verify read, the other
+    requests' verify step goes ahead of the prompt's read, and the newcomer joins the step after that (its last
+    token from the host, the others' from the device): the overlap schedule is never broken for it, and no token
+    changes (greedy equals plain decoding)."""
+    spec = engine(tiny_model_dir(arch), overlap_schedule=True, mixed_chunk=False, **NGRAM)
+    joined, launch = [], spec.overlap_verify.launch
+
+    def counted(requests, counts, previous, hooks=None):
+        if previous is not None:
+            index = {id(r) for r in previous.requests}
+            joined.append(sum(id(r) not in index for r in requests))
+        return launch(requests, counts, previous, hooks)
+
+    spec.overlap_verify.launch = counted
+    requests = [spec.add_request(p, GREEDY) for p in PROMPTS[:2]]
+    while not isinstance(spec.in_flight, VerifyInFlight):
+        spec.step()
+    breaks = dict(spec.step_log.breaks)
+    requests.append(spec.add_request(PROMPTS[2], GREEDY))
+    while spec.has_work:
+        spec.step()
+    assert outputs(requests) == plain[arch][:3]
+    assert any(joined), "the newcomer never joined a verify step that followed one in flight"
+    assert spec.step_log.breaks["drafts_wanted"] == breaks["drafts_wanted"]  # none for the arrival
+    assert conserved(spec)

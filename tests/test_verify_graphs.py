@@ -20,6 +20,7 @@ from moeplex.engine import Engine
 from moeplex.interfaces import DeviceTokens, DraftRequest
 from moeplex.plugins.drafters.ngram import NgramDrafter
 from moeplex.sampling import SamplingParams
+from moeplex.speculation.overlap import VerifyInFlight
 from moeplex.speculation.verify_graphs import VerifyGraphs, verify_graphs
 
 from test_spec_overlap import ECHO_PROMPTS, echo  # noqa: F401 (a fixture)
@@ -203,4 +204,29 @@ def test_on_gpu_graphed_verify_steps_change_no_token(tiny_model_dir):
         spec.overlap_verify.graphs.post[shape] = lambda shape=shape, replay=replay: replayed.append(shape) or replay()
     got = spec.generate(ECHO_PROMPTS, GREEDY)
     assert [r.output_ids for r in got] == want and replayed
+    assert conserved(spec)
+
+
+@interpreted
+def test_a_request_joining_a_replayed_run_takes_its_token_from_the_host(echo, plain):
+    """A request admitted during a run of replayed verify steps joins the run: its row's last token is staged from
+    the host while the others' come from the accepted state, and no token changes."""
+    spec = engine(echo, overlap_schedule=True, speculative_algorithm="ngram", speculative_num_steps=3)
+    install_graphs(spec)
+    graphs, mixed = spec.overlap_verify.graphs, []
+    launch = graphs.launch
+
+    def staged(shape, requests, counts, previous_rows, *args, **kwargs):
+        mixed.append(min(previous_rows) < 0 <= max(previous_rows))
+        return launch(shape, requests, counts, previous_rows, *args, **kwargs)
+
+    graphs.launch = staged
+    requests = [spec.add_request(p, GREEDY) for p in ECHO_PROMPTS[:2]]
+    while not isinstance(spec.in_flight, VerifyInFlight):
+        spec.step()
+    requests.append(spec.add_request(ECHO_PROMPTS[2], GREEDY))
+    while spec.has_work:
+        spec.step()
+    assert [r.output_ids for r in requests] == plain
+    assert any(mixed), "no replayed step had both carried and joined rows"
     assert conserved(spec)

@@ -58,6 +58,11 @@ def eligible(requests: Sequence[Request], tracks_grammar: Callable[[str], bool])
         and (r.params.greedy or r.params.seed is None) for r in requests)
 
 
+def host_decodes(request: Request) -> bool:
+    """Whether the request decodes next with its last token on the host (no step in flight samples for it)."""
+    return bool(request.output_ids) and not request.pending_rows and request.num_uncached == 1 and not request.finished
+
+
 def shift_rows(batch, offsets: torch.Tensor, bound: int, ragged: bool):
     """A decode batch built at known positions, every row moved on by offsets[row] <= bound (on the device): its
     positions, sequence lengths and KV slots (from its page table), its host lengths by `bound` (an upper bound,
@@ -98,13 +103,17 @@ class OverlapVerify:
         return self.launch(requests, counts, None, hooks)
 
     def follow(self, previous: VerifyInFlight, scheduler, tracks_grammar, hooks=None) -> VerifyInFlight | None:
-        """The next verify step of the same requests, launched before `previous` is read; None where the scheduler
-        must act first (an admission, a request it does not run, pages that only preemption would free) or where
-        the policy drafts for none of them (the engine's plain steps then)."""
-        requests = [r for r in previous.requests if not r.finished]
+        """The next verify step of the same requests, launched before `previous` is read, with the running requests
+        that joined since (their last token read: a prompt step's, launched ahead of `previous`); None where the
+        scheduler must act first (an admission, a request it runs that cannot decode yet, pages that only preemption
+        would free) or where the policy drafts for none of them (the engine's plain steps then)."""
+        carried = [r for r in previous.requests if not r.finished]
         running = scheduler.running
-        if scheduler.waiting or len(requests) != len(running) or not eligible(requests, tracks_grammar) or \
-                {id(r) for r in requests} != {id(r) for r in running}:
+        ids = {id(r) for r in carried}
+        joined = [r for r in running if id(r) not in ids]
+        requests = carried + joined
+        if scheduler.waiting or len(requests) != len(running) or not all(host_decodes(r) for r in joined) or \
+                not eligible(requests, tracks_grammar):
             return None
         spec = self.spec
         if not spec.policy.may_draft(len(requests)):
@@ -169,15 +178,17 @@ class OverlapVerify:
             shape = self.graphs.shape_for(requests, width, runtime is not None and runtime.records_load)
         if shape is not None:
             return self._launch_graphed(shape, requests, counts, previous, drafter_requests, hooks)
-        if previous is not None:
-            index = {id(r): i for i, r in enumerate(previous.requests)}
-            rows = to_device(self.device, torch.tensor([index[id(r)] for r in requests], dtype=torch.int64))[0]
-            tokens, emitted = previous.accepted.tokens[rows], previous.accepted.emitted[rows]
+        host_last = torch.tensor([r.token_ids(r.num_cached, 1)[0] if row < 0 else 0
+                                  for r, row in zip(requests, _previous_rows(previous, requests))], dtype=torch.int64)
+        if previous is not None:  # rows of requests that joined since `previous` (-1) take their token from the host
+            rows, host_last = to_device(self.device, torch.tensor(_previous_rows(previous, requests)), host_last)
+            had, at = rows >= 0, rows.clamp_min(0)
+            tokens, emitted = previous.accepted.tokens[at], torch.where(had, previous.accepted.emitted[at], 0)
             drafts = self.spec.drafter.propose_on_device(drafter_requests, DeviceTokens(tokens, emitted))
-            last, offsets = previous.accepted.last[rows].clamp_min(0), emitted  # a FAILED row's request ends when read
+            # a FAILED row's request ends when read
+            last, offsets = torch.where(had, previous.accepted.last[at].clamp_min(0), host_last), emitted
         else:
             drafts = self.spec.drafter.propose_on_device(drafter_requests)
-            host_last = torch.tensor([r.token_ids(r.num_cached, 1)[0] for r in requests], dtype=torch.int64)
             last = to_device(self.device, host_last)[0]
             offsets = None
         chosen = to_device(self.device, torch.tensor(list(counts), dtype=torch.int64))[0]
@@ -210,14 +221,17 @@ class OverlapVerify:
     def _launch_graphed(self, shape, requests, counts, previous: VerifyInFlight | None, drafter_requests,
                         hooks) -> VerifyInFlight:
         """launch, replayed from VerifyGraphs (the same rows reach the host)."""
-        rows = None
-        if previous is not None:
-            if not previous.graphed:  # its accepted tokens are not where the graphs read them yet
-                self.graphs.carry(previous.accepted)
-            index = {id(r): i for i, r in enumerate(previous.requests)}
-            rows = [index[id(r)] for r in requests]
+        if previous is not None and not previous.graphed:  # its accepted tokens are not where the graphs read them yet
+            self.graphs.carry(previous.accepted)
+        rows = _previous_rows(previous, requests)
         accepted, packed = self.graphs.launch(shape, requests, counts, rows, drafter_requests, self.runner, hooks)
         return VerifyInFlight(requests, shape[1], list(counts), accepted, *_to_host(packed), graphed=True)
+
+
+def _previous_rows(previous: VerifyInFlight | None, requests: Sequence[Request]) -> list[int]:
+    """Each request's row in `previous` (-1: not in it, its last token is on the host)."""
+    index = {} if previous is None else {id(r): i for i, r in enumerate(previous.requests)}
+    return [index.get(id(r), -1) for r in requests]
 
 
 def _to_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

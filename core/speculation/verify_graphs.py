@@ -170,19 +170,20 @@ class VerifyGraphs:
         self.state_tokens[:count, :width].copy_(accepted.tokens)
         self.state_counts[:count].copy_(accepted.counts)
 
-    def launch(self, shape: tuple[int, int], requests: Sequence, counts: Sequence[int], previous_rows: Sequence[int] | None,
+    def launch(self, shape: tuple[int, int], requests: Sequence, counts: Sequence[int], previous_rows: Sequence[int],
                drafter_requests, runner, hooks=None) -> tuple[Accepted, torch.Tensor]:
-        """Stage, replay pre / forward / post; (the accepted state's view, the packed rows on the device)."""
+        """Stage, replay pre / forward / post; (the accepted state's view, the packed rows on the device).
+        previous_rows[i]: request i's row in the step before (its tokens in the accepted state), or -1 (its last
+        token is on the host)."""
         rows, width = shape
         count, inputs = len(requests), self.graphs.inputs
         staged = np.zeros((rows, 4), dtype=np.int64)
         staged[:, PREVIOUS] = -1
         staged[:count, CHOSEN] = counts
         staged[:count, START] = [r.num_cached for r in requests]
-        if previous_rows is None:
-            staged[:count, LAST] = [r.token_ids(r.num_cached, 1)[0] for r in requests]
-        else:
-            staged[:count, PREVIOUS] = previous_rows
+        staged[:count, PREVIOUS] = previous_rows
+        staged[:count, LAST] = [r.token_ids(r.num_cached, 1)[0] if row < 0 else 0
+                                for r, row in zip(requests, previous_rows)]
         pages = max(max(len(r.pages) for r in requests), -(-width // inputs.page_size))
         table = np.zeros((rows, pages), dtype=np.int32)
         for i, r in enumerate(requests):
