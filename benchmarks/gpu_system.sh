@@ -4,8 +4,10 @@
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-profile-dsv3|
 #                                     spec-serve|host-prompts|e2e|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
-#   bash benchmarks/gpu_system.sh OUT spec-serve spec-steady   # #32: served ngram (session 7: 0.61x at 16) after the
-#                                                              #      prompt step launched ahead of the verify read
+#   bash benchmarks/gpu_system.sh OUT spec-serve host-prompts  # #32: served ngram (session 8: 0.78x at 16 after the
+#                                                              #      per-step sync; arrivals joining verify runs not
+#                                                              #      measured yet); prompt steps' host time
+#   bash benchmarks/gpu_system.sh OUT spec-steady              # #32: steady batches (not measured since session 6)
 #   bash benchmarks/gpu_system.sh OUT tests spec-dsv3          # #32: GPU tests; nextn (where b8 loses)
 #   bash benchmarks/gpu_system.sh OUT spec-profile-dsv3 spec-mixed
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
