@@ -204,6 +204,8 @@ def test_under_the_overlap_schedule_every_size_is_measured_at_start_up(tiny_mode
     want = [r.output_ids for r in Engine(config(folder)).generate(PROMPTS, GREEDY)]
     engine = Engine(config(folder, speculative_algorithm="ngram", overlap_schedule=True, max_running_requests=4))
     assert engine.overlap_schedule and sorted(engine.step_costs.measured) == [1, 2, 4]
+    # and what a break of the schedule costs at each size (what a try out of plain steps adds twice)
+    assert sorted(engine.step_costs.breaks) == [1, 2, 4] and all(b >= 0 for b in engine.step_costs.breaks.values())
     assert [r.output_ids for r in engine.generate(PROMPTS, GREEDY)] == want
     assert conserved(engine)
 
@@ -293,6 +295,18 @@ def test_a_request_whose_drafts_keep_missing_only_explores_even_where_verifying_
     assert policy.choose([r], [STEPS]) == [STEPS]
     policy.record(r, STEPS, 2)
     assert policy.choose([r], [STEPS])[0] > 0
+
+
+def test_a_try_out_of_plain_steps_is_priced_with_the_two_breaks_it_makes():
+    """Under the overlap schedule a try breaks it twice (into the verify step, out of it): the exploring interval
+    counts both, so trying still costs at most 1% (150 tokens without breaks, 200 with breaks of 0.25 plain steps)."""
+    cost = table(1.0, 0.25, fixed=0.75)
+    assert AdaptivePolicy(STEPS, StepCosts(grid_sizes(64), cost))._size(1).explore_every == 150  # (2.5 - 1) / 1%
+    costs = StepCosts(grid_sizes(64), cost, measure_break=lambda n: 0.25)
+    assert costs.break_cost(1) == 0.25 and costs.break_cost(3) == 0.25  # (the grid size at or above)
+    assert AdaptivePolicy(STEPS, costs)._size(1).explore_every == 200  # (2.5 - 1 + 2 x 0.25) / 1%
+    negative = StepCosts(grid_sizes(64), cost, measure_break=lambda n: -0.1)  # noise: a break never pays
+    assert negative.break_cost(1) == 0.0
 
 
 def test_newcomers_start_from_the_drafters_recent_rate():

@@ -67,12 +67,20 @@ def time_size(n: int, rows_per_request: int, run: Run, any_rank: Callable[[bool]
 class StepCosts:
     """`cost(n, rows, verify)`: seconds of a plain step of n requests, or of a verify step of `rows` rows in all
     (rows / n per request, fractional where requests draft different counts: interpolated linearly).
-    `measure_size(n)` gives [plain, verify x1, ...] for a grid size; it runs once per size, on first use."""
+    `measure_size(n)` gives [plain, verify x1, ...] for a grid size; it runs once per size, on first use.
 
-    def __init__(self, sizes: Sequence[int], measure_size: Callable[[int], Sequence[float]]):
+    `break_cost(n)`: what one break of the overlap schedule costs a step of n requests (a step in flight read
+    before the next is launched: the host's part of a step, which the schedule otherwise hides), from
+    `measure_break(size)` (none given: 0, as where steps do not overlap). Entering a run of overlapped verify
+    steps from plain ones costs one, leaving it another (the policy prices its tries with them)."""
+
+    def __init__(self, sizes: Sequence[int], measure_size: Callable[[int], Sequence[float]],
+                 measure_break: Callable[[int], float] | None = None):
         self.sizes = list(sizes)
         self.measure_size = measure_size
+        self.measure_break = measure_break
         self.measured: dict[int, list[float]] = {}
+        self.breaks: dict[int, float] = {}
         self.version = 0  # moves whenever a size is measured (what was derived from the table may be stale)
 
     def cost(self, n: int, rows: int, verify: bool) -> float:
@@ -94,9 +102,15 @@ class StepCosts:
         inside = np.interp(k, np.arange(1, width + 1), values)
         return np.where(k > width, values[-1] * k / width, inside) * max(n / size, 1.0)
 
+    def break_cost(self, n: int) -> float:
+        size = self.sizes[min(bisect.bisect_left(self.sizes, n), len(self.sizes) - 1)]
+        self.at(size)
+        return self.breaks[size]
+
     def at(self, size: int) -> list[float]:
         if size not in self.measured:
             costs = self.measured[size] = list(self.measure_size(size))
+            self.breaks[size] = max(float(self.measure_break(size)), 0.0) if self.measure_break is not None else 0.0
             self.version += 1
             for smaller in (n for n in self.measured if n < size):  # fewer requests never cost more
                 self.measured[smaller] = [min(a, b) for a, b in zip(self.measured[smaller], costs)]

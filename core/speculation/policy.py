@@ -26,7 +26,8 @@ that costs two or three plain ones: a drafter that cannot overlap, a small model
 drafter whose drafts would land is never found out. Where a sure draft could pay (may_draft), once per
 `explore_every` tokens decoded by the whole batch the request that verified longest ago (none: first) drafts fully
 once: that interval is set from the cost table so that trying costs the batch at most EXPLORE_LOSS of its plain
-rate when every try misses. The clock is the batch's because requests are often shorter than the interval (150
+rate when every try misses (a try's verify step beyond a plain one, and under the overlap schedule the two breaks
+of it a try out of plain steps makes: StepCosts.break_cost). The clock is the batch's because requests are often shorter than the interval (150
 tokens where a verify step costs 2.5 plain ones): counted per request, none of them ever tried. In a fresh engine
 (no request verified or was asked yet) every new request tries at once. A request whose
 drafts all missed in COLD_AFTER verify steps running drafts only when it is due to explore: its record leans on
@@ -101,8 +102,9 @@ class SizeCosts:
         plain_cost = costs.cost(n, n, verify=False)
         plain = n / plain_cost
         # one request's try: a step with its `steps` drafts in place of a plain one, once per explore_every steps
-        # for each of the n requests
-        extra = max(float(curve[steps - 1]) - plain_cost, 0.0)
+        # for each of the n requests; under the overlap schedule a try out of plain steps also breaks the schedule
+        # twice (its step waits for the plain step in flight, the plain step after it for the try)
+        extra = max(float(curve[steps - 1]) - plain_cost, 0.0) + 2 * costs.break_cost(n)
         every = int(np.ceil(n * extra / (plain_cost * EXPLORE_LOSS) - 1e-6)) if plain_cost > 0 else 1
         return cls(plain, curve, curve.tolist(), bool(np.max((n + d) / curve) > plain * (1 + 1e-9)),
                    float(np.min((plain * (1 + 1e-9) * curve - n) / d)) * (1 - 1e-6), max(every, 1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -52,6 +53,22 @@ def drafter_context(model, kv: KVPool, config, device: torch.device, kv_layer_id
 CONTEXT = 128  # tokens of context each measured request reads (its KV: the pool's scratch page, repeated)
 
 
+@contextlib.contextmanager
+def _serving_nothing(runner):
+    """Expert-load recording and the runner's hooks off while steps that serve no request are timed."""
+    recorders = list(getattr(runner.model.moe_runtime, "recorders", ()))
+    recording = [r.recording for r in recorders]
+    hooks, runner.hooks = runner.hooks, None
+    try:
+        for r in recorders:
+            r.recording = False
+        yield
+    finally:
+        runner.hooks = hooks
+        for r, was in zip(recorders, recording):
+            r.recording = was
+
+
 def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidden: bool, agree, world,
                        overlap: bool = False, eager: bool = False, overlap_verify: bool = False,
                        proposal_costs=lambda n: [0.0], verify_overhead=lambda n, rows: 0.0) -> StepCosts:
@@ -84,7 +101,7 @@ def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidde
         for every row sent them all to the same top-k experts, and priced a MoE step at a few experts' reads)."""
         return [(first + i) * 7919 % vocab for i in range(count)]
 
-    def run(n: int, k: int) -> None:
+    def run(n: int, k: int, synchronous: bool = False) -> None:
         plain = k == 0
         seqs = []
         for i in range(n):
@@ -98,7 +115,7 @@ def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidde
         batch = agree(batch if plain else attrs.evolve(batch, overlap_split=False))
         if plain:
             logits = runner.forward(batch)
-            if overlap:
+            if overlap and not synchronous:
                 logits = runner.forward(agree(build_forward_batch(seqs, kv, runner.device)))
         else:
             rows = to_device(batch.input_ids.device, torch.arange(n * k, dtype=torch.int64))[0]
@@ -109,33 +126,43 @@ def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidde
                 logits, _ = runner.verify_forward(again, rows, with_hidden)
         torch.argmax(logits, dim=-1).tolist()  # the host reads the tokens, as a step does
 
+    def any_rank(flag: bool) -> bool:
+        return any(row[0] for row in world.all_gather_ints([int(flag)]))
+
+    def slowest(times: list[float]) -> list[float]:
+        """Each time as the slowest rank measured it, on every rank."""
+        if world.size == 1:
+            return times
+        return [max(column) * 1e-7 for column in zip(*world.all_gather_ints([round(t * 1e7) for t in times]))]
+
     def measure_size(n: int) -> list[float]:
         start = time.perf_counter()
-        recorders = list(getattr(runner.model.moe_runtime, "recorders", ()))
-        recording = [r.recording for r in recorders]
-        hooks, runner.hooks = runner.hooks, None
-        try:
-            for r in recorders:
-                r.recording = False
+        with _serving_nothing(runner):
             rows = config.speculative_num_steps + 1
-            costs = time_size(n, rows, run, lambda flag: any(row[0] for row in world.all_gather_ints([int(flag)])),
+            costs = time_size(n, rows, run, any_rank,
                               steps_per_run=[2 if overlap else 1] + [2 if overlap_verify else 1] * rows)
             proposing = list(proposal_costs(n))
             costs = costs[:1] + [c + proposing[min(max(k - 2, 0), len(proposing) - 1)] + verify_overhead(n, k)
                                  for k, c in enumerate(costs[1:], start=1)]
-        finally:
-            runner.hooks = hooks
-            for r, was in zip(recorders, recording):
-                r.recording = was
-        if world.size > 1:  # the slowest rank's times, on every rank
-            gathered = world.all_gather_ints([round(c * 1e7) for c in costs])
-            costs = [max(column) * 1e-7 for column in zip(*gathered)]
+        costs = slowest(costs)
         log.info("speculative step costs of %d requests (ms): plain %.3f, verify x1..x%d %s (measured in %.2f s)", n,
                  costs[0] * 1e3, len(costs) - 1, " ".join(f"{c * 1e3:.3f}" for c in costs[1:]),
                  time.perf_counter() - start)
         return costs
 
-    costs = StepCosts(grid_sizes(config.max_running_requests), measure_size)
+    def measure_break(n: int) -> float:
+        """Seconds a break of the overlap schedule adds to a plain step of n requests: the step run and read before
+        the next is built, against half of two launched back to back (interleaved rounds, best of each; 0.0 where
+        verify steps do not overlap: there every step is read before the next)."""
+        if not (overlap and overlap_verify):
+            return 0.0
+        with _serving_nothing(runner):  # shape 0: two plain steps back to back; shape 1: one, read at once
+            best = slowest(time_size(n, 1, lambda n, k: run(n, 0, synchronous=k == 1), any_rank, steps_per_run=[2, 1]))
+        log.info("a break of the overlap schedule at %d requests: %.3f ms (plain step %.3f ms, read at once %.3f ms)",
+                 n, (best[1] - best[0]) * 1e3, best[0] * 1e3, best[1] * 1e3)
+        return max(best[1] - best[0], 0.0)
+
+    costs = StepCosts(grid_sizes(config.max_running_requests), measure_size, measure_break)
     if eager:
         costs.measure_all()
     return costs
