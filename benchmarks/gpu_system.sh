@@ -2,9 +2,9 @@
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-profile-dsv3|
-#                                     spec-serve|host-prompts|e2e|moe-small-m|large-m|prefix|dgmasked ...
+#                                     spec-serve|spec-serve-spread|host-prompts|e2e|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
-#   bash benchmarks/gpu_system.sh OUT spec-serve host-prompts  # #32: served ngram (session 8: 0.78x at 16 after the
+#   bash benchmarks/gpu_system.sh OUT spec-serve spec-serve-spread  # #32: served ngram (session 8: 0.78x at 16 after the
 #                                                              #      per-step sync; arrivals joining verify runs not
 #                                                              #      measured yet); prompt steps' host time
 #   bash benchmarks/gpu_system.sh OUT spec-steady              # #32: steady batches (not measured since session 6)
@@ -59,6 +59,10 @@ for part in "$@"; do
         --batches 1 8 32 --runs 3 --output-len 48 --out "$out/spec_host_dsv3.md" 2>&1 | grep -v -i warn | tail -8
       timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --model dsv3 --batch 8 --out "$out/prof8_dsv3" \
         --drafters nextn 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -8 ;;
+    spec-serve-spread)  # the same, each request's new tokens uniform in 64 x [0.5, 1.5]: arrivals apart for both servers
+      timeout $(lim 300) python3 benchmarks/spec_serving.py --arch qwen3_moe --preset 30b-a3b --layers 12 --load-format dummy \
+        --dtype bf16 --device cuda --runs 3 --num-requests 128 --output-len 64 --output-spread 0.5 \
+        --out "$out/spec_serving_spread_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
     host-prompts)  # steady decode at 16 with a 97-token prompt arriving every 4 steps: syncs, step kinds, cProfile
       timeout $(lim 150) python3 benchmarks/host_profile.py --layers 12 --batch 16 --admit-every 4 --prompt-len 97 \
         --steps 40 --out "$out/host_prompts.md" 2>&1 | grep -v -i warn | tail -30 ;;

@@ -41,10 +41,16 @@ from serving_load import run_level, summarize  # noqa: E402
 WARM_TOKENS = 8
 
 
-def repetitive_workload(num_requests: int, phrase: int, repeats: int, output_len: int, seed: int = 0):
-    """(prompt, new tokens) pairs: a bos, then a random phrase of byte tokens said `repeats` times."""
+def repetitive_workload(num_requests: int, phrase: int, repeats: int, output_len: int, seed: int = 0,
+                        spread: float = 0.0):
+    """(prompt, new tokens) pairs: a bos, then a random phrase of byte tokens said `repeats` times; new tokens
+    output_len, or with `spread` uniform in output_len x [1 - spread, 1 + spread] (requests that finish apart)."""
     rng = random.Random(seed)
-    return [([256] + [rng.randrange(256) for _ in range(phrase)] * repeats, output_len) for _ in range(num_requests)]
+    work = []
+    for _ in range(num_requests):
+        prompt = [256] + [rng.randrange(256) for _ in range(phrase)] * repeats
+        work.append((prompt, max(1, round(output_len * (1 + spread * (2 * rng.random() - 1)))) if spread else output_len))
+    return work
 
 
 def step_counts(url: str) -> dict:
@@ -143,6 +149,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--num-requests", type=int, default=None, help="per level (default: 4 x the largest concurrency)")
     parser.add_argument("--output-len", type=int, default=128, help="new tokens per request (default: %(default)s)")
+    parser.add_argument("--output-spread", type=float, default=0.0,
+                        help="new tokens per request uniform in output-len x [1 - S, 1 + S] (default: %(default)s: all "
+                             "alike, so the plain server's requests finish and are replaced in waves)")
     parser.add_argument("--phrase", type=int, default=24, help="tokens of each prompt's phrase (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=4, help="times the phrase is said (default: %(default)s)")
     parser.add_argument("--runs", type=int, default=3)
@@ -164,7 +173,8 @@ def parse_args() -> argparse.Namespace:
     args.profile = None  # serving.launch_server's
     args.num_requests = args.num_requests or 4 * max(args.concurrency)
     if args.max_total_tokens is None:
-        per_request = 1 + args.phrase * args.repeats + args.output_len + args.steps + 64  # + page and draft slack
+        longest = round(args.output_len * (1 + args.output_spread))
+        per_request = 1 + args.phrase * args.repeats + longest + args.steps + 64  # + page and draft slack
         args.max_total_tokens = 2 * args.max_running_requests * per_request
     return args
 
@@ -172,10 +182,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     args.model = model_folder(args)
-    work = repetitive_workload(args.num_requests, args.phrase, args.repeats, args.output_len)
+    work = repetitive_workload(args.num_requests, args.phrase, args.repeats, args.output_len, spread=args.output_spread)
     warm = [(prompt, WARM_TOKENS) for prompt, _ in work[: max(args.concurrency)]]
     lines = [f"{args.num_requests} requests per level, prompts a {args.phrase}-token phrase x {args.repeats}, "
-             f"{args.output_len} greedy new tokens (eos ignored), device {args.device or 'cpu'}, ngram "
+             f"{args.output_len} greedy new tokens (spread {args.output_spread}; eos ignored), device {args.device or 'cpu'}, ngram "
              f"--speculative-num-steps {args.steps} --speculative-policy {args.policy}, {args.runs} runs", "",
              "| run | concurrency | server | requests done | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms "
              "| ITL p99 ms | ms/step | tok/step | accept length |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

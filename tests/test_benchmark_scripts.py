@@ -158,7 +158,8 @@ def test_spec_device_parts_against_the_host_paths(tmp_path):
 def test_spec_serving_against_the_same_server_without_speculation(tmp_path):
     """Both servers serve every request its tokens (or the script fails); the summary has the ratio per level."""
     out = run("spec_serving.py", tmp_path / "serve.md", "--concurrency", "2", "--num-requests", "4", "--output-len", "8",
-              "--runs", "1", "--threads", "1", "--max-total-tokens", "4096", "--max-running-requests", "4", timeout=300)
+              "--output-spread", "0.5", "--runs", "1", "--threads", "1", "--max-total-tokens", "4096",
+              "--max-running-requests", "4", timeout=300)
     rows = [row for row in table_rows(out, "1") if len(row) == 12]
     assert sorted(row[2] for row in rows) == ["ngram", "none"] and all(row[3] == "4/4" for row in rows), out
     # the step mix: every level ran a prompt step and decoded (the ngram server verified or stepped plainly)
