@@ -4,9 +4,9 @@
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-profile-dsv3|
 #                                     spec-serve|spec-serve-spread|host-prompts|e2e|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
-#   bash benchmarks/gpu_system.sh OUT spec-serve spec-serve-spread  # #32: served ngram (session 8: 0.78x at 16 after the
-#                                                              #      per-step sync; arrivals joining verify runs not
-#                                                              #      measured yet); prompt steps' host time
+#   bash benchmarks/gpu_system.sh OUT spec-serve spec-serve-spread  # #32: served ngram (session 8: 0.78x at 16 after
+#                                         #      the per-step sync; arrivals joining verify runs and the priced breaks
+#                                         #      not measured yet), then with requests of mixed lengths
 #   bash benchmarks/gpu_system.sh OUT spec-steady              # #32: steady batches (not measured since session 6)
 #   bash benchmarks/gpu_system.sh OUT tests spec-dsv3          # #32: GPU tests; nextn (where b8 loses)
 #   bash benchmarks/gpu_system.sh OUT spec-profile-dsv3 spec-mixed
