@@ -300,3 +300,34 @@ def test_one_request_cannot_fail_its_batch_on_gpu(tiny_model_dir):
     assert results[0].finish_reason.value == "abort" and "not finite" in results[0].error
     assert [r.output_ids for r in results[1:]] == reference
     assert not engine.has_work and engine.flush_cache() and engine.kv.num_free_pages == engine.kv.num_pages
+
+
+@pytest.mark.gpu
+def test_no_step_waits_for_the_step_in_flight_on_gpu(tiny_model_dir):
+    """Under the overlap schedule nothing in a step makes the host wait for the GPU (torch's sync debug mode raises
+    on any such call), decode steps and the prompt steps of requests arriving meanwhile alike: a pageable copy of
+    the logits' rows once made every step wait for the one before it (benchmarks/results/serving_syncs_s8.md)."""
+    engine = gpu_engine(tiny_model_dir("qwen3_moe"), "bf16")
+    assert engine.overlap_schedule and engine.runner.graphs is not None
+    params = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+    prompt = [256] + list(range(30, 126))  # 97 tokens, as benchmarks/host_profile.py --admit-every sends
+    for _ in range(4):
+        engine.add_request(prompt, params)
+    for _ in range(4):  # the prompts in, decoding under way (first-use work done)
+        engine.step()
+    engine.add_request(prompt, params)
+    engine.step()
+    torch.cuda.synchronize()
+    before = dict(engine.step_log.steps)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(24):
+            if step % 4 == 0:
+                engine.add_request(prompt, params)
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ran = {kind: n - before[kind] for kind, n in engine.step_log.steps.items()}
+    assert ran["prompt"] >= 5 and ran["decode"] >= 10, ran
+    while engine.has_work:
+        engine.step()
