@@ -42,6 +42,17 @@ inline V exp_lanes(V x) {
   return p * scale;
 }
 
+// bf16 values widened to fp32 lanes (bf16 is fp32's high half)
+template <typename V, typename U16, typename U32>
+inline V widen_lanes(const c10::BFloat16* p) {
+  U16 half;
+  std::memcpy(&half, p, sizeof half);
+  U32 wide = __builtin_convertvector(half, U32) << 16;
+  V v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
 inline float sum8(f32x8 h) {  // a tree of halves: a few shuffles, not eight dependent adds
   f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
   return (q[0] + q[2]) + (q[1] + q[3]);
@@ -61,14 +72,7 @@ inline f32x16 load16(const float* p) {
   return v;
 }
 
-inline f32x16 load16(const c10::BFloat16* p) {
-  u16x16 half;
-  std::memcpy(&half, p, sizeof half);
-  u32x16 wide = __builtin_convertvector(half, u32x16) << 16;
-  f32x16 v;
-  std::memcpy(&v, &wide, sizeof v);
-  return v;
-}
+inline f32x16 load16(const c10::BFloat16* p) { return widen_lanes<f32x16, u16x16, u32x16>(p); }
 
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
@@ -106,16 +110,9 @@ inline f32x16 load16(const float* p) {
   return v;
 }
 
-inline f32x8 widen8(const c10::BFloat16* p) {
-  u16x8 half;
-  std::memcpy(&half, p, sizeof half);
-  u32x8 wide = __builtin_convertvector(half, u32x8) << 16;
-  f32x8 v;
-  std::memcpy(&v, &wide, sizeof v);
-  return v;
+inline f32x16 load16(const c10::BFloat16* p) {
+  return {widen_lanes<f32x8, u16x8, u32x8>(p), widen_lanes<f32x8, u16x8, u32x8>(p + 8)};
 }
-
-inline f32x16 load16(const c10::BFloat16* p) { return {widen8(p), widen8(p + 8)}; }
 
 inline void store16(float* p, f32x16 v) {
   std::memcpy(p, &v.lo, sizeof v.lo);
