@@ -178,10 +178,10 @@ class OverlapVerify:
             shape = self.graphs.shape_for(requests, width, runtime is not None and runtime.records_load)
         if shape is not None:
             return self._launch_graphed(shape, requests, counts, previous, drafter_requests, hooks)
-        host_last = torch.tensor([r.token_ids(r.num_cached, 1)[0] if row < 0 else 0
-                                  for r, row in zip(requests, _previous_rows(previous, requests))], dtype=torch.int64)
+        previous_rows = _previous_rows(previous, requests)
+        host_last = torch.tensor(host_last_tokens(requests, previous_rows), dtype=torch.int64)
         if previous is not None:  # rows of requests that joined since `previous` (-1) take their token from the host
-            rows, host_last = to_device(self.device, torch.tensor(_previous_rows(previous, requests)), host_last)
+            rows, host_last = to_device(self.device, torch.tensor(previous_rows), host_last)
             had, at = rows >= 0, rows.clamp_min(0)
             tokens, emitted = previous.accepted.tokens[at], torch.where(had, previous.accepted.emitted[at], 0)
             drafts = self.spec.drafter.propose_on_device(drafter_requests, DeviceTokens(tokens, emitted))
@@ -226,6 +226,11 @@ class OverlapVerify:
         rows = _previous_rows(previous, requests)
         accepted, packed = self.graphs.launch(shape, requests, counts, rows, drafter_requests, self.runner, hooks)
         return VerifyInFlight(requests, shape[1], list(counts), accepted, *_to_host(packed), graphed=True)
+
+
+def host_last_tokens(requests: Sequence[Request], previous_rows: Sequence[int]) -> list[int]:
+    """Each request's last token where the host has it (no row in the step before: -1), else 0 (the device's)."""
+    return [r.token_ids(r.num_cached, 1)[0] if row < 0 else 0 for r, row in zip(requests, previous_rows)]
 
 
 def _previous_rows(previous: VerifyInFlight | None, requests: Sequence[Request]) -> list[int]:

@@ -36,6 +36,7 @@ from ..cuda_graph import Capture, DecodeGraphs, capture_sizes, padded_size
 from ..interfaces import DeviceTokens, StaticProposer
 from ..sampler import FAILED, Sampler
 from .accept import Accepted, accept
+from .overlap import host_last_tokens
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +183,7 @@ class VerifyGraphs:
         staged[:count, CHOSEN] = counts
         staged[:count, START] = [r.num_cached for r in requests]
         staged[:count, PREVIOUS] = previous_rows
-        staged[:count, LAST] = [r.token_ids(r.num_cached, 1)[0] if row < 0 else 0
-                                for r, row in zip(requests, previous_rows)]
+        staged[:count, LAST] = host_last_tokens(requests, previous_rows)
         pages = max(max(len(r.pages) for r in requests), -(-width // inputs.page_size))
         table = np.zeros((rows, pages), dtype=np.int32)
         for i, r in enumerate(requests):
