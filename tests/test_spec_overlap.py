@@ -109,7 +109,8 @@ def test_a_step_the_policy_drafts_nothing_for_is_a_plain_step(tiny_model_dir, pl
 
     monkeypatch.setattr(moeplex.engine, "measure_step_costs",
                         lambda *a, **k: StepCosts(grid_sizes(4), lambda n: [1.0, 1.05, 1.1, 1.15, 1.2]))
-    spec = engine(tiny_model_dir("qwen3_moe"), overlap_schedule=True, max_running_requests=4, **NGRAM)
+    spec = engine(tiny_model_dir("qwen3_moe"), overlap_schedule=True, max_running_requests=4,
+                  speculative_policy="adaptive", **NGRAM)
     chosen = []
     launch = spec.overlap_verify.launch
     spec.overlap_verify.launch = lambda requests, counts, *rest: chosen.append(list(counts)) or launch(requests, counts,
@@ -118,6 +119,45 @@ def test_a_step_the_policy_drafts_nothing_for_is_a_plain_step(tiny_model_dir, pl
     assert [o[:16] for o in outputs(got)] == plain["qwen3_moe"]  # (plain: 16 tokens each)
     assert chosen and all(any(counts) for counts in chosen), chosen
     assert spec.speculation.counts.plain_steps > 0 and spec.speculation.counts.verify_steps > 0
+    assert conserved(spec)
+
+
+@pytest.mark.parametrize("break_cost", [0.0, 0.2, 3.0])
+def test_a_run_goes_on_through_steps_of_no_drafts_while_that_costs_less_than_its_breaks(tiny_model_dir, plain,
+                                                                                       monkeypatch, break_cost):
+    """Where ending a run of overlapped verify steps costs breaks of the overlap schedule (one now, one when drafts
+    are wanted again), a step the policy drafts nothing for is a verify step of no drafts (width 1) while the run's
+    idle steps cost less than two breaks (ski rental: a verify step of one row costs 0.3 more than a plain one
+    here, and drafts of a random model rarely pay), then the run ends. Breaks that cost nothing end it at once. No token changes either way."""
+    import moeplex.engine
+    from moeplex.speculation.costs import StepCosts, grid_sizes
+
+    monkeypatch.setattr(moeplex.engine, "measure_step_costs", lambda *a, **k: StepCosts(
+        grid_sizes(4), lambda n: [1.0, 1.1, 1.9, 2.7, 3.5], lambda n: break_cost))
+    spec = engine(tiny_model_dir("qwen3_moe"), overlap_schedule=True, max_running_requests=4,
+                  speculative_policy="adaptive", **NGRAM)
+    idles = []
+    launch = spec.overlap_verify.launch
+
+    def counted(requests, counts, previous, hooks=None):
+        step = launch(requests, counts, previous, hooks)
+        idles.append((previous is not None, any(counts)))
+        return step
+
+    spec.overlap_verify.launch = counted
+    follow = spec.overlap_verify.follow
+    longest = []
+    spec.overlap_verify.follow = lambda *a, **k: (lambda step: longest.append(step.idle if step else 0) or step)(
+        follow(*a, **k))
+    got = spec.generate(PROMPTS, attrs.evolve(GREEDY, max_new_tokens=32))
+    assert [o[:16] for o in outputs(got)] == plain["qwen3_moe"]
+    idle_steps = sum(following and not drafted for following, drafted in idles)
+    most = 2 * break_cost / 0.1  # idle steps in a row the rule allows
+    assert max(longest, default=0) < max(most, 1)
+    if break_cost == 0.0:
+        assert idle_steps == 0  # as before: the policy's plain steps
+    else:
+        assert idle_steps > 0, idles
     assert conserved(spec)
 
 

@@ -309,6 +309,21 @@ def test_a_try_out_of_plain_steps_is_priced_with_the_two_breaks_it_makes():
     assert negative.break_cost(1) == 0.0
 
 
+def test_a_run_of_verify_steps_goes_on_without_drafts_while_that_costs_less_than_two_breaks():
+    """keeps_run: ending a run of overlapped verify steps costs two breaks (now, and when drafts come back); a verify
+    step of no drafts costs `fixed` beyond a plain one. Ski rental: go on while the idle steps' extra stays below
+    the two breaks; never where breaks cost nothing, nor where no draft could pay at the size; never for the fixed
+    policy."""
+    costs = StepCosts(grid_sizes(64), table(1.0, 0.1, fixed=0.1), measure_break=lambda n: 0.25)
+    policy = AdaptivePolicy(STEPS, costs)
+    assert [policy.keeps_run(1, idle) for idle in range(1, 7)] == [True] * 4 + [False] * 2  # 0.1 x idle < 0.5
+    free = AdaptivePolicy(STEPS, StepCosts(grid_sizes(64), table(1.0, 0.1, fixed=0.1)))
+    assert not free.keeps_run(1, 1)
+    dear = StepCosts(grid_sizes(64), lambda n: [n * 1.0] + [n * k * 1.0 for k in range(1, 5)], lambda n: 5.0)
+    assert not AdaptivePolicy(STEPS, dear).keeps_run(8, 1)  # no draft pays at 8 requests: nothing to wait for
+    assert not FixedPolicy(STEPS).keeps_run(1, 1)
+
+
 def test_newcomers_start_from_the_drafters_recent_rate():
     """All requests' record is what a new request starts from: in a stream of short requests whose first drafts
     land one time in ten, a newcomer's first draft is worth about 0.1 (0.13: the prior's 0.6 weighs 2 against ~19

@@ -43,6 +43,7 @@ class VerifyInFlight:
     host: torch.Tensor  # [R, 3 + width]: drafts proposed, drafts verified, drafts accepted, tokens (complete once ready)
     ready: torch.cuda.Event | None
     graphed: bool = False  # launched from VerifyGraphs: `accepted` is its state, which the next graphed step reads
+    idle: int = 0  # verify steps in a row, this one included, that verify no draft (the run goes on: keeps_run)
 
     def read(self) -> list[list[int]]:
         """Per request: [proposed, verified, accepted, emitted tokens...] (waits for this step's copy only)."""
@@ -106,7 +107,8 @@ class OverlapVerify:
         """The next verify step of the same requests, launched before `previous` is read, with the running requests
         that joined since (their last token read: a prompt step's, launched ahead of `previous`); None where the
         scheduler must act first (an admission, a request it runs that cannot decode yet, pages that only preemption
-        would free) or where the policy drafts for none of them (the engine's plain steps then)."""
+        would free) or where the policy drafts for none of them and ending the run costs less than going on without
+        drafts (the engine's plain steps then)."""
         carried = [r for r in previous.requests if not r.finished]
         running = scheduler.running
         ids = {id(r) for r in carried}
@@ -121,11 +123,16 @@ class OverlapVerify:
         # from the records as of the step before `previous` (one stale)
         rooms = [min(spec.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in requests]
         counts = spec.policy.choose(requests, rooms, expect_offers=True)
-        # no drafts: the engine's plain step, whose decode graph alone costs less than this step's graphs (its
-        # drafting, inputs and acceptance around the same forward), from the next step on the overlap schedule
-        if not any(counts) or not self._cover(requests, previous.width + 1 + max(counts)):  # (rows start anywhere
-            return None  # in `previous`'s run)
-        return self.launch(requests, counts, previous, hooks)
+        # no drafts: a verify step of none while that costs less than ending the run (AdaptivePolicy.keeps_run: the
+        # breaks of the overlap schedule now and when drafts are wanted again), else the engine's plain step
+        idle = 0 if any(counts) else previous.idle + 1
+        if idle and not spec.policy.keeps_run(len(requests), idle):
+            return None
+        if not self._cover(requests, previous.width + 1 + max(counts)):  # (rows start anywhere in `previous`'s run)
+            return None
+        step = self.launch(requests, counts, previous, hooks)
+        step.idle = idle
+        return step
 
     def read(self, step: VerifyInFlight, following: VerifyInFlight | None, append, fail, sampler) -> list[Request]:
         """Append a verify step's runs (read now) to its requests through `append`; those that finish with them."""

@@ -94,6 +94,8 @@ class SizeCosts:
     may_draft: bool
     least_worth: float
     explore_every: int  # tokens of a request between tries of drafts its record advises against
+    idle_extra: float  # what a verify step of no drafts (one row per request) costs beyond a plain step
+    break_cost: float  # one break of the overlap schedule (StepCosts.break_cost)
 
     @classmethod
     def of(cls, costs: StepCosts, n: int, steps: int) -> SizeCosts:
@@ -104,10 +106,13 @@ class SizeCosts:
         # one request's try: a step with its `steps` drafts in place of a plain one, once per explore_every steps
         # for each of the n requests; under the overlap schedule a try out of plain steps also breaks the schedule
         # twice (its step waits for the plain step in flight, the plain step after it for the try)
-        extra = max(float(curve[steps - 1]) - plain_cost, 0.0) + 2 * costs.break_cost(n)
+        broken = costs.break_cost(n)
+        extra = max(float(curve[steps - 1]) - plain_cost, 0.0) + 2 * broken
         every = int(np.ceil(n * extra / (plain_cost * EXPLORE_LOSS) - 1e-6)) if plain_cost > 0 else 1
+        idle_extra = max(costs.cost(n, n, verify=True) - plain_cost, 0.0)
         return cls(plain, curve, curve.tolist(), bool(np.max((n + d) / curve) > plain * (1 + 1e-9)),
-                   float(np.min((plain * (1 + 1e-9) * curve - n) / d)) * (1 - 1e-6), max(every, 1))
+                   float(np.min((plain * (1 + 1e-9) * curve - n) / d)) * (1 - 1e-6), max(every, 1), idle_extra,
+                   broken)
 
 
 class AdaptivePolicy:
@@ -264,6 +269,19 @@ class AdaptivePolicy:
         (where a verify row costs what a decode row does: large batches)."""
         return self._size(n).may_draft
 
+    def keeps_run(self, n: int, idle: int) -> bool:
+        """Whether a run of overlapped verify steps of n requests, in which this step drafts for none of them, goes
+        on with a verify step of no drafts (the `idle`-th in a row) rather than ending. Ending breaks the overlap
+        schedule now, and again when drafts are wanted (two breaks); going on costs each step what a verify step
+        of one row per request costs beyond a plain one. Not knowing when drafts will be wanted again, the run
+        goes on while its idle steps' extra cost stays within the two breaks (the ski-rental rule: never more than
+        twice what the better choice would have cost, had it been known). Where no draft could pay at this
+        batch size, or breaks cost nothing (verify steps that do not overlap), the run ends at once."""
+        if not self.may_draft(n):
+            return False
+        size = self._size(n)
+        return idle * size.idle_extra < 2 * size.break_cost
+
     def least_paying_worth(self, n: int) -> float:
         """The worth a draft must exceed for any count of drafts to pay in a step of n requests: every draft is
         worth at most the best first draft w, so the choice is none while (n + d w) / cost(n, n + d) <= n / plain
@@ -393,6 +411,10 @@ class FixedPolicy:
 
     def may_draft(self, n: int) -> bool:
         return True
+
+    def keeps_run(self, n: int, idle: int) -> bool:
+        """A run of overlapped verify steps ends with the first step the policy drafts nothing for."""
+        return False
 
     def candidates(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[int]:
         return self.choose(requests, rooms)
