@@ -60,13 +60,15 @@ def forward_failures(router: LiveServer, server: LiveServer) -> float:
 def test_a_decode_servers_502_for_its_prefill_server_counts_against_the_prefill_server(blame_header):
     p, d = stand_in(decode=False), stand_in(decode=True, blame_header=blame_header)
     with p, d, pd_router([(p, DEAD_BOOTSTRAP)], d, retries=0) as router:
-        for _ in range(5):  # past --health-failure-threshold (3)
-            httpx.post(f"{router.url}/v1/completions", json={"prompt": "x"})
+        statuses = [httpx.post(f"{router.url}/v1/completions", json={"prompt": "x"}).status_code
+                    for _ in range(5)]  # past --health-failure-threshold (3)
         listed, p_failures, d_failures = workers(router), forward_failures(router, p), forward_failures(router, d)
-    decode = listed["decode"][0]
+    prefill, decode = listed["prefill"][0], listed["decode"][0]
     if blame_header:
         assert decode["state"] == "healthy" and decode["failures_in_a_row"] == 0 and d_failures == 0, decode
-        assert p_failures == 5
+        # P's own answers (200, often before D's 502) count for nothing: three blamed requests take P out
+        assert prefill["state"] == "out" and p_failures == 3, prefill
+        assert statuses == [502] * 3 + [503] * 2, statuses
     else:  # a 502 that names nobody is the decode server's own (the control: the test can tell them apart)
         assert decode["state"] == "out" and d_failures >= 3, decode
 

@@ -141,7 +141,8 @@ class PDRouter:
         self.decode.sent(decode)
         p_task = asyncio.ensure_future(self._drain(open_upstream(self.session, prefill.url, path, "POST", headers, body)))
         d_task = asyncio.ensure_future(open_upstream(self.session, decode.url, path, "POST", headers, body))
-        p_task.add_done_callback(lambda task: self._settled(self.prefill, prefill, task))
+        p_task.add_done_callback(lambda task: self.prefill.finished(prefill))
+        blame = None  # D's 502 naming P: the pair failed at P, whatever P's own post answered
         try:
             pending = {p_task, d_task}
             while d_task in pending:
@@ -160,7 +161,8 @@ class PDRouter:
             except FAILURES as exc:
                 self.decode.finished(decode)
                 if isinstance(exc, WorkerUnavailable) and exc.failed_server == "prefill":
-                    self._prefill_failed(prefill, p_task, decode, exc)
+                    self.decode.succeeded(decode)  # D did its part: it stays in routing
+                    blame = exc
                     return f"prefill {prefill.url} (as decode {decode.url} found): {exc}"
                 self._fail(self.decode, decode, exc)
                 p_task.cancel()
@@ -173,6 +175,8 @@ class PDRouter:
             d_task.cancel()
             self.decode.finished(decode)
             raise
+        finally:
+            self._settle_prefill(prefill, p_task, blame)
 
     @staticmethod
     async def _drain(opening) -> Upstream:
@@ -186,8 +190,8 @@ class PDRouter:
             upstream.response.close()
         return upstream
 
-    def _settled(self, registry: WorkerRegistry, worker, task: asyncio.Task) -> None:
-        registry.finished(worker)
+    def _judge(self, registry: WorkerRegistry, worker, task: asyncio.Task) -> None:
+        """A finished post as evidence of the worker's health (its load was released as it finished)."""
         if task.cancelled():
             return
         exc = task.exception()
@@ -197,14 +201,20 @@ class PDRouter:
             registry.succeeded(worker)
             self.metrics.requests.labels(worker.url).inc()
 
-    def _prefill_failed(self, prefill, p_task: asyncio.Task, decode, exc: WorkerUnavailable) -> None:
-        """D answered that P failed: D did its part (it stays in routing); the failure counts against P, once
-        (a P post that failed in transport has been counted already)."""
-        self.decode.succeeded(decode)
-        counted = p_task.done() and not p_task.cancelled() and p_task.exception() is not None
-        p_task.cancel()
-        if not counted:
-            self._fail(self.prefill, prefill, exc)
+    def _settle_prefill(self, prefill, p_task: asyncio.Task, blame: WorkerUnavailable | None) -> None:
+        """P's answer counts for its health once D's verdict is known, so the order the two answers came in
+        changes nothing. D blamed P: one failure against P, and P's own answer (a success, or the same failure
+        seen in transport) counts for nothing, so a P that D keeps blaming goes out of routing. Otherwise P's
+        answer counts as it ends (P's stream may outlive the pair's decision)."""
+        if blame is not None:
+            if p_task.done() and not p_task.cancelled():
+                p_task.exception()  # read, so asyncio does not log it: its failure is the one D reported
+            p_task.cancel()
+            self._fail(self.prefill, prefill, blame)
+        elif p_task.done():
+            self._judge(self.prefill, prefill, p_task)
+        else:
+            p_task.add_done_callback(lambda task: self._judge(self.prefill, prefill, task))
 
     def _closed(self, decode, failed: bool) -> None:
         self.decode.finished(decode)
