@@ -2,7 +2,7 @@
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-profile-dsv3|
-#                                     spec-serve|spec-serve-spread|host-prompts|e2e|moe-small-m|large-m|prefix|dgmasked ...
+#                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
 #   bash benchmarks/gpu_system.sh OUT spec-serve spec-serve-spread  # #32: served ngram (session 8: 0.78x at 16 after
 #                                         #      the per-step sync; arrivals joining verify runs and the priced breaks
@@ -33,6 +33,9 @@ for part in "$@"; do
     tests-spec)
       timeout -s ABRT $(lim 150) python3 -m pytest -q -rs -m gpu tests/test_speculative_gpu.py tests/test_draft_graphs.py tests/test_ngram_device.py 2>&1 \
         | tee "$out/gpu_tests_spec.log" | tail -5 ;;
+    tests-overlap)  # the GPU tests of the overlap schedule's steps only (graphs, syncs, overlapped verify steps)
+      timeout -s ABRT $(lim 180) python3 -m pytest -q -rs -m gpu tests/test_cuda_graph.py tests/test_verify_graphs.py \
+        tests/test_spec_overlap.py 2>&1 | tee "$out/gpu_tests_overlap.log" | tail -8 ;;
     spec)
       timeout $(lim 240) python3 benchmarks/speculative.py --device cuda --qwen-layers 12 --batches 1 8 32 --runs 3 \
         --out "$out/speculative_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -40 ;;
