@@ -324,26 +324,6 @@ def test_a_run_of_verify_steps_goes_on_without_drafts_while_that_costs_less_than
     assert not FixedPolicy(STEPS).keeps_run(1, 1)
 
 
-@pytest.mark.parametrize("n", [1, 4])
-def test_drafts_that_would_break_the_overlap_schedule_must_win_the_break_back(n):
-    """choose(entering=True): a verify step out of a plain step in flight pays one break of the schedule, so drafts
-    that pay for a verify step alone (a warm record) but not for the break too are not chosen then; a record
-    that lands every draft pays for both."""
-    costs = StepCosts(grid_sizes(64), table(1.0, 0.1, fixed=0.1), measure_break=lambda n: 1.0)
-    policy = AdaptivePolicy(STEPS, costs)
-    fair = [request(f"fair{i}") for i in range(n)]
-    for r in fair:
-        for _ in range(8):
-            policy.record(r, STEPS, 1)  # the first draft lands, the second misses
-    rooms = [STEPS] * n
-    assert any(policy.choose(fair, rooms)) and not any(policy.choose(fair, rooms, entering=True))
-    sure = [request(f"sure{i}") for i in range(n)]
-    for r in sure:
-        for _ in range(8):
-            policy.record(r, STEPS, STEPS)
-    assert policy.choose(sure, rooms, entering=True) == [STEPS] * n
-
-
 def test_newcomers_start_from_the_drafters_recent_rate():
     """All requests' record is what a new request starts from: in a stream of short requests whose first drafts
     land one time in ten, a newcomer's first draft is worth about 0.1 (0.13: the prior's 0.6 weighs 2 against ~19

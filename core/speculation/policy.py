@@ -165,13 +165,10 @@ class AdaptivePolicy:
         fade = RECOVERY ** max(len(request.output_ids) - at, 0)  # as the acceptance record fades
         return (given * fade + PRIOR_WEIGHT * everyone) / (asked * fade + PRIOR_WEIGHT)
 
-    def choose(self, requests: Sequence[Request], rooms: Sequence[int], expect_offers: bool = False,
-               entering: bool = False) -> list[int]:
+    def choose(self, requests: Sequence[Request], rooms: Sequence[int], expect_offers: bool = False) -> list[int]:
         """Drafts per request (0..min(steps, room)) for a step of these decoding requests. `expect_offers`: the
         drafter is not asked yet (its drafts may not come), so each draft is worth its chance of coming too.
-        `entering`: the drafts would break the overlap schedule of the plain step in flight, so the verify step
-        pays that break too (its drafts must win it back in the one step; StepCosts.break_cost). Vectorized over
-        the batch: it runs on the host every step."""
+        Vectorized over the batch: it runs on the host every step."""
         n, steps = len(requests), self.steps
         if n == 0:
             return []
@@ -179,7 +176,7 @@ class AdaptivePolicy:
             return [0] * n
         cold = self._cold_flags(requests)
         if n == 1 and not cold[0]:
-            return self._choose_one(requests[0], rooms[0], expect_offers, entering)  # exact, and cheaper than the bounds below
+            return self._choose_one(requests[0], rooms[0], expect_offers)  # exact, and cheaper than the bounds below
         if all(cold) or self._nothing_pays(requests, expect_offers, n):
             return self._explore(requests, rooms, n)  # the exact choice below would give none, at several times the cost
         worth = self._worth_matrix(requests)
@@ -192,25 +189,24 @@ class AdaptivePolicy:
         plain = size.plain_rate
         if not len(order):
             return self._explore(requests, rooms, n)
-        rates = (n + np.cumsum(flat[order])) / (size.curve[: len(order)] + (size.break_cost if entering else 0.0))
+        rates = (n + np.cumsum(flat[order])) / size.curve[: len(order)]
         best = int(np.argmax(rates))
         if rates[best] <= plain * (1 + 1e-9):
             return self._explore(requests, rooms, n)
         chosen = np.bincount(order[: best + 1] // steps, minlength=n).tolist()
         return [max(a, b) for a, b in zip(chosen, self._explore(requests, rooms, n, drafting=chosen))]
 
-    def _choose_one(self, request: Request, room: int, expect_offers: bool, entering: bool = False) -> list[int]:
+    def _choose_one(self, request: Request, room: int, expect_offers: bool) -> list[int]:
         """choose() for one warm request, in plain Python (numpy's per-call cost is most of a step's policy time
         at batch 1, where a step's host work is a millisecond or two): its drafts in position order, the count with
         the best rate."""
         offer = self.offer_rate(request) if expect_offers else 1.0
         size = self._size(1)
-        broken = size.break_cost if entering else 0.0
         best, best_rate, total, worth = 0, size.plain_rate * (1 + 1e-9), 1.0, 1.0
         for d, (accept, cost) in enumerate(zip(self._rates_one(request)[: min(room, self.steps)], size.curve_list)):
             worth *= accept
             total += worth * offer
-            rate = total / (cost + broken)
+            rate = total / cost
             if rate > best_rate:
                 best, best_rate = d + 1, rate
         return [max(best, self._explore([request], [room], 1)[0])]
@@ -423,8 +419,7 @@ class FixedPolicy:
     def candidates(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[int]:
         return self.choose(requests, rooms)
 
-    def choose(self, requests: Sequence[Request], rooms: Sequence[int], expect_offers: bool = False,
-               entering: bool = False) -> list[int]:
+    def choose(self, requests: Sequence[Request], rooms: Sequence[int], expect_offers: bool = False) -> list[int]:
         return [min(self.steps, max(room, 0)) if self.due(r) else 0 for r, room in zip(requests, rooms)]
 
     def record(self, request: Request, drafted: int, accepted: int) -> None:

@@ -131,13 +131,13 @@ class SpeculativeDecoding:
 
     def wants_drafts(self, running: Sequence[Request]) -> bool:
         """Whether the policy would draft for some of these running requests (those that decode): then the step
-        in flight is read first. Drafts count with their chance of coming (a step that drafts nothing would have
-        given up the overlap schedule for nothing), and the verify step with the break of the schedule it makes."""
+        in flight is read first. Drafts count with their chance of coming: a step that drafts nothing would have
+        given up the overlap schedule for nothing."""
         decoding = [r for r in running if r.output_ids]
         if not decoding or not self.policy.may_draft(len(decoding)) or self._left_unasked(len(decoding)):
             return False
         rooms = [min(self.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in decoding]
-        return any(self.policy.choose(decoding, rooms, expect_offers=True, entering=True))
+        return any(self.policy.choose(decoding, rooms, expect_offers=True))
 
     def drafts_in(self, decoding: Sequence[Request]) -> bool:
         """Whether a step of these decoding requests (is_decoding) takes the speculative path (with no step in
