@@ -230,3 +230,27 @@ def test_a_request_joining_a_replayed_run_takes_its_token_from_the_host(echo, pl
     assert [r.output_ids for r in requests] == plain
     assert any(mixed), "no replayed step had both carried and joined rows"
     assert conserved(spec)
+
+
+@interpreted
+def test_idle_steps_inside_a_replayed_run_change_no_token(echo, plain):
+    """A run that goes on through steps of no drafts (keeps_run) replays the one-row-wide graphs there: each idle
+    step's last tokens come from the accepted state and it emits one token per request; drafting then resumes in
+    the same run, and no token changes."""
+    spec = engine(echo, overlap_schedule=True, speculative_algorithm="ngram", speculative_num_steps=3)
+    replayed = install_graphs(spec)
+    policy = spec.speculation.policy
+    choose, calls = policy.choose, []
+
+    def every_third_idle(requests, rooms, *args, **kwargs):
+        calls.append(1)
+        counts = choose(requests, rooms, *args, **kwargs)
+        return [0] * len(counts) if len(calls) % 3 == 0 else counts
+
+    policy.choose = every_third_idle
+    policy.keeps_run = lambda n, idle: True
+    got = spec.generate(ECHO_PROMPTS, GREEDY)
+    assert [r.output_ids for r in got] == plain
+    assert (4, 1) in replayed and (4, 4) in replayed, replayed  # idle and full-width steps of the 3 requests
+    assert spec.step_log.breaks["verify_run_ended"] <= 1  # (the run ends once: the last request finishes)
+    assert conserved(spec)
