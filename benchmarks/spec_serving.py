@@ -66,7 +66,7 @@ def step_mix(before: dict, after: dict) -> dict:
     return {"kinds": kinds, "breaks": {r: n - before["breaks"].get(r, 0) for r, n in after["breaks"].items()}}
 
 
-MIX_KINDS = ("prompt", "decode", "verify_overlap", "verify", "none")
+MIX_KINDS = ("prompt", "decode", "verify_overlap", "verify_idle", "verify", "none")
 
 
 def mix_row(run: int, concurrency: int, name: str, mix: dict) -> str:

@@ -298,7 +298,7 @@ class Engine:
             admitted = self._admit_ahead() if self.in_flight is None and self.scheduler.waiting else None
             if self.in_flight is not None:
                 self.balancing.after_forward()
-                self.step_log.launched("verify_overlap")
+                self.step_log.launched("verify_idle" if self.in_flight.idle else "verify_overlap")
             elif admitted is None:
                 self.step_log.broke("verify_run_ended")
             finished = self.overlap_verify.read(previous, self.in_flight, self._append, self._fail, self.sampler)

@@ -8,6 +8,8 @@ Kinds (what a step launched):
   mixed           both in one step
   verify          a speculative verify step on the synchronous path (drafts from the host, tokens read in the step)
   verify_overlap  a verify step under the overlap schedule (speculation/overlap.py)
+  verify_idle     one that verifies no draft: a run of them going on while that costs less than ending it
+                  (AdaptivePolicy.keeps_run)
   none            nothing launched (a step that only read the step in flight, or found no work)
 
 Under the overlap schedule `step()` waits for the step launched before it, so the seconds a kind gets are the
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import attrs
 
-KINDS = ("prompt", "decode", "mixed", "verify", "verify_overlap", "none")
+KINDS = ("prompt", "decode", "mixed", "verify", "verify_overlap", "verify_idle", "none")
 BREAKS = ("drafts_wanted", "verify_run_ended")
 
 

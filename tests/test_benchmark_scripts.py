@@ -163,7 +163,7 @@ def test_spec_serving_against_the_same_server_without_speculation(tmp_path):
     rows = [row for row in table_rows(out, "1") if len(row) == 12]
     assert sorted(row[2] for row in rows) == ["ngram", "none"] and all(row[3] == "4/4" for row in rows), out
     # the step mix: every level ran a prompt step and decoded (the ngram server verified or stepped plainly)
-    mixes = [row for row in table_rows(out, "1") if len(row) == 10]
+    mixes = [row for row in table_rows(out, "1") if len(row) == 11]
     assert sorted(row[2] for row in mixes) == ["ngram", "none"] and all(row[3] != "0" for row in mixes), out
     summary = table_rows(out, "2")
     assert len(summary) == 1 and float(summary[0][3].split()[0]) > 0, out
