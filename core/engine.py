@@ -295,7 +295,7 @@ class Engine:
         if isinstance(self.in_flight, VerifyInFlight):  # launch the next verify step before reading this one
             previous = self.in_flight
             self.in_flight = self.overlap_verify.follow(previous, self.scheduler, self.grammar.tracks, self.hooks)
-            admitted = self._admit_ahead() if self.in_flight is None and self.scheduler.waiting else None
+            admitted = self._admit_ahead() if self.in_flight is None and self.scheduler.may_admit else None
             if self.in_flight is not None:
                 self.balancing.after_forward()
                 self.step_log.launched("verify_idle" if self.in_flight.idle else "verify_overlap")
@@ -359,7 +359,7 @@ class Engine:
         drafts for none of them."""
         pending = {id(r) for r in self.in_flight.requests}
         ready = [r for r in self.scheduler.running if id(r) not in pending]
-        if self.overlap_verify is None or self.pd is not None or self.scheduler.waiting or not ready or \
+        if self.overlap_verify is None or self.pd is not None or self.scheduler.may_admit or not ready or \
                 not all(host_decodes(r) for r in ready):
             return None
         launched = self.overlap_verify.start(ready, self.grammar.tracks, self.hooks)

@@ -60,6 +60,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def may_admit(self) -> bool:
+        """Whether a waiting request may be admitted now: one waits and a running slot is free (pages and the token
+        budget decide then). With every slot taken, waiting requests change nothing until a running one ends."""
+        return bool(self.waiting) and len(self.running) < self.max_running
+
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 

@@ -128,7 +128,8 @@ def test_a_run_goes_on_through_steps_of_no_drafts_while_that_costs_less_than_its
     """Where ending a run of overlapped verify steps costs breaks of the overlap schedule (one now, one when drafts
     are wanted again), a step the policy drafts nothing for is a verify step of no drafts (width 1) while the run's
     idle steps cost less than two breaks (ski rental: a verify step of one row costs 0.3 more than a plain one
-    here, and drafts of a random model rarely pay), then the run ends. Breaks that cost nothing end it at once. No token changes either way."""
+    here, and drafts of a random model rarely pay), then the run ends. Breaks that cost nothing end it at once. No
+    token changes either way."""
     import moeplex.engine
     from moeplex.speculation.costs import StepCosts, grid_sizes
 
@@ -183,6 +184,20 @@ def echo(tiny_model_dir, tmp_path_factory):
 
 
 ECHO_PROMPTS = [[256, 5, 6, 7, 5, 6, 7, 7, 7], [300, 301, 99, 99], [256] + list(range(40, 60))]
+
+
+def test_requests_waiting_for_a_slot_do_not_end_a_run(echo):
+    """With every running slot taken, waiting requests cannot be admitted, so they do not end a run of verify steps
+    (every follow did, and an offline batch larger than --max-running-requests broke the overlap schedule at every
+    step); a run ends where a slot frees and a waiting request is admitted. No token changes."""
+    want = outputs(engine(echo).generate(ECHO_PROMPTS, GREEDY))
+    spec = engine(echo, overlap_schedule=True, max_running_requests=1, **NGRAM)
+    launches = Launches(spec)
+    got = spec.generate(ECHO_PROMPTS, GREEDY)
+    assert outputs(got) == want
+    assert launches.following > 2 * launches.first, (launches.following, launches.first)
+    assert spec.step_log.breaks["verify_run_ended"] <= len(ECHO_PROMPTS)  # one per admission at most
+    assert conserved(spec)
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 7, 16])

@@ -114,7 +114,7 @@ class OverlapVerify:
         ids = {id(r) for r in carried}
         joined = [r for r in running if id(r) not in ids]
         requests = carried + joined
-        if scheduler.waiting or len(requests) != len(running) or not all(host_decodes(r) for r in joined) or \
+        if scheduler.may_admit or len(requests) != len(running) or not all(host_decodes(r) for r in joined) or \
                 not eligible(requests, tracks_grammar):
             return None
         spec = self.spec
