@@ -4,10 +4,12 @@
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-profile-dsv3|
 #                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
-#   bash benchmarks/gpu_system.sh OUT spec-serve spec-serve-spread  # #32: served ngram (session 8: 0.78x at 16 after
-#                                         #      the per-step sync; arrivals joining verify runs and the priced breaks
-#                                         #      not measured yet), then with requests of mixed lengths
-#   bash benchmarks/gpu_system.sh OUT spec-steady              # #32: steady batches (not measured since session 6)
+#   bash benchmarks/gpu_system.sh OUT spec-steady              # #32: steady batches (not measured since session 6;
+#                                         #      waiting requests ended every run until session 9: offline and
+#                                         #      non-steady runs with a queue are the ones that change)
+#   bash benchmarks/gpu_system.sh OUT spec-serve tests-overlap spec-serve-spread  # #32 served (session 9, H100: 1.00 /
+#                                         #      0.75 / 0.99, spread 0.99 / 0.97 / 0.97; the 0.75 is prompt steps'
+#                                         #      host time: build prompt-step graphs first)
 #   bash benchmarks/gpu_system.sh OUT tests spec-dsv3          # #32: GPU tests; nextn (where b8 loses)
 #   bash benchmarks/gpu_system.sh OUT spec-profile-dsv3 spec-mixed
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles

@@ -169,6 +169,17 @@ def test_spec_serving_against_the_same_server_without_speculation(tmp_path):
     assert len(summary) == 1 and float(summary[0][3].split()[0]) > 0, out
 
 
+def test_overlap_breaks_counts_both_ways_of_ending_a_run(tmp_path):
+    """Both ways run the workload to the end under the given costs; with breaks dearer than many idle steps the
+    run that goes on breaks the schedule no more often than the one that ends at once."""
+    out = run("overlap_breaks.py", tmp_path / "breaks.md", "--requests", "4", "--max-running", "2", "--output-len",
+              "16", "--break-ms", "5", timeout=300)
+    ends, keeps = table_rows(out, "ends_at_once"), table_rows(out, "keeps_run")
+    assert len(ends) == len(keeps) == 1, out
+    breaks = [int(row[2]) + int(row[3]) for row in ends + keeps]
+    assert breaks[1] <= breaks[0] and float(ends[0][5]) > 0 and "verify_overlap" in ends[0][1], out
+
+
 def test_moe_small_m_under_the_triton_interpreter(tmp_path):
     """The decode-size MoE sweep (issue #31 target 1) checks each candidate against the torch kernel before timing:
     a candidate must come out in the table, not as WRONG or skipped, and --write-configs writes the plugin's table."""
