@@ -21,6 +21,8 @@ set -o pipefail
 out=${1:-.}; shift
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 nvidia-smi -L | tee "$out/gpus.txt"
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]\+" | head -1 | tr H h)
+card=${card:-gpu}  # the tables are named by the card that ran them (h100, h200)
 deadline=$(( $(date +%s) + ${GPU_BUDGET_S:-3600} ))  # GPU_BUDGET_S: the whole call's seconds; each part's limit shrinks to fit
 lim() { local left=$(( deadline - $(date +%s) - 5 )); echo $(( $1 < left ? $1 : (left > 1 ? left : 1) )); }
 for part in "$@"; do
@@ -40,18 +42,18 @@ for part in "$@"; do
         tests/test_spec_overlap.py 2>&1 | tee "$out/gpu_tests_overlap.log" | tail -8 ;;
     spec)
       timeout $(lim 240) python3 benchmarks/speculative.py --device cuda --qwen-layers 12 --batches 1 8 32 --runs 3 \
-        --out "$out/speculative_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -40 ;;
+        --out "$out/speculative_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -40 ;;
     spec-steady)
       timeout $(lim 420) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
         --runs 3 --batches 1 8 32 64 --output-len 64 --drafters ngram test-oracle test-oracle-device test-adversary \
-        --out "$out/speculative_steady_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -40 ;;
+        --out "$out/speculative_steady_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -40 ;;
     spec-mixed)
       timeout $(lim 300) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
         --runs 3 --batches 8 32 --output-len 64 --drafters ngram --mixed-chunk on \
-        --out "$out/speculative_mixed_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
+        --out "$out/speculative_mixed_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
     spec-dsv3)
       timeout $(lim 360) python3 benchmarks/speculative.py --device cuda --only dsv3 --steady --runs 3 --batches 1 8 32 64 \
-        --output-len 64 --drafters nextn --out "$out/speculative_dsv3_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -30 ;;
+        --output-len 64 --drafters nextn --out "$out/speculative_dsv3_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -30 ;;
     spec-profile)
       timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch 1 --out "$out/prof1" \
         --drafters ngram/fixed/overlap ngram/overlap test-oracle-device 2>&1 | grep -v -i warn | tail -20
@@ -67,13 +69,13 @@ for part in "$@"; do
     spec-serve-spread)  # the same, each request's new tokens uniform in 64 x [0.5, 1.5]: arrivals apart for both servers
       timeout $(lim 300) python3 benchmarks/spec_serving.py --arch qwen3_moe --preset 30b-a3b --layers 12 --load-format dummy \
         --dtype bf16 --device cuda --runs 3 --num-requests 128 --output-len 64 --output-spread 0.5 \
-        --out "$out/spec_serving_spread_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
+        --out "$out/spec_serving_spread_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
     host-prompts)  # steady decode at 16 with a 97-token prompt arriving every 4 steps: syncs, step kinds, cProfile
       timeout $(lim 150) python3 benchmarks/host_profile.py --layers 12 --batch 16 --admit-every 4 --prompt-len 97 \
         --steps 40 --out "$out/host_prompts.md" 2>&1 | grep -v -i warn | tail -30 ;;
     spec-serve)
       timeout $(lim 300) python3 benchmarks/spec_serving.py --arch qwen3_moe --preset 30b-a3b --layers 12 --load-format dummy \
-        --dtype bf16 --device cuda --runs 3 --num-requests 128 --output-len 64 --out "$out/spec_serving_h200.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
+        --dtype bf16 --device cuda --runs 3 --num-requests 128 --output-len 64 --out "$out/spec_serving_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
     moe-small-m)
       timeout $(lim 240) python3 benchmarks/moe_small_m.py --shapes deepseek-v3 --runs 5 --out "$out/moe_small_m_dsv3.md" \
         --write-configs "$out/configs" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
@@ -96,10 +98,10 @@ for part in "$@"; do
       python3 -m pip install -q --no-deps --no-index .dg/deepgemm-*.whl
       mkdir -p .dg/cache
       CPLUS_INCLUDE_PATH=$PWD/.dg/include DG_JIT_CACHE_DIR=$PWD/.dg/cache timeout $(lim 420) python3 benchmarks/deepgemm_masked.py \
-        --tokens 1 8 32 --runs 3 --out "$out/deepgemm_masked_h200.md" 2>&1 | grep -v -i warn | tail -12
+        --tokens 1 8 32 --runs 3 --out "$out/deepgemm_masked_${card}.md" 2>&1 | grep -v -i warn | tail -12
       tar czf "$out/dg_cache.tgz" -C .dg cache ;;
     prefix)
-      timeout $(lim 300) python3 benchmarks/prefix_cache.py --device cuda --runs 3 --out "$out/prefix_cache_h200.md" 2>&1 \
+      timeout $(lim 300) python3 benchmarks/prefix_cache.py --device cuda --runs 3 --out "$out/prefix_cache_${card}.md" 2>&1 \
         | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
   esac
 done
