@@ -45,7 +45,7 @@ for part in "$@"; do
         --out "$out/speculative_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -40 ;;
     spec-steady)
       timeout $(lim 420) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
-        --runs 3 --batches 1 8 32 64 --output-len 64 --drafters ngram test-oracle test-oracle-device test-adversary \
+        --runs 3 --batches 1 8 32 64 --output-len 64 --drafters ngram ngram/table test-oracle-device test-adversary \
         --out "$out/speculative_steady_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -40 ;;
     spec-mixed)
       timeout $(lim 300) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \

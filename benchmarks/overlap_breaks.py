@@ -48,7 +48,8 @@ def count(folder: str, way: str, args) -> dict:
     try:
         engine = Engine(EngineConfig(model=folder, dtype="fp32", show_progress=False, overlap_schedule=True,
                                      speculative_algorithm="ngram", speculative_num_steps=len(verify) - 1,
-                                     max_running_requests=args.max_running, max_total_tokens=8192))
+                                     max_running_requests=args.max_running, max_total_tokens=8192,
+                                     speculative_cost_calibration=False))  # (the table is given, not this CPU's)
     finally:
         moeplex.engine.measure_step_costs = measure
     if engine.overlap_verify is None:

@@ -50,6 +50,7 @@ accept length 2.2-2.4) are printed beside the oracle and ngram rows: a trained M
 from __future__ import annotations
 
 import argparse
+import copy
 import contextlib
 import gc
 import importlib
@@ -89,7 +90,8 @@ FIXED = "/fixed"  # ... the fixed policy with backoff
 OVERLAP = "/overlap"  # ... the overlap schedule forced on (the default on a GPU only)
 SYNC = "/sync"  # ... the overlap schedule off
 CONTROL = "/control"  # "none/control": a second plain engine, the A/A control of a shared machine's noise
-SUFFIXES = (NO_BACKOFF, FIXED, OVERLAP, SYNC, CONTROL)
+TABLE = "/table"  # ... the adaptive policy priced by the start-up table only (--disable-speculative-cost-calibration)
+SUFFIXES = (NO_BACKOFF, FIXED, OVERLAP, SYNC, CONTROL, TABLE)
 DEFAULT_DRAFTERS = ["none", "ngram", "test-oracle", "test-adversary"]
 
 
@@ -102,7 +104,8 @@ def drafter_name(drafter: str) -> str:
 
 def label_of(drafter: str) -> str:
     return (drafter.removeprefix("test-").replace(NO_BACKOFF, " (no backoff)").replace(FIXED, " (fixed)")
-            .replace(OVERLAP, " (overlap)").replace(SYNC, " (no overlap)").replace(CONTROL, " (second engine)"))
+            .replace(OVERLAP, " (overlap)").replace(SYNC, " (no overlap)").replace(CONTROL, " (second engine)")
+            .replace(TABLE, " (table only)"))
 
 
 def engine_for(folder: str, args, drafter: str) -> Engine:
@@ -124,7 +127,8 @@ def engine_for(folder: str, args, drafter: str) -> Engine:
         fixed = NO_BACKOFF in drafter or FIXED in drafter
         settings.update(speculative_algorithm=drafter_name(drafter), speculative_num_steps=args.steps,
                         speculative_policy="fixed" if fixed else "adaptive",
-                        disable_speculative_backoff=NO_BACKOFF in drafter)
+                        disable_speculative_backoff=NO_BACKOFF in drafter,
+                        speculative_cost_calibration=TABLE not in drafter)
     with forced_acceptance(forced(drafter, args)):  # the overlapped verify step's graphs capture the forced accept
         engine = Engine(EngineConfig(**settings))
     costs = getattr(engine, "step_costs", None)
@@ -229,6 +233,7 @@ def measure(engine: Engine, drafter: str, batch: int, prompts, args, reference: 
     --steady or None). `none`'s first outputs per batch become the reference that the oracle proposes and that
     every drafter must reproduce (on CPU)."""
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    log_before = copy.deepcopy(engine.step_log)
     if drafter.startswith(("test-oracle", "test-adversary")):
         script_drafters.set_script([p + out for p, out in zip(prompts, reference[batch])])
     with forced_acceptance(forced(drafter, args)):
@@ -243,8 +248,24 @@ def measure(engine: Engine, drafter: str, batch: int, prompts, args, reference: 
         reference.setdefault(batch, outputs)
     elif outputs != reference[batch] and args.device == "cpu":  # bf16 GPU runs differ in near-ties
         raise AssertionError(f"{drafter} changed the output at batch {batch}")
+    print(f"#   {drafter} at {batch}: {step_mix(log_before, engine)}", flush=True)
     steps = sum(r.spec_verify_steps for r in done)
     return rate, (sum(r.spec_accepted_tokens for r in done) + steps) / steps if steps else None, clean
+
+
+def step_mix(before, engine: Engine) -> str:
+    """The run's steps by kind (count x mean wall ms), the overlap schedule's breaks, and the verify costs' scales
+    the calibration reached (speculation/calibration.py; sizes where it moved the table)."""
+    log = engine.step_log
+    parts = [f"{kind} {log.steps[kind] - before.steps[kind]}x"
+             f"{(log.seconds[kind] - before.seconds[kind]) * 1e3 / (log.steps[kind] - before.steps[kind]):.2f}ms"
+             for kind in log.steps if log.steps[kind] > before.steps[kind]]
+    parts += [f"breaks {reason} {log.breaks[reason] - before.breaks[reason]}" for reason in log.breaks
+              if log.breaks[reason] > before.breaks[reason]]
+    costs = getattr(engine, "step_costs", None)
+    if costs is not None and costs.scales:
+        parts.append("verify scales " + " ".join(f"{n}:{s:.2f}" for n, s in sorted(costs.scales.items())))
+    return ", ".join(parts)
 
 
 def warmed_engine(folder: str, args, drafter: str) -> Engine:
@@ -338,7 +359,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--drafters", nargs="+", default=None,
                         help=f"default: {' '.join(DEFAULT_DRAFTERS)} (+ nextn on DeepSeek-V3); none always runs "
                         f"first; a suffix {FIXED} or {NO_BACKOFF} picks the fixed policy, {OVERLAP} or {SYNC} turns the "
-                             "overlap schedule on or off")
+                             f"overlap schedule on or off, {TABLE} prices verify steps by the start-up table only")
     parser.add_argument("--steps", type=int, default=3, help="--speculative-num-steps (default: %(default)s)")
     parser.add_argument("--output-len", type=int, default=None, help="tokens per request (default: 32 CPU, 128 GPU)")
     parser.add_argument("--runs", type=int, default=3)

@@ -112,6 +112,8 @@ class EngineConfig:
     # how many drafts each request verifies per step: adaptive (from a measured step-cost model and each request's
     # acceptance) or fixed (every due request drafts --speculative-num-steps, with backoff)
     speculative_policy: str = attrs.field(default="adaptive", validator=_one_of(("adaptive", "fixed")))
+    # the adaptive policy's verify costs scaled to what verify steps take while serving (speculation/calibration.py)
+    speculative_cost_calibration: bool = True
     # structured outputs (docs/structured_outputs.md): the grammar_backend plugin that turns constraints into masks
     grammar_backend: str = "xgrammar"
     # prefill/decode disaggregation (docs/pd.md): this server's role, how KV pages move, and the deadlines

@@ -50,7 +50,8 @@ from .sampler import FAILED, Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .speculation.policy import AdaptivePolicy, FixedPolicy
-from .speculation.setup import check_drafter, drafter_context, measure_step_costs
+from .speculation.calibration import Calibration
+from .speculation.setup import check_drafter, drafter_context, measure_step_costs, slowest_of
 from .speculation.overlap import OverlapVerify, VerifyInFlight, eligible, host_decodes
 from .speculation.verify_graphs import verify_graphs
 from .speculation.step import SpeculativeDecoding, is_decoding
@@ -148,6 +149,7 @@ class Engine:
             if graphs is not None:  # its greedy steps as graph replays (speculation/verify_graphs.py)
                 self.overlap_verify.graphs = verify_graphs(drafter, graphs, self.model.hf_config["vocab_size"],
                                                            config.max_running_requests, CudaGraphCapture(self.device))
+        self.calibration: Calibration | None = None
         if self.speculation is not None and config.speculative_policy == "adaptive":
             self.step_costs = measure_step_costs(self.runner, self.kv, config, self.speculation.decode_rows,
                                                  drafter.caps.needs_hidden, self._agree, self.parallel.world,
@@ -160,6 +162,9 @@ class Engine:
                                                  proposal_costs=drafter.proposal_costs,
                                                  verify_overhead=self._verify_overhead)
             self.speculation.policy = AdaptivePolicy(drafter.num_steps, self.step_costs)
+            # the table scaled to what verify steps take while serving (DP ranks step apart: their timings cannot agree)
+            if config.speculative_cost_calibration and self.parallel.config.dp_size == 1:
+                self.calibration = Calibration(self.step_costs, slowest_of(self.parallel.world))
         # prefill/decode disaggregation: this rank's transfer backend and the pages it holds or expects
         self.pd = RankTransfers.create(self) if config.disaggregation_mode != "none" else None
         self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet
@@ -285,7 +290,9 @@ class Engine:
         try:
             return self._step()
         finally:
-            self.step_log.timed(time.perf_counter() - start)
+            timed = self.step_log.timed(time.perf_counter() - start)
+            if self.calibration is not None:
+                self.calibration.observe(timed)
 
     def _step(self) -> list[Request]:
         if self.pd is not None:
@@ -298,7 +305,7 @@ class Engine:
             admitted = self._admit_ahead() if self.in_flight is None and self.scheduler.may_admit else None
             if self.in_flight is not None:
                 self.balancing.after_forward()
-                self.step_log.launched("verify_idle" if self.in_flight.idle else "verify_overlap")
+                self.step_log.launched("verify_idle" if self.in_flight.idle else "verify_overlap", *self.in_flight.shape)
             elif admitted is None:
                 self.step_log.broke("verify_run_ended")
             finished = self.overlap_verify.read(previous, self.in_flight, self._append, self._fail, self.sampler)
@@ -365,7 +372,7 @@ class Engine:
         launched = self.overlap_verify.start(ready, self.grammar.tracks, self.hooks)
         if launched is not None:
             self.balancing.after_forward()
-            self.step_log.launched("verify_overlap")
+            self.step_log.launched("verify_overlap", *launched.shape)
         return launched
 
     def _speculative_step(self, work, drafts: list[list[int]]) -> list[Request]:
@@ -376,7 +383,8 @@ class Engine:
         if batch is None:
             return []
         self.hooks.hook.moeplex_batch_scheduled(batch=batch)
-        self.step_log.launched("verify")
+        decodes_only = all(is_decoding(item) for item in work)  # (a prompt in it: no verify step's cost to compare)
+        self.step_log.launched("verify", len(work) if decodes_only else 0, len(work) + sum(len(d) for d in drafts))
         finished = self.speculation.run(
             work, batch, drafts, self.runner.verify_forward, self.scheduler, self._append, self._fail, self.sampler,
             mask=self.grammar.mask_drafts,
@@ -401,7 +409,7 @@ class Engine:
         self.in_flight = self.overlap_verify.start(decoding, self.grammar.tracks, self.hooks)
         if self.in_flight is not None:
             self.balancing.after_forward()
-            self.step_log.launched("verify_overlap")
+            self.step_log.launched("verify_overlap", *self.in_flight.shape)
         return self.in_flight is not None
 
     def _fail(self, request: Request) -> None:
@@ -411,7 +419,7 @@ class Engine:
     def _launch(self, work, batch: ForwardBatch) -> InFlight | None:
         """Run the batch and sample on the device; the requests due a token hold a place for it."""
         self.hooks.hook.moeplex_batch_scheduled(batch=batch)
-        self.step_log.launched(launch_kind(work))
+        self.step_log.launched(launch_kind(work), len(work), len(work))
         prompt_rows = prompt_logprobs.due_rows(work)
         extra_rows = [row for _, row, _ in prompt_rows]
         observed = None

@@ -28,24 +28,42 @@ KINDS = ("prompt", "decode", "mixed", "verify", "verify_overlap", "verify_idle",
 BREAKS = ("drafts_wanted", "verify_run_ended")
 
 
+@attrs.frozen
+class TimedStep:
+    """One engine step: what it launched (StepLog's kind), its shape, its wall seconds, and whether the overlap
+    schedule broke during it."""
+
+    kind: str
+    requests: int
+    rows: int
+    seconds: float
+    broken: bool
+
+
 @attrs.define
 class StepLog:
     steps: dict[str, int] = attrs.Factory(lambda: dict.fromkeys(KINDS, 0))
     seconds: dict[str, float] = attrs.Factory(lambda: dict.fromkeys(KINDS, 0.0))
     breaks: dict[str, int] = attrs.Factory(lambda: dict.fromkeys(BREAKS, 0))
     kind: str = "none"  # what the step under way launched (the last launch wins: a step launches at most one)
+    shape: tuple[int, int] = (0, 0)  # ... its requests and rows (verify steps: the rows the policy chose)
+    broken: bool = False  # whether the overlap schedule broke during the step under way
+    last: TimedStep | None = None  # the step that ended last
 
-    def launched(self, kind: str) -> None:
-        self.kind = kind
+    def launched(self, kind: str, requests: int = 0, rows: int = 0) -> None:
+        self.kind, self.shape = kind, (requests, rows)
 
     def broke(self, reason: str) -> None:
         self.breaks[reason] += 1
+        self.broken = True
 
-    def timed(self, seconds: float) -> None:
+    def timed(self, seconds: float) -> TimedStep:
         """The step under way ended after `seconds`: counted for what it launched."""
         self.steps[self.kind] += 1
         self.seconds[self.kind] += seconds
-        self.kind = "none"
+        self.last = TimedStep(self.kind, *self.shape, seconds, self.broken)
+        self.kind, self.shape, self.broken = "none", (0, 0), False
+        return self.last
 
     def totals(self) -> tuple[tuple[str, int, float], ...]:
         """(kind, steps, seconds) per kind, for GroupStats."""

@@ -9,6 +9,7 @@ the overlap schedule: the mechanism's ceiling there, where the host oracle's ste
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -21,6 +22,7 @@ VOCAB = 512  # of the tiny models; the adversary's wrong tokens stay inside it
 FALLBACK = False  # benchmarks that force acceptance: where no sequence continues a request, the oracle repeats its
 # last token, the device oracle drafts by position from the sequence closest to it (closest_row)
 HEAD = 32  # tokens compared first: a cheap filter before the whole prefix is
+SLOW_SECONDS = 0.1  # the slow oracle's host work per step
 VERSION = 0  # moved by set_script: the device oracle copies SCRIPT to the device again
 
 
@@ -64,6 +66,14 @@ class OracleDrafter(Drafter):
         if FALLBACK:
             drafts = [d or [r.token_ids[-1]] * self.num_steps for d, r in zip(drafts, requests)]
         return Drafts(drafts)
+
+
+class SlowOracleDrafter(OracleDrafter):
+    """The oracle, with host work of SLOW_SECONDS in every step it drafts for (no step-cost measurement sees it)."""
+
+    def propose(self, requests: Sequence[DraftRequest]) -> Drafts:
+        time.sleep(SLOW_SECONDS)
+        return super().propose(requests)
 
 
 class AdversaryDrafter(Drafter):
@@ -161,6 +171,7 @@ class StaticOracle(StaticProposer):
 
 ENTRY_POINTS = {"moeplex.drafters": {"test-oracle": "script_drafters:OracleDrafter",
                                      "test-oracle-device": "script_drafters:DeviceOracleDrafter",
+                                     "test-slow-oracle": "script_drafters:SlowOracleDrafter",
                                      "test-adversary": "script_drafters:AdversaryDrafter",
                                      "test-oov": "script_drafters:OutOfVocabularyDrafter"}}
 

@@ -110,7 +110,7 @@ def test_a_step_the_policy_drafts_nothing_for_is_a_plain_step(tiny_model_dir, pl
     monkeypatch.setattr(moeplex.engine, "measure_step_costs",
                         lambda *a, **k: StepCosts(grid_sizes(4), lambda n: [1.0, 1.05, 1.1, 1.15, 1.2]))
     spec = engine(tiny_model_dir("qwen3_moe"), overlap_schedule=True, max_running_requests=4,
-                  speculative_policy="adaptive", **NGRAM)
+                  speculative_policy="adaptive", speculative_cost_calibration=False, **NGRAM)  # (the table is given)
     chosen = []
     launch = spec.overlap_verify.launch
     spec.overlap_verify.launch = lambda requests, counts, *rest: chosen.append(list(counts)) or launch(requests, counts,
@@ -136,7 +136,7 @@ def test_a_run_goes_on_through_steps_of_no_drafts_while_that_costs_less_than_its
     monkeypatch.setattr(moeplex.engine, "measure_step_costs", lambda *a, **k: StepCosts(
         grid_sizes(4), lambda n: [1.0, 1.1, 1.9, 2.7, 3.5], lambda n: break_cost))
     spec = engine(tiny_model_dir("qwen3_moe"), overlap_schedule=True, max_running_requests=4,
-                  speculative_policy="adaptive", **NGRAM)
+                  speculative_policy="adaptive", speculative_cost_calibration=False, **NGRAM)  # (the table is given)
     idles = []
     launch = spec.overlap_verify.launch
 

@@ -140,6 +140,8 @@ def config(folder: str, **overrides) -> EngineConfig:
 
 
 def run(folder, params, policy_costs=None, **overrides):
+    if policy_costs is not None:
+        overrides.setdefault("speculative_cost_calibration", False)  # (the table is given, not this CPU's)
     engine = Engine(config(folder, **overrides))
     if policy_costs is not None:  # a cost model where the choice depends on each request's record
         engine.speculation.policy = AdaptivePolicy(STEPS, StepCosts(grid_sizes(64), policy_costs))

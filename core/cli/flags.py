@@ -270,6 +270,14 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
         choices=("adaptive", "fixed"),
     )
+    flag(
+        spec, "--disable-speculative-cost-calibration",
+        "price verify steps at the start-up measurement only; by default the adaptive policy scales them to what "
+        "verify steps take while serving against plain ones (host work the measurement does not see: the drafter's, "
+        "the acceptance's, a host slower than the device at large batches), so it stops drafting where drafting "
+        "measurably loses. Output is the same either way; with calibration, which steps draft depends on timings",
+        dest="speculative_cost_calibration", action="store_false",
+    )
 
 
 DISAGGREGATION_FLAGS = ("--disaggregation-mode", "--disaggregation-transfer-backend", "--disaggregation-transfer-config",

@@ -72,7 +72,10 @@ class StepCosts:
     `break_cost(n)`: what one break of the overlap schedule costs a step of n requests (a step in flight read
     before the next is launched: the host's part of a step, which the schedule otherwise hides), from
     `measure_break(size)` (none given: 0, as where steps do not overlap). Entering a run of overlapped verify
-    steps from plain ones costs one, leaving it another (the policy prices its tries with them)."""
+    steps from plain ones costs one, leaving it another (the policy prices its tries with them).
+
+    `set_scale(size, factor)`: verify steps of that size cost `factor` times the table from now on (calibration.py:
+    what serving measures them at, against plain steps); `table_cost` is the table without it."""
 
     def __init__(self, sizes: Sequence[int], measure_size: Callable[[int], Sequence[float]],
                  measure_break: Callable[[int], float] | None = None):
@@ -81,29 +84,43 @@ class StepCosts:
         self.measure_break = measure_break
         self.measured: dict[int, list[float]] = {}
         self.breaks: dict[int, float] = {}
+        self.scales: dict[int, float] = {}  # per size: verify steps' cost as served / as measured (calibration.py)
         self.version = 0  # moves whenever a size is measured (what was derived from the table may be stale)
 
     def cost(self, n: int, rows: int, verify: bool) -> float:
-        j = bisect.bisect_left(self.sizes, n)
-        size = self.sizes[min(j, len(self.sizes) - 1)]
+        return self.table_cost(n, rows, verify) * (self.scale(self.size_of(n)) if verify else 1.0)
+
+    def table_cost(self, n: int, rows: int, verify: bool) -> float:
+        """cost() as the table has it, without the calibration's scale."""
+        size = self.size_of(n)
         costs = self.at(size)
-        scale = max(n / size, 1.0)  # beyond the grid: the largest size's cost per request
+        beyond = max(n / size, 1.0)  # beyond the grid: the largest size's cost per request
         if not verify:
-            return costs[0] * scale
-        return _interpolate(costs[1:], rows / n) * scale
+            return costs[0] * beyond
+        return _interpolate(costs[1:], rows / n) * beyond
 
     def verify_curve(self, n: int, rows: np.ndarray) -> np.ndarray:
         """cost(n, rows[i], verify=True) for every entry of `rows`, at once."""
-        j = bisect.bisect_left(self.sizes, n)
-        size = self.sizes[min(j, len(self.sizes) - 1)]
+        size = self.size_of(n)
         values = np.asarray(self.at(size)[1:])
         k = np.asarray(rows, dtype=np.float64) / n
         width = len(values)
         inside = np.interp(k, np.arange(1, width + 1), values)
-        return np.where(k > width, values[-1] * k / width, inside) * max(n / size, 1.0)
+        return np.where(k > width, values[-1] * k / width, inside) * max(n / size, 1.0) * self.scale(size)
+
+    def scale(self, size: int) -> float:
+        return self.scales.get(size, 1.0)
+
+    def set_scale(self, size: int, factor: float) -> None:
+        self.scales[size] = factor
+        self.version += 1  # what the policy derived from the table is stale
+
+    def size_of(self, n: int) -> int:
+        """The grid size whose measurements a step of n requests uses (the smallest >= n, or the largest)."""
+        return self.sizes[min(bisect.bisect_left(self.sizes, n), len(self.sizes) - 1)]
 
     def break_cost(self, n: int) -> float:
-        size = self.sizes[min(bisect.bisect_left(self.sizes, n), len(self.sizes) - 1)]
+        size = self.size_of(n)
         self.at(size)
         return self.breaks[size]
 

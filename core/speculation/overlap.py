@@ -45,6 +45,11 @@ class VerifyInFlight:
     graphed: bool = False  # launched from VerifyGraphs: `accepted` is its state, which the next graphed step reads
     idle: int = 0  # verify steps in a row, this one included, that verify no draft (the run goes on: keeps_run)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(requests, rows) as the policy priced the step: a row per request and one per chosen draft."""
+        return len(self.requests), len(self.requests) + sum(self.chosen)
+
     def read(self) -> list[list[int]]:
         """Per request: [proposed, verified, accepted, emitted tokens...] (waits for this step's copy only)."""
         if self.ready is not None:

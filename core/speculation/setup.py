@@ -50,6 +50,17 @@ def drafter_context(model, kv: KVPool, config, device: torch.device, kv_layer_id
                           vocab_size=int(model.hf_config["vocab_size"]))
 
 
+def slowest_of(world):
+    """values -> each value as the largest any rank has, on every rank (one small all-gather; ranks call it alike)."""
+
+    def slowest(values):
+        if world.size == 1:
+            return list(values)
+        return [max(column) * 1e-7 for column in zip(*world.all_gather_ints([round(v * 1e7) for v in values]))]
+
+    return slowest
+
+
 CONTEXT = 128  # tokens of context each measured request reads (its KV: the pool's scratch page, repeated)
 
 
@@ -129,11 +140,7 @@ def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidde
     def any_rank(flag: bool) -> bool:
         return any(row[0] for row in world.all_gather_ints([int(flag)]))
 
-    def slowest(times: list[float]) -> list[float]:
-        """Each time as the slowest rank measured it, on every rank."""
-        if world.size == 1:
-            return times
-        return [max(column) * 1e-7 for column in zip(*world.all_gather_ints([round(t * 1e7) for t in times]))]
+    slowest = slowest_of(world)
 
     def measure_size(n: int) -> list[float]:
         start = time.perf_counter()

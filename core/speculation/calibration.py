@@ -1,0 +1,121 @@
+"""What steps really take while serving, against what the step-cost table says they take.
+
+The table (costs.py) is measured at start-up on bare forwards. Serving adds work it does not see: the drafter's host
+work, acceptance, the bookkeeping of every request, and at large batches a host that outlasts the device (under the
+overlap schedule a step costs the larger of the two). Where that work weighs more on verify steps than on plain ones,
+the table prices verify steps too low and the policy drafts where drafting loses: on an H200, ngram at a steady batch
+of 32 ran at 0.87x of plain decoding (0.79x over the decode-only steps) while the table promised a gain.
+
+So every step inside a run (launched after a step of the same class, plain or verify, with the overlap schedule
+unbroken between them: its wall time is then about the steady cost of such a step) is compared with the table's cost
+of its shape, and per grid size the policy's verify costs are scaled by
+
+    (verify steps' measured / table) / (plain steps' measured / table)
+
+so that what slows both alike (the machine's load, the caller's loop) cancels. Each ratio is a decayed mean of logs
+that starts at 1 (PRIOR_WEIGHT steps' worth of no evidence). Once STALE plain steps went by without a verify step,
+the verify ratio fades back towards 1, so a size where drafting was measured to lose is tried again by exploration
+later, and measured again.
+
+Decisions made from timings would differ between ranks that must decide alike (tensor-parallel ranks schedule the
+same requests), so the scales reach the table only every PUBLISH_EVERY observed steps, as the slowest rank's (one
+small all-gather; every rank observes the same steps, as it launches the same kinds), and only where they moved.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import attrs
+
+from ..step_log import TimedStep
+from .costs import StepCosts
+
+PRIOR_WEIGHT = 2.0  # steps' worth of "as the table says" each ratio starts with
+DECAY = 0.95  # each observation of a class shrinks the weight of the earlier ones by this
+STALE = 200  # plain steps without a verify step of the size: from then on each shrinks its verify evidence ...
+FADE = 0.99  # ... by this (back towards the table)
+CLIP = 4.0  # one step counts as at most this many times what its class is believed to take, or at least its inverse
+# (a GC pause moves the belief little; a cost that stays is learned over a few steps, however large)
+PUBLISH_EVERY = 16  # observed steps between updates of the table's scales
+MOVE = 0.03  # a scale reaches the table only where it moved by more than this (each move rebuilds the policy's view)
+SCALE_RANGE = (0.5, 32.0)
+
+PLAIN_KINDS = frozenset({"decode"})
+VERIFY_KINDS = frozenset({"verify", "verify_overlap", "verify_idle"})
+
+
+@attrs.define
+class _Ratio:
+    """A decayed mean of log(measured / table)."""
+
+    weight: float = 0.0
+    total: float = 0.0
+    idle: int = 0  # plain steps since the last observation
+
+    def add(self, log_ratio: float) -> None:
+        self.weight = self.weight * DECAY + 1.0
+        self.total = self.total * DECAY + log_ratio
+        self.idle = 0
+
+    def wait(self) -> None:
+        """A plain step went by: evidence older than STALE of them fades."""
+        self.idle += 1
+        if self.idle > STALE:
+            self.weight *= FADE
+            self.total *= FADE
+
+    def value(self) -> float:
+        return self.total / (self.weight + PRIOR_WEIGHT)
+
+
+class Calibration:
+    """Feeds StepCosts.set_scale from the steps the engine times (observe). `slowest(values)`: each value as the
+    largest any rank has (identity with one rank)."""
+
+    def __init__(self, costs: StepCosts, slowest: Callable[[Sequence[float]], Sequence[float]] = lambda v: v):
+        self.costs = costs
+        self.slowest = slowest
+        self._plain: dict[int, _Ratio] = {}
+        self._verify: dict[int, _Ratio] = {}
+        self._last_class: str | None = None
+        self._observed = 0
+
+    def observe(self, step: TimedStep) -> None:
+        cls = "plain" if step.kind in PLAIN_KINDS else "verify" if step.kind in VERIFY_KINDS else None
+        steady = cls is not None and cls == self._last_class and not step.broken and step.requests > 0
+        self._last_class = cls
+        if not steady:
+            return
+        size = self.costs.size_of(step.requests)
+        if size not in self.costs.measured:  # (never measured here: a step's end is no time to measure)
+            return
+        table = self.costs.table_cost(step.requests, max(step.rows, step.requests), cls == "verify")
+        if table <= 0 or step.seconds <= 0:
+            return
+        ratio = (self._plain if cls == "plain" else self._verify).setdefault(size, _Ratio())
+        believed = ratio.value()
+        ratio.add(min(max(math.log(step.seconds / table), believed - math.log(CLIP)), believed + math.log(CLIP)))
+        if cls == "plain":
+            for ratio in self._verify.values():
+                ratio.wait()
+        self._observed += 1
+        if self._observed % PUBLISH_EVERY == 0:
+            self._publish()
+
+    def scales(self) -> dict[int, float]:
+        """This rank's scale per grid size (1.0 where nothing was observed)."""
+        low, high = SCALE_RANGE
+        out = {}
+        for size in self.costs.sizes:
+            verify, plain = self._verify.get(size, _Ratio()), self._plain.get(size, _Ratio())
+            out[size] = min(max(math.exp(verify.value() - plain.value()), low), high)
+        return out
+
+    def _publish(self) -> None:
+        mine = self.scales()
+        agreed = self.slowest([mine[size] for size in self.costs.sizes])
+        for size, scale in zip(self.costs.sizes, agreed):
+            if abs(scale / self.costs.scale(size) - 1.0) > MOVE:
+                self.costs.set_scale(size, scale)

@@ -1,0 +1,116 @@
+"""The step-cost table scaled to what steps take while serving (speculation/calibration.py): verify steps that take
+longer than the table says, against plain steps, make the policy draft less; what slows both alike changes
+nothing; only steps inside runs count; ranks agree on the slowest rank's scale; and no token depends on it."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeplex.config import EngineConfig
+from moeplex.engine import Engine
+from moeplex.sampling import SamplingParams
+from moeplex.speculation import calibration as calibration_module
+from moeplex.speculation.calibration import Calibration
+from moeplex.speculation.costs import StepCosts, grid_sizes
+from moeplex.speculation.policy import AdaptivePolicy
+from moeplex.step_log import TimedStep
+
+import script_drafters
+from test_speculative import PAGE, PROMPTS, conserved, script_distribution  # noqa: F401 (fixtures)
+from test_speculative_policy import STEPS, request, table
+
+PLAIN, PER_ROW = 1.0, 0.02  # a verify row costs 2% of a plain step: drafting pays at every size
+
+
+def costs() -> StepCosts:
+    c = StepCosts(grid_sizes(8), table(PLAIN, PER_ROW, fixed=0.05))
+    c.measure_all()
+    return c
+
+
+def run(calibration: Calibration, n: int, kind: str, times: int, slower: float = 1.0, rows: int | None = None,
+        broken: bool = False) -> None:
+    rows = rows if rows is not None else (n if kind == "decode" else 3 * n)
+    seconds = calibration.costs.table_cost(max(n, 1), max(rows, 1), kind != "decode") * slower
+    for _ in range(times):
+        calibration.observe(TimedStep(kind, n, rows, seconds, broken))
+
+
+def test_verify_steps_slower_than_the_table_scale_its_verify_costs_and_stop_the_drafts():
+    c = costs()
+    calibration, policy = Calibration(c), AdaptivePolicy(STEPS, c)
+    batch = [request(str(i)) for i in range(8)]
+    before = sum(policy.choose(batch, [STEPS] * 8))
+    assert policy.may_draft(8) and before == 8 * STEPS
+    for _ in range(20):  # runs of plain steps as the table says, runs of verify steps at 3.5x it
+        run(calibration, 8, "decode", 8)
+        run(calibration, 8, "verify_overlap", 8, slower=3.5)
+    assert 3.0 < c.scale(8) <= 3.5  # (the prior's weight: "as the table says" counts as a few steps)
+    assert c.cost(8, 24, verify=True) == pytest.approx(c.scale(8) * c.table_cost(8, 24, verify=True))
+    # not even sure drafts pay now: none chosen, no page reserved for them
+    assert not policy.may_draft(8) and policy.choose(batch, [STEPS] * 8) == [0] * 8
+    assert c.scale(1) == 1.0  # other sizes keep the table
+    # plain steps alone fade the evidence back towards the table: the size is tried again later
+    run(calibration, 8, "decode", 1000)
+    assert c.scale(8) < 1.2 and policy.may_draft(8)
+
+
+def test_what_slows_plain_and_verify_steps_alike_changes_nothing():
+    c = costs()
+    calibration, version = Calibration(c), c.version
+    for _ in range(20):
+        run(calibration, 4, "decode", 8, slower=2.0)
+        run(calibration, 4, "verify", 8, slower=2.0)
+    assert c.scale(4) == 1.0 and c.version == version  # (a scale within MOVE of the last is not published)
+
+
+def test_only_steps_inside_runs_count():
+    """The first step of a run (its time holds the step before, of the other class), a step during which the overlap
+    schedule broke, prompt steps and steps of no request are never compared with the table."""
+    c = costs()
+    calibration = Calibration(c)
+    for _ in range(64):
+        run(calibration, 8, "decode", 1)
+        run(calibration, 8, "verify_overlap", 1, slower=3.0)  # each the first of its run
+        run(calibration, 8, "prompt", 2, slower=3.0)
+    run(calibration, 8, "verify_overlap", 64, slower=3.0, broken=True)
+    run(calibration, 0, "verify", 64, slower=3.0)
+    assert c.scale(8) == 1.0
+    run(calibration, 8, "verify_idle", 64, slower=3.0, rows=8)  # idle verify steps are verify steps
+    assert c.scale(8) > 2.0
+
+
+def test_every_rank_takes_the_slowest_ranks_scale():
+    seen = []
+
+    def slowest(values):  # a second rank measured 2.5x for size 2 (what the all-gather would return)
+        seen.append(list(values))
+        return [max(v, 2.5) if size == 2 else v for size, v in zip(grid_sizes(8), values)]
+
+    c = costs()
+    calibration = Calibration(c, slowest)
+    run(calibration, 2, "decode", calibration_module.PUBLISH_EVERY + 1)  # (the first starts the run)
+    assert len(seen) == 1 and c.scale(2) == 2.5 and c.scale(8) == 1.0
+
+
+def test_the_engine_stops_drafting_where_its_verify_steps_measurably_lose_and_no_token_changes(
+        tiny_model_dir, script_distribution):
+    greedy = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS[:2]
+    folder = tiny_model_dir("qwen3_moe")
+    base = dict(model=folder, dtype="fp32", show_progress=False, page_size=PAGE, max_running_requests=2)
+    plain = Engine(EngineConfig(**base))
+    reference = [r.output_ids for r in plain.generate(prompts, greedy)]
+    script_drafters.set_script([p + out for p, out in zip(prompts, reference)])
+    verified = {}
+    for on in (False, True):
+        engine = Engine(EngineConfig(**base, speculative_algorithm="test-slow-oracle", speculative_num_steps=STEPS,
+                                     speculative_cost_calibration=on))
+        assert (engine.calibration is not None) == on
+        done = engine.generate(prompts * 5, greedy)
+        assert [r.output_ids for r in done] == reference * 5
+        verified[on] = sum(r.spec_verify_steps for r in done)
+        assert conserved(engine)
+    # 100 ms of host work on a verify step of a few ms: four tokens cost more than four plain steps
+    assert engine.step_costs.scale(2) > 2.0, engine.step_costs.scales
+    assert verified[True] < verified[False] / 2, verified
