@@ -68,3 +68,22 @@ def memory_of_every_rank(rank, parallel_config, folder):
     reports = [None] * parallel_config.world_size if rank == 0 else None
     dist.gather_object(report, reports, dst=0)
     return reports
+
+
+def calibrated_generate(rank, parallel_config, folder, prompts, params, settings: dict):
+    """Rank 0: (outputs, every rank's published verify-cost scales, every rank's count of steps it observed) from an
+    engine whose calibration publishes every 4 observed steps (speculation/calibration.py)."""
+    from moeplex.engine import Engine
+    from moeplex.speculation import calibration
+
+    calibration.PUBLISH_EVERY = 4
+    parallel = init_parallel(parallel_config, rank, torch.device("cpu"))
+    config = EngineConfig(model=folder, show_progress=False, max_total_tokens=1024, page_size=4,
+                          dispatcher="naive" if parallel_config.ep_size > 1 else "local", parallel=parallel_config,
+                          **settings)
+    engine = Engine(config, parallel=parallel)
+    outputs = [r.output_ids for r in engine.generate(prompts, params)]
+    mine = [repr(sorted(engine.step_costs.scales.items())), engine.calibration._observed]
+    every = [None] * parallel_config.world_size
+    dist.all_gather_object(every, mine)
+    return outputs, [row[0] for row in every], [row[1] for row in every]

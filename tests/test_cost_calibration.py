@@ -114,3 +114,26 @@ def test_the_engine_stops_drafting_where_its_verify_steps_measurably_lose_and_no
     # 100 ms of host work on a verify step of a few ms: four tokens cost more than four plain steps
     assert engine.step_costs.scale(2) > 2.0, engine.step_costs.scales
     assert verified[True] < verified[False] / 2, verified
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_publish_the_same_scales_and_change_no_token(tiny_model_dir):
+    """tp2 with the experts over 2 ranks: each rank times its own steps, the scales reach the tables as the slowest
+    rank's (had they differed, the ranks' choices would part and their collectives hang), and no token changes."""
+    import parallel_ranks
+
+    from moeplex.parallel import ParallelConfig
+    from moeplex.ranks.launcher import launch
+    from test_parallel import free_address
+
+    folder = tiny_model_dir("qwen3_moe")
+    params = [SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)] * 2
+    single = [r.output_ids for r in Engine(EngineConfig(model=folder, dtype="fp32", show_progress=False,
+                                                        page_size=4)).generate(PROMPTS[:2], params)]
+    parallel = ParallelConfig(tp_size=2, ep_size=2, dist_init_addr=free_address(), timeout_s=120)
+    outputs, scales, observed = launch(parallel_ranks.calibrated_generate, parallel, parallel, folder, PROMPTS[:2],
+                                       params, {"speculative_algorithm": "ngram", "speculative_num_steps": 2,
+                                                "dtype": "fp32"})
+    assert outputs == single
+    assert observed[0] == observed[1] >= 8  # the same steps observed, and published at least twice
+    assert scales[0] == scales[1]

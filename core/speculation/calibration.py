@@ -92,11 +92,10 @@ class Calibration:
         if size not in self.costs.measured:  # (never measured here: a step's end is no time to measure)
             return
         table = self.costs.table_cost(step.requests, max(step.rows, step.requests), cls == "verify")
-        if table <= 0 or step.seconds <= 0:
-            return
         ratio = (self._plain if cls == "plain" else self._verify).setdefault(size, _Ratio())
         believed = ratio.value()
-        ratio.add(min(max(math.log(step.seconds / table), believed - math.log(CLIP)), believed + math.log(CLIP)))
+        measured = math.log(max(step.seconds, 1e-9) / max(table, 1e-9))  # (every rank counts the step alike)
+        ratio.add(min(max(measured, believed - math.log(CLIP)), believed + math.log(CLIP)))
         if cls == "plain":
             for ratio in self._verify.values():
                 ratio.wait()
