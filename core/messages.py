@@ -186,6 +186,9 @@ class GroupStats:
     grammar_mask_wait_seconds: float = 0.0  # the time they waited
     engine_steps: tuple[tuple[str, int, float], ...] = ()  # since start-up: (kind, steps, seconds) (step_log.py)
     overlap_breaks: tuple[tuple[str, int], ...] = ()  # since start-up: (reason, count) (step_log.py)
+    # (batch size, scale) where the adaptive policy's verify costs are scaled to what serving measured
+    # (speculation/calibration.py)
+    verify_cost_scales: tuple[tuple[int, float], ...] = ()
 
 
 @pickled_as_fields
@@ -254,6 +257,14 @@ class LoopStats:
                 before = totals.get(kind, (0, 0.0))
                 totals[kind] = (before[0] + steps, before[1] + seconds)
         return totals
+
+    def verify_cost_scales(self) -> dict[int, float]:
+        """Per batch size, the largest scale of any DP group's verify costs (calibration.py; one group has them)."""
+        scales: dict[int, float] = {}
+        for group in self.groups:
+            for size, scale in group.verify_cost_scales:
+                scales[size] = max(scale, scales.get(size, 0.0))
+        return scales
 
     def break_totals(self) -> dict[str, int]:
         """Per reason (step_log.py), the times the overlap schedule was broken, summed over the DP groups."""

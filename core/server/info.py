@@ -129,6 +129,9 @@ class InfoRoutes:
                 # since start-up: engine steps by what they launched, and the overlap schedule's breaks (step_log.py)
                 "engine_steps": {kind: {"steps": n, "seconds": t} for kind, (n, t) in stats.step_totals().items()},
                 "overlap_breaks": stats.break_totals(),
+                # per batch size: the adaptive policy's verify costs as serving measured them / as the start-up
+                # measurement had them (speculation/calibration.py; sizes where they moved)
+                "spec_verify_cost_scales": stats.verify_cost_scales(),
                 "parallel": self._parallel(),
                 "disaggregation": self._disaggregation(),
             }

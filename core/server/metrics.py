@@ -143,7 +143,12 @@ class StepCounters:
                                      "Steps in flight read before the next step was launched, by reason", labels=["reason"])
         for reason, count in stats.break_totals().items():
             breaks.add_metric([reason], count)
-        yield from (steps, seconds, breaks)
+        scales = GaugeMetricFamily("moeplex_spec_verify_cost_scale",
+                                   "The adaptive draft policy's verify step costs as serving measured them over the "
+                                   "start-up measurement, per batch size (where they moved)", labels=["requests"])
+        for size, scale in stats.verify_cost_scales().items():
+            scales.add_metric([str(size)], scale)
+        yield from (steps, seconds, breaks, scales)
 
 
 PREFIX_CACHE_COUNTERS = (
