@@ -76,7 +76,7 @@ def calibrated_generate(rank, parallel_config, folder, prompts, params, settings
     from moeplex.engine import Engine
     from moeplex.speculation import calibration
 
-    calibration.PUBLISH_EVERY = 4
+    calibration.PUBLISH_EVERY, calibration.EARLY = 4, ()
     parallel = init_parallel(parallel_config, rank, torch.device("cpu"))
     config = EngineConfig(model=folder, show_progress=False, max_total_tokens=1024, page_size=4,
                           dispatcher="naive" if parallel_config.ep_size > 1 else "local", parallel=parallel_config,

@@ -12,13 +12,16 @@ of its shape, and per grid size the policy's verify costs are scaled by
 
     (verify steps' measured / table) / (plain steps' measured / table)
 
-so that what slows both alike (the machine's load, the caller's loop) cancels. Each ratio is a decayed mean of logs
-that starts at 1 (PRIOR_WEIGHT steps' worth of no evidence). Once STALE plain steps went by without a verify step,
+so that what slows both alike (the machine's load, the caller's loop) cancels. Each ratio is a decayed mean of logs;
+their difference leans towards "as the table says" with the weight of PRIOR_WEIGHT steps against the evidence of the
+class with less of it (no verify step measured: the table; no plain step, where the drafter drafts every step: the
+table's plain cost stands). Once STALE plain steps went by without a verify step,
 the verify ratio fades back towards 1, so a size where drafting was measured to lose is tried again by exploration
 later, and measured again.
 
 Decisions made from timings would differ between ranks that must decide alike (tensor-parallel ranks schedule the
-same requests), so the scales reach the table only every PUBLISH_EVERY observed steps, as the slowest rank's (one
+same requests), so the scales reach the table only every PUBLISH_EVERY observed steps (and after the first EARLY ones), as the
+slowest rank's (one
 small all-gather; every rank observes the same steps, as it launches the same kinds), and only where they moved.
 """
 
@@ -38,7 +41,8 @@ STALE = 200  # plain steps without a verify step of the size: from then on each 
 FADE = 0.99  # ... by this (back towards the table)
 CLIP = 4.0  # one step counts as at most this many times what its class is believed to take, or at least its inverse
 # (a GC pause moves the belief little; a cost that stays is learned over a few steps, however large)
-PUBLISH_EVERY = 16  # observed steps between updates of the table's scales
+PUBLISH_EVERY = 16  # observed steps between updates of the table's scales (and early ones after the first few:
+EARLY = (4, 8)  # a cost the table misses by far is acted on within a few steps, not after sixteen of them)
 MOVE = 0.03  # a scale reaches the table only where it moved by more than this (each move rebuilds the policy's view)
 SCALE_RANGE = (0.5, 32.0)
 
@@ -66,8 +70,8 @@ class _Ratio:
             self.weight *= FADE
             self.total *= FADE
 
-    def value(self) -> float:
-        return self.total / (self.weight + PRIOR_WEIGHT)
+    def mean(self) -> float:
+        return self.total / self.weight if self.weight > 0 else 0.0
 
 
 class Calibration:
@@ -93,14 +97,14 @@ class Calibration:
             return
         table = self.costs.table_cost(step.requests, max(step.rows, step.requests), cls == "verify")
         ratio = (self._plain if cls == "plain" else self._verify).setdefault(size, _Ratio())
-        believed = ratio.value()
+        believed = ratio.mean()
         measured = math.log(max(step.seconds, 1e-9) / max(table, 1e-9))  # (every rank counts the step alike)
         ratio.add(min(max(measured, believed - math.log(CLIP)), believed + math.log(CLIP)))
         if cls == "plain":
             for ratio in self._verify.values():
                 ratio.wait()
         self._observed += 1
-        if self._observed % PUBLISH_EVERY == 0:
+        if self._observed % PUBLISH_EVERY == 0 or self._observed in EARLY:
             self._publish()
 
     def scales(self) -> dict[int, float]:
@@ -109,7 +113,11 @@ class Calibration:
         out = {}
         for size in self.costs.sizes:
             verify, plain = self._verify.get(size, _Ratio()), self._plain.get(size, _Ratio())
-            out[size] = min(max(math.exp(verify.value() - plain.value()), low), high)
+            # no verify step measured: nothing known; no plain step (a drafter that drafts every step): the table's
+            # plain cost stands; both: the difference counts as much as the class with less evidence says
+            evidence = min(verify.weight, plain.weight) if plain.weight > 0 else verify.weight
+            shrunk = (verify.mean() - plain.mean()) * evidence / (evidence + PRIOR_WEIGHT)
+            out[size] = min(max(math.exp(shrunk), low), high)
         return out
 
     def _publish(self) -> None:
