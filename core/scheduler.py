@@ -120,14 +120,26 @@ class Scheduler:
         return work
 
     def _reserve_drafts(self, request: Request, n: int) -> None:
-        """Pages for the drafts a decoding request may verify with its next token, where free pages allow
-        (drafts never preempt or evict; fewer pages only mean fewer drafts)."""
+        """Pages for the drafts a decoding request may verify with its next token, where pages allow (draft_pages;
+        fewer pages only mean fewer drafts)."""
         if not self.lookahead or n != 1 or request.num_uncached != 1 or not request.output_ids:
             return
         room = max(0, min(self.lookahead, request.params.max_new_tokens - len(request.output_ids) - 1))
         missing = self.kv.pages_for(request.num_cached + n + room) - len(request.pages)
-        pages = self.kv.allocate(min(missing, self.kv.num_free_pages)) if missing > 0 else None
-        request.pages.extend(pages or [])
+        if missing > 0:
+            request.pages.extend(self.draft_pages(missing))
+
+    def draft_pages(self, count: int) -> list[int]:
+        """Up to `count` pages for drafts: free ones, then cached pages no request reads (drafts never preempt).
+        Evicting, it frees enough for every running request's drafts at once: draft pages go back to the free list
+        when their step is read, so the pool lasts. Until 2026-12-06 drafts took free pages only, and once the
+        prefix cache held every page not in use (any server after a while) no request could draft at all: on a
+        GPU the overlap schedule was then broken at almost every step for drafts that could not come."""
+        free = self.kv.num_free_pages
+        if free < count and self.cache is not None:
+            pool = self.kv.pages_for(self.lookahead + 1) * len(self.running)
+            self.cache.evict(max(count, pool) - free)
+        return self.kv.allocate(min(count, self.kv.num_free_pages)) or []
 
     def _admitted(self, request: Request) -> None:
         if self.waiting[0] is request:

@@ -140,3 +140,29 @@ def test_a_request_that_cannot_fit_alone_is_aborted_not_spun_on():
     run_to_completion(scheduler, [r])
     assert r.finish_reason == FinishReason.ABORT and "cannot hold" in r.error
     assert kv.num_free_pages == 2
+
+
+def test_drafts_take_cached_pages_no_request_reads_but_never_a_requests():
+    """Once the prefix cache holds every page not in use (any server after a while), drafts evict cached pages
+    (enough for every running request's drafts at once: the pool then lasts, as draft pages go back to the free
+    list); a request's own pages are never taken (drafts never preempt)."""
+    from moeplex.prefix_cache import PrefixCache
+
+    kv = make_pool(32)
+    cache = PrefixCache(kv)
+    scheduler = Scheduler(kv, max_running=4, token_budget=64, chunk_size=64, cache=cache)
+    scheduler.lookahead = 3
+    old = kv.allocate(24)
+    cache.insert(list(range(96)), old)  # a finished request's prefix: 24 cached pages, read by no one
+    request = Request("r", [7] * 6, SamplingParams(max_new_tokens=50))
+    scheduler.add(request)
+    [work] = scheduler.schedule()
+    assert work.num_tokens == 6 and len(request.pages) == 2
+    request.num_cached += 6
+    request.output_ids.append(1)
+    held = kv.allocate(kv.num_free_pages)  # nothing free but the cache
+    [work] = scheduler.schedule()  # its decode token and 3 drafts: 10 positions, 3 pages
+    assert work.num_tokens == 1 and len(request.pages) == 3 and cache.evicted_pages >= 1
+    cache.evict(cache.evictable_pages)
+    kv.allocate(kv.num_free_pages)  # nothing cached either: no draft pages, and no request's taken
+    assert scheduler.draft_pages(2) == [] and len(request.pages) == 3

@@ -516,3 +516,22 @@ def test_requests_arriving_mid_run_join_it_without_a_break(tiny_model_dir, plain
     assert any(joined), "the newcomer never joined a verify step that followed one in flight"
     assert spec.step_log.breaks["drafts_wanted"] == breaks["drafts_wanted"]  # none for the arrival
     assert conserved(spec)
+
+
+def test_a_full_prefix_cache_gives_its_pages_to_drafts(tiny_model_dir, plain):
+    """A server whose prefix cache holds every page no request uses (any server after a while): the overlapped
+    verify steps still get their draft pages, evicting cached ones (until 2026-12-06 they took free pages only, so
+    no request drafted once the cache was full, and on a GPU almost every step broke the overlap schedule for
+    drafts that could not come). No token changes."""
+    spec = engine(tiny_model_dir("qwen3_moe"), overlap_schedule=True, max_total_tokens=384, **NGRAM)
+    fillers = [[300 + i] + [(7 * i + j) % 250 + 1 for j in range(40)] for i in range(16)]
+    spec.generate(fillers, attrs.evolve(GREEDY, max_new_tokens=1))
+    cache = spec.prefix_cache
+    assert spec.kv.num_free_pages < 10 and cache.evictable_pages > 64  # the cache holds the pool (the prompts need more)
+    evicted = cache.evicted_pages
+    got = spec.generate(PROMPTS, GREEDY)
+    assert outputs(got) == plain["qwen3_moe"]
+    assert spec.step_log.steps["verify_overlap"] > 0 and sum(r.spec_accepted_tokens for r in got) > 0
+    assert spec.step_log.breaks["drafts_wanted"] <= spec.step_log.steps["verify_overlap"]
+    assert cache.evicted_pages > evicted
+    assert conserved(spec)

@@ -93,8 +93,11 @@ def shift_rows(batch, offsets: torch.Tensor, bound: int, ragged: bool):
 class OverlapVerify:
     """Launches verify steps from device state and reads them one step late (the engine calls it)."""
 
-    def __init__(self, speculation, runner, kv, device: torch.device, ragged: bool, graphs=None):
+    def __init__(self, speculation, runner, kv, device: torch.device, ragged: bool, graphs=None,
+                 draft_pages: Callable[[int], list[int]] | None = None):
         self.spec, self.runner, self.kv, self.device, self.ragged = speculation, runner, kv, device, ragged
+        # pages for drafts (Scheduler.draft_pages: free ones, then evicted cached ones); free ones only by default
+        self.draft_pages = draft_pages or (lambda count: self.kv.allocate(min(count, self.kv.num_free_pages)) or [])
         self.graphs = graphs  # VerifyGraphs (verify_graphs.py): greedy steps whose shapes were captured replay them
 
     def start(self, requests: list[Request], tracks_grammar, hooks=None) -> VerifyInFlight | None:
@@ -165,14 +168,15 @@ class OverlapVerify:
         return finished
 
     def _cover(self, requests: Sequence[Request], positions: int) -> bool:
-        """Pages for `positions` positions of each request from its first uncached one, from the free list only
-        (drafts never preempt nor evict; pages left over go back when its step is read)."""
+        """Pages for `positions` positions of each request from its first uncached one (draft_pages: drafts never
+        preempt; pages left over go back when its step is read)."""
         for request in requests:
             missing = self.kv.pages_for(request.num_cached + positions) - len(request.pages)
-            pages = self.kv.allocate(missing) if missing > 0 else []
-            if pages is None:
-                return False
-            request.pages.extend(pages)
+            if missing > 0:
+                pages = self.draft_pages(missing)
+                request.pages.extend(pages)
+                if len(pages) < missing:
+                    return False
         return True
 
     def launch(self, requests: Sequence[Request], counts: Sequence[int], previous: VerifyInFlight | None,
