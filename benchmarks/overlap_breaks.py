@@ -48,7 +48,7 @@ def count(folder: str, way: str, args) -> dict:
     try:
         engine = Engine(EngineConfig(model=folder, dtype="fp32", show_progress=False, overlap_schedule=True,
                                      speculative_algorithm="ngram", speculative_num_steps=len(verify) - 1,
-                                     max_running_requests=args.max_running, max_total_tokens=8192,
+                                     max_running_requests=args.max_running, max_total_tokens=args.max_total_tokens,
                                      speculative_cost_calibration=False))  # (the table is given, not this CPU's)
     finally:
         moeplex.engine.measure_step_costs = measure
@@ -81,12 +81,16 @@ def main() -> None:
                              "default: %(default)s)")
     parser.add_argument("--break-ms", type=float, default=0.8, help="one break of the overlap schedule, ms "
                         "(default: %(default)s)")
+    parser.add_argument("--max-total-tokens", type=int, default=8192,
+                        help="the KV pool (default: %(default)s); one that the requests' prompts and outputs overflow "
+                             "leaves the prefix cache holding every page no request uses, as in a server after a while")
     parser.add_argument("--out", help="also write the table to this Markdown file")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_checkpoint(tmp, "qwen3_moe", "tiny", seed=0)
         rows = [(way, count(folder, way, args)) for way in WAYS]
-    lines = [f"{args.requests} requests (max running {args.max_running}), {args.output_len} new tokens each; cost "
+    lines = [f"{args.requests} requests (max running {args.max_running}, KV pool {args.max_total_tokens} tokens), "
+             f"{args.output_len} new tokens each; cost "
              f"table: plain {args.plain_ms} ms, verify {args.verify_ms} ms, break {args.break_ms} ms", "",
              "| runs | steps by kind | breaks: drafts wanted | breaks: verify run ended | accepted drafts | "
              "modelled s | modelled tok/s |", "|---|---|---:|---:|---:|---:|---:|"]
