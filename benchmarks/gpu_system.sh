@@ -4,9 +4,9 @@
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-profile-dsv3|
 #                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
-#   bash benchmarks/gpu_system.sh OUT spec-steady              # #32: steady batches (not measured since session 6;
-#                                         #      waiting requests ended every run until session 9: offline and
-#                                         #      non-steady runs with a queue are the ones that change)
+#   bash benchmarks/gpu_system.sh OUT spec-steady              # #32: steady batches (session 10, H100, before the
+#                                         #      draft-pages fix: ngram 0.97 / 0.98 / 0.82 / 0.96 at 1/8/32/64, with
+#                                         #      ~300 breaks a run for drafts that found no page: measure it first)
 #   bash benchmarks/gpu_system.sh OUT spec-serve tests-overlap spec-serve-spread  # #32 served (session 9, H100: 1.00 /
 #                                         #      0.75 / 0.99, spread 0.99 / 0.97 / 0.97; the 0.75 is prompt steps'
 #                                         #      host time: build prompt-step graphs first)
@@ -43,10 +43,13 @@ for part in "$@"; do
     spec)
       timeout $(lim 240) python3 benchmarks/speculative.py --device cuda --qwen-layers 12 --batches 1 8 32 --runs 3 \
         --out "$out/speculative_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -40 ;;
-    spec-steady)
-      timeout $(lim 420) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
-        --runs 3 --batches 1 8 32 64 --output-len 64 --drafters ngram ngram/table test-oracle-device test-adversary \
-        --out "$out/speculative_steady_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -40 ;;
+    spec-steady)  # two processes of three engines each: five 12-layer engines do not fit an H100's 80 GB
+      for set in "ngram ngram/table" "test-oracle-device test-adversary"; do
+        name=$(echo "$set" | tr ' /' '_-')
+        timeout $(lim 210) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave \
+          --steady --runs 3 --batches 1 8 32 64 --output-len 64 --drafters $set \
+          --out "$out/speculative_steady_${name}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/${part}_$name.log" | tail -12
+      done ;;
     spec-mixed)
       timeout $(lim 300) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
         --runs 3 --batches 8 32 --output-len 64 --drafters ngram --mixed-chunk on \
