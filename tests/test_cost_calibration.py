@@ -64,6 +64,17 @@ def test_what_slows_plain_and_verify_steps_alike_changes_nothing():
     assert c.scale(4) == 1.0 and c.version == version  # (a scale within MOVE of the last is not published)
 
 
+def test_verify_steps_faster_than_the_table_leave_it_alone():
+    """Calibration only ever makes the policy more careful: one scale covers a size's steps with and without drafts,
+    and a scale below 1 priced a step of no draft below a plain one (runs of them then never ended)."""
+    c = costs()
+    calibration = Calibration(c)
+    for _ in range(20):
+        run(calibration, 4, "decode", 8)
+        run(calibration, 4, "verify_overlap", 8, slower=0.5)
+    assert c.scale(4) == 1.0
+
+
 def test_only_steps_inside_runs_count():
     """The first step of a run (its time holds the step before, of the other class), a step during which the overlap
     schedule broke, prompt steps and steps of no request are never compared with the table."""

@@ -44,7 +44,12 @@ CLIP = 4.0  # one step counts as at most this many times what its class is belie
 PUBLISH_EVERY = 16  # observed steps between updates of the table's scales (and early ones after the first few:
 EARLY = (4, 8)  # a cost the table misses by far is acted on within a few steps, not after sixteen of them)
 MOVE = 0.03  # a scale reaches the table only where it moved by more than this (each move rebuilds the policy's view)
-SCALE_RANGE = (0.5, 32.0)
+# never below the table: calibration only ever makes the policy more careful. One scale covers a size's verify steps
+# with and without drafts, and on an H100 (session 10, batch 1) overlapped steps with drafts ran well below the
+# table (1.64 ms for 2.4) while steps of no draft did not (1.37 for 1.60, plain steps 1.24 for 1.45): a scale of
+# 0.82 priced a step of no draft below a plain one, and runs of them went on for good, each 10% dearer than a plain
+# step (ngram 0.97x there against 0.99x on the table alone)
+SCALE_RANGE = (1.0, 32.0)
 
 PLAIN_KINDS = frozenset({"decode"})
 VERIFY_KINDS = frozenset({"verify", "verify_overlap", "verify_idle"})
