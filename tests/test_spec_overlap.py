@@ -535,3 +535,18 @@ def test_a_full_prefix_cache_gives_its_pages_to_drafts(tiny_model_dir, plain):
     assert spec.step_log.breaks["drafts_wanted"] <= spec.step_log.steps["verify_overlap"]
     assert cache.evicted_pages > evicted
     assert conserved(spec)
+
+
+def test_reads_of_the_step_in_flight_that_launch_no_verify_step_back_off(tiny_model_dir, plain):
+    """Wanting drafts reads the step in flight first (a break of the overlap schedule); where no verify step comes
+    of it (here: never a page for drafts), drafts go unwanted for 1, 2, 4, ... steps, so the breaks stay few. No
+    token changes."""
+    spec = engine(tiny_model_dir("qwen3_moe"), overlap_schedule=True, speculative_policy="fixed",
+                  disable_speculative_backoff=True, **NGRAM)
+    spec.scheduler.draft_pages = spec.overlap_verify.draft_pages = lambda count: []
+    got = spec.generate(PROMPTS, attrs.evolve(GREEDY, max_new_tokens=64))
+    assert [o[:16] for o in outputs(got)] == plain["qwen3_moe"]
+    steps = spec.step_log.steps["decode"]
+    assert steps > 60
+    assert 0 < spec.step_log.breaks["drafts_wanted"] <= 12  # (every step wanted drafts without the back-off)
+    assert conserved(spec)

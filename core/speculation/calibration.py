@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 import attrs
 
-from ..step_log import TimedStep
+from ..step_log import VERIFY_KINDS, TimedStep
 from .costs import StepCosts
 
 PRIOR_WEIGHT = 2.0  # steps' worth of "as the table says" each ratio starts with
@@ -52,7 +52,6 @@ MOVE = 0.03  # a scale reaches the table only where it moved by more than this (
 SCALE_RANGE = (1.0, 32.0)
 
 PLAIN_KINDS = frozenset({"decode"})
-VERIFY_KINDS = frozenset({"verify", "verify_overlap", "verify_idle"})
 
 
 @attrs.define

@@ -41,6 +41,7 @@ from .verify import verify
 log = logging.getLogger(__name__)
 
 MAX_UNASKED = 16  # steps: the longest a cheap drafter goes unasked after the policy kept declining its proposals
+MAX_QUIET = 64  # steps: the longest drafts go unwanted after reads of the step in flight that launched no verify step
 
 @attrs.define
 class SpecCounts:
@@ -95,6 +96,12 @@ class SpeculativeDecoding:
         # for 2, 4, ... MAX_UNASKED steps while the batch keeps its size (a count of steps: every rank alike)
         self._declined = 0
         self._unasked = (0, 0)  # (steps left unasked, the number of decoding requests then)
+        # under the overlap schedule, wanting drafts reads the step in flight first (a break); a break after which no
+        # verify step came (no page, no draft the policy kept) cost the overlap for nothing: after such breaks in a
+        # row, drafts go unwanted for 1, 2, 4, ... MAX_QUIET steps (a count of steps: every rank alike). Drafts that
+        # found no page caused ~300 of them a run at batch 32 on an H100 (session 10) before draft_pages was fixed
+        self._wasted = 0
+        self._quiet = 0
         # verify steps as decode rows (ModelRunner.prepare): where the attention backend's paged decode reads
         # only fixed-size tensors (triton), so those batches replay the decode CUDA graphs; else as extends
         # (the torch backend's per-request SDPA over a prefix is the cheaper of its two paths)
@@ -134,6 +141,9 @@ class SpeculativeDecoding:
         in flight is read first. Drafts count with their chance of coming: a step that drafts nothing would have
         given up the overlap schedule for nothing."""
         decoding = [r for r in running if r.output_ids]
+        if self._quiet:
+            self._quiet -= 1
+            return False
         if not decoding or not self.policy.may_draft(len(decoding)) or self._left_unasked(len(decoding)):
             return False
         rooms = [min(self.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in decoding]
@@ -187,6 +197,14 @@ class SpeculativeDecoding:
         for j, i in enumerate(decoding):
             drafts[i] = made[j][: counts[j]]
         return drafts
+
+    def break_ended(self, verified: bool) -> None:
+        """A step that read the step in flight because drafts were wanted ended: whether it verified drafts."""
+        if verified:
+            self._wasted = 0
+        else:
+            self._wasted += 1
+            self._quiet = min(2 ** (self._wasted - 1), MAX_QUIET)
 
     def _left_unasked(self, n: int) -> bool:
         """Whether a cheap drafter stays unasked this step (one call per step that may draft)."""
