@@ -170,7 +170,6 @@ class Engine:
         self.pd = RankTransfers.create(self) if config.disaggregation_mode != "none" else None
         self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet
         self.step_log = StepLog()  # steps by kind and overlap breaks (/metrics)
-        self._broke_for_drafts = False  # the step under way read the step in flight because drafts were wanted
         self._read_early: list[Request] = []  # finished by a step in flight read before the next draw (grammar)
         self.tokenizer = load_tokenizer(config.model)
         self.eos_ids = _eos_ids(config.model, self.model.hf_config)
@@ -295,8 +294,7 @@ class Engine:
             timed = self.step_log.timed(time.perf_counter() - start)
             if self.calibration is not None:
                 self.calibration.observe(timed)
-            if self._broke_for_drafts:  # (wanting drafts read the step in flight: did a verify step come of it?)
-                self._broke_for_drafts = False
+            if timed.wanted_drafts:  # (the step in flight was read for drafts: did a verify step come of it?)
                 self.speculation.break_ended(timed.kind in VERIFY_KINDS)
 
     def _step(self) -> list[Request]:
@@ -326,7 +324,6 @@ class Engine:
             if ahead is not None:
                 return finished + self._drain_dropped()
             self.step_log.broke("drafts_wanted")
-            self._broke_for_drafts = True
         if spec is not None:  # pages for drafts only where a draft could pay at this batch size (the policy says)
             self.scheduler.lookahead = spec.lookahead if spec.policy.may_draft(max(len(self.scheduler.running), 1)) else 0
         work = self.scheduler.schedule()

@@ -39,6 +39,7 @@ class TimedStep:
     rows: int
     seconds: float
     broken: bool
+    wanted_drafts: bool = False  # the break was a read of the step in flight because drafts were wanted
 
 
 @attrs.define
@@ -49,6 +50,7 @@ class StepLog:
     kind: str = "none"  # what the step under way launched (the last launch wins: a step launches at most one)
     shape: tuple[int, int] = (0, 0)  # ... its requests and rows (verify steps: the rows the policy chose)
     broken: bool = False  # whether the overlap schedule broke during the step under way
+    wanted_drafts: bool = False  # ... because drafts were wanted (the step in flight read for them)
     last: TimedStep | None = None  # the step that ended last
 
     def launched(self, kind: str, requests: int = 0, rows: int = 0) -> None:
@@ -57,13 +59,14 @@ class StepLog:
     def broke(self, reason: str) -> None:
         self.breaks[reason] += 1
         self.broken = True
+        self.wanted_drafts |= reason == "drafts_wanted"
 
     def timed(self, seconds: float) -> TimedStep:
         """The step under way ended after `seconds`: counted for what it launched."""
         self.steps[self.kind] += 1
         self.seconds[self.kind] += seconds
-        self.last = TimedStep(self.kind, *self.shape, seconds, self.broken)
-        self.kind, self.shape, self.broken = "none", (0, 0), False
+        self.last = TimedStep(self.kind, *self.shape, seconds, self.broken, self.wanted_drafts)
+        self.kind, self.shape, self.broken, self.wanted_drafts = "none", (0, 0), False, False
         return self.last
 
     def totals(self) -> tuple[tuple[str, int, float], ...]:
