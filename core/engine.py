@@ -146,7 +146,7 @@ class Engine:
                 not drafter.caps.needs_hidden and not self.speculation.observes and self.parallel.config.dp_size == 1 \
                 and not (ragged and self.device.type == "cuda"):
             self.overlap_verify = OverlapVerify(self.speculation, self.runner, self.kv, self.device, ragged,
-                                                draft_pages=self.scheduler.draft_pages)
+                                                self.scheduler.draft_pages)
             if graphs is not None:  # its greedy steps as graph replays (speculation/verify_graphs.py)
                 self.overlap_verify.graphs = verify_graphs(drafter, graphs, self.model.hf_config["vocab_size"],
                                                            config.max_running_requests, CudaGraphCapture(self.device))

@@ -93,11 +93,10 @@ def shift_rows(batch, offsets: torch.Tensor, bound: int, ragged: bool):
 class OverlapVerify:
     """Launches verify steps from device state and reads them one step late (the engine calls it)."""
 
-    def __init__(self, speculation, runner, kv, device: torch.device, ragged: bool, graphs=None,
-                 draft_pages: Callable[[int], list[int]] | None = None):
+    def __init__(self, speculation, runner, kv, device: torch.device, ragged: bool,
+                 draft_pages: Callable[[int], list[int]], graphs=None):
         self.spec, self.runner, self.kv, self.device, self.ragged = speculation, runner, kv, device, ragged
-        # pages for drafts (Scheduler.draft_pages: free ones, then evicted cached ones); free ones only by default
-        self.draft_pages = draft_pages or (lambda count: self.kv.allocate(min(count, self.kv.num_free_pages)) or [])
+        self.draft_pages = draft_pages  # Scheduler.draft_pages: free pages, then evicted cached ones
         self.graphs = graphs  # VerifyGraphs (verify_graphs.py): greedy steps whose shapes were captured replay them
 
     def start(self, requests: list[Request], tracks_grammar, hooks=None) -> VerifyInFlight | None:
