@@ -1,11 +1,12 @@
 """moeplex's C++ paged decode attention (kernels/csrc/paged_decode.cpp) reads each request's KV in place and
 equals the fp64 softmax reference and the torch path it competes with: scattered pages, ragged lengths, GQA,
-MHA and MLA's latent (values the keys' leading columns), fp32 KV and bf16 KV; the model decodes the same with it."""
+MHA and MLA's latent (values the keys' leading columns), fp32 KV and bf16 KV; the model decodes the same with it.
+Its tile-unit form (Intel AMX, bf16) equals the same reference where the processor has AMX."""
 
 import pytest
 import torch
 
-from moeplex.attention.in_place import decode_in_place, in_place_takes
+from moeplex.attention.in_place import decode_in_place, in_place_takes, tiles_take
 from moeplex.attention.torch_ref import PagedGather, decode_per_request
 from moeplex.kernels import cpu_ext
 from moeplex.kv_cache import KVPool
@@ -25,8 +26,8 @@ CASES = {
 }
 
 
-def filled_pool(shapes, dtype, pages=200, seed=0):
-    kv = KVPool(pages, PAGE, shapes, dtype, "cpu")
+def filled_pool(shapes, dtype, pages=200, seed=0, page=PAGE):
+    kv = KVPool(pages, page, shapes, dtype, "cpu")
     gen = torch.Generator().manual_seed(seed)
     for buffer in kv.layer(0):
         buffer.copy_(torch.randn(buffer.shape, generator=gen))
@@ -50,6 +51,45 @@ def test_in_place_decode_matches_reference(case, dtype):
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding (the sums stay fp32)
     assert (ours.double() - reference).abs().max() <= tol * reference.abs().max()
     torch.testing.assert_close(ours, decode_per_request(q, keys, values, batch, 0.3), rtol=2 * tol, atol=2 * tol)
+
+
+TILE_CASES = {
+    # name: (q heads, kv heads, key dim, value dim, values are the keys' leading columns)
+    "mla-576": (8, 1, 576, 512, True),  # DeepSeek-V3's latent (512) and rope (64) columns
+    "gqa-4": (8, 2, 64, 64, False),
+    "group-16": (16, 1, 32, 32, False),  # a full tile of query heads
+}
+
+
+@pytest.mark.parametrize("page", [16, 4], ids=["pages-of-16", "pages-of-4"])  # rows read in place / copied first
+@pytest.mark.parametrize("case", list(TILE_CASES))
+def test_tiles_decode_matches_reference(case, page):
+    q_heads, kv_heads, dk, dv, shared = TILE_CASES[case]
+    shapes = [[(kv_heads, dk)]] if shared else [[(kv_heads, dk), (kv_heads, dv)]]
+    kv, gen = filled_pool(shapes, torch.bfloat16, pages=800 // page, page=page)
+    keys = kv.layer(0)[0]
+    values = keys[..., :dv] if shared else kv.layer(0)[1]
+    keys.mul_(torch.linspace(0.2, 3, keys.shape[0])[:, None, None].to(keys.dtype))  # later blocks' max jumps
+    lengths = [1, 15, 16, 17, 31, 32, 33, 97, 150, 64]  # within and across the 16-token tiles and 32-token blocks
+    batch = decode_batch(kv, lengths)
+    q = torch.randn(len(lengths), q_heads, dk, generator=gen).bfloat16()
+    if not tiles_take(q, keys, values):
+        pytest.skip("no AMX tile unit granted on this processor")
+    assert "in_place_tiles" in PagedGather.ways(q, keys, values, batch)
+    ours = decode_in_place(q, keys, values, batch, 0.3, tiles=True)
+    reference = reference_decode(q, keys, values, batch, 0.3)
+    assert torch.isfinite(ours).all()
+    assert (ours.double() - reference).abs().max() <= 1e-2 * reference.abs().max()
+    torch.testing.assert_close(ours, decode_in_place(q, keys, values, batch, 0.3), rtol=2e-2, atol=2e-2)
+
+
+def test_tiles_are_offered_only_for_bf16_whole_chunks():
+    kv, gen = filled_pool([[(1, 40), (1, 40)]], torch.bfloat16)
+    keys, values = kv.layer(0)
+    q = torch.randn(2, 4, 40, generator=gen).bfloat16()
+    assert not tiles_take(q, keys, values)  # 40 columns: not whole 32-column chunks
+    kv, gen = filled_pool([[(1, 64), (1, 64)]], torch.float32)
+    assert not tiles_take(torch.randn(2, 4, 64), *kv.layer(0))  # fp32: the vector kernel's
 
 
 def test_in_place_decode_of_large_scores_stays_finite():

@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..kernels import cpu as cpu_kernels
-from .in_place import decode_in_place, in_place_takes
+from .in_place import decode_in_place, in_place_takes, tiles_take
 
 
 # SDPA's kernels on a GPU, all but cuDNN's: cuDNN builds an execution graph for every new shape (measured at
@@ -137,7 +137,8 @@ class PagedGather:
         self.choices: dict[tuple, str] = {}
 
     def way(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, batch: ForwardBatch) -> str:
-        """"slots", "pages" or "in_place" for this cache shape: measured on this batch if not yet decided."""
+        """"slots", "pages", "in_place" or "in_place_tiles" for this cache shape: measured on this batch if not yet
+        decided."""
         ways = self.ways(q, key_cache, value_cache, batch)
         if len(ways) == 1:
             return ways[0]
@@ -163,6 +164,8 @@ class PagedGather:
             ways.append("pages")
         if in_place_takes(q, key_cache, value_cache):
             ways.append("in_place")
+            if tiles_take(q, key_cache, value_cache):
+                ways.append("in_place_tiles")
         return tuple(ways)
 
     def _measure(self, q, key_cache, value_cache, batch: ForwardBatch, ways: tuple[str, ...]) -> str:
@@ -178,8 +181,8 @@ class PagedGather:
 
 
 def decode_by(way: str, q, key_cache, value_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
-    if way == "in_place":
-        return decode_in_place(q, key_cache, value_cache, batch, scale)
+    if way in ("in_place", "in_place_tiles"):
+        return decode_in_place(q, key_cache, value_cache, batch, scale, tiles=way == "in_place_tiles")
     return decode_per_request(q, key_cache, value_cache, batch, scale, by_pages=way == "pages")
 
 

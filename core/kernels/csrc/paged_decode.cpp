@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -25,6 +26,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
 #include "vec16.h"
 
 namespace moeplex_cpu {
@@ -186,9 +188,9 @@ void block_values_bf16(const float* p, const c10::BFloat16* const* values, int64
 }
 #endif
 
-// The block's softmax step for one head: scores -> probabilities against the new running max; the accumulator
-// rescaled where the max moved.
-inline void softmax_step(float* s, int64_t n, float& running_max, float& running_sum, float* acc, int64_t Dv) {
+// The block's softmax step for one head: scores -> probabilities against the new running max (BLOCK of them, 0
+// past n); returns the factor the head's accumulator is to be rescaled by (1 where the max did not move).
+inline float softmax_probs(float* s, int64_t n, float& running_max, float& running_sum) {
   float block_max = running_max;
   for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
   const float correction = std::exp(running_max - block_max);  // 0 on the first block (exp(-inf))
@@ -201,6 +203,11 @@ inline void softmax_step(float* s, int64_t n, float& running_max, float& running
   }
   running_sum = running_sum * correction + total;
   running_max = block_max;
+  return correction;
+}
+
+inline void softmax_step(float* s, int64_t n, float& running_max, float& running_sum, float* acc, int64_t Dv) {
+  const float correction = softmax_probs(s, n, running_max, running_sum);
   if (correction != 1.f) scale(acc, correction, Dv);
 }
 
@@ -276,9 +283,151 @@ void attend(const Query& q, const KV* keys, const KV* values, const int64_t* slo
   }
 }
 
+
+#if defined(MOEPLEX_AMX)
+// The same decode on the tile unit (bf16 queries and KV, widths of whole 32-column chunks, at most 16 query heads per
+// KV head). Per half block of 16 tokens: the scores as one 16 x 16 tile (tokens x heads) summed over the key's
+// 32-column chunks, the key rows loaded straight from the cache (a page's rows are evenly spaced) and the queries as
+// the second operand, packed once per request; then the values: the tile product pairs neighbouring columns, so the
+// value rows load in place as the second operand (row k = token k's 32 columns) and two products, one with the
+// probabilities on the even lanes and one on the odd, give the even and the odd output columns. No row is repacked;
+// the accumulators live in memory as tiles (16 heads x 16 columns per parity and 32-column group).
+constexpr int64_t ROWS = 16;  // a tile's rows: a half block's tokens, or query heads
+
+// Where the tile unit reads `n` (<= 16) rows of `width` bf16: in place when the rows are evenly spaced, else copied
+// into `stage` with the rows past n zeroed (zero values meet zero probabilities there, and their scores are masked).
+inline const c10::BFloat16* tile_source(const c10::BFloat16* const* rows, int64_t n, int64_t width,
+                                        c10::BFloat16* stage, int64_t& stride) {
+  if (n == ROWS) {
+    const int64_t step = rows[1] - rows[0];
+    bool even = step > 0;
+    for (int64_t t = 2; even && t < ROWS; ++t) even = rows[t] - rows[t - 1] == step;
+    if (even) {
+      stride = step * static_cast<int64_t>(sizeof(c10::BFloat16));
+      return rows[0];
+    }
+  }
+  for (int64_t t = 0; t < ROWS; ++t) {
+    if (t < n) std::memcpy(stage + t * width, rows[t], width * sizeof(c10::BFloat16));
+    else std::memset(stage + t * width, 0, width * sizeof(c10::BFloat16));
+  }
+  stride = width * static_cast<int64_t>(sizeof(c10::BFloat16));
+  return stage;
+}
+
+struct TileWork {
+  std::vector<uint16_t> query;  // [KV head][D / 32 chunks][16 dim pairs][16 heads][2]: the scores' second operand
+  std::vector<c10::BFloat16> stage;  // [2 halves][16][D] keys, then [2][16][Dv] values: rows copied where uneven
+  std::vector<float> acc;  // [KV head][Dv / 32 groups][2 parities][16 heads][16 columns]
+  std::vector<float> scores, running_max, running_sum;  // [KV head][16 heads][BLOCK], [KV head][16 heads] x 2
+  alignas(64) uint16_t probs[2][2][ROWS][32] = {};  // [half][parity][head][token lanes]: the values' first operand
+                                                    // (heads past the group stay 0)
+  alignas(64) float tile[ROWS * ROWS];
+};
+
+void attend_tiles(const c10::BFloat16* q, float score_scale, const c10::BFloat16* keys, const c10::BFloat16* values,
+                  const int64_t* slots, int64_t length, int64_t readable, int64_t h0, int64_t h1, const Shapes& s,
+                  float* out, TileWork& w) {
+  const int64_t G = s.group, D = s.head_dim, Dv = s.value_dim, heads = h1 - h0, chunks = D / 32, groups = Dv / 32;
+  // MLA: the values are the keys' leading columns, already asked for with the keys
+  const bool latent = values == keys && s.value_slot == s.key_slot && s.value_head == s.key_head && Dv <= D;
+  w.query.assign(heads * chunks * 512, 0);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d)
+        w.query[((h * chunks + d / 32) * 16 + (d % 32) / 2) * 32 + g * 2 + d % 2] = q[(h * G + g) * D + d].x;
+  w.stage.resize(2 * ROWS * (D + Dv));
+  w.acc.assign(heads * groups * 2 * ROWS * ROWS, 0.f);
+  w.scores.assign(heads * ROWS * BLOCK, 0.f);
+  w.running_max.assign(heads * ROWS, -std::numeric_limits<float>::infinity());
+  w.running_sum.assign(heads * ROWS, 0.f);
+  const c10::BFloat16* key_rows[BLOCK];
+  const c10::BFloat16* value_rows[BLOCK];
+  for (int64_t t0 = 0; t0 < length; t0 += BLOCK) {
+    const int64_t n = std::min(BLOCK, length - t0), ahead_n = std::min(BLOCK, std::max<int64_t>(readable - t0 - AHEAD, 0));
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t kh = h0 + h;
+      for (int64_t t = 0; t < n; ++t) {
+        key_rows[t] = keys + slots[t0 + t] * s.key_slot + kh * s.key_head;
+        value_rows[t] = values + slots[t0 + t] * s.value_slot + kh * s.value_head;
+      }
+      for (int64_t t = 0; t < ahead_n; ++t) {
+        prefetch_row(keys + slots[t0 + AHEAD + t] * s.key_slot + kh * s.key_head, D);
+        if (!latent) prefetch_row(values + slots[t0 + AHEAD + t] * s.value_slot + kh * s.value_head, Dv);
+      }
+      float* sc = w.scores.data() + h * ROWS * BLOCK;
+      const c10::BFloat16* value_source[2];
+      int64_t value_stride[2];
+      for (int64_t half = 0; half < 2; ++half) {
+        const int64_t m = std::min(ROWS, std::max<int64_t>(n - ROWS * half, 0));
+        if (!m) continue;
+        int64_t stride;
+        const c10::BFloat16* k = tile_source(key_rows + ROWS * half, m, D, w.stage.data() + half * ROWS * D, stride);
+        _tile_zero(0);
+        for (int64_t c = 0; c < chunks; ++c) {
+          MOEPLEX_TILE_LOAD(1, k + 32 * c, stride);
+          MOEPLEX_TILE_LOAD(2, w.query.data() + (h * chunks + c) * 512, 64);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        MOEPLEX_TILE_STORE(0, w.tile, 64);
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t t = 0; t < m; ++t) sc[g * BLOCK + ROWS * half + t] = w.tile[t * ROWS + g] * score_scale;
+        value_source[half] = tile_source(value_rows + ROWS * half, m, Dv,
+                                         w.stage.data() + 2 * ROWS * D + half * ROWS * Dv, value_stride[half]);
+      }
+      float* acc = w.acc.data() + h * groups * 2 * ROWS * ROWS;
+      for (int64_t g = 0; g < G; ++g) {
+        const float correction = softmax_probs(sc + g * BLOCK, n, w.running_max[h * ROWS + g], w.running_sum[h * ROWS + g]);
+        if (correction != 1.f)
+          for (int64_t j = 0; j < 2 * groups; ++j) scale(acc + j * ROWS * ROWS + g * ROWS, correction, ROWS);
+        for (int64_t half = 0; half < 2; ++half) {  // rounded to bf16 (as a bf16 SDPA's second product has them), then
+          // spread to the even lanes (the low half of each 32-bit pair) and to the odd ones
+          const __m512i even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sc + g * BLOCK + ROWS * half)));
+          _mm512_store_si512(w.probs[half][0][g], even);
+          _mm512_store_si512(w.probs[half][1][g], _mm512_slli_epi32(even, 16));
+        }
+      }
+      for (int64_t j = 0; j < groups; ++j) {
+        float* even = acc + j * 2 * ROWS * ROWS;
+        float* odd = even + ROWS * ROWS;
+        MOEPLEX_TILE_LOAD(6, even, 64);
+        MOEPLEX_TILE_LOAD(7, odd, 64);
+        for (int64_t half = 0; half * ROWS < n; ++half) {
+          MOEPLEX_TILE_LOAD(5, value_source[half] + 32 * j, value_stride[half]);
+          MOEPLEX_TILE_LOAD(3, w.probs[half][0], 64);
+          MOEPLEX_TILE_LOAD(4, w.probs[half][1], 64);
+          _tile_dpbf16ps(6, 3, 5);
+          _tile_dpbf16ps(7, 4, 5);
+        }
+        MOEPLEX_TILE_STORE(6, even, 64);
+        MOEPLEX_TILE_STORE(7, odd, 64);
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t g = 0; g < G; ++g) {
+      const float sum = w.running_sum[h * ROWS + g], inv = sum > 0.f ? 1.f / sum : 0.f;  // empty: zeros
+      float* o = out + (h * G + g) * Dv;
+      for (int64_t j = 0; j < groups; ++j) {
+        const float* even = w.acc.data() + ((h * groups + j) * 2 * ROWS + g) * ROWS;
+        for (int64_t c = 0; c < ROWS; ++c) {
+          o[32 * j + 2 * c] = even[c] * inv;
+          o[32 * j + 2 * c + 1] = even[ROWS * ROWS + c] * inv;
+        }
+      }
+    }
+}
+#endif
+
+// Whether the tile unit can run this decode (see attend_tiles).
+bool tiles_take(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  return amx_granted() && q.scalar_type() == at::kBFloat16 && key_cache.scalar_type() == at::kBFloat16 &&
+         q.size(2) % 32 == 0 && value_cache.size(2) % 32 == 0 && q.size(1) / key_cache.size(1) <= 16;
+}
+
 template <typename KV>
 void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache, const int64_t* slots,
-         const int64_t* indptr, double scale, at::Tensor& out) {
+         const int64_t* indptr, double scale, bool tiles, at::Tensor& out) {
   const int64_t requests = q.size(0), heads = q.size(1), kv_heads = key_cache.size(1);
   const Shapes s{heads / kv_heads, q.size(2), value_cache.size(2), key_cache.stride(0), value_cache.stride(0),
                  key_cache.stride(1), value_cache.stride(1)};
@@ -296,6 +445,24 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
   // a request's KV heads together (its rows read whole) where there are requests enough for every thread; else
   // one work item per (request, KV head)
   const int64_t split = requests >= 4 * at::get_num_threads() ? 1 : kv_heads;
+#if defined(MOEPLEX_AMX)
+  if constexpr (std::is_same_v<KV, c10::BFloat16>) {
+    if (tiles) {
+      at::parallel_for(0, requests * split, 1, [&](int64_t begin, int64_t end) {
+        Tiles held;
+        TileWork work;
+        const int64_t last = indptr[(end - 1) / split + 1];
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t b = item / split, h0 = (item % split) * kv_heads / split, h1 = h0 + kv_heads / split;
+          attend_tiles(qb + (b * heads + h0 * s.group) * s.head_dim, static_cast<float>(scale), kp, vp,
+                       slots + indptr[b], indptr[b + 1] - indptr[b], last - indptr[b], h0, h1, s,
+                       op + (b * heads + h0 * s.group) * s.value_dim, work);
+        }
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, requests * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query, work;
     const int64_t last = indptr[(end - 1) / split + 1];
@@ -315,7 +482,7 @@ void run(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& val
 // q [B, Hq, D] fp32 or bf16; key_cache [slots, Hkv, D], value_cache [slots, Hkv, Dv] (fp32 or bf16, rows contiguous,
 // any slot/head strides); kv_indices int64 [sum of lengths]; kv_indptr int64 [B + 1] -> [B, Hq, Dv] fp32.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                        const at::Tensor& kv_indices, const at::Tensor& kv_indptr, double scale) {
+                        const at::Tensor& kv_indices, const at::Tensor& kv_indptr, double scale, bool tiles) {
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 3 && value_cache.dim() == 3, "q, key_cache, value_cache: 3-D");
   TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && q.is_contiguous(),
               "q: contiguous fp32 or bf16");
@@ -329,11 +496,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache, const 
   auto out = at::empty({q.size(0), q.size(1), value_cache.size(2)}, q.options().dtype(at::kFloat));
   const int64_t* slots = kv_indices.data_ptr<int64_t>();
   const int64_t* indptr = kv_indptr.data_ptr<int64_t>();
+  TORCH_CHECK(!tiles || tiles_take(q, key_cache, value_cache),
+              "tiles: AMX granted, bf16 queries and KV, widths of whole 32-column chunks, <= 16 query heads per KV head");
   if (key_cache.scalar_type() == at::kFloat) {
-    run<float>(q, key_cache, value_cache, slots, indptr, scale, out);
+    run<float>(q, key_cache, value_cache, slots, indptr, scale, false, out);
   } else {
     TORCH_CHECK(key_cache.scalar_type() == at::kBFloat16, "KV cache: fp32 or bf16");
-    run<c10::BFloat16>(q, key_cache, value_cache, slots, indptr, scale, out);
+    run<c10::BFloat16>(q, key_cache, value_cache, slots, indptr, scale, tiles, out);
   }
   return out;
 }
@@ -342,6 +511,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache, const 
 }  // namespace moeplex_cpu
 
 TORCH_LIBRARY_FRAGMENT(moeplex_cpu, m) {
-  m.def("paged_decode(Tensor q, Tensor key_cache, Tensor value_cache, Tensor kv_indices, Tensor kv_indptr, float scale) -> Tensor",
+  m.def("paged_decode(Tensor q, Tensor key_cache, Tensor value_cache, Tensor kv_indices, Tensor kv_indptr, float scale, bool tiles=False) -> Tensor",
         &moeplex_cpu::paged_decode);
+  m.def("paged_decode_tiles_take(Tensor q, Tensor key_cache, Tensor value_cache) -> bool", &moeplex_cpu::tiles_take);
 }
