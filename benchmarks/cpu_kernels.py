@@ -1,6 +1,7 @@
 """moeplex's C++ CPU kernels against the ways chosen before them, per kernel, in one process (issue #31, target 6).
 
-- experts: one MoE layer's routed experts at decode sizes: the `streamed` way (csrc/expert_gemm.cpp) against
+- experts: one MoE layer's routed experts at decode sizes: the `streamed` way (csrc/expert_gemm.cpp; `streamed_tiles`,
+  its AMX form, for bf16 where the processor has it) against
   every torch way CpuExperts times (grouped_mm, oneDNN per-expert linears, padded bmm, every expert), on
   --layers copies of the weights used in turn (so, as in a model, a layer's weights are not in cache when it runs);
 - attention: decode over a paged KV cache of --requests requests (lengths spread as a decode batch's): `in_place`
@@ -57,7 +58,8 @@ def expert_ways(shape, tokens: int, layers: int, gen) -> dict:
         w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(dtype)
         w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).to(dtype)
         copies.append(ce.CpuExperts(w13, w2, top_k, ce.Choice((1,), ("grouped_mm",))))
-    names = ce.ways_for(dtype, streamed=ce.streams(copies[0][0], copies[0][1]))
+    streamed = ce.streams(copies[0][0], copies[0][1])
+    names = ce.ways_for(dtype, streamed=streamed, tiles=streamed and copies[0]._on_tiles())
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     ids = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :top_k]
     weights = torch.full((tokens, top_k), 1.0 / top_k)
@@ -155,7 +157,7 @@ def main() -> None:
             ways = expert_ways(shape, tokens, args.layers, gen)
             runs = [best_of_rounds(ways, args.rounds) for _ in range(args.runs)]
             per_layer = [{n: t / args.layers for n, t in r.items()} for r in runs]
-            lines.append(table_rows("experts", f"{name} {str(shape[4]).removeprefix('torch.')}, {tokens} tokens", per_layer, ("streamed",)))
+            lines.append(table_rows("experts", f"{name} {str(shape[4]).removeprefix('torch.')}, {tokens} tokens", per_layer, ("streamed", "streamed_tiles")))
         ways, rows = attention_ways(shape, args.requests, args.longest, gen)
         runs = [attention_best(ways, args.rounds) for _ in range(args.runs)]
         lines.append(table_rows("decode attention", f"{name} {str(shape[4]).removeprefix('torch.')}, {args.requests} requests, "

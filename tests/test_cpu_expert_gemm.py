@@ -1,11 +1,12 @@
 """moeplex's C++ expert GEMM (kernels/csrc/expert_gemm.cpp, the `streamed` way of CpuExperts) equals the fp64
 pair-by-pair reference: every row count of an expert's tile (1 to beyond one tile), experts with no rows, other
-ranks' pairs (-1), fp32 and bf16 weights; the packing is a pure relayout."""
+ranks' pairs (-1), fp32 and bf16 weights; the packing is a pure relayout. The bf16 tile form (Intel AMX) equals the
+same reference where the processor has AMX."""
 
 import pytest
 import torch
 
-from moeplex.interfaces.kernels import pack_for_streaming, streamed_experts, streams
+from moeplex.interfaces.kernels import pack_for_streaming, streamed_experts, streams, streams_on_tiles
 from moeplex.kernels import cpu_ext
 from test_torch_moe_kernel import per_pair_reference
 
@@ -37,6 +38,25 @@ def test_every_rows_per_expert_count_matches_the_reference(dtype):
     reference = per_pair_reference(x, topk_ids, topk_weights, w13, w2)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding (sums and activations fp32)
     assert (out.double() - reference).abs().max() <= tol * reference.abs().max()
+
+
+def test_tiles_match_the_reference_for_every_rows_per_expert_count():
+    """Expert e gets e + 1 rows (1 .. 34: within one 16-row tile and across three), the last expert none."""
+    experts, hidden, inter = 35, 64, 96
+    w13, w2, gen = weights(experts, hidden, inter, torch.bfloat16)
+    packed = pack_for_streaming(w13, w2)
+    if not streams_on_tiles(packed):
+        pytest.skip("no AMX tile unit granted on this processor (or no AVX-512 BF16 pair packing)")
+    ids = torch.cat([torch.full((e + 1,), e) for e in range(experts - 1)])
+    ids = ids[torch.randperm(len(ids), generator=gen)]
+    topk_ids = torch.stack([ids, torch.where(ids % 3 == 0, -1, (ids + 1) % (experts - 1))], dim=1)  # -1: another rank's
+    x = torch.randn(len(ids), hidden, generator=gen).bfloat16()
+    topk_weights = torch.rand(len(ids), 2, generator=gen)
+    out = streamed_experts(x, topk_ids, topk_weights, packed, tiles=True)
+    reference = per_pair_reference(x, topk_ids, topk_weights, w13, w2)
+    assert (out.double() - reference).abs().max() <= 1e-2 * reference.abs().max()
+    torch.testing.assert_close(out, streamed_experts(x, topk_ids, topk_weights, packed), rtol=2e-2, atol=2e-2)
+    assert not streams_on_tiles(pack_for_streaming(*weights(2, 48, 32, torch.bfloat16)[:2]))  # 48: not whole 32s
 
 
 def test_packing_is_a_relayout_and_unfit_shapes_are_not_taken():

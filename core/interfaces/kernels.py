@@ -7,7 +7,7 @@ Triton kernels), which is why `moeplex.interfaces` itself does not import it.
 """
 
 from moeplex.kernels.cpu import measured_choice, measuring_clock, onednn_runs, packed_copy_fits
-from moeplex.kernels.expert_gemm import pack_for_streaming, streamed_experts, streams
+from moeplex.kernels.expert_gemm import pack_for_streaming, streamed_experts, streams, streams_on_tiles
 from moeplex.kernels.fp8 import quantize_rows, silu_mul_quantize
 from moeplex.kernels.permute import gather_rows, weighted_pair_sum
 from moeplex.moe.adapters import ContiguousPlan, LayoutAdapter, plan_contiguous
@@ -38,5 +38,6 @@ __all__ = [
     "silu_mul_quantize",
     "streamed_experts",  # moeplex's C++ expert GEMM at memory speed for a few rows per expert (CPU)
     "streams",  # whether that GEMM runs these expert weights and builds on this machine
+    "streams_on_tiles",  # whether its AMX tile form runs these packed weights (streamed_experts(..., tiles=True))
     "weighted_pair_sum",
 ]

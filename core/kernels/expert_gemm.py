@@ -6,7 +6,7 @@ At decode sizes (1-16 rows per expert) the experts' weights are the step's large
 is how close that read comes to the core's memory bandwidth: oneDNN's and MKL's small-M GEMMs reach 6-12 GB/s on
 an AMD EPYC whose core streams ~17 (results/cpu_throughput.md); this kernel, reading a layout packed for streaming
 (`pack_for_streaming`), reaches that. It is one of the ways CpuExperts times (the `streamed` way), offered where
-the kernel builds (`streams`).
+the kernel builds (`streams`); on a processor with Intel AMX its bf16 tile form is another (`streamed_tiles`).
 """
 
 from __future__ import annotations
@@ -52,12 +52,21 @@ def pack_for_streaming(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tenso
     return gate_up, down
 
 
+def streams_on_tiles(packed: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether the kernel's AMX tile form runs these packed weights (a processor with Intel AMX, bf16 weights packed
+    in pairs, H and I multiples of 32): `streamed_experts(..., tiles=True)`."""
+    return cpu_ext.load_kernel(KERNEL) and cpu_ext.ops(KERNEL).experts_tiles_take(*packed)
+
+
 def streamed_experts(
-    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor]
+    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor],
+    tiles: bool = False,
 ) -> torch.Tensor:
     """hidden [T, H], topk_ids/topk_weights [T, k] (ids of -1: other ranks' pairs) -> [T, H] in hidden's dtype: the
-    sum over each token's pairs of weight * expert(token), on weights from `pack_for_streaming`."""
+    sum over each token's pairs of weight * expert(token), on weights from `pack_for_streaming`; with `tiles` on the
+    AMX tile unit (`streams_on_tiles`)."""
     pairs = packed[0].shape[-1] == 64  # bf16 pairs: the activations go in as bf16 too
     x = hidden.to(torch.bfloat16 if pairs else torch.float32).contiguous()
-    out = cpu_ext.ops(KERNEL).moe_experts(x, topk_ids.long().contiguous(), topk_weights.float().contiguous(), *packed)
+    out = cpu_ext.ops(KERNEL).moe_experts(x, topk_ids.long().contiguous(), topk_weights.float().contiguous(), *packed,
+                                          tiles)
     return out.to(hidden.dtype)

@@ -25,7 +25,9 @@ The ways, each `(hidden, topk_ids, topk_weights) -> [tokens, H]` (weights applie
   (bf16/fp16 where oneDNN runs them);
 - `streamed`: moeplex's C++ expert GEMM (`streamed_experts`) on weights packed for streaming, each expert's
   weights read once for all its rows (fp32/bf16, where the kernel builds: `streams`). On the AMD EPYC it is
-  1.8-2.9x faster than oneDNN's per-expert linears at decode sizes (results/cpu_throughput.md).
+  1.8-2.9x faster than oneDNN's per-expert linears at decode sizes (results/cpu_throughput.md);
+- `streamed_tiles`: the same on the Intel AMX tile unit, for bf16 weights packed in pairs (`streams_on_tiles`), on
+  the `streamed` packing.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from moeplex.interfaces.kernels import (
     packed_copy_fits,
     streamed_experts,
     streams,
+    streams_on_tiles,
 )
 
 log = logging.getLogger(__name__)
@@ -54,12 +57,15 @@ log = logging.getLogger(__name__)
 EVERY_EXPERT_TOKENS = 128  # every expert on every token reads each weight once but computes E/k times the pairs
 ROUNDS = 3  # timed calls of each way at each size, interleaved; the fastest counts (noise only adds time)
 PACKED_WAYS = ("onednn", "every_expert", "streamed")  # the ways that keep a packed copy of the weights
+PACKING = {"streamed_tiles": "streamed"}  # a way that runs another's packed copy
 
 
-def ways_for(dtype: torch.dtype, may_pack: bool = True, streamed: bool = False) -> tuple[str, ...]:
+def ways_for(dtype: torch.dtype, may_pack: bool = True, streamed: bool = False, tiles: bool = False) -> tuple[str, ...]:
     """The ways worth timing for weights of `dtype`; `may_pack` False: only those that need no packed copy;
-    `streamed`: the C++ expert GEMM runs these weights (`streams`)."""
-    return _torch_ways(dtype, may_pack) + (("streamed",) if streamed and may_pack else ())
+    `streamed`: the C++ expert GEMM runs these weights (`streams`); `tiles`: its AMX form too (`streams_on_tiles`)."""
+    if not (streamed and may_pack):
+        return _torch_ways(dtype, may_pack)
+    return _torch_ways(dtype, may_pack) + ("streamed",) + (("streamed_tiles",) if tiles else ())
 
 
 def _torch_ways(dtype: torch.dtype, may_pack: bool) -> tuple[str, ...]:
@@ -97,13 +103,18 @@ class CpuExperts(tuple):
         self.top_k = top_k
         self._packed: dict[str, tuple] = {}
         if choice is None:
-            ways = ways_for(w13.dtype, packed_copy_fits(w13.nbytes + w2.nbytes), streams(w13, w2))
+            fits, streamed = packed_copy_fits(w13.nbytes + w2.nbytes), streams(w13, w2)
+            ways = ways_for(w13.dtype, fits, streamed, streamed and fits and self._on_tiles())
             key = f"w13 {tuple(w13.shape)} w2 {tuple(w2.shape)} {w13.dtype} top-{top_k} {'/'.join(ways)}"
             choice = Choice(**measured_choice("moe_experts", key, lambda: attrs.asdict(self._measure(ways))))
         self.choice = choice
         # the chosen ways' packings (made by the measurement, or now); the others' are let go
-        self._packed = {way: self._packing(way) for way in set(self.choice.ways) if way in PACKED_WAYS}
+        chosen = {PACKING.get(way, way) for way in self.choice.ways}
+        self._packed = {way: self._packing(way) for way in chosen if way in PACKED_WAYS}
         return self
+
+    def _on_tiles(self) -> bool:
+        return self[0].dtype == torch.bfloat16 and streams_on_tiles(self._packing("streamed"))
 
     # --- the call ------------------------------------------------------------------------------------
     def takes(self, hidden: torch.Tensor) -> bool:
@@ -115,8 +126,8 @@ class CpuExperts(tuple):
             way = "grouped_mm"
         if way == "every_expert":
             return self._every_expert(hidden, topk_ids, topk_weights)
-        if way == "streamed":
-            return streamed_experts(hidden, topk_ids, topk_weights, self._packing("streamed"))
+        if way in ("streamed", "streamed_tiles"):
+            return streamed_experts(hidden, topk_ids, topk_weights, self._packing("streamed"), tiles=way == "streamed_tiles")
         return sorted_pairs(hidden, topk_ids, topk_weights, len(self[0]), self._sorted_way(way))
 
     def _sorted_way(self, way: str) -> Callable[[torch.Tensor, list[int]], torch.Tensor]:

@@ -12,8 +12,11 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "vec16.h"
 
 #if defined(__AVX512BF16__)
@@ -206,6 +209,94 @@ void run(const at::Tensor& x, const Pairs& p, const W* w13, const W* w2, int64_t
   });
 }
 
+
+#if defined(MOEPLEX_AMX)
+// The bf16 pair-packed experts on the AMX tile unit. A 16-column block's pair-packed weights are already the tile
+// product's second operand (row = one pair of reduction columns, its 16 outputs x 2): gate and up load in place
+// (every other 64 bytes of a gate/up block), the down block is contiguous. The first operand is up to 16 rows of an
+// expert: its tokens' activations copied into a zero-padded stage once per expert, the act rows (contiguous per
+// expert) in place. Same arithmetic as the vector form: exact bf16 products summed in fp32, the gate/up output
+// rounded to bf16 for the down projection.
+constexpr int64_t TROWS = 16;
+
+void run_tiles(const at::Tensor& x, const Pairs& p, const c10::BFloat16* w13, const c10::BFloat16* w2,
+               int64_t experts, int64_t H, int64_t I, c10::BFloat16* act, float* out) {
+  const int64_t gate_blocks = I / 16, out_blocks = H / 16;
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  std::vector<int64_t> items;  // (expert, gate/up column block) pairs with rows to compute
+  for (int64_t e = 0; e < experts; ++e)
+    if (p.start[e + 1] > p.start[e])
+      for (int64_t b = 0; b < gate_blocks; ++b) items.push_back(e * gate_blocks + b);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    Tiles held;
+    std::vector<c10::BFloat16> stage(TROWS * H);
+    alignas(64) float gate[TROWS * 16], up[TROWS * 16];
+    int64_t staged = -1;  // (expert, first row) in the stage
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = items[i] / gate_blocks, b = items[i] % gate_blocks;
+      const c10::BFloat16* block = w13 + (e * gate_blocks + b) * H * 32;
+      for (int64_t r0 = p.start[e]; r0 < p.start[e + 1]; r0 += TROWS) {
+        const int64_t m = std::min<int64_t>(TROWS, p.start[e + 1] - r0);
+        if (staged != r0) {  // rows of one expert are contiguous in the pair order: r0 names them
+          for (int64_t r = 0; r < TROWS; ++r) {
+            if (r < m) std::memcpy(stage.data() + r * H, xp + p.token[r0 + r] * H, H * sizeof(c10::BFloat16));
+            else std::memset(stage.data() + r * H, 0, H * sizeof(c10::BFloat16));
+          }
+          staged = r0;
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t c = 0; c < H / 32; ++c) {
+          MOEPLEX_TILE_LOAD(2, stage.data() + 32 * c, H * static_cast<int64_t>(sizeof(c10::BFloat16)));
+          MOEPLEX_TILE_LOAD(3, block + 16 * 64 * c, 128);
+          MOEPLEX_TILE_LOAD(4, block + 16 * 64 * c + 32, 128);
+          _tile_dpbf16ps(0, 2, 3);
+          _tile_dpbf16ps(1, 2, 4);
+        }
+        MOEPLEX_TILE_STORE(0, gate, 64);
+        MOEPLEX_TILE_STORE(1, up, 64);
+        for (int64_t r = 0; r < m; ++r) {
+          const f32x16 g = load16(gate + 16 * r), u = load16(up + 16 * r);
+          const f32x16 y = g / (1.f + exp16(zeros16() - g)) * u * p.weight[r0 + r];
+          __m512 yv;
+          std::memcpy(&yv, &y, sizeof yv);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + (r0 + r) * I + 16 * b), (__m256i)_mm512_cvtneps_pbh(yv));
+        }
+      }
+    }
+  });
+  at::parallel_for(0, out_blocks, 1, [&](int64_t begin, int64_t end) {
+    Tiles held;
+    alignas(64) float part[TROWS * 16];
+    for (int64_t e = 0; e < experts; ++e) {  // expert by expert: its blocks of this thread's columns in order
+      for (int64_t b = begin; b < end; ++b) {
+        const c10::BFloat16* block = w2 + (e * out_blocks + b) * I * 16;
+        for (int64_t r0 = p.start[e]; r0 < p.start[e + 1]; r0 += TROWS) {
+          const int64_t m = std::min<int64_t>(TROWS, p.start[e + 1] - r0);
+          _tile_zero(0);
+          for (int64_t c = 0; c < I / 32; ++c) {  // rows past m: the next expert's, or the act buffer's padding
+            MOEPLEX_TILE_LOAD(2, act + r0 * I + 32 * c, I * static_cast<int64_t>(sizeof(c10::BFloat16)));
+            MOEPLEX_TILE_LOAD(3, block + 16 * 32 * c, 64);
+            _tile_dpbf16ps(0, 2, 3);
+          }
+          MOEPLEX_TILE_STORE(0, part, 64);
+          for (int64_t r = 0; r < m; ++r) {
+            float* o = out + p.token[r0 + r] * H + 16 * b;
+            store16(o, load16(o) + load16(part + 16 * r));
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+// Whether the tile unit runs these pair-packed bf16 weights (AMX granted; H and I whole 32-column chunks).
+bool experts_tiles_take(const at::Tensor& w13, const at::Tensor& w2) {
+  return amx_granted() && w13.dim() == 4 && w13.size(3) == 64 && w13.scalar_type() == at::kBFloat16 &&
+         (w13.size(1) * 16) % 32 == 0 && (w13.size(2) * 2) % 32 == 0;
+}
+
 // Whether bf16 weights are packed in pairs (`moe_experts` then takes bf16 activations): the processor has AVX-512 BF16.
 bool bf16_pairs() {
 #if defined(__AVX512BF16__)
@@ -220,7 +311,7 @@ bool bf16_pairs() {
 // up weights) and w2 [E, H/16, I, 16], fp32 or bf16; or, bf16 where `bf16_pairs`, in pairs along the reduction:
 // w13 [E, I/16, H/2, 64], w2 [E, H/16, I/2, 32] -> [T, H] fp32: over each token's pairs, weight * expert(token).
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                       const at::Tensor& w13, const at::Tensor& w2) {
+                       const at::Tensor& w13, const at::Tensor& w2, bool tiles) {
   TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_ids.is_contiguous() && topk_ids.dim() == 2 &&
                   topk_ids.size(0) == x.size(0), "topk_ids: contiguous int64 [T, k]");
   TORCH_CHECK(topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous() &&
@@ -235,9 +326,17 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at
               "shapes agree");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == (pairs ? at::kBFloat16 : at::kFloat),
               "x: contiguous [T, H], bf16 with pair-packed weights, else fp32");
+  TORCH_CHECK(!tiles || experts_tiles_take(w13, w2), "tiles: AMX granted, pair-packed bf16, whole 32-column chunks");
   const Pairs p = sort_pairs(topk_ids, topk_weights, experts);
   auto out = at::zeros({x.size(0), H}, x.options().dtype(at::kFloat));
-  auto act = at::empty({p.start[experts], I}, x.options());
+  auto act = at::empty({p.start[experts] + (tiles ? 16 : 0), I}, x.options());  // tiles read 16 rows at a time
+#if defined(MOEPLEX_AMX)
+  if (tiles) {
+    run_tiles(x, p, w13.data_ptr<c10::BFloat16>(), w2.data_ptr<c10::BFloat16>(), experts, H, I,
+              act.data_ptr<c10::BFloat16>(), out.data_ptr<float>());
+    return out;
+  }
+#endif
   if (w13.scalar_type() == at::kFloat) {
     run<float, float>(x, p, w13.data_ptr<float>(), w2.data_ptr<float>(), experts, H, I, act.data_ptr<float>(),
                       out.data_ptr<float>());
@@ -258,7 +357,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at
 }  // namespace moeplex_cpu
 
 TORCH_LIBRARY_FRAGMENT(moeplex_cpu, m) {
-  m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2) -> Tensor",
+  m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, bool tiles=False) -> Tensor",
         &moeplex_cpu::moe_experts);
+  m.def("experts_tiles_take(Tensor w13, Tensor w2) -> bool", &moeplex_cpu::experts_tiles_take);
   m.def("experts_bf16_pairs() -> bool", &moeplex_cpu::bf16_pairs);
 }
