@@ -48,7 +48,7 @@ def case(routing, tokens, experts, top_k, dtype, seed=0):
 
 
 ONEDNN_BF16 = cpu_experts.onednn_runs(torch.bfloat16)
-ALL_WAYS = ("grouped_mm", "onednn", "padded_bmm", "every_expert", "streamed", "loop")
+ALL_WAYS = ("grouped_mm", "onednn", "padded_bmm", "every_expert", "streamed", "streamed_tiles", "loop")
 PATHS = [(dtype, way) for dtype in (torch.float32, torch.bfloat16) for way in ALL_WAYS]
 
 
@@ -60,7 +60,9 @@ PATHS = [(dtype, way) for dtype in (torch.float32, torch.bfloat16) for way in AL
 def test_standard_layout_matches_the_loop_and_every_pair(routing, tokens, experts, top_k, dtype, path):
     """Each way, forced, on every conformance routing (the measured choice only picks among them)."""
     hidden, route, w13, w2 = case(routing, tokens, experts, top_k, dtype)
-    if path not in cpu_experts.ways_for(dtype, streamed=cpu_experts.streams(w13, w2)) + ("loop",):
+    streamed = cpu_experts.streams(w13, w2)
+    tiles = streamed and dtype == torch.bfloat16 and cpu_experts.streams_on_tiles(cpu_experts.pack_for_streaming(w13, w2))
+    if path not in cpu_experts.ways_for(dtype, streamed=streamed, tiles=tiles) + ("loop",):
         pytest.skip(f"{path} is not a way for {dtype} on this processor (oneDNN: {cpu_experts.onednn_runs(dtype)}, "
                     f"C++ kernel: {cpu_experts.streams(w13, w2)})")
     layout = StandardLayout(hidden, route.topk_ids, route.topk_weights, experts)
