@@ -2,7 +2,7 @@
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-profile-dsv3|
-#                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|moe-small-m|large-m|prefix|dgmasked ...
+#                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
 #   bash benchmarks/gpu_system.sh OUT spec-steady              # #32: steady batches (session 10, H100, before the
 #                                         #      draft-pages fix: ngram 0.97 / 0.98 / 0.82 / 0.96 at 1/8/32/64, with
@@ -82,6 +82,22 @@ for part in "$@"; do
     moe-small-m)
       timeout $(lim 240) python3 benchmarks/moe_small_m.py --shapes deepseek-v3 --runs 5 --out "$out/moe_small_m_dsv3.md" \
         --write-configs "$out/configs" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
+    small-m-tables)  # #31 targets 1-2 on a card without tuned tables: decode before, the small-M sweep writes this card's
+                     # tables, they go into the plugin's configs/ (here only: commit them from OUT/configs), decode after
+      for model in qwen dsv3; do
+        timeout $(lim 150) python3 benchmarks/e2e_gpu.py --skip-correctness --only $model --decode 1 8 --prefill 4096 \
+          --out "$out/e2e_${model}_before.md" 2>&1 | grep -v -i warn | tail -6
+      done
+      timeout $(lim 200) python3 benchmarks/moe_small_m.py --runs 5 --out "$out/moe_small_m_${card}.md" \
+        --write-configs "$out/configs" 2>&1 | grep -v -i warn | tail -24
+      cp "$out"/configs/*.json plugins/moe_kernels/triton_moe/configs/
+      for model in qwen dsv3; do
+        for run in 1 2 3; do
+          prof=(); [ $run = 1 ] && prof=(--profile-graphed "$out/prof_$model")
+          timeout $(lim 150) python3 benchmarks/e2e_gpu.py --skip-correctness --only $model --decode 1 8 --prefill 4096 \
+            "${prof[@]}" --out "$out/e2e_${model}_run$run.md" 2>&1 | grep -v -i warn | tail -6
+        done
+      done ;;
     large-m)
       timeout $(lim 120) python3 -m pytest -q -m gpu tests/test_triton_moe_library.py tests/test_triton_attention.py 2>&1 | tee "$out/large_m_tests.log" | tail -3
       for run in 1 2 3; do

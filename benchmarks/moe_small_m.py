@@ -38,6 +38,7 @@ from moeplex.plugins.moe_kernels.triton_moe.configs import (
     CONFIG_DIR,
     MoETiles,
     TileConfig,
+    default_tiles,
     device_name,
     dtype_name,
     read_table,
@@ -70,6 +71,8 @@ SHAPES = {
     "tiny": Shape("tiny", 16, 64, 32),  # the interpreter's (--device cpu)
 }
 TOKENS = (1, 2, 4, 8, 16, 32)
+# Rows per expert of a new device's table outside the measured sizes: the ladder the committed tables use.
+DEFAULT_ROWS = tuple(2.0**k for k in range(-5, 10))
 
 
 def tile(block_n, block_k, warps=4, stages=3, tma=False) -> TileConfig:
@@ -346,7 +349,10 @@ def main() -> None:
         if tables_dir:
             name = table_file(device_name(device, INTERPRETED), dtype_name(dtype, False), shape.experts,
                               shape.intermediate, shape.hidden)
-            table = read_table(CONFIG_DIR / name) or {}
+            # A device without a table of its own gets the defaults at every committed size, so that the sizes this
+            # sweep does not measure (prefill) keep the tiles they run with today rather than the nearest decode tiles.
+            table = read_table(CONFIG_DIR / name) or {
+                rows: default_tiles(rows, dtype_name(dtype, False), INTERPRETED) for rows in DEFAULT_ROWS}
             chosen = winners(shape, results, args.min_gain)
             write_table(tables_dir / name, {**table, **chosen})
             lines.append(f"Wrote {tables_dir / name}: {len(chosen)} entries measured here "
