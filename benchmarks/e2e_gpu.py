@@ -332,6 +332,7 @@ def profile_graphed(name: str, engine: Engine, folder: str, batches, steps: int 
             torch.cuda.synchronize()
         while engine.has_work:
             engine.step()
+        os.makedirs(folder, exist_ok=True)
         trace = os.path.join(folder, f"{tag}_graphed_bs{batch}.json")
         prof.export_chrome_trace(trace)
         with open(trace) as f:

@@ -22,8 +22,10 @@ class ScheduledSeq:
     pages: Sequence[int]  # must already cover prefix_len + len(new_tokens) tokens
 
 
-def build_forward_batch(seqs: Sequence[ScheduledSeq], kv: KVPool, device: torch.device | str) -> ForwardBatch:
-    """All index arrays are computed at once over a padded page table (no per-request tensor ops).
+def build_forward_batch(seqs: Sequence[ScheduledSeq], kv: KVPool, device: torch.device | str,
+                        rows: bool = False) -> ForwardBatch:
+    """All index arrays are computed at once over a padded page table (no per-request tensor ops). `rows`: the
+    seqs are decode rows of one token each, a DECODE batch even where a row is a sequence's first token.
 
     They are built in numpy: torch's CPU ops on arrays this small fork its intra-op thread pool,
     which costs milliseconds a step when other processes (an HTTP front end, clients) hold cores.
@@ -32,7 +34,7 @@ def build_forward_batch(seqs: Sequence[ScheduledSeq], kv: KVPool, device: torch.
         return ForwardBatch.idle(device)
     extend_lens = tuple(len(s.new_tokens) for s in seqs)
     prefix_lens = tuple(s.prefix_len for s in seqs)
-    decode = all(n == 1 for n in extend_lens) and all(p > 0 for p in prefix_lens)
+    decode = all(n == 1 for n in extend_lens) and (rows or all(p > 0 for p in prefix_lens))
     batch_size = len(seqs)
 
     table = np.zeros((batch_size, max(len(s.pages) for s in seqs)), dtype=np.int64)

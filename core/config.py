@@ -75,6 +75,8 @@ class EngineConfig:
     # engines of several ranks capture graphs only when asked: that path has not yet run on several GPUs
     enable_multi_rank_cuda_graph: bool = False
     cuda_graph_max_bs: int = attrs.field(default=256, validator=_positive)  # largest captured decode batch
+    # prompt steps run eagerly even where their tokens fit a decode graph as rows (model_runner.prompt_rows)
+    disable_prompt_graphs: bool = False
     # the host schedules step N+1 while the GPU runs step N (None: where it pays, a CUDA engine)
     overlap_schedule: bool | None = None
     # scheduler and KV cache

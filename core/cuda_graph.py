@@ -226,14 +226,19 @@ class DecodeGraphs:
             batch, global_num_tokens=(size,) * world_size, overlap_split=cuts is not None, global_all_decode=True
         )
 
+    @property
+    def recording(self) -> bool:
+        """Whether expert load is recorded now: no step replays then (the counts would include the padding)."""
+        runtime = getattr(self.model, "moe_runtime", None)
+        return runtime is not None and runtime.records_load
+
     def fits(self, batch: ForwardBatch) -> bool:
         """Whether this rank's batch could replay a graph (an idle batch can: as padding rows only)."""
-        runtime = getattr(self.model, "moe_runtime", None)
         return (
             batch.mode in (ForwardMode.DECODE, ForwardMode.IDLE)
             and self.inputs.fits(batch)
             and batch.batch_size <= self.sizes[-1]
-            and not (runtime is not None and runtime.records_load)
+            and not self.recording
         )
 
     def size_for(self, batch: ForwardBatch) -> int | None:
@@ -248,16 +253,21 @@ class DecodeGraphs:
     def can_run(self, batch: ForwardBatch) -> bool:
         return self.size_for(batch) is not None
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """[B, vocab] logits of a decode batch (a copy: the graph's output is overwritten by the next replay);
-        an idle batch replays its agreed size with padding rows only and gets [0, vocab]."""
+    def run(self, batch: ForwardBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, vocab] logits of a decode batch, or of its `rows` only (a copy: the graph's output is overwritten by
+        the next replay); an idle batch replays its agreed size with padding rows only and gets [0, vocab]."""
         out = self._replay(batch)
-        return (out[0] if self.with_hidden else out)[: batch.batch_size].clone()
+        return self._rows(out[0] if self.with_hidden else out, batch, rows)
 
-    def run_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """([B, vocab] logits, [B, H] pre-norm hidden states) of a decode batch, from graphs captured with_hidden."""
+    def run_with_hidden(self, batch: ForwardBatch, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, vocab] logits (or those of `rows`), [B, H] pre-norm hidden states) of a decode batch, from graphs
+        captured with_hidden."""
         logits, hidden = self._replay(batch)
-        return logits[: batch.batch_size].clone(), hidden[: batch.batch_size].clone()
+        return self._rows(logits, batch, rows), hidden[: batch.batch_size].clone()
+
+    @staticmethod
+    def _rows(logits: torch.Tensor, batch: ForwardBatch, rows: torch.Tensor | None) -> torch.Tensor:
+        return logits[: batch.batch_size].clone() if rows is None else logits[rows]
 
     def replay_loaded(self, size: int) -> torch.Tensor:
         """[size, vocab] logits of the graph of `size` over the static inputs as they are (a caller that wrote them

@@ -125,7 +125,8 @@ class Engine:
             self.kv, config.max_running_requests, config.max_batched_tokens, config.chunked_prefill_size, mixed,
             self.prefix_cache, config.schedule_policy,
         )
-        self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs)
+        self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs,
+                                  prompt_graphs=not config.disable_prompt_graphs)
         self.speculation = None if drafter is None else SpeculativeDecoding(
             drafter, self.kv, self.model.hf_config["vocab_size"], decode_rows=self.model.attention_backend.graph_safe,
             policy=FixedPolicy(drafter.num_steps, backoff=not config.disable_speculative_backoff),

@@ -59,6 +59,9 @@ class ForwardBatch:
     global_all_decode: bool | None = None
     # DP attention: the captured decode-graph size every rank replays this step, idle ranks too (None: eager)
     graph_size: int | None = None
+    # the token rows whose logits the step samples, where those are not each request's last new token (None):
+    # a prompt run as decode rows, one row per token (model_runner.py), samples its last row only (host side)
+    sample_rows: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -80,8 +83,11 @@ class ForwardBatch:
 
     @property
     def last_token_index(self) -> torch.Tensor:
-        """[B] index in T of each request's last new token (where its logits come from)."""
-        ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
+        """[B] index in T of each request's last new token (where its logits come from); `sample_rows` where set."""
+        if self.sample_rows is not None:
+            ends = torch.tensor(self.sample_rows, dtype=torch.int64)
+        else:
+            ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
         return to_device(self.input_ids.device, ends)[0]  # (a pageable copy would wait for the step in flight)
 
     @classmethod

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import attrs
 import torch
 
 from .batch_builder import ScheduledSeq, build_forward_batch
-from .cuda_graph import DecodeGraphs
+from .cuda_graph import DecodeGraphs, padded_size
 from .forward_batch import ForwardBatch
 from .in_flight import InFlight, fill_placeholders
 from .kv_cache import KVPool
@@ -16,14 +17,37 @@ from .scheduler import ScheduledWork
 from .transfer import to_device
 
 
+# KV tokens the rows of a prompt step run as decode rows may read in all, per layer: every row reads its sequence up
+# to itself, so a prompt of n new tokens after p cached ones reads ~n * (p + n / 2). 2^17 reads 256 MB of a Qwen3-30B
+# layer's KV (~85 µs on an H100), against the ~1 ms of host time an eager prompt step spends on each layer.
+PROMPT_ROW_READS = 1 << 17
+
+
 class ModelRunner:
-    def __init__(self, model, kv: KVPool, strategy, device: torch.device, hooks=None, graphs: DecodeGraphs | None = None):
+    def __init__(self, model, kv: KVPool, strategy, device: torch.device, hooks=None, graphs: DecodeGraphs | None = None,
+                 prompt_graphs: bool = True):
         self.model = model
         self.kv = kv
         self.strategy = strategy
         self.device = device
         self.hooks = hooks
         self.graphs = graphs  # captured decode steps, replayed for the decode batches they hold
+        self.prompt_graphs = prompt_graphs  # prompt steps that fit run as decode rows and replay those graphs
+
+    def prompt_rows(self, work: Sequence[ScheduledWork]) -> bool:
+        """Whether a step of `work` holding prompt tokens runs them as decode rows, one per token (row j of a request
+        at position num_cached + j reads the cache up to itself; the rows before it wrote their KV in the same
+        layer), so that the step replays a decode graph instead of launching every kernel from the host: where the
+        rows fit a captured size that is not split into micro-batches (a cut between a prompt's rows would read KV
+        its other half has not written) and read at most PROMPT_ROW_READS cached tokens."""
+        graphs = self.graphs
+        if graphs is None or graphs.recording or not self.prompt_graphs:
+            return False
+        if all(w.num_tokens == 1 and w.request.num_cached > 0 for w in work):
+            return False  # a decode batch as it is
+        size = padded_size(sum(w.num_tokens for w in work), graphs.sizes)
+        reads = sum(w.num_tokens * (w.request.num_cached + w.num_tokens) for w in work)
+        return size is not None and graphs.cuts.get(size) is None and reads <= PROMPT_ROW_READS
 
     def prepare(self, work: Sequence[ScheduledWork], in_flight: InFlight | None = None,
                 drafts: Sequence[Sequence[int]] | None = None, decode_rows: bool = False) -> ForwardBatch:
@@ -33,18 +57,20 @@ class ModelRunner:
         `decode_rows` one decode row each (row j at position num_cached + j, reading the cache up to itself,
         where the rows before it wrote their KV in the same layer): a verify step is then a decode batch of
         requests x (drafts + 1) rows, which runs the paged decode kernels and replays the decode CUDA graphs."""
+        prompts_as_rows = drafts is None and self.prompt_rows(work)
         drafts = drafts if drafts is not None else [()] * len(work)
         seqs = []
         for w, draft in zip(work, drafts):
             request, start = w.request, w.request.num_cached
-            if draft and not decode_rows:
-                seqs.append(ScheduledSeq([*request.token_ids(start, w.num_tokens), *draft], start, request.pages))
-            elif draft:
-                tokens = [*request.token_ids(start, 1), *draft]
+            tokens = [*request.token_ids(start, w.num_tokens), *draft]
+            if (draft and decode_rows) or prompts_as_rows:
                 seqs += [ScheduledSeq([t], start + j, request.pages) for j, t in enumerate(tokens)]
             else:
-                seqs.append(ScheduledSeq(request.token_ids(start, w.num_tokens), start, request.pages))
-        batch = build_forward_batch(seqs, self.kv, self.device)
+                seqs.append(ScheduledSeq(tokens, start, request.pages))
+        batch = build_forward_batch(seqs, self.kv, self.device, rows=prompts_as_rows)
+        if prompts_as_rows:  # each request samples its last row; a micro-batch must not cut between its rows
+            ends = tuple(itertools.accumulate(w.num_tokens for w in work))
+            batch = attrs.evolve(batch, sample_rows=tuple(end - 1 for end in ends), overlap_split=False)
         if in_flight is not None and any(w.request.pending_rows for w in work):
             batch = attrs.evolve(batch, input_ids=fill_placeholders(batch.input_ids, in_flight.tokens))
         return batch
@@ -89,7 +115,8 @@ class ModelRunner:
         else the model run eagerly."""
         graphs = self.graphs
         if may_replay and graphs is not None and graphs.can_run(batch) and (graphs.with_hidden or not with_hidden):
-            return graphs.run_with_hidden(batch) if with_hidden else (graphs.run(batch), None)
+            picked = rows if batch.sample_rows is not None else None  # (a graph returns every row's logits)
+            return graphs.run_with_hidden(batch, picked) if with_hidden else (graphs.run(batch, picked), None)
         out = self.model(batch, self.kv, self.strategy, logits_at=rows, return_hidden=with_hidden)
         return out if with_hidden else (out, None)
 

@@ -31,9 +31,9 @@ def install_graphs(engine: Engine, world_size: int) -> list[tuple]:
                           world_size, with_hidden=hidden)
     replays, run = [], graphs.run
 
-    def logged(batch):
+    def logged(batch, rows=None):
         replays.append((graphs.size_for(batch), batch.batch_size, batch.mode.name))
-        return run(batch)
+        return run(batch, rows)
 
     graphs.run = logged
     engine.runner.graphs = graphs

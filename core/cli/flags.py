@@ -131,6 +131,13 @@ def add_engine_flags(parser: argparse.ArgumentParser, serving: bool = True) -> N
         "--max-running-requests); larger batches run eagerly, smaller ones pad to the next size (default: %(default)s)",
         metavar="N",
     )
+    flag(
+        gpu, "--disable-prompt-graphs",
+        "launch every prompt step's kernels from the host; by default, where decode steps replay CUDA graphs, a "
+        "prompt step of at most --cuda-graph-max-bs tokens whose rows read few enough cached tokens runs as decode "
+        "rows (one per token, each reading the cache up to itself) and replays a decode graph: ~1 ms of host time "
+        "instead of ~1 ms per layer",
+    )
     sched = parser.add_argument_group("scheduler and KV cache")
     flag(sched, "--max-running-requests", "requests decoding at once (default: %(default)s)")
     flag(sched, "--max-batched-tokens", "token budget of one step (default: %(default)s)")

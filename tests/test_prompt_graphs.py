@@ -1,0 +1,153 @@
+"""Prompt steps run as decode rows, one per token, so that they replay the decode graphs (model_runner.prompt_rows).
+
+On the CPU everything but the capture runs: the engine gets DecodeGraphs whose `capture` runs the step again over
+the static inputs (through Triton's interpreter), so a prompt step goes through the rows path a GPU replays. The
+reference is the same engine with --disable-prompt-graphs (prompts as ordinary extends, decode steps replayed alike)
+and an engine without graphs on the torch attention backend. The `gpu` test captures for real.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moeplex.attention.triton_backend import INTERPRETED
+from moeplex.config import EngineConfig
+from moeplex.cuda_graph import DecodeGraphs, DecodeInputs, capture_sizes, max_pages_per_request
+from moeplex.engine import Engine
+from moeplex.model_runner import PROMPT_ROW_READS, ModelRunner
+from moeplex.sampling import SamplingParams
+
+from test_speculative import conserved
+
+PAGE = 4
+MAX_BS = 16
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+SHARED = [256] + list(range(60, 71))  # 12 tokens: the second prompt that starts with it finds 3 pages cached
+PROMPTS = [
+    [256, 5, 6, 7],
+    SHARED + [3, 4],
+    list(range(100, 130)),  # 30 tokens: more rows than the largest graph, an ordinary extend
+    [256, 9],
+    SHARED + [8, 9, 10],
+]
+
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="the CPU check of replay through the static inputs")
+
+
+def engine(folder: str, **overrides) -> Engine:
+    settings = dict(model=folder, dtype="fp32", show_progress=False, max_total_tokens=512, page_size=PAGE,
+                    attention_backend="triton", mixed_chunk=False, max_running_requests=4)
+    return Engine(EngineConfig(**{**settings, **overrides}))
+
+
+def with_graphs(spec: Engine) -> list[tuple[int, bool]]:
+    """Give a CPU engine decode graphs (each replay runs the step again over the static inputs); returns the log of
+    its prompt steps: (tokens, whether they ran as rows)."""
+    kv, model = spec.kv, spec.model
+    inputs = DecodeInputs.allocate(MAX_BS, max_pages_per_request(kv, None), kv, "cpu")
+    spec.runner.graphs = DecodeGraphs(model, kv, spec.runner.strategy, inputs, capture_sizes(MAX_BS),
+                                      lambda step: step)
+    log = []
+    decide = spec.runner.prompt_rows
+
+    def logged(work):
+        rows = decide(work)
+        if not all(w.num_tokens == 1 and w.request.num_cached > 0 for w in work):
+            log.append((sum(w.num_tokens for w in work), rows))
+        return rows
+
+    spec.runner.prompt_rows = logged
+    return log
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    folder = tiny_model_dir("qwen3_moe")
+    return [r.output_ids for r in engine(folder, attention_backend="torch").generate(PROMPTS, GREEDY)]
+
+
+@interpreted
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prompt_steps_replayed_as_rows_change_no_token(tiny_model_dir, reference, overlap):
+    """One request at a time: fresh prompts, a prompt after a cached prefix (3 new tokens after 12), a prompt too
+    long for any graph (eager). The tokens of plain decoding, and the pools empty afterwards."""
+    spec = engine(tiny_model_dir("qwen3_moe"), overlap_schedule=overlap, max_running_requests=1)
+    log = with_graphs(spec)
+    assert [r.output_ids for r in spec.generate(PROMPTS, GREEDY)] == reference
+    assert {(4, True), (14, True), (30, False), (3, True)} <= set(log)
+    assert conserved(spec)
+
+
+@interpreted
+def test_prompt_chunks_run_as_rows_and_only_the_last_samples(tiny_model_dir, reference):
+    """--chunked-prefill-size 8: every chunk of the 30-token prompt fits a graph, later chunks read the earlier
+    ones' KV from the cache, and a chunk that does not end its prompt samples nothing."""
+    spec = engine(tiny_model_dir("qwen3_moe"), chunked_prefill_size=8, max_batched_tokens=16)
+    log = with_graphs(spec)
+    assert [r.output_ids for r in spec.generate(PROMPTS, GREEDY)] == reference
+    assert log and all(rows for _, rows in log)
+    assert conserved(spec)
+
+
+@interpreted
+def test_disabled_prompt_graphs_run_prompts_as_extends(tiny_model_dir, reference):
+    spec = engine(tiny_model_dir("qwen3_moe"), disable_prompt_graphs=True)
+    log = with_graphs(spec)
+    assert [r.output_ids for r in spec.generate(PROMPTS, GREEDY)] == reference
+    assert log and not any(rows for _, rows in log)
+
+
+def fake_runner(sizes=(1, 2, 4, 8, 16), cuts=None, recording=False, enabled=True) -> ModelRunner:
+    graphs = SimpleNamespace(sizes=list(sizes), cuts=cuts or {}, recording=recording)
+    return ModelRunner(None, None, None, torch.device("cpu"), graphs=graphs, prompt_graphs=enabled)
+
+
+def work(*items):
+    """(cached, new) per request."""
+    return [SimpleNamespace(request=SimpleNamespace(num_cached=c), num_tokens=n) for c, n in items]
+
+
+def test_which_prompt_steps_run_as_rows():
+    runner = fake_runner()
+    assert runner.prompt_rows(work((0, 16)))
+    assert runner.prompt_rows(work((0, 5), (7, 1), (3, 2)))  # a prompt beside decodes (a mixed step)
+    assert runner.prompt_rows(work((0, 1)))  # a one-token prompt (an extend: its first position)
+    assert not runner.prompt_rows(work((4, 1), (9, 1)))  # a decode batch as it is
+    assert not runner.prompt_rows(work((0, 17)))  # more rows than the largest graph
+    assert not runner.prompt_rows(work((PROMPT_ROW_READS // 8, 8)))  # rows reading a long cached prefix
+    assert not fake_runner(cuts={16: [8]}).prompt_rows(work((0, 12)))  # a size cut into micro-batches
+    assert fake_runner(cuts={16: [8]}).prompt_rows(work((0, 8)))
+    assert not fake_runner(recording=True).prompt_rows(work((0, 4)))
+    assert not fake_runner(enabled=False).prompt_rows(work((0, 4)))
+    assert not ModelRunner(None, None, None, torch.device("cpu")).prompt_rows(work((0, 4)))
+
+
+def test_the_flag_turns_prompt_graphs_off(tiny_model_dir):
+    from moeplex.cli import build_parser
+    from moeplex.cli.flags import engine_config
+
+    parser = build_parser()
+    folder = tiny_model_dir("qwen3_moe")
+    assert not engine_config(parser.parse_args(["serve", "--model", folder])).disable_prompt_graphs
+    assert engine_config(parser.parse_args(["serve", "--model", folder, "--disable-prompt-graphs"])).disable_prompt_graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_prompt_graphs_change_no_token_on_gpu(tiny_model_dir, arch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    settings = dict(device="cuda", moe_kernel="triton", max_total_tokens=4096, cuda_graph_max_bs=16,
+                    max_running_requests=16)
+    folder = tiny_model_dir(arch)
+    rows, plain = engine(folder, **settings), engine(folder, disable_prompt_graphs=True, **settings)
+    assert rows.runner.graphs is not None
+    log = []
+    decide = rows.runner.prompt_rows
+    rows.runner.prompt_rows = lambda w: log.append(decide(w)) or log[-1]
+    assert [r.output_ids for r in rows.generate(PROMPTS, GREEDY)] == \
+        [r.output_ids for r in plain.generate(PROMPTS, GREEDY)]
+    assert any(log)
