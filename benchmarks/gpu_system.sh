@@ -32,14 +32,14 @@ for part in "$@"; do
       timeout -s ABRT $(lim 480) python3 -m pytest -q -rs -m gpu tests/test_kernel_rope.py tests/test_kernel_router_gemv.py \
         tests/test_triton_attention.py tests/test_triton_moe.py tests/test_fused_kernels.py tests/test_cuda_graph.py \
         tests/test_speculative_gpu.py tests/test_draft_graphs.py tests/test_cuda_graph_parallel.py tests/test_prefix_cache_benchmark.py \
-        tests/test_torch_attention.py tests/test_ngram_device.py tests/test_verify_graphs.py 2>&1 \
+        tests/test_torch_attention.py tests/test_ngram_device.py tests/test_verify_graphs.py tests/test_prompt_graphs.py 2>&1 \
         | tee "$out/gpu_tests.log" | tail -15 ;;
     tests-spec)
       timeout -s ABRT $(lim 150) python3 -m pytest -q -rs -m gpu tests/test_speculative_gpu.py tests/test_draft_graphs.py tests/test_ngram_device.py 2>&1 \
         | tee "$out/gpu_tests_spec.log" | tail -5 ;;
     tests-overlap)  # the GPU tests of the overlap schedule's steps only (graphs, syncs, overlapped verify steps)
       timeout -s ABRT $(lim 180) python3 -m pytest -q -rs -m gpu tests/test_cuda_graph.py tests/test_verify_graphs.py \
-        tests/test_spec_overlap.py 2>&1 | tee "$out/gpu_tests_overlap.log" | tail -8 ;;
+        tests/test_spec_overlap.py tests/test_prompt_graphs.py 2>&1 | tee "$out/gpu_tests_overlap.log" | tail -8 ;;
     spec)
       timeout $(lim 240) python3 benchmarks/speculative.py --device cuda --qwen-layers 12 --batches 1 8 32 --runs 3 \
         --out "$out/speculative_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -40 ;;
@@ -74,8 +74,11 @@ for part in "$@"; do
         --dtype bf16 --device cuda --runs 3 --num-requests 128 --output-len 64 --output-spread 0.5 \
         --out "$out/spec_serving_spread_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
     host-prompts)  # steady decode at 16 with a 97-token prompt arriving every 4 steps: syncs, step kinds, cProfile
-      timeout $(lim 150) python3 benchmarks/host_profile.py --layers 12 --batch 16 --admit-every 4 --prompt-len 97 \
-        --steps 40 --out "$out/host_prompts.md" 2>&1 | grep -v -i warn | tail -30 ;;
+      for graphs in on off; do
+        flags=(); [ $graphs = off ] && flags=(--disable-prompt-graphs)
+        timeout $(lim 150) python3 benchmarks/host_profile.py --layers 12 --batch 16 --admit-every 4 --prompt-len 97 \
+          --steps 40 "${flags[@]}" --out "$out/host_prompts_graphs_$graphs.md" 2>&1 | grep -v -i warn | grep -A4 "| kind"
+      done ;;
     spec-serve)
       timeout $(lim 300) python3 benchmarks/spec_serving.py --arch qwen3_moe --preset 30b-a3b --layers 12 --load-format dummy \
         --dtype bf16 --device cuda --runs 3 --num-requests 128 --output-len 64 --out "$out/spec_serving_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;

@@ -116,18 +116,19 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--admit-every", type=int, default=0, help="a new request every K steps (default: none)")
     parser.add_argument("--prompt-len", type=int, default=97, help="prompt tokens of each new request")
+    parser.add_argument("--disable-prompt-graphs", action="store_true", help="engine flag: prompt steps eagerly")
     parser.add_argument("--out")
     args = parser.parse_args()
     folder = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True,
                               overrides={"num_hidden_layers": args.layers})
     config = EngineConfig(model=folder, device="cuda", dtype="bf16", moe_kernel="triton", load_format="dummy",
                           show_progress=False, max_running_requests=max(args.batch) + 3 * args.steps,
-                          max_total_tokens=65536)
+                          max_total_tokens=65536, disable_prompt_graphs=args.disable_prompt_graphs)
     engine = Engine(config)
     arriving = (f", a {args.prompt_len}-token request arriving every {args.admit_every} steps" if args.admit_every
                 else "")
     lines = [f"## Host time in steady decode ({args.layers}-layer Qwen3-30B-A3B shapes, CUDA graphs, overlap "
-             f"schedule{arriving})", ""]
+             f"schedule{arriving}; prompt graphs {'off' if args.disable_prompt_graphs else 'on'})", ""]
     for batch in args.batch:
         start(engine, batch, 4 * args.steps)
         step = Arrivals(engine, args.admit_every, args.prompt_len).step
