@@ -296,8 +296,11 @@ def decode_graphs(config, model, kv: KVPool, strategy, selection, world_size: in
         if device.type == "cuda":
             log.info("decode runs without CUDA graphs: %s", reason)
         return None
-    # a speculative verify step is a decode batch of one row per request and draft
-    largest = min(config.cuda_graph_max_bs, config.max_running_requests * config.tokens_per_decode)
+    # a speculative verify step is a decode batch of one row per request and draft; a prompt step run as rows
+    # (model_runner.prompt_rows) one row per token, so with prompt graphs every size up to the maximum may serve
+    largest = config.cuda_graph_max_bs
+    if config.disable_prompt_graphs:
+        largest = min(largest, config.max_running_requests * config.tokens_per_decode)
     if getattr(selection.dispatcher.caps, "fixed_max_tokens", False):  # a captured step must fit its buffers
         largest = min(largest, model.moe_runtime.ctx.max_tokens_per_rank)
     sizes = capture_sizes(largest)

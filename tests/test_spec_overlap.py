@@ -382,7 +382,7 @@ def test_on_gpu_verify_steps_overlap_and_replay_the_decode_graphs(echo):
     assert spec.overlap_schedule and spec.overlap_verify is not None
     graphs = spec.runner.graphs
     replayed, run, loaded = [], graphs.run, graphs.replay_loaded
-    graphs.run = lambda batch: replayed.append(batch.batch_size) or run(batch)
+    graphs.run = lambda batch, rows=None: replayed.append(batch.batch_size) or run(batch, rows)
     graphs.replay_loaded = lambda size: replayed.append(size) or loaded(size)
     launches = Launches(spec)
     got = spec.generate(ECHO_PROMPTS, greedy)

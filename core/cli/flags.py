@@ -127,8 +127,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, serving: bool = True) -> N
     )
     flag(
         gpu, "--cuda-graph-max-bs",
-        "largest decode batch captured in a CUDA graph (sizes 1, 2, 4, 8, then every 8, up to N and at most "
-        "--max-running-requests); larger batches run eagerly, smaller ones pad to the next size (default: %(default)s)",
+        "largest decode batch captured in a CUDA graph (sizes 1, 2, 4, 8, then every 8, up to N; with "
+        "--disable-prompt-graphs at most --max-running-requests rows, times the draft width when speculating); larger "
+        "batches run eagerly, smaller ones pad to the next size (default: %(default)s)",
         metavar="N",
     )
     flag(
