@@ -166,7 +166,8 @@ class Engine:
             self.speculation.policy = AdaptivePolicy(drafter.num_steps, self.step_costs)
             # the table scaled to what verify steps take while serving (DP ranks step apart: their timings cannot agree)
             if config.speculative_cost_calibration and self.parallel.config.dp_size == 1:
-                self.calibration = Calibration(self.step_costs, slowest_of(self.parallel.world))
+                self.calibration = Calibration(self.step_costs, slowest_of(self.parallel.world),
+                                               isolated=self.overlap_schedule and self.overlap_verify is None)
         # prefill/decode disaggregation: this rank's transfer backend and the pages it holds or expects
         self.pd = RankTransfers.create(self) if config.disaggregation_mode != "none" else None
         self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet

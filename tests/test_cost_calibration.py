@@ -91,6 +91,25 @@ def test_only_steps_inside_runs_count():
     assert c.scale(8) > 2.0  # (no plain step measured: the table's plain cost stands)
 
 
+def test_a_host_drafters_synchronous_verify_steps_count_alone():
+    """Under the overlap schedule a drafter that drafts on the host verifies in synchronous steps between plain ones,
+    each breaking the schedule: for such a drafter (isolated) each counts at what it took, so that a drafter whose
+    steps cost 4x the table's bare forward stops drafting where that loses. Overlapped and prompt steps alone still
+    do not count, and a drafter with overlapped verify steps keeps the runs-only rule."""
+    c, other = costs(), costs()
+    calibration, runs_only = Calibration(c, isolated=True), Calibration(other)
+    policy = AdaptivePolicy(STEPS, c)
+    for cal in (calibration, runs_only):
+        for _ in range(40):
+            run(cal, 8, "decode", 6)
+            run(cal, 8, "verify", 1, slower=4.0, broken=True)
+            run(cal, 8, "decode", 2)
+            run(cal, 8, "verify_overlap", 1, slower=3.0)  # the first of its run
+            run(cal, 8, "prompt", 1, slower=3.0)
+    assert 3.0 < c.scale(8) <= 4.0 and other.scale(8) == 1.0
+    assert not policy.may_draft(8)
+
+
 def test_every_rank_takes_the_slowest_ranks_scale():
     seen = []
 

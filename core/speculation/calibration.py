@@ -19,6 +19,12 @@ table's plain cost stands). Once STALE plain steps went by without a verify step
 the verify ratio fades back towards 1, so a size where drafting was measured to lose is tried again by exploration
 later, and measured again.
 
+A drafter that drafts on the host (no overlapped verify steps) under the overlap schedule verifies in synchronous steps
+that never form runs: each reads the step in flight, drafts, and waits for its own forward, so it costs far more than
+the table's bare forward (on an H100 at 32 requests, 11.1 ms against 5.4), and a step inside a run never shows it.
+For such a drafter (`isolated`) every synchronous verify step counts, alone, at what it took, break included: what
+drafting really costs it there. Without this the adversary at 32 and 64 verified 37-40 times a run and ran at 0.95x.
+
 Decisions made from timings would differ between ranks that must decide alike (tensor-parallel ranks schedule the
 same requests), so the scales reach the table only every PUBLISH_EVERY observed steps (and after the first EARLY ones), as the
 slowest rank's (one
@@ -52,6 +58,7 @@ MOVE = 0.03  # a scale reaches the table only where it moved by more than this (
 SCALE_RANGE = (1.0, 32.0)
 
 PLAIN_KINDS = frozenset({"decode"})
+SYNC_VERIFY = "verify"  # a verify step that waits for its own forward (StepLog's kind)
 
 
 @attrs.define
@@ -82,9 +89,11 @@ class Calibration:
     """Feeds StepCosts.set_scale from the steps the engine times (observe). `slowest(values)`: each value as the
     largest any rank has (identity with one rank)."""
 
-    def __init__(self, costs: StepCosts, slowest: Callable[[Sequence[float]], Sequence[float]] = lambda v: v):
+    def __init__(self, costs: StepCosts, slowest: Callable[[Sequence[float]], Sequence[float]] = lambda v: v,
+                 isolated: bool = False):
         self.costs = costs
         self.slowest = slowest
+        self.isolated = isolated  # synchronous verify steps count alone (the module docstring)
         self._plain: dict[int, _Ratio] = {}
         self._verify: dict[int, _Ratio] = {}
         self._last_class: str | None = None
@@ -93,8 +102,9 @@ class Calibration:
     def observe(self, step: TimedStep) -> None:
         cls = "plain" if step.kind in PLAIN_KINDS else "verify" if step.kind in VERIFY_KINDS else None
         steady = cls is not None and cls == self._last_class and not step.broken and step.requests > 0
+        alone = self.isolated and step.kind == SYNC_VERIFY and step.requests > 0
         self._last_class = cls
-        if not steady:
+        if not (steady or alone):
             return
         size = self.costs.size_of(step.requests)
         if size not in self.costs.measured:  # (never measured here: a step's end is no time to measure)
