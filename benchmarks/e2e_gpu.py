@@ -400,7 +400,13 @@ def main() -> None:
                              "merged in the split kernel), graphs captured again")
     parser.add_argument("--ablate-launch-cuts", action="store_true",
                         help="also time graph-replayed decode with each launch cut alone switched off")
+    parser.add_argument("--router-warps", type=int, choices=(1, 2, 4, 8),
+                        help="warps per program of the one-launch router (moeplex.kernels.router_gemv.NUM_WARPS)")
     args = parser.parse_args()
+    if args.router_warps:
+        from moeplex.kernels import router_gemv
+
+        router_gemv.NUM_WARPS = args.router_warps
     ablations: list[str] = []
     lines = [f"## moeplex on {torch.cuda.get_device_name()} (torch {torch.__version__}, triton MoE kernel and attention)", ""]
     if not args.skip_correctness:

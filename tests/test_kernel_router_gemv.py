@@ -46,6 +46,15 @@ def test_one_expert_a_program(monkeypatch):
     check(SPECS["qwen1.5-60-experts"], 2)
 
 
+@pytest.mark.parametrize("warps", [1, 2, 8])
+def test_any_warp_count_routes_alike(monkeypatch, warps):
+    """benchmarks/e2e_gpu.py --router-warps times other warp counts (on a GPU the top-k's reductions then span
+    fewer warps); the routing must not change."""
+    monkeypatch.setattr(router_gemv, "NUM_WARPS", warps)
+    check(SPECS["qwen3"], 3)
+    check(SPECS["deepseek-v3"], 1)
+
+
 def test_fp16_hidden_is_upcast_as_the_router_does():
     check(SPECS["qwen3"], 2, torch.float16)
 

@@ -23,6 +23,9 @@ from .topk import RouterSpec, _store_topk, _topk_rows, group_layout
 MAX_TOKENS = 16  # larger batches take the GEMM and the top-k kernel: the GEMV tiles here stop paying
 TARGET_PROGRAMS = 256  # programs a launch spreads the gate weight over (its bytes are what the GEMV waits for)
 WEIGHT_TILE = 4096  # gate weights a program loads at once (experts x hidden columns): 16 KiB of fp32
+# warps per program. The last program's top-k is a chain of reductions over every expert (two per pick), each a
+# round through shared memory when the row spans several warps; benchmarks/e2e_gpu.py --router-warps times others.
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -110,5 +113,6 @@ def route_small_batch(hidden: torch.Tensor, weight: torch.Tensor, spec: RouterSp
         TOP_K=spec.top_k, SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORMALIZE=spec.norm_topk_prob,
         NUM_GROUPS=num_groups, GROUP_SIZE=group_size, TOPK_GROUPS=topk_groups,
         K_PAD=triton.next_power_of_2(spec.top_k), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=block_h,
+        num_warps=NUM_WARPS,
     )
     return ids, weights
