@@ -24,8 +24,10 @@ MAX_TOKENS = 16  # larger batches take the GEMM and the top-k kernel: the GEMV t
 TARGET_PROGRAMS = 256  # programs a launch spreads the gate weight over (its bytes are what the GEMV waits for)
 WEIGHT_TILE = 4096  # gate weights a program loads at once (experts x hidden columns): 16 KiB of fp32
 # warps per program. The last program's top-k is a chain of reductions over every expert (two per pick), each a
-# round through shared memory when the row spans several warps; benchmarks/e2e_gpu.py --router-warps times others.
-NUM_WARPS = 4
+# round through shared memory when the row spans several warps. On an H100 (benchmarks/e2e_gpu.py --router-warps,
+# 2 runs each, alternated) Qwen3-30B-A3B's batch-1 step took 4.140-4.154 ms with 1 warp, 4.170-4.172 with 2 and
+# 4.184 with 4; DeepSeek-V3's 2.684-2.688 ms with any (results/e2e_h100_s12.md).
+NUM_WARPS = 1
 
 
 @triton.jit
