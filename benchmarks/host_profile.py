@@ -34,39 +34,49 @@ from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
 
 
-def start(engine: Engine, batch: int, steps: int) -> None:
-    """Admit `batch` requests and run until they all decode."""
+def start(engine: Engine, batch: int, steps: int) -> list:
+    """Admit `batch` requests and run until they all decode; the requests."""
     rng = random.Random(batch)
     params = SamplingParams(max_new_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request([rng.randrange(256) for _ in range(64)], params)
+    requests = [engine.add_request([rng.randrange(256) for _ in range(64)], params) for _ in range(batch)]
     for _ in range(4):
         engine.step()
     torch.cuda.synchronize()
+    return requests
 
 
 class Arrivals:
     """engine.step, with a request of `length` prompt tokens added every `every` steps (never, with every 0)."""
 
-    def __init__(self, engine: Engine, every: int, length: int):
+    def __init__(self, engine: Engine, every: int, length: int, requests: list):
         self.engine, self.every, self.length, self.count = engine, every, length, 0
+        self.requests = requests  # every request of the run: their output tokens count the run's throughput
         self.rng = random.Random(1)
         self.params = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
 
     def step(self) -> None:
         if self.every and self.count % self.every == 0:
-            self.engine.add_request([self.rng.randrange(256) for _ in range(self.length)], self.params)
+            self.requests.append(self.engine.add_request([self.rng.randrange(256) for _ in range(self.length)],
+                                                         self.params))
         self.count += 1
         self.engine.step()
 
+    def tokens(self) -> int:
+        return sum(len(r.output_ids) for r in self.requests)
 
-def step_kinds(engine: Engine, step, steps: int) -> list[str]:
-    """The engine's steps over `steps` steps by what they launched: count and mean host ms (Engine.step_log)."""
+
+def step_kinds(engine: Engine, arrivals: Arrivals, steps: int) -> list[str]:
+    """The engine's steps over `steps` steps by what they launched: count and mean host ms (Engine.step_log); and
+    the output tokens those steps gave, per second of wall time."""
     before = {k: (n, t) for k, n, t in engine.step_log.totals()}
-    for _ in range(steps):
-        step()
     torch.cuda.synchronize()
-    lines = ["| kind | steps | mean host ms |", "|---|---:|---:|"]
+    tokens, began = arrivals.tokens(), time.perf_counter()
+    for _ in range(steps):
+        arrivals.step()
+    torch.cuda.synchronize()
+    wall, tokens = time.perf_counter() - began, arrivals.tokens() - tokens
+    lines = [f"{steps} steps in {1e3 * wall:.1f} ms: {tokens} output tokens, **{tokens / wall:.1f} tok/s**", "",
+             "| kind | steps | mean host ms |", "|---|---:|---:|"]
     for kind, n, t in engine.step_log.totals():
         n, t = n - before[kind][0], t - before[kind][1]
         if n:
@@ -117,25 +127,29 @@ def main() -> None:
     parser.add_argument("--admit-every", type=int, default=0, help="a new request every K steps (default: none)")
     parser.add_argument("--prompt-len", type=int, default=97, help="prompt tokens of each new request")
     parser.add_argument("--disable-prompt-graphs", action="store_true", help="engine flag: prompt steps eagerly")
+    parser.add_argument("--mixed-chunk", choices=("auto", "on", "off"), default="auto",
+                        help="engine flag: whether prompt chunks and decodes share a step")
     parser.add_argument("--out")
     args = parser.parse_args()
     folder = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True,
                               overrides={"num_hidden_layers": args.layers})
     config = EngineConfig(model=folder, device="cuda", dtype="bf16", moe_kernel="triton", load_format="dummy",
                           show_progress=False, max_running_requests=max(args.batch) + 3 * args.steps,
-                          max_total_tokens=65536, disable_prompt_graphs=args.disable_prompt_graphs)
+                          max_total_tokens=65536, disable_prompt_graphs=args.disable_prompt_graphs,
+                          mixed_chunk={"auto": None, "on": True, "off": False}[args.mixed_chunk])
     engine = Engine(config)
     arriving = (f", a {args.prompt_len}-token request arriving every {args.admit_every} steps" if args.admit_every
                 else "")
     lines = [f"## Host time in steady decode ({args.layers}-layer Qwen3-30B-A3B shapes, CUDA graphs, overlap "
-             f"schedule{arriving}; prompt graphs {'off' if args.disable_prompt_graphs else 'on'})", ""]
+             f"schedule{arriving}; prompt graphs {'off' if args.disable_prompt_graphs else 'on'}, "
+             f"--mixed-chunk {args.mixed_chunk})", ""]
     for batch in args.batch:
-        start(engine, batch, 4 * args.steps)
-        step = Arrivals(engine, args.admit_every, args.prompt_len).step
+        arrivals = Arrivals(engine, args.admit_every, args.prompt_len, start(engine, batch, 4 * args.steps))
+        step = arrivals.step
         found = syncs(engine, args.steps, step)
         lines += [f"### batch {batch}", "", f"Synchronizing calls in {args.steps} steps:", ""]
         lines += found or ["- none"]
-        lines += ["", "Steps by kind:", "", *step_kinds(engine, step, args.steps)]
+        lines += ["", "Steps by kind:", "", *step_kinds(engine, arrivals, args.steps)]
         lines += ["", host_profile(engine, args.steps, step), ""]
         while engine.has_work:
             engine.step()
