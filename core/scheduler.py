@@ -36,8 +36,9 @@ class Scheduler:
 
     `mixed=False` keeps prompts and decodes in separate steps, as SGLang does by default:
     a step prefills (prompt chunks and new admissions) whenever there is something to
-    prefill, and decodes otherwise. Where decode steps replay CUDA graphs, a mixed step
-    would run eagerly over every decoding request for the sake of one prompt.
+    prefill, and decodes otherwise. Where decode steps replay CUDA graphs but prompt steps
+    do not (--disable-prompt-graphs), a mixed step would run eagerly over every decoding
+    request for the sake of one prompt (engine.py chooses).
     """
 
     def __init__(

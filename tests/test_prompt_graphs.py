@@ -43,25 +43,29 @@ def engine(folder: str, **overrides) -> Engine:
     return Engine(EngineConfig(**{**settings, **overrides}))
 
 
-def with_graphs(spec: Engine) -> list[tuple[int, bool]]:
+def with_graphs(spec: Engine, decodes: list | None = None) -> list[tuple[int, bool]]:
     """Give a CPU engine decode graphs (each replay runs the step again over the static inputs); returns the log of
     its prompt steps (logged_prompts)."""
     kv, model = spec.kv, spec.model
     inputs = DecodeInputs.allocate(MAX_BS, max_pages_per_request(kv, None), kv, "cpu")
     spec.runner.graphs = DecodeGraphs(model, kv, spec.runner.strategy, inputs, capture_sizes(MAX_BS),
                                       lambda step: step)
-    return logged_prompts(spec.runner)
+    return logged_prompts(spec.runner, decodes)
 
 
-def logged_prompts(runner: ModelRunner) -> list[tuple[int, bool]]:
-    """The log of the runner's steps that hold prompt tokens: (tokens, whether they ran as rows)."""
+def logged_prompts(runner: ModelRunner, decodes: list | None = None) -> list[tuple[int, bool]]:
+    """The log of the runner's steps that hold prompt tokens: (tokens, whether they ran as rows); `decodes`, if
+    given, gets the count of decoding requests beside the prompts of each."""
     log = []
     decide = runner.prompt_rows
 
     def logged(work):
         rows = decide(work)
-        if not all(w.num_tokens == 1 and w.request.num_cached > 0 for w in work):
+        decoding = [w.num_tokens == 1 and w.request.num_cached > 0 for w in work]
+        if not all(decoding):
             log.append((sum(w.num_tokens for w in work), rows))
+            if decodes is not None:
+                decodes.append(sum(decoding))
         return rows
 
     runner.prompt_rows = logged
@@ -94,6 +98,20 @@ def test_prompt_chunks_run_as_rows_and_only_the_last_samples(tiny_model_dir, ref
     log = with_graphs(spec)
     assert [r.output_ids for r in spec.generate(PROMPTS, GREEDY)] == reference
     assert log and all(rows for _, rows in log)
+    assert conserved(spec)
+
+
+@interpreted
+def test_a_prompt_joins_the_decodes_beside_it_as_rows(tiny_model_dir, reference):
+    """--mixed-chunk on: the fifth prompt is admitted while four requests decode (one at a time, as they finish), and
+    its step of prompt rows and decode rows replays one graph."""
+    spec = engine(tiny_model_dir("qwen3_moe"), mixed_chunk=True, max_running_requests=4)
+    decodes = []
+    log = with_graphs(spec, decodes)
+    short = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)  # the first request leaves early
+    got = [r.output_ids for r in spec.generate(PROMPTS, [short] + [GREEDY] * 4)]
+    assert got == [reference[0][:3]] + reference[1:]
+    assert any(rows and beside for (_, rows), beside in zip(log, decodes)), (log, decodes)
     assert conserved(spec)
 
 
@@ -155,3 +173,14 @@ def test_prompt_graphs_change_no_token_on_gpu(tiny_model_dir, arch):
     assert [r.output_ids for r in rows.generate(PROMPTS, GREEDY)] == \
         [r.output_ids for r in plain.generate(PROMPTS, GREEDY)]
     assert {(4, True), (14, True), (30, False), (3, True)} <= set(log)
+
+
+@pytest.mark.gpu
+def test_on_gpu_prompts_share_steps_with_decodes_unless_the_engine_speculates_or_prompts_run_eagerly(tiny_model_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    settings = dict(device="cuda", moe_kernel="triton", max_total_tokens=4096, cuda_graph_max_bs=16)
+    folder = tiny_model_dir("qwen3_moe")
+    assert engine(folder, mixed_chunk=None, **settings).scheduler.mixed
+    assert not engine(folder, mixed_chunk=None, disable_prompt_graphs=True, **settings).scheduler.mixed
+    assert not engine(folder, mixed_chunk=None, speculative_algorithm="ngram", **settings).scheduler.mixed

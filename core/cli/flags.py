@@ -145,8 +145,10 @@ def add_engine_flags(parser: argparse.ArgumentParser, serving: bool = True) -> N
     flag(sched, "--chunked-prefill-size", "longest prompt piece per step (default: %(default)s)")
     flag(
         sched, "--mixed-chunk",
-        "whether prompt chunks and decodes share a step; auto: they do unless decode steps replay CUDA graphs "
-        "(a step with a prompt runs eagerly, so there prompts get steps of their own, as in SGLang) (default: auto)",
+        "whether prompt chunks and decodes share a step; auto: they do, except where decode steps replay CUDA graphs "
+        "and either --disable-prompt-graphs is set (a step with a prompt then runs eagerly) or the engine speculates "
+        "(its overlapped verify steps take decoding requests only): there prompts get steps of their own, as in "
+        "SGLang (default: auto)",
         type=auto_on_off, metavar="{auto,on,off}",
     )
     flag(sched, "--page-size", "tokens per KV cache page (default: %(default)s)")
