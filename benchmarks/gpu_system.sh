@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
-#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-profile-dsv3|
+#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-profile-dsv3|tests-nextn|
 #                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
 #   bash benchmarks/gpu_system.sh OUT spec-steady              # #32: steady batches (session 10, H100, before the
@@ -37,6 +37,9 @@ for part in "$@"; do
     tests-spec)
       timeout -s ABRT $(lim 150) python3 -m pytest -q -rs -m gpu tests/test_speculative_gpu.py tests/test_draft_graphs.py tests/test_ngram_device.py 2>&1 \
         | tee "$out/gpu_tests_spec.log" | tail -5 ;;
+    tests-nextn)  # nextn's GPU tests: its graphed chain, and its verify steps under the overlap schedule
+      timeout -s ABRT $(lim 180) python3 -m pytest -q -rs -m gpu tests/test_nextn_overlap.py tests/test_verify_graphs.py \
+        tests/test_speculative_gpu.py tests/test_draft_graphs.py 2>&1 | tee "$out/gpu_tests_nextn.log" | tail -8 ;;
     tests-overlap)  # the GPU tests of the overlap schedule's steps only (graphs, syncs, overlapped verify steps)
       timeout -s ABRT $(lim 180) python3 -m pytest -q -rs -m gpu tests/test_cuda_graph.py tests/test_verify_graphs.py \
         tests/test_spec_overlap.py tests/test_prompt_graphs.py 2>&1 | tee "$out/gpu_tests_overlap.log" | tail -8 ;;
@@ -56,7 +59,7 @@ for part in "$@"; do
         --out "$out/speculative_mixed_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
     spec-dsv3)
       timeout $(lim 360) python3 benchmarks/speculative.py --device cuda --only dsv3 --steady --runs 3 --batches 1 8 32 64 \
-        --output-len 64 --drafters nextn --out "$out/speculative_dsv3_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -30 ;;
+        --output-len 64 --drafters ${DSV3_DRAFTERS:-nextn} --out "$out/speculative_dsv3_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -30 ;;
     spec-profile)
       timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch 1 --out "$out/prof1" \
         --drafters ngram/fixed/overlap ngram/overlap test-oracle-device 2>&1 | grep -v -i warn | tail -20

@@ -269,10 +269,15 @@ class DecodeGraphs:
     def _rows(logits: torch.Tensor, batch: ForwardBatch, rows: torch.Tensor | None) -> torch.Tensor:
         return logits[: batch.batch_size].clone() if rows is None else logits[rows]
 
-    def replay_loaded(self, size: int) -> torch.Tensor:
+    def replay_loaded(self, size: int, with_hidden: bool = False):
         """[size, vocab] logits of the graph of `size` over the static inputs as they are (a caller that wrote them
-        itself: a graphed verify step); the graph's own tensor, overwritten by the next replay."""
+        itself: a graphed verify step), with `with_hidden` ([size, vocab] logits, [size, H] pre-norm hidden states)
+        from graphs captured with them; the graph's own tensors, overwritten by the next replay."""
         out = self.replays[size]()
+        if with_hidden:
+            if not self.with_hidden:
+                raise ValueError("hidden states asked of decode graphs captured without them")
+            return out
         return out[0] if self.with_hidden else out
 
     def _replay(self, batch: ForwardBatch):

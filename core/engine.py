@@ -144,12 +144,13 @@ class Engine:
         # steps that draft run without the overlap schedule (their drafts need the tokens accepted before them);
         # the steps between them overlap (a drafter that reads hidden states observes them one step late)
         self.overlap_schedule = _overlap_schedule(config, self.device)
-        # verify steps under the overlap schedule, for a drafter that drafts on the device (speculation/overlap.py)
+        # verify steps under the overlap schedule, for a drafter that drafts on the device (speculation/overlap.py);
+        # one that observes must draft from the hidden rows of the step before (it observes only a run's last step)
         # (an attention backend that reads flattened KV indices would need a host sync per step to shift them on a GPU)
         self.overlap_verify = None
         ragged = not self.model.attention_backend.graph_safe
         if self.overlap_schedule and self.speculation is not None and drafter.caps.drafts_on_device and \
-                not drafter.caps.needs_hidden and not self.speculation.observes and self.parallel.config.dp_size == 1 \
+                (drafter.caps.needs_hidden or not self.speculation.observes) and self.parallel.config.dp_size == 1 \
                 and not (ragged and self.device.type == "cuda"):
             self.overlap_verify = OverlapVerify(self.speculation, self.runner, self.kv, self.device, ragged,
                                                 self.scheduler.draft_pages)

@@ -12,7 +12,11 @@ step `propose` for the decoding requests that draft and `observe` after every ta
 included), and `finished` when a request ends or is preempted. The plain steps between drafting ones take the
 engine's ordinary path (overlap schedule included): a drafter that reads hidden states (`needs_hidden`) observes
 them too, once their tokens are read (under the overlap schedule after the next step was launched); one that
-does not may miss them, and every token they added is in the next DraftRequest.token_ids.
+does not may miss them, and every token they added is in the next DraftRequest.token_ids. Under the overlap
+schedule, a drafter that declares `drafts_on_device` drafts each verify step of a run from the step before it,
+which the host has not read (DeviceTokens; with `needs_hidden`, its hidden rows too): inside such a run `observe`
+comes only for the run's last verify step, once its tokens are read. (A drafter that observes without
+`needs_hidden` has its verify steps run synchronously instead: it would miss the steps inside a run.)
 
 Request ids: a rid names one live request; `finished(rid)` comes exactly once per request, after its last
 `observe`, when it ends (length, stop, abort, failure). The same rid may then come back for a new request
@@ -34,7 +38,8 @@ import torch
 @attrs.frozen
 class DrafterCaps:
     needs_weights: bool = False  # uses the checkpoint's MTP (NextN) layers
-    needs_hidden: bool = False  # reads the target's hidden states (before the final norm) in `observe`
+    # reads the target's hidden states (before the final norm) in `observe` (and in DeviceTokens.hidden)
+    needs_hidden: bool = False
     gives_probs: bool = False  # returns draft probabilities (rejection sampling with q); else drafts are point masses
     architectures: frozenset[str] | None = None  # model_type values it supports; None: every architecture
     # proposing costs little (host lookups, no forward): the adaptive policy asks for every request first and
@@ -86,6 +91,13 @@ class DeviceTokens:
 
     tokens: torch.Tensor  # [R, W] int64 on the device
     counts: torch.Tensor  # [R] int64 on the device
+    # [R, W, H] the target's pre-final-norm hidden state of each token's position (row i's k-th at
+    # requests[i].num_cached + k: the position whose next token is tokens[i, k]); given to a drafter that declares
+    # needs_hidden (API 2; None otherwise)
+    hidden: torch.Tensor | None = None
+    # the most drafts any row verifies in the step these drafts are for: a drafter whose drafts cost forwards may
+    # stop there (None: num_steps; API 2)
+    max_drafts: int | None = None
 
 
 @attrs.frozen

@@ -25,7 +25,7 @@ import attrs
 import torch
 
 from ..batch_builder import ScheduledSeq, build_forward_batch
-from ..interfaces import DeviceTokens, DraftRequest
+from ..interfaces import DeviceTokens, DraftRequest, TargetStep
 from ..request import Request
 from ..sampler import Sampler
 from ..transfer import to_device
@@ -44,6 +44,7 @@ class VerifyInFlight:
     ready: torch.cuda.Event | None
     graphed: bool = False  # launched from VerifyGraphs: `accepted` is its state, which the next graphed step reads
     idle: int = 0  # verify steps in a row, this one included, that verify no draft (the run goes on: keeps_run)
+    hidden: torch.Tensor | None = None  # [R, width, H] the target's pre-norm hidden rows (a drafter that reads them)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -147,10 +148,12 @@ class OverlapVerify:
         outcome = step.read()
         spec.counts.step([[0] * row[1] for row, r in zip(outcome, step.requests) if not r.finished])
         then = {id(r) for r in following.requests} if following is not None else set()
-        for request, row, chosen in zip(step.requests, outcome, step.chosen):
+        kept = []  # (row, request, its first position, tokens) of the live requests: the drafter observes a run's last
+        for i, (request, row, chosen) in enumerate(zip(step.requests, outcome, step.chosen)):
             if request.finished:  # stopped in the step before (its rows here came too late) or aborted
                 continue
             proposed, verified, accepted, tokens = row[0], row[1], row[2], row[3:]
+            kept.append((i, request, request.num_cached, tokens))
             request.num_cached += 1 + accepted
             if chosen:
                 spec.policy.offered(request, proposed > 0)
@@ -164,7 +167,24 @@ class OverlapVerify:
                 finished.append(request)
             else:  # the step in flight may still write its rows after the run
                 spec.release_rejected(request, following.width if id(request) in then else 1)
+        if following is None and spec.observes:
+            self._observe_last(step, [k for k in kept if not k[1].finished])
         return finished
+
+    def _observe_last(self, step: VerifyInFlight, kept) -> None:
+        """The drafter's observe of a run's last verify step (the steps before it it drafted from on the device):
+        the positions each live request kept and their hidden rows."""
+        if not kept:
+            return
+        rows = [i * step.width + k for i, _, _, tokens in kept for k in range(len(tokens))]
+        hidden = step.hidden.flatten(0, 1) if step.hidden is not None else None
+        if hidden is not None:
+            hidden = hidden[to_device(hidden.device, torch.tensor(rows, dtype=torch.int64))[0]]
+        self.spec.drafter.observe(TargetStep(
+            rids=[r.rid for _, r, _, _ in kept], starts=[start for _, _, start, _ in kept],
+            next_ids=[list(tokens) for _, _, _, tokens in kept], pages=[tuple(r.pages) for _, r, _, _ in kept],
+            hidden=hidden,
+        ))
 
     def _cover(self, requests: Sequence[Request], positions: int) -> bool:
         """Pages for `positions` positions of each request from its first uncached one (draft_pages: drafts never
@@ -195,11 +215,14 @@ class OverlapVerify:
             return self._launch_graphed(shape, requests, counts, previous, drafter_requests, hooks)
         previous_rows = _previous_rows(previous, requests)
         host_last = torch.tensor(host_last_tokens(requests, previous_rows), dtype=torch.int64)
+        with_hidden = self.spec.drafter.caps.needs_hidden
         if previous is not None:  # rows of requests that joined since `previous` (-1) take their token from the host
             rows, host_last = to_device(self.device, torch.tensor(previous_rows), host_last)
             had, at = rows >= 0, rows.clamp_min(0)
             tokens, emitted = previous.accepted.tokens[at], torch.where(had, previous.accepted.emitted[at], 0)
-            drafts = self.spec.drafter.propose_on_device(drafter_requests, DeviceTokens(tokens, emitted))
+            hidden = previous.hidden[at] if with_hidden else None
+            drafts = self.spec.drafter.propose_on_device(drafter_requests,
+                                                         DeviceTokens(tokens, emitted, hidden, width - 1))
             # a FAILED row's request ends when read
             last, offsets = torch.where(had, previous.accepted.last[at].clamp_min(0), host_last), emitted
         else:
@@ -227,20 +250,23 @@ class OverlapVerify:
         if hooks is not None:
             hooks.hook.moeplex_batch_scheduled(batch=batch)
         rows = torch.arange(batch.num_tokens, device=self.device)
-        logits, _ = self.runner.verify_forward(batch, rows, False)
+        logits, hidden = self.runner.verify_forward(batch, rows, with_hidden)
         drawn = Sampler.draw(logits, [r for r in requests for _ in range(width)]).view(len(requests), width)
         accepted = accept(drawn, grid, verified)
         packed = torch.cat([proposed[:, None], verified[:, None], accepted.counts[:, None], accepted.tokens], dim=1)
-        return VerifyInFlight(requests, width, list(counts), accepted, *_to_host(packed))
+        hidden = hidden.view(len(requests), width, -1) if hidden is not None else None
+        return VerifyInFlight(requests, width, list(counts), accepted, *_to_host(packed), hidden=hidden)
 
     def _launch_graphed(self, shape, requests, counts, previous: VerifyInFlight | None, drafter_requests,
                         hooks) -> VerifyInFlight:
         """launch, replayed from VerifyGraphs (the same rows reach the host)."""
         if previous is not None and not previous.graphed:  # its accepted tokens are not where the graphs read them yet
-            self.graphs.carry(previous.accepted)
+            self.graphs.carry(previous.accepted, previous.hidden)
         rows = _previous_rows(previous, requests)
-        accepted, packed = self.graphs.launch(shape, requests, counts, rows, drafter_requests, self.runner, hooks)
-        return VerifyInFlight(requests, shape[1], list(counts), accepted, *_to_host(packed), graphed=True)
+        accepted, packed, hidden = self.graphs.launch(shape, requests, counts, rows, drafter_requests, self.runner,
+                                                      hooks)
+        return VerifyInFlight(requests, shape[1], list(counts), accepted, *_to_host(packed), graphed=True,
+                              hidden=hidden)
 
 
 def host_last_tokens(requests: Sequence[Request], previous_rows: Sequence[int]) -> list[int]:

@@ -95,9 +95,10 @@ def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidde
     host's is hidden, not the host's and the device's one after the other. A verify step also costs what the
     drafter's proposals for it take (`proposal_costs(n)[d - 1]`, Drafter.proposal_costs: nextn's chain of d MTP
     steps), added to every verify shape of d drafts per request (to the shape of none that of d = 1: it stands for
-    steps where only some requests draft), and what an overlapped verify step does beyond the forward where it
-    replays graphs (`verify_overhead(n, rows per request)`, VerifyGraphs.overhead: the drafter's device half, the
-    inputs and the acceptance), measured only at start-up (it replays those graphs).
+    steps where only some requests draft), or, where an overlapped verify step replays graphs, what it does
+    beyond the forward instead (`verify_overhead(n, rows per request)`, VerifyGraphs.overhead: the drafter's device
+    half, its proposals included, the inputs and the acceptance), measured only at start-up (it replays those
+    graphs).
 
     Every rank measures the same sizes at the same time (their collectives pair up: TP ranks schedule the same
     requests, so they ask for a size at the same step; under DP attention all sizes are measured at start-up,
@@ -149,7 +150,8 @@ def measure_step_costs(runner, kv: KVPool, config, decode_rows: bool, with_hidde
             costs = time_size(n, rows, run, any_rank,
                               steps_per_run=[2 if overlap else 1] + [2 if overlap_verify else 1] * rows)
             proposing = list(proposal_costs(n))
-            costs = costs[:1] + [c + proposing[min(max(k - 2, 0), len(proposing) - 1)] + verify_overhead(n, k)
+            # a step that replays VerifyGraphs has the drafter's device half inside them: their timing holds it
+            costs = costs[:1] + [c + (verify_overhead(n, k) or proposing[min(max(k - 2, 0), len(proposing) - 1)])
                                  for k, c in enumerate(costs[1:], start=1)]
         costs = slowest(costs)
         log.info("speculative step costs of %d requests (ms): plain %.3f, verify x1..x%d %s (measured in %.2f s)", n,

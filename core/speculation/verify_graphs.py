@@ -47,7 +47,7 @@ class VerifyGraphs:
     """The pre and post graphs of every captured (R, W), their static inputs, and the accepted state between steps."""
 
     def __init__(self, graphs: DecodeGraphs, proposer: StaticProposer, steps: int, vocab_size: int, max_requests: int,
-                 capture: Capture):
+                 capture: Capture, with_hidden: bool = False):
         inputs = graphs.inputs
         device = inputs.input_ids.device
         self.graphs, self.proposer, self.steps, self.vocab_size = graphs, proposer, steps, vocab_size
@@ -62,6 +62,9 @@ class VerifyGraphs:
         self.state_tokens, self.state_counts = ints(max_rows, steps + 1), ints(max_rows)  # the last step's accepted
         self.proposed, self.verified, self.grid = ints(max_rows), ints(max_rows), ints(max_rows, steps)
         self.packed = ints(max_rows * (3 + steps + 1))  # [R, 3 + W] at its start: the live rows' part is contiguous
+        # the last step's hidden rows [R, steps + 1, H], for a proposer that drafts from them (nextn): allocated
+        # below from the first forward's (before any "pre" that reads it is captured)
+        self.state_hidden = None
         self.pre: dict[tuple[int, int], object] = {}
         self.post: dict[tuple[int, int], object] = {}
         self.forward_size: dict[tuple[int, int], int] = {}
@@ -74,7 +77,12 @@ class VerifyGraphs:
                     if size is None:
                         continue
                     if size not in logits:
-                        logits[size], self.batches[size] = graphs.replay_loaded(size), inputs.batch(size)
+                        logits[size], self.batches[size] = graphs.replay_loaded(size, with_hidden), inputs.batch(size)
+                        if with_hidden and self.state_hidden is None:  # (a normal tensor, as the state above)
+                            hidden = logits[size][1]
+                            with torch.inference_mode(False):
+                                self.state_hidden = torch.zeros(max_rows, steps + 1, hidden.shape[1],
+                                                                dtype=hidden.dtype, device=device)
                     self.forward_size[rows, width] = size
                     self.pre[rows, width] = capture(lambda r=rows, w=width, s=size: self._pre(r, w, s))
                     self.post[rows, width] = capture(lambda r=rows, w=width, x=logits[size]: self._post(r, w, x))
@@ -90,7 +98,8 @@ class VerifyGraphs:
         counts, pending = self.state_counts[at], self.state_tokens[at]
         emitted = torch.where(had, counts + 1, 0)
         last = torch.where(had, pending.gather(1, counts[:, None])[:, 0].clamp_min(0), host_last)
-        drafts = self.proposer.propose(DeviceTokens(pending, emitted))
+        hidden = self.state_hidden[at] if self.state_hidden is not None else None
+        drafts = self.proposer.propose(DeviceTokens(pending, emitted, hidden, width - 1))
         verified = torch.minimum(drafts.counts, chosen)
         grid = drafts.tokens[:, : width - 1]
         k = torch.arange(width - 1, device=grid.device)[None, :]
@@ -111,8 +120,13 @@ class VerifyGraphs:
         self.verified[:rows].copy_(verified)
         self.grid[:rows, : width - 1].copy_(grid)
 
-    def _post(self, rows: int, width: int, logits: torch.Tensor) -> None:
-        """The greedy draw, acceptance, the accepted state and the packed rows, from the forward's static logits."""
+    def _post(self, rows: int, width: int, out) -> None:
+        """The greedy draw, acceptance, the accepted state and the packed rows, from the forward's static logits
+        (and hidden rows, kept for the next step's proposer where it reads them)."""
+        logits = out
+        if self.state_hidden is not None:
+            logits, hidden = out
+            self.state_hidden[:rows, :width].copy_(hidden[: rows * width].view(rows, width, -1))
         tokens, failed = Sampler.greedy(logits[: rows * width])
         drawn = torch.where(failed, FAILED, tokens).view(rows, width)
         verified = self.verified[:rows]
@@ -165,15 +179,18 @@ class VerifyGraphs:
                 best = min(best, (time.perf_counter() - start) / repeat)
         return best
 
-    def carry(self, accepted: Accepted) -> None:
-        """Make an eagerly launched step's accepted tokens the state the next "pre" reads."""
+    def carry(self, accepted: Accepted, hidden: torch.Tensor | None = None) -> None:
+        """Make an eagerly launched step's accepted tokens (and hidden rows) the state the next "pre" reads."""
         count, width = accepted.tokens.shape
         self.state_tokens[:count, :width].copy_(accepted.tokens)
         self.state_counts[:count].copy_(accepted.counts)
+        if self.state_hidden is not None and hidden is not None:
+            self.state_hidden[:count, :width].copy_(hidden)
 
     def launch(self, shape: tuple[int, int], requests: Sequence, counts: Sequence[int], previous_rows: Sequence[int],
-               drafter_requests, runner, hooks=None) -> tuple[Accepted, torch.Tensor]:
-        """Stage, replay pre / forward / post; (the accepted state's view, the packed rows on the device).
+               drafter_requests, runner, hooks=None) -> tuple[Accepted, torch.Tensor, torch.Tensor | None]:
+        """Stage, replay pre / forward / post; (the accepted state's view, the packed rows on the device, the hidden
+        rows' state view or None).
         previous_rows[i]: request i's row in the step before (its tokens in the accepted state), or -1 (its last
         token is on the host)."""
         rows, width = shape
@@ -200,7 +217,8 @@ class VerifyGraphs:
         runner.replay_verify(size, batch)
         self.post[shape]()
         packed = self.packed[: count * (3 + width)].view(count, 3 + width)
-        return Accepted(self.state_counts[:count], self.state_tokens[:count, :width]), packed
+        hidden = self.state_hidden[:count, :width] if self.state_hidden is not None else None
+        return Accepted(self.state_counts[:count], self.state_tokens[:count, :width]), packed, hidden
 
 
 def _pinned(host: torch.Tensor, inputs) -> torch.Tensor:
@@ -218,7 +236,8 @@ def verify_graphs(drafter, graphs: DecodeGraphs | None, vocab_size: int, max_req
         proposer = drafter.static_proposer(min(max_requests, graphs.sizes[-1]), drafter.num_steps + 1)
         if proposer is None:
             return None
-        made = VerifyGraphs(graphs, proposer, drafter.num_steps, vocab_size, max_requests, capture)
+        made = VerifyGraphs(graphs, proposer, drafter.num_steps, vocab_size, max_requests, capture,
+                            with_hidden=drafter.caps.needs_hidden)
     except Exception as error:  # a performance feature never stops start-up
         log.warning("overlapped verify steps run without CUDA graphs: capturing them failed (%s: %s)",
                     type(error).__name__, error)

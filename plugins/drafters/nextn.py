@@ -37,7 +37,10 @@ from typing import Sequence
 import attrs
 import torch
 
-from moeplex.interfaces import DraftRequest, Drafter, DrafterCaps, DrafterContext, Drafts, TargetStep
+from moeplex.interfaces import (DeviceDrafts, DeviceTokens, DraftRequest, Drafter, DrafterCaps, DrafterContext, Drafts,
+                                TargetStep)
+
+from .nextn_device import MTPChain
 
 
 @attrs.define
@@ -64,13 +67,15 @@ class Pending:
 
 
 class NextNDrafter(Drafter):
-    caps = DrafterCaps(needs_weights=True, needs_hidden=True, architectures=frozenset({"deepseek_v3"}))
+    caps = DrafterCaps(needs_weights=True, needs_hidden=True, architectures=frozenset({"deepseek_v3"}),
+                       drafts_on_device=True)
 
     def __init__(self, num_steps: int):
         super().__init__(num_steps)
         self.starts: dict[str, ChainStart] = {}
         self.pending: dict[str, Pending] = {}
         self.pending_rows = 0  # rows held in `pending`, over all requests
+        self.device_chain: MTPChain | None = None  # propose_on_device's (grown to the calls it serves)
 
     def kv_layers(self, model) -> list[list[tuple[int, ...]]]:
         return list(model.mtp_kv_shapes()[:1])  # the first MTP layer only: it serves every step
@@ -233,6 +238,31 @@ class NextNDrafter(Drafter):
             for row, token in zip(rows, drafts.tolist()):
                 tokens[row].append(token)
         return Drafts(tokens)
+
+    def propose_on_device(self, requests: Sequence[DraftRequest], pending: DeviceTokens | None = None) -> DeviceDrafts:
+        """The drafts `propose` would give after each request's pending tokens, from their hidden rows, left on the
+        device (nextn_device.py)."""
+        width = 0 if pending is None else pending.tokens.shape[1]
+        chain = self.device_chain
+        if chain is None or not chain.fits(requests, width):
+            rows = max(len(requests), 1 if chain is None else chain.max_rows)
+            pages = max([len(r.pages) for r in requests] + [1 if chain is None else chain.max_pages])
+            chain = self.device_chain = MTPChain(self, rows, max(width, self.num_steps + 1), pages)
+        chain.stage(requests, len(requests))
+        if pending is None:  # every chain starts from the host's state; it goes as far as some request verifies
+            device = self.context.device
+            most = max((self.num_steps if r.max_drafts is None else r.max_drafts for r in requests), default=0)
+            pending = DeviceTokens(torch.zeros(len(requests), 0, dtype=torch.int64, device=device),
+                                   torch.zeros(len(requests), dtype=torch.int64, device=device), max_drafts=most)
+        return chain.propose(pending)
+
+    def static_proposer(self, max_rows: int, pending_width: int) -> MTPChain:
+        """propose_on_device at fixed shapes, for the overlapped verify step's CUDA graphs: page tables as wide as
+        the target's decode graphs'."""
+        kv, config = self.context.kv, self.context.model.hf_config
+        longest = config.get("max_position_embeddings")
+        pages = kv.num_pages if longest is None else min(kv.num_pages, kv.pages_for(longest))
+        return MTPChain(self, max_rows, pending_width, max(pages, 1))
 
     def finished(self, rid: str) -> None:
         self.starts.pop(rid, None)

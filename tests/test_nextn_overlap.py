@@ -1,0 +1,216 @@
+"""nextn's verify steps under the overlap schedule (plugins/drafters/nextn_device.py): the MTP layer drafts step
+N + 1 on the device from step N's emitted tokens and hidden rows, before the host reads step N.
+
+The reference is nextn's host path (synchronous verify steps): wherever both paths draft for a request at the same
+position, the drafts are the same ids (the device path writes the same MTP KV rows and chains from the same
+states). Tokens equal greedy decoding without speculation, through preemption, the prefix cache, requests arriving
+mid-run and replays through the static inputs (the verify graphs, on the CPU through Triton's interpreter); the
+pools end empty. The checkpoint is the synthetic one (make-model --mtp-acceptance), so drafts are accepted in runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeplex.attention.triton_backend import INTERPRETED
+from moeplex.config import EngineConfig
+from moeplex.cuda_graph import DecodeGraphs, DecodeInputs, capture_sizes, max_pages_per_request
+from moeplex.engine import Engine
+from moeplex.models.make_model import write_checkpoint
+from moeplex.sampling import SamplingParams
+from moeplex.speculation.verify_graphs import VerifyGraphs, verify_graphs
+
+from test_spec_overlap import Launches
+from test_speculative import conserved
+from test_verify_graphs import static_capture
+
+PAGE = 4
+PROMPTS = [[256] + list(range(10, 20)) * 3, [256, 5, 6, 7, 5, 6, 7, 5, 6], [256] + list(range(40, 75))]
+GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+NEXTN = dict(speculative_algorithm="nextn", speculative_num_steps=3)
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    return write_checkpoint(str(tmp_path_factory.mktemp("mtp")), "deepseek_v3", "tiny", seed=0, mtp=1,
+                            mtp_acceptance=0.8)
+
+
+def engine(folder: str, **overrides) -> Engine:
+    settings = dict(model=folder, dtype="fp32", show_progress=False, max_total_tokens=2048, page_size=PAGE,
+                    disable_speculative_backoff=True, speculative_policy="fixed")
+    return Engine(EngineConfig(**{**settings, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def plain(synthetic):
+    return [r.output_ids for r in engine(synthetic).generate(PROMPTS, GREEDY)]
+
+
+def drafts_by_position(spec: Engine) -> dict:
+    """Record every draft the engine's nextn makes, by (request, the position of the input it drafts after)."""
+    drafter, made = spec.speculation.drafter, {}
+    host, device = drafter.propose, drafter.propose_on_device
+
+    def on_host(requests):
+        out = host(requests)
+        for r, tokens in zip(requests, out.tokens):
+            made[r.rid, r.num_cached] = list(tokens)
+        return out
+
+    def on_device(requests, pending=None):
+        out = device(requests, pending)
+        emitted = pending.counts.tolist() if pending is not None else [0] * len(requests)
+        for r, tokens, n, k in zip(requests, out.tokens.tolist(), out.counts.tolist(), emitted):
+            made[r.rid, r.num_cached + k] = tokens[:n]
+        return out
+
+    drafter.propose, drafter.propose_on_device = on_host, on_device
+    return made
+
+
+def same_drafts(host: dict, device: dict) -> int:
+    """How many (request, position) both paths drafted at; asserts their drafts agree there."""
+    common = set(host) & set(device)
+    for key in common:
+        n = min(len(host[key]), len(device[key]))
+        assert host[key][:n] == device[key][:n], f"request {key[0]} at position {key[1]}"
+    return len(common)
+
+
+def run(spec: Engine, prompts, params):
+    """Generate with rids r0, r1, ... (the drafts of two engines compare by rid)."""
+    requests = [spec.add_request(p, params, rid=f"r{i}") for i, p in enumerate(prompts)]
+    while spec.has_work:
+        spec.step()
+    return requests
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_nextn_drafts_on_the_device_under_the_overlap_schedule(synthetic, plain, steps):
+    host = engine(synthetic, speculative_algorithm="nextn", speculative_num_steps=steps)
+    assert host.overlap_verify is None
+    host_drafts = drafts_by_position(host)
+    run(host, PROMPTS, GREEDY)
+    spec = engine(synthetic, overlap_schedule=True, speculative_algorithm="nextn", speculative_num_steps=steps)
+    assert spec.overlap_verify is not None
+    launches = Launches(spec)
+    device_drafts = drafts_by_position(spec)
+    got = run(spec, PROMPTS, GREEDY)
+    assert [r.output_ids for r in got] == plain
+    assert launches.following > 3, "the verify steps did not follow each other under the overlap schedule"
+    assert same_drafts(host_drafts, device_drafts) > 10
+    assert sum(r.spec_accepted_tokens for r in got) > len(got) * 3 * steps // 2  # the synthetic MTP is accepted
+    assert conserved(spec)
+    assert not spec.speculation.drafter.starts and not spec.speculation.drafter.pending
+
+
+def test_requests_arriving_mid_run_preemption_and_the_prefix_cache(synthetic):
+    """Arrivals end runs (their prompt steps) and join later ones; a run's last step is observed on the host, so the
+    next run's first drafts (from the host's chain starts) equal the host path's too."""
+    prompts = PROMPTS * 3
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [r.output_ids for r in engine(synthetic).generate(prompts, params)]
+    host = engine(synthetic, **NEXTN)
+    host_drafts = drafts_by_position(host)
+    run(host, prompts, params)
+
+    spec = engine(synthetic, overlap_schedule=True, max_running_requests=4, **NEXTN)
+    device_drafts = drafts_by_position(spec)
+    requests = []
+    for i, prompt in enumerate(prompts):  # one arrival every other step
+        requests.append(spec.add_request(prompt, params, rid=f"r{i}"))
+        spec.step()
+        spec.step()
+    while spec.has_work:
+        spec.step()
+    assert [r.output_ids for r in requests] == want
+    assert same_drafts(host_drafts, device_drafts) > 20
+    assert conserved(spec)
+
+    tight = engine(synthetic, overlap_schedule=True, max_total_tokens=192, **NEXTN)
+    got = tight.generate(prompts, params)
+    assert [r.output_ids for r in got] == want
+    assert sum(r.num_preemptions for r in got) > 0, "the pool was not tight enough to preempt"
+    assert conserved(tight)
+    cached = engine(synthetic, overlap_schedule=True, **NEXTN)
+    assert [r.output_ids for r in cached.generate(prompts, params)] == want
+    assert [r.output_ids for r in cached.generate(prompts, params)] == want  # from the prefix cache
+    assert cached.prefix_cache.hit_tokens > 0 and conserved(cached)
+
+
+def test_sampled_and_adaptive_steps_under_the_overlap_schedule(synthetic, plain):
+    """Unseeded sampled requests verify on the overlapped (eager) path; the adaptive policy changes no token."""
+    free = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=20, ignore_eos=True)
+    spec = engine(synthetic, overlap_schedule=True, **NEXTN)
+    launches = Launches(spec)
+    got = spec.generate(PROMPTS, free)
+    assert all(len(r.output_ids) == 12 for r in got) and launches.first > 0
+    assert conserved(spec)
+    adaptive = engine(synthetic, overlap_schedule=True, speculative_policy="adaptive", max_running_requests=4, **NEXTN)
+    assert [r.output_ids for r in adaptive.generate(PROMPTS, GREEDY)] == plain
+    assert conserved(adaptive)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the CPU check of replay through the static inputs")
+def test_replayed_verify_steps_draft_what_the_host_path_does(synthetic, plain):
+    """The verify graphs (here a CPU stand-in for the capture) hold the MTP catch-up and chain: replayed steps carry
+    the target's hidden rows from one step to the next in the graphs' state."""
+    host = engine(synthetic, attention_backend="triton", **NEXTN)
+    host_drafts = drafts_by_position(host)
+    run(host, PROMPTS, GREEDY)
+    spec = engine(synthetic, attention_backend="triton", overlap_schedule=True, **NEXTN)
+    kv, model = spec.kv, spec.model
+    inputs = DecodeInputs.allocate(16, max_pages_per_request(kv, None), kv, "cpu")
+    spec.runner.graphs = DecodeGraphs(model, kv, spec.runner.strategy, inputs, capture_sizes(16), static_capture,
+                                      with_hidden=True)
+    made = verify_graphs(spec.speculation.drafter, spec.runner.graphs, spec.vocab_size,
+                         spec.config.max_running_requests, static_capture)
+    assert isinstance(made, VerifyGraphs) and made.state_hidden is not None
+    spec.overlap_verify.graphs = made
+    chain, device_drafts, staged = made.proposer, {}, []
+    stage, propose = chain.stage, chain.propose
+
+    def staging(requests, rows):
+        staged[:] = requests
+        stage(requests, rows)
+
+    def proposing(pending):  # inside "pre": its drafts read back after each replay (a CPU: no graph to break)
+        out = propose(pending)
+        for r, tokens, n, k in zip(staged, out.tokens.tolist(), out.counts.tolist(), pending.counts.tolist()):
+            device_drafts[r.rid, r.num_cached + k] = tokens[:n]
+        return out
+
+    chain.stage, chain.propose = staging, proposing
+    got = run(spec, PROMPTS, GREEDY)
+    assert [r.output_ids for r in got] == plain
+    assert same_drafts(host_drafts, device_drafts) > 10
+    assert sum(r.spec_accepted_tokens for r in got) > len(got) * 4
+    assert torch.isfinite(made.state_hidden).all()
+    assert conserved(spec)
+
+
+@pytest.mark.gpu
+def test_on_gpu_nextn_verify_steps_replay_graphs_with_the_mtp_chain_inside(synthetic):
+    """The real capture: a CUDA engine's overlapped nextn steps replay verify graphs whose "pre" runs the MTP layer,
+    keep greedy's tokens and draft what the host path drafts."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cuda = dict(device="cuda", moe_kernel="triton", cuda_graph_max_bs=16, page_size=16, overlap_schedule=True)
+    want = [r.output_ids for r in engine(synthetic, **cuda).generate(PROMPTS, GREEDY)]
+    host = engine(synthetic, **{**cuda, "overlap_schedule": False}, **NEXTN)
+    host_got = run(host, PROMPTS, GREEDY)
+    assert [r.output_ids for r in host_got] == want
+    spec = engine(synthetic, **cuda, **NEXTN)
+    graphs = spec.overlap_verify.graphs
+    assert isinstance(graphs, VerifyGraphs) and graphs.state_hidden is not None
+    replayed = []
+    for shape, replay in graphs.post.items():
+        graphs.post[shape] = lambda shape=shape, replay=replay: replayed.append(shape) or replay()
+    got = run(spec, PROMPTS, GREEDY)
+    assert [r.output_ids for r in got] == want and len(replayed) > 5
+    # the replayed steps' drafts are accepted as the host path's are (the same drafts, on the same MTP KV; the steps
+    # fall differently, so the counts need not be equal)
+    assert sum(r.spec_accepted_tokens for r in got) >= 0.8 * sum(r.spec_accepted_tokens for r in host_got)
+    assert conserved(spec)
