@@ -121,10 +121,12 @@ class Engine:
         graphs = decode_graphs(config, self.model, self.kv, strategy, selection, self.parallel.config.world_size, hidden)
         # prompts share steps with decodes unless decode steps replay graphs and a mixed step would then run eagerly
         # for one prompt; with prompt graphs a mixed step whose rows fit replays a graph too (H100, steady decode at 16
-        # with a 97-token arrival every 4 steps: 5740 tok/s mixed, 4955 separate). A speculating engine keeps separate
-        # steps there: its overlapped verify steps take decoding requests only (not measured mixed).
+        # with a 97-token arrival every 4 steps: 5740 tok/s mixed, 4955 separate). So does a speculating engine's,
+        # whose mixed steps then draft nothing (`plain_mixed_steps`): drafts would make the step a synchronous verify
+        # step with the prompt's rows eager, and its overlapped verify steps take decoding requests only.
         mixed = config.mixed_chunk if config.mixed_chunk is not None else \
-            graphs is None or (not config.disable_prompt_graphs and drafter is None)
+            graphs is None or not config.disable_prompt_graphs
+        self.plain_mixed_steps = config.mixed_chunk is None and graphs is not None
         self.prefix_cache = None if config.disable_prefix_cache else PrefixCache(self.kv)
         self.scheduler = Scheduler(
             self.kv, config.max_running_requests, config.max_batched_tokens, config.chunked_prefill_size, mixed,
@@ -342,7 +344,8 @@ class Engine:
             if self.in_flight is None and self._verify_overlaps(work, decoding):
                 if self._start_verify(decoding):  # else a plain step: the synchronous verify step costs far more
                     return finished
-            elif self.in_flight is None and spec.drafts_in(decoding):
+            elif self.in_flight is None and not (self.plain_mixed_steps and len(decoding) < len(work)) and \
+                    spec.drafts_in(decoding):
                 drafts = spec.draft(work)
                 # a drafter asked first (cheap proposals) may have had nothing the policy keeps: then the step is a
                 # plain one and takes the ordinary path (the verify path costs more)

@@ -251,8 +251,10 @@ def test_over_tensor_and_expert_parallel_ranks_the_replayed_drafter_changes_no_t
 @pytest.mark.gpu
 def test_on_gpu_the_captured_drafter_steps_equal_eager_and_change_no_token(tmp_path):
     folder = write_checkpoint(str(tmp_path), "deepseek_v3", "tiny", seed=0, mtp=1)
+    # synchronous verify steps: the host path's chain (under the overlap schedule nextn drafts inside the verify
+    # steps' own graphs: test_nextn_overlap.py)
     gpu = dict(device="cuda", moe_kernel="triton", max_running_requests=16, cuda_graph_max_bs=16,
-               max_total_tokens=4096, page_size=16, mixed_chunk=None)
+               max_total_tokens=4096, page_size=16, mixed_chunk=None, overlap_schedule=False)
     want = [r.output_ids for r in engine(folder, **gpu).generate(PROMPTS, GREEDY)]
     spec = engine(folder, speculative_algorithm="nextn", speculative_num_steps=3, **gpu)
     drafter = spec.speculation.drafter

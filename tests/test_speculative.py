@@ -157,6 +157,38 @@ def test_mixed_batches_and_chunked_prompts(tiny_model_dir, script_distribution):
     assert conserved(engine)
 
 
+def test_mixed_steps_of_an_engine_that_mixes_by_default_draft_nothing(tiny_model_dir, script_distribution):
+    """`--mixed-chunk auto` on an engine with decode graphs (plain_mixed_steps): a step that holds a prompt chunk
+    beside decodes is a plain mixed step; the steps of decodes alone still draft."""
+    folder = tiny_model_dir("mixtral")
+    prompts = PROMPTS + [[256] + list(range(100, 140))]
+    overrides = dict(chunked_prefill_size=8, max_batched_tokens=64, mixed_chunk=True)
+    want = [r.output_ids for r in run(folder, prompts, **overrides)[1]]
+    scripted(prompts, want)
+    engine = Engine(EngineConfig(**settings(folder, **overrides, speculative_algorithm="test-oracle", speculative_num_steps=2)))
+    engine.plain_mixed_steps = True  # what auto sets where decode steps replay graphs (a GPU)
+    steps = []  # per step: (prompt rows in it, decodes in it, drafts verified)
+    prepare = engine.runner.prepare
+
+    def prepared(work, *args, drafts=None, **kwargs):
+        decodes = sum(1 for item in work if item.request.output_ids)
+        steps.append((len(work) - decodes, decodes, sum(len(d) for d in drafts or ())))
+        return prepare(work, *args, drafts=drafts, **kwargs)
+
+    engine.runner.prepare = prepared
+    requests = [engine.add_request(prompts[0], GREEDY)]
+    for prompt in prompts[1:]:
+        engine.step(), engine.step()
+        requests.append(engine.add_request(prompt, GREEDY))
+    while engine.has_work:
+        engine.step()
+    assert [r.output_ids for r in requests] == want
+    mixed = [s for s in steps if s[0] and s[1]]
+    assert mixed and not any(drafts for _, _, drafts in mixed)
+    assert any(drafts for prompts_in, _, drafts in steps if not prompts_in)
+    assert conserved(engine)
+
+
 def test_preemption_in_the_middle_of_speculation(tiny_model_dir, script_distribution):
     folder = tiny_model_dir("deepseek_v3")
     prompts = [[256] + list(range(k, k + 9)) for k in range(0, 40, 10)]
