@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
-#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-profile|spec-profile-dsv3|tests-nextn|
+#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-profile|spec-profile-dsv3|tests-nextn|
 #                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
 #   bash benchmarks/gpu_system.sh OUT spec-steady              # #32: steady batches (session 10, H100, before the
@@ -60,6 +60,10 @@ for part in "$@"; do
     spec-dsv3)
       timeout $(lim 360) python3 benchmarks/speculative.py --device cuda --only dsv3 --steady --runs 3 --batches 1 8 32 64 \
         --output-len 64 --drafters ${DSV3_DRAFTERS:-nextn} --out "$out/speculative_dsv3_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -30 ;;
+    spec-dsv3-deep)  # nextn where its MTP layer weighs what it does in the full model at batch 1 (24 layers of 16 experts)
+      timeout $(lim 300) python3 benchmarks/speculative.py --device cuda --only dsv3 --dsv3-layers 24 --dsv3-experts 16 \
+        --synthetic-only --steady --runs 3 --batches 1 8 --output-len 64 --drafters ${DSV3_DRAFTERS:-nextn} \
+        --out "$out/speculative_dsv3_deep_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -12 ;;
     spec-profile)
       timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch 1 --out "$out/prof1" \
         --drafters ngram/fixed/overlap ngram/overlap test-oracle-device 2>&1 | grep -v -i warn | tail -20

@@ -368,6 +368,15 @@ def arguments() -> argparse.ArgumentParser:
                         help="GPU: Qwen3-30B-A3B's decoder layers to build (default: all %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads (default: %(default)s; shared "
                         "cores make more threads wait on each other)")
+    parser.add_argument("--dsv3-layers", type=int, default=4,
+                        help="GPU: DeepSeek-V3's decoder layers to build (default: %(default)s; the first 3 dense)")
+    parser.add_argument("--dsv3-experts", type=int, default=None,
+                        help="GPU: DeepSeek-V3's routed experts per MoE layer (default: its 256). Fewer let more layers "
+                        "fit one GPU: a decode row still reads 8 experts a layer, so at batch 1 a step reads what the "
+                        "model's does and the MTP layer weighs what it weighs in the full model; batches of more rows "
+                        "read fewer distinct experts than the full model's would")
+    parser.add_argument("--synthetic-only", action="store_true",
+                        help="GPU: DeepSeek-V3 with the synthetic MTP checkpoint only (not the random MTP weights)")
     parser.add_argument("--steady", action="store_true",
                         help="keep each batch full: --waves prompts per slot, a finished request replaced by the "
                         "next (serving's steady state); default: one batch run to completion, where the request whose "
@@ -382,9 +391,9 @@ def arguments() -> argparse.ArgumentParser:
                         "batch once, the order rotated per round; the ratio is the median of the rounds' ratios (a "
                         "shared machine's load drifts over minutes; the engines must fit in memory together)")
     parser.add_argument("--mixed-chunk", choices=("auto", "on", "off"), default="auto",
-                        help="the engines' --mixed-chunk (default: auto, the engine's own choice: mixed on CPU, prompts "
-                        "in steps of their own where decode replays graphs). On a GPU each admission of a steady batch "
-                        "is then an eager prompt step; 'on' measures it inside the decode step instead")
+                        help="the engines' --mixed-chunk (default: auto, the engine's own choice: mixed, where decode "
+                        "replays graphs through prompt graphs, a speculating engine's mixed steps drafting nothing; "
+                        "'on' lets them draft, 'off' gives prompts steps of their own)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help=CLOCK_HELP)
     parser.add_argument("--out", help="also write the table to this file")
     return parser
@@ -435,13 +444,19 @@ def main() -> None:
                                     overrides={"num_hidden_layers": args.qwen_layers})
             lines += rows_for(f"Qwen3-30B-A3B shapes ({args.qwen_layers} layers), bf16", qwen, plain, args)
         if args.only != "qwen":
-            dsv3 = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4},
-                                    config_only=True, mtp=1)
-            lines += rows_for("DeepSeek-V3 shapes, 4 layers + MTP, bf16", dsv3, with_mtp, args)
+            shape = {"num_hidden_layers": args.dsv3_layers}
+            name = f"DeepSeek-V3 shapes, {args.dsv3_layers} layers"
+            if args.dsv3_experts:
+                shape["n_routed_experts"] = args.dsv3_experts
+                name += f" of {args.dsv3_experts} routed experts"
+            if not args.synthetic_only:
+                dsv3 = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides=shape, config_only=True,
+                                        mtp=1)
+                lines += rows_for(f"{name} + MTP, bf16", dsv3, with_mtp, args)
             if with_mtp != plain:
-                synthetic = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4},
+                synthetic = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides=shape,
                                              config_only=True, mtp=1, mtp_acceptance=args.mtp_acceptance)
-                lines += rows_for(f"DeepSeek-V3 shapes, 4 layers + synthetic MTP ({args.mtp_acceptance}), bf16",
+                lines += rows_for(f"{name} + synthetic MTP ({args.mtp_acceptance}), bf16",
                                   synthetic, ["none"] + with_mtp[len(plain):], args)
     emit("\n".join(lines), args.out)
 
