@@ -12,7 +12,7 @@ from moeplex.request import Request
 from moeplex.sampling import SamplingParams
 from moeplex.speculation import costs as costs_module
 from moeplex.speculation.costs import StepCosts, grid_sizes, time_size
-from moeplex.speculation.policy import AdaptivePolicy, FixedPolicy
+from moeplex.speculation.policy import MAX_COLD, AdaptivePolicy, FixedPolicy
 
 import script_drafters
 from test_speculative import PAGE, PROMPTS, conserved, script_distribution, scripted  # noqa: F401 (a fixture)
@@ -337,3 +337,34 @@ def test_newcomers_start_from_the_drafters_recent_rate():
         policy.finished(r.rid)
     newcomer = policy.worth(request("new"))
     assert 0.1 <= newcomer[0] < 0.15, newcomer
+
+
+def test_two_misses_in_a_row_do_not_make_a_request_of_a_good_drafter_cold():
+    """Where all requests' first drafts land 0.8 of the time, two all-miss verify steps in a row are bad luck (one in
+    25), not a request whose drafts never land: it goes cold only after cold_after() of them (three: one in 125), and
+    a drafter that never lands still goes cold after two. (Its own misses lower all requests' rate too, so the
+    streak it takes grows a little as it goes.)"""
+    costs = StepCosts(grid_sizes(64), table(1.0, 0.04, fixed=0.04))
+    policy = AdaptivePolicy(STEPS, costs)
+    for i in range(20):  # earlier requests: 4 of 5 first drafts land
+        earlier = request(f"earlier{i}")
+        policy.record(earlier, STEPS, 0 if i % 5 == 0 else STEPS)
+        policy.finished(earlier.rid)
+    assert policy.cold_after() == 3
+    r = request("r")
+    for _ in range(2):
+        assert policy.choose([r], [STEPS])[0] > 0
+        policy.record(r, STEPS, 0)
+        r.output_ids.append(5)
+    assert policy.choose([r], [STEPS])[0] > 0  # still warm
+    misses = 2
+    while policy._cold[r.rid] < policy.cold_after():  # (its own misses lower all requests' rate too)
+        policy.record(r, STEPS, 0)
+        r.output_ids.append(5)
+        misses += 1
+    assert 3 <= misses <= MAX_COLD
+    assert policy.choose([r], [STEPS]) == [0]  # cold: only exploring from here
+    never = AdaptivePolicy(STEPS, costs)
+    for _ in range(3):
+        never.record(request(f"x{_}"), STEPS, 0)
+    assert never.cold_after() == 2
