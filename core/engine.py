@@ -131,6 +131,8 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv, config.max_running_requests, config.max_batched_tokens, config.chunked_prefill_size, mixed,
             self.prefix_cache, config.schedule_policy,
+            # auto mixes where the step's rows replay a graph: at most the largest one's
+            mixed_rows=graphs.sizes[-1] if self.plain_mixed_steps and mixed else None,
         )
         self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs,
                                   prompt_graphs=not config.disable_prompt_graphs)

@@ -43,7 +43,7 @@ class Scheduler:
 
     def __init__(
         self, kv: KVPool, max_running: int, token_budget: int, chunk_size: int, mixed: bool = True,
-        cache: PrefixCache | None = None, policy: str = "fcfs",
+        cache: PrefixCache | None = None, policy: str = "fcfs", mixed_rows: int | None = None,
     ):
         self.kv = kv
         self.cache = cache
@@ -52,6 +52,12 @@ class Scheduler:
         self.token_budget = token_budget
         self.chunk_size = chunk_size
         self.mixed = mixed
+        # with mixed steps: the most rows a step mixing prompt tokens with decodes holds (None: the token budget).
+        # Where decode steps replay CUDA graphs it is the largest graph: a mixed step of more rows runs eagerly over
+        # every decode (H100, Qwen3 12 layers, steady 64 with 97-token arrivals: 30-40 ms a step against 5 for a
+        # decode step, 3018 tok/s against 7099 for separate steps). A prompt whose next piece does not fit beside
+        # the decodes gets a step of its own, as without mixed steps.
+        self.mixed_rows = mixed_rows
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.dropped: list[Request] = []  # aborted by the scheduler; the engine reports them
@@ -72,10 +78,12 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledWork]:
         if self.mixed:
-            return self._step(self.running, admit=True)
+            budget = self._mixed_budget()
+            if budget is not None:
+                return self._step(self.running, admit=True, budget=budget)
         # a prompt chunk never preempts: under memory pressure the decodes run (and preempt the newest
         # request), so a prompt recomputed after preemption cannot starve them
-        prefill = self.admissions()
+        prefill = self._prefill()
         if prefill:
             return prefill
         decode = self._step([r for r in self.running if r.num_uncached == 1], admit=False)
@@ -88,12 +96,30 @@ class Scheduler:
         admit. A caller with a step in flight whose tokens are not read yet may launch it before reading them."""
         if self.mixed:
             return []
+        return self._prefill()
+
+    def _prefill(self) -> list[ScheduledWork]:
         return self._step([r for r in self.running if r.num_uncached > 1], admit=True, preempt=False)
 
-    def _step(self, candidates: list[Request], admit: bool, preempt: bool = True) -> list[ScheduledWork]:
-        """Work for `candidates` (running requests, oldest first), then for admitted waiting requests."""
+    def _mixed_budget(self) -> int | None:
+        """The token budget of a mixed step now, or None where the step goes unmixed: the next prompt piece (a
+        running request's, else the first waiting one's) does not fit beside the decodes within mixed_rows."""
+        if self.mixed_rows is None:
+            return self.token_budget
+        decodes = sum(1 for r in self.running if r.num_uncached == 1)
+        prompt = next((r for r in self.running if r.num_uncached > 1), None)
+        if prompt is None and self.may_admit:
+            prompt = self.waiting[0]
+        if prompt is not None and decodes + min(prompt.num_uncached, self.chunk_size) > self.mixed_rows:
+            return None
+        return min(self.token_budget, max(self.mixed_rows, decodes))
+
+    def _step(self, candidates: list[Request], admit: bool, preempt: bool = True,
+              budget: int | None = None) -> list[ScheduledWork]:
+        """Work for `candidates` (running requests, oldest first), then for admitted waiting requests, within
+        `budget` tokens (default: the token budget)."""
         work: list[ScheduledWork] = []
-        budget = self.token_budget
+        budget = self.token_budget if budget is None else budget
         for request in list(candidates):  # a copy: reserving may preempt from self.running
             if budget == 0:
                 break

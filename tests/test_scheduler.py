@@ -166,3 +166,60 @@ def test_drafts_take_cached_pages_no_request_reads_but_never_a_requests():
     cache.evict(cache.evictable_pages)
     kv.allocate(kv.num_free_pages)  # nothing cached either: no draft pages, and no request's taken
     assert scheduler.draft_pages(2) == [] and len(request.pages) == 3
+
+
+def test_a_prompt_mixes_with_decodes_only_where_the_rows_fit_mixed_rows():
+    """mixed_rows (the largest decode graph under --mixed-chunk auto): a prompt piece that fits beside the decodes
+    shares their step, capped so the step holds at most mixed_rows rows; one that does not gets a step of its own."""
+    scheduler = Scheduler(make_pool(200), max_running=8, token_budget=64, chunk_size=16, mixed_rows=8)
+    decoding = [Request(f"d{i}", [1, 2, 3], SamplingParams(max_new_tokens=10)) for i in range(5)]
+    for r in decoding:
+        scheduler.add(r)
+    while not all(r.output_ids for r in decoding):  # their prompts, at most 8 rows a step
+        work = scheduler.schedule()
+        assert sum(w.num_tokens for w in work) <= 8
+        for w in work:
+            w.request.num_cached += w.num_tokens
+            if w.request.num_uncached == 0:
+                w.request.output_ids.append(0)
+    scheduler.add(Request("fits", [7, 8], SamplingParams(max_new_tokens=2)))
+    work = scheduler.schedule()
+    assert sorted((w.request.rid, w.num_tokens) for w in work) == [("d0", 1), ("d1", 1), ("d2", 1), ("d3", 1),
+                                                                   ("d4", 1), ("fits", 2)]
+    for w in work:
+        w.request.num_cached += w.num_tokens
+        w.request.output_ids.append(0)
+    assert all(r.num_uncached == 1 for r in scheduler.running)
+    scheduler.add(Request("long", list(range(12)), SamplingParams(max_new_tokens=2)))
+    work = scheduler.schedule()  # 6 decodes + a 12-token piece > 8 rows: the prompt alone
+    assert [(w.request.rid, w.num_tokens) for w in work] == [("long", 12)]
+    unlimited = Scheduler(make_pool(200), max_running=8, token_budget=64, chunk_size=16)
+    assert unlimited.mixed_rows is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompt_lens=st.lists(st.integers(1, 60), min_size=1, max_size=20),
+    new_tokens=st.integers(1, 20),
+    mixed_rows=st.integers(1, 24),
+    max_running=st.integers(1, 8),
+)
+def test_every_request_finishes_under_a_row_limit(prompt_lens, new_tokens, mixed_rows, max_running):
+    kv = make_pool(80)
+    scheduler = Scheduler(kv, max_running=max_running, token_budget=32, chunk_size=8, mixed_rows=mixed_rows)
+    requests = [Request(str(i), list(range(n)), SamplingParams(max_new_tokens=new_tokens))
+                for i, n in enumerate(prompt_lens)]
+    fits = [r for r in requests if r.num_tokens + new_tokens <= kv.capacity_tokens]
+    schedule = scheduler.schedule
+
+    def checked():  # a step that mixes prompt tokens with decodes holds at most mixed_rows rows (or its decodes)
+        work = schedule()
+        decodes = sum(1 for w in work if w.request.output_ids and w.request.num_uncached == 1)
+        if 0 < decodes < len(work):
+            assert sum(w.num_tokens for w in work) <= max(mixed_rows, decodes)
+        return work
+
+    scheduler.schedule = checked
+    run_to_completion(scheduler, fits)
+    assert all(r.finished for r in fits)
+    assert kv.num_free_pages == kv.num_pages
