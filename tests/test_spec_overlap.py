@@ -550,3 +550,38 @@ def test_reads_of_the_step_in_flight_that_launch_no_verify_step_back_off(tiny_mo
     assert steps > 60
     assert 0 < spec.step_log.breaks["drafts_wanted"] <= 12  # (every step wanted drafts without the back-off)
     assert conserved(spec)
+
+
+def test_no_step_in_flight_is_read_for_drafts_while_a_prompt_makes_the_next_step_a_plain_mixed_one(tiny_model_dir,
+                                                                                                    plain):
+    """An engine whose mixed steps draft nothing (--mixed-chunk auto with decode graphs): while a prompt waits to be
+    admitted or is mid-way, the next step holds its tokens and verifies nothing, so the step in flight is not read
+    for drafts (each such read broke the overlap schedule for nothing). Arrivals every other step; no token
+    changes."""
+    prompts = PROMPTS * 3
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    want = outputs(engine(tiny_model_dir("qwen3_moe"), mixed_chunk=True).generate(prompts, params))
+    spec = engine(tiny_model_dir("qwen3_moe"), overlap_schedule=True, mixed_chunk=True, max_running_requests=4,
+                  chunked_prefill_size=8, **NGRAM)
+    spec.plain_mixed_steps = True  # what auto sets where decode steps replay graphs (a GPU)
+    asked, wasted = [], []  # per read considered: whether a prompt was due; per read made: whether it was wasted
+    wants, ended = spec.speculation.wants_drafts, spec.speculation.break_ended
+    scheduler = spec.scheduler
+
+    def wanting(running):
+        asked.append(scheduler.may_admit or any(r.num_uncached > 1 for r in scheduler.running))
+        return wants(running)
+
+    spec.speculation.wants_drafts = wanting
+    spec.speculation.break_ended = lambda verified: wasted.append(not verified) or ended(verified)
+    requests = []
+    for prompt in prompts:
+        requests.append(spec.add_request(prompt, params))
+        spec.step(), spec.step()
+    while spec.has_work:
+        spec.step()
+    assert outputs(requests) == want
+    assert spec.step_log.steps["mixed"] > 0
+    assert asked and not any(asked), "the step in flight was considered for drafts while a prompt was due"
+    assert sum(wasted) <= 1  # (3 when it was: a read that finds the next step mixed verifies nothing)
+    assert conserved(spec)
