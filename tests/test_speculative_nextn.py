@@ -114,7 +114,7 @@ def test_a_request_that_does_not_draft_costs_the_mtp_layer_nothing_until_it_draf
     if spec.in_flight is not None:  # the step in flight tells the drafter its rows when it is read
         spec._complete(spec.in_flight)
         spec.in_flight = None
-    assert len(drafter.pending[request.rid].next_ids) > 8  # many plain steps' rows, waiting
+    assert sum(len(p.next_ids) for p in drafter.pending[request.rid]) > 8  # many plain steps' rows, waiting
     drafter.catch_up([request.rid])
     start = drafter.starts[request.rid]
     assert start.position == request.num_cached - 1
@@ -139,7 +139,8 @@ def test_the_rows_held_for_the_mtp_layer_stay_within_their_budget(mtp_folder, pl
     requests = [spec.add_request(p, SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)) for p in PROMPTS]
     for _ in range(20):
         spec.step()
-        assert drafter.pending_rows == sum(len(p.next_ids) for p in drafter.pending.values()) <= 24 + 40
+        held = sum(len(p.next_ids) for segments in drafter.pending.values() for p in segments)
+        assert drafter.pending_rows == held <= 24 + 40
     assert batches and max(batches) <= 16 + 40  # (a single request's rows may exceed a batch: its prompt)
     longest = requests[2]
     drafter.catch_up([longest.rid])
@@ -242,3 +243,38 @@ def test_nextn_under_preemption_and_the_prefix_cache(mtp_folder):
     assert [r.output_ids for r in got] == want
     assert sum(r.num_preemptions for r in got) > 0
     assert spec.kv.num_free_pages + spec.prefix_cache.num_pages == spec.kv.num_pages
+
+
+def test_rows_held_from_before_a_run_on_the_device_are_kept_and_caught_up(mtp_folder):
+    """Under the overlap schedule a run of verify steps puts its positions through the MTP layer on the device;
+    the rows a request held from before the run stay held (a segment of their own, not dropped as a restart would
+    drop them), and the catch-up over both segments leaves the layer's state equal to the whole sequence's."""
+    from moeplex.executor import run_layers
+    from moeplex.interfaces import TargetStep
+    from moeplex.registry import lookup
+
+    spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3)
+    drafter, model, kv = spec.speculation.drafter, spec.model, spec.kv
+    ids = PROMPTS[2] + [5, 6, 7, 8, 9, 10]
+    n = len(ids) - 1
+    pages = kv.allocate(kv.pages_for(len(ids)))
+    with torch.inference_mode():  # the target's pre-norm hidden rows of positions 0 .. n-1, in the engine's pool
+        batch = build_forward_batch([ScheduledSeq(ids[:-1], 0, pages)], kv, "cpu")
+        hidden = run_layers(model, batch, kv, lookup("overlap", "none")())
+
+    def kept(start: int, end: int) -> TargetStep:
+        return TargetStep(["r"], [start], [ids[start + 1 : end + 1]], [pages], hidden[start:end])
+
+    before, run_end = n - 6, n - 3
+    drafter.observe(kept(0, before))  # plain steps' rows: held
+    drafter.run_now(kept(before, run_end))  # what the verify steps of a run write on the device
+    drafter.observe(kept(run_end, n))  # the run's last step, observed once read
+    assert [(p.start, len(p.next_ids)) for p in drafter.pending["r"]] == [(0, before), (run_end, n - run_end)]
+    assert drafter.pending_rows == before + n - run_end
+    drafter.catch_up(["r"])
+    assert drafter.starts["r"].position == n - 1 and not drafter.pending and drafter.pending_rows == 0
+    torch.testing.assert_close(drafter.starts["r"].hidden, reference_chain_start(model, ids), atol=1e-4, rtol=1e-4)
+    drafter.observe(kept(2, 5))  # before where it left off (a restart after preemption): held anew
+    assert [(p.start, len(p.next_ids)) for p in drafter.pending["r"]] == [(2, 3)]
+    drafter.finished("r")
+    kv.release(pages)

@@ -16,9 +16,11 @@ Prompts and other extends run eagerly (their logits only at each request's last 
 A request that does not draft costs the layer nothing: `observe` keeps the target's hidden rows of the positions
 it kept (Pending), and the layer runs over them in one batch when the request is next asked to draft, or, when
 all requests together hold more than MAX_PENDING_ROWS rows, for the requests holding the most (in batches of at
-most CATCH_UP_ROWS rows): the same rows, the same KV slots, computed later. The engine's plain steps run under
-the overlap schedule and tell the drafter their rows one step late, so nothing here reads the device: the chain
-starts' first drafts stay there until `propose` reads them all at once. A request that ends while rows are
+most CATCH_UP_ROWS rows): the same rows, the same KV slots, computed later. A request holds its rows in
+segments: under the overlap schedule a run of verify steps puts its positions through the layer on the device
+(nextn_device.py), so the rows observed after such a run start a segment past those held from before it. The
+engine's plain steps run under the overlap schedule and tell the drafter their rows one step late, so nothing here
+reads the device: the chain starts' first drafts stay there until `propose` reads them all at once. A request that ends while rows are
 pending never gets them written: a later request reusing those positions from the prefix cache drafts from
 whatever MTP rows its pages hold there (worse drafts, never another token).
 
@@ -73,7 +75,7 @@ class NextNDrafter(Drafter):
     def __init__(self, num_steps: int):
         super().__init__(num_steps)
         self.starts: dict[str, ChainStart] = {}
-        self.pending: dict[str, Pending] = {}
+        self.pending: dict[str, list[Pending]] = {}  # per request, its held segments in position order
         self.pending_rows = 0  # rows held in `pending`, over all requests
         self.device_chain: MTPChain | None = None  # propose_on_device's (grown to the calls it serves)
 
@@ -104,30 +106,33 @@ class NextNDrafter(Drafter):
         for rid, start, ids, pages in zip(step.rids, step.starts, step.next_ids, step.pages):
             rows = step.hidden[at : at + len(ids)]
             at += len(ids)
-            held = self.pending.get(rid)
-            if held is not None and held.start + len(held.next_ids) != start:  # not where it left off: start over
-                self.pending_rows -= len(held.next_ids)
-                held = None
-            if held is None:
-                held = self.pending[rid] = Pending(start, [], (), [])
+            segments = self.pending.setdefault(rid, [])
+            held = segments[-1] if segments else None
+            end = held.start + len(held.next_ids) if held is not None else start
+            if start < end:  # before where it left off (preempted, prefilled again): start over
+                self.pending_rows -= sum(len(p.next_ids) for p in segments)
+                segments.clear()
+            if start != end or not segments:  # (beyond it: the positions between went through the layer on the
+                held = Pending(start, [], (), [])  # device, in verify steps under the overlap schedule)
+                segments.append(held)
             held.next_ids.extend(ids)
             held.pages = tuple(pages)
             held.hidden.append(rows)
             self.pending_rows += len(ids)
         if self.pending_rows > MAX_PENDING_ROWS:  # the requests holding the most, down to half the budget
-            largest = sorted(self.pending, key=lambda rid: -len(self.pending[rid].next_ids))
+            held_rows = {rid: sum(len(p.next_ids) for p in segments) for rid, segments in self.pending.items()}
             due, left = [], self.pending_rows
-            for rid in largest:
+            for rid in sorted(held_rows, key=lambda rid: -held_rows[rid]):
                 if left <= MAX_PENDING_ROWS // 2:
                     break
                 due.append(rid)
-                left -= len(self.pending[rid].next_ids)
+                left -= held_rows[rid]
             self.catch_up(due)
 
     @torch.inference_mode()
     def catch_up(self, rids: Sequence[str]) -> None:
         """Run the MTP layer over the pending rows of these requests, in batches of at most CATCH_UP_ROWS rows."""
-        held = [(rid, self.pending.pop(rid)) for rid in rids if rid in self.pending]
+        held = [(rid, segment) for rid in rids for segment in self.pending.pop(rid, ())]  # (a request's in order)
         while held:
             batch, rows = [], 0
             while held and (not batch or rows + len(held[0][1].next_ids) <= CATCH_UP_ROWS):
@@ -266,6 +271,4 @@ class NextNDrafter(Drafter):
 
     def finished(self, rid: str) -> None:
         self.starts.pop(rid, None)
-        held = self.pending.pop(rid, None)
-        if held is not None:
-            self.pending_rows -= len(held.next_ids)
+        self.pending_rows -= sum(len(p.next_ids) for p in self.pending.pop(rid, ()))

@@ -73,7 +73,9 @@ class MTPChain(StaticProposer):
     # --- host ------------------------------------------------------------------------------------------------
     def stage(self, requests: Sequence[DraftRequest], rows: int) -> None:
         drafter = self.drafter
-        drafter.catch_up([r.rid for r in requests])  # the plain steps' rows each holds: its chain start now
+        # the plain steps' rows each request that drafts holds: its chain start now (one that drafts nothing keeps
+        # them until it does, or ends: a verify step for one request does not run the layer over every request's)
+        drafter.catch_up([r.rid for r in requests if r.max_drafts != 0])
         staged = np.zeros((rows, 4), dtype=np.int64)
         pages = max([len(r.pages) for r in requests] + [1])
         table = np.full((rows, pages), self.kv.scratch_page, dtype=np.int32)
