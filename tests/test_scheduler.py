@@ -46,6 +46,13 @@ def run_to_completion(scheduler: Scheduler, requests: list[Request], max_steps: 
     raise AssertionError("the scheduler did not finish its requests")
 
 
+def fitting_requests(prompt_lens: list[int], new_tokens: int, kv: KVPool) -> list[Request]:
+    """A request per prompt length, those that fit the pool alone."""
+    requests = [Request(str(i), list(range(n)), SamplingParams(max_new_tokens=new_tokens))
+                for i, n in enumerate(prompt_lens)]
+    return [r for r in requests if r.num_tokens + new_tokens <= kv.capacity_tokens]
+
+
 def make_pool(pages: int, page_size: int = 4) -> KVPool:
     return KVPool(pages, page_size, [[(1,)]], dtype=None, device="cpu")
 
@@ -64,10 +71,7 @@ def test_budget_pool_and_completion(prompt_lens, new_tokens, budget, chunk, page
     kv = make_pool(pages)
     scheduler = Scheduler(kv, max_running=max_running, token_budget=max(budget, max_running), chunk_size=chunk,
                           mixed=mixed)
-    requests = [
-        Request(str(i), list(range(n)), SamplingParams(max_new_tokens=new_tokens)) for i, n in enumerate(prompt_lens)
-    ]
-    fits = [r for r in requests if r.num_tokens + new_tokens <= kv.capacity_tokens]
+    fits = fitting_requests(prompt_lens, new_tokens, kv)
     run_to_completion(scheduler, fits)
     assert all(r.finished for r in fits)
     assert kv.num_free_pages == kv.num_pages
@@ -207,9 +211,7 @@ def test_a_prompt_mixes_with_decodes_only_where_the_rows_fit_mixed_rows():
 def test_every_request_finishes_under_a_row_limit(prompt_lens, new_tokens, mixed_rows, max_running):
     kv = make_pool(80)
     scheduler = Scheduler(kv, max_running=max_running, token_budget=32, chunk_size=8, mixed_rows=mixed_rows)
-    requests = [Request(str(i), list(range(n)), SamplingParams(max_new_tokens=new_tokens))
-                for i, n in enumerate(prompt_lens)]
-    fits = [r for r in requests if r.num_tokens + new_tokens <= kv.capacity_tokens]
+    fits = fitting_requests(prompt_lens, new_tokens, kv)
     schedule = scheduler.schedule
 
     def checked():  # a step that mixes prompt tokens with decodes holds at most mixed_rows rows (or its decodes)

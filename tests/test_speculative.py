@@ -139,13 +139,18 @@ def test_plain_steps_overlap_between_drafting_steps(tiny_model_dir, plain, scrip
     assert conserved(engine)
 
 
-def test_mixed_batches_and_chunked_prompts(tiny_model_dir, script_distribution):
-    folder = tiny_model_dir("mixtral")
+def mixed_oracle_engine(folder: str) -> tuple[Engine, list[list[int]], list[list[int]]]:
+    """(an oracle engine whose prompts share steps with decodes, its prompts, their plain greedy outputs)."""
     prompts = PROMPTS + [[256] + list(range(100, 140))]
     overrides = dict(chunked_prefill_size=8, max_batched_tokens=64, mixed_chunk=True)
     want = [r.output_ids for r in run(folder, prompts, **overrides)[1]]
     scripted(prompts, want)
     engine = Engine(EngineConfig(**settings(folder, **overrides, speculative_algorithm="test-oracle", speculative_num_steps=2)))
+    return engine, prompts, want
+
+
+def test_mixed_batches_and_chunked_prompts(tiny_model_dir, script_distribution):
+    engine, prompts, want = mixed_oracle_engine(tiny_model_dir("mixtral"))
     requests = [engine.add_request(prompts[0], GREEDY)]
     for prompt in prompts[1:]:  # each arrives while the ones before decode with drafts
         engine.step(), engine.step()
@@ -160,12 +165,7 @@ def test_mixed_batches_and_chunked_prompts(tiny_model_dir, script_distribution):
 def test_mixed_steps_of_an_engine_that_mixes_by_default_draft_nothing(tiny_model_dir, script_distribution):
     """`--mixed-chunk auto` on an engine with decode graphs (plain_mixed_steps): a step that holds a prompt chunk
     beside decodes is a plain mixed step; the steps of decodes alone still draft."""
-    folder = tiny_model_dir("mixtral")
-    prompts = PROMPTS + [[256] + list(range(100, 140))]
-    overrides = dict(chunked_prefill_size=8, max_batched_tokens=64, mixed_chunk=True)
-    want = [r.output_ids for r in run(folder, prompts, **overrides)[1]]
-    scripted(prompts, want)
-    engine = Engine(EngineConfig(**settings(folder, **overrides, speculative_algorithm="test-oracle", speculative_num_steps=2)))
+    engine, prompts, want = mixed_oracle_engine(tiny_model_dir("mixtral"))
     engine.plain_mixed_steps = True  # what auto sets where decode steps replay graphs (a GPU)
     steps = []  # per step: (prompt rows in it, decodes in it, drafts verified)
     prepare = engine.runner.prepare
