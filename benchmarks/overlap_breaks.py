@@ -26,7 +26,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import moeplex.engine  # noqa: E402
+import moeplex.speculation.build  # noqa: E402
 from moeplex.config import EngineConfig  # noqa: E402
 from moeplex.engine import Engine  # noqa: E402
 from moeplex.models.make_model import write_checkpoint  # noqa: E402
@@ -43,15 +43,15 @@ def count(folder: str, way: str, args) -> dict:
     sizes = grid_sizes(args.max_running)
     # every batch size is priced as the table says (per request beyond one: the same step, as a graph pads to it)
     table = StepCosts(sizes, lambda n: [plain] + verify, lambda n: broken)
-    measure = moeplex.engine.measure_step_costs
-    moeplex.engine.measure_step_costs = lambda *a, **k: table
+    measure = moeplex.speculation.build.measure_step_costs
+    moeplex.speculation.build.measure_step_costs = lambda *a, **k: table
     try:
         engine = Engine(EngineConfig(model=folder, dtype="fp32", show_progress=False, overlap_schedule=True,
                                      speculative_algorithm="ngram", speculative_num_steps=len(verify) - 1,
                                      max_running_requests=args.max_running, max_total_tokens=args.max_total_tokens,
                                      speculative_cost_calibration=False))  # (the table is given, not this CPU's)
     finally:
-        moeplex.engine.measure_step_costs = measure
+        moeplex.speculation.build.measure_step_costs = measure
     if engine.overlap_verify is None:
         raise SystemExit("verify steps do not run under the overlap schedule in this engine")
     if way == "ends_at_once":

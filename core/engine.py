@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from .config import EngineConfig
-from .cuda_graph import CudaGraphCapture, decode_graphs
+from .cuda_graph import decode_graphs
 from .forward_batch import ForwardBatch
 from .grammar.book import REJECTED, TERMINATED, GrammarBook
 from .in_flight import InFlight
@@ -49,12 +49,10 @@ from .penalties import LogitAdjuster
 from .sampler import FAILED, Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .speculation.policy import AdaptivePolicy, FixedPolicy
-from .speculation.calibration import Calibration
-from .speculation.setup import check_drafter, drafter_context, measure_step_costs, slowest_of
-from .speculation.overlap import OverlapVerify, VerifyInFlight, eligible, host_decodes
-from .speculation.verify_graphs import verify_graphs
-from .speculation.step import SpeculativeDecoding, is_decoding
+from .speculation.build import build as build_speculation
+from .speculation.overlap import VerifyInFlight, eligible, host_decodes
+from .speculation.setup import check_drafter
+from .speculation.step import is_decoding
 from .step_agreement import Vote, agree
 from .step_log import VERIFY_KINDS, StepLog, launch_kind
 from .selection import resolve
@@ -136,48 +134,15 @@ class Engine:
         )
         self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs,
                                   prompt_graphs=not config.disable_prompt_graphs)
-        self.speculation = None if drafter is None else SpeculativeDecoding(
-            drafter, self.kv, self.model.hf_config["vocab_size"], decode_rows=self.model.attention_backend.graph_safe,
-            policy=FixedPolicy(drafter.num_steps, backoff=not config.disable_speculative_backoff),
-            name=config.speculative_algorithm,
-        )
-        if self.speculation is not None:
-            drafter.bind(drafter_context(self.model, self.kv, config, self.device, range(len(shapes), len(self.kv.buffers)),
-                                         graphs, self.parallel.config.world_size))
-            self.scheduler.lookahead = self.speculation.lookahead
-        # steps that draft run without the overlap schedule (their drafts need the tokens accepted before them);
-        # the steps between them overlap (a drafter that reads hidden states observes them one step late)
         self.overlap_schedule = _overlap_schedule(config, self.device)
-        # verify steps under the overlap schedule, for a drafter that drafts on the device (speculation/overlap.py);
-        # one that observes must draft from the hidden rows of the step before (it observes only a run's last step)
-        # (an attention backend that reads flattened KV indices would need a host sync per step to shift them on a GPU)
-        self.overlap_verify = None
-        ragged = not self.model.attention_backend.graph_safe
-        if self.overlap_schedule and self.speculation is not None and drafter.caps.drafts_on_device and \
-                (drafter.caps.needs_hidden or not self.speculation.observes) and self.parallel.config.dp_size == 1 \
-                and not (ragged and self.device.type == "cuda"):
-            self.overlap_verify = OverlapVerify(self.speculation, self.runner, self.kv, self.device, ragged,
-                                                self.scheduler.draft_pages)
-            if graphs is not None:  # its greedy steps as graph replays (speculation/verify_graphs.py)
-                self.overlap_verify.graphs = verify_graphs(drafter, graphs, self.model.hf_config["vocab_size"],
-                                                           config.max_running_requests, CudaGraphCapture(self.device))
-        self.calibration: Calibration | None = None
-        if self.speculation is not None and config.speculative_policy == "adaptive":
-            self.step_costs = measure_step_costs(self.runner, self.kv, config, self.speculation.decode_rows,
-                                                 drafter.caps.needs_hidden, self._agree, self.parallel.world,
-                                                 overlap=self.overlap_schedule,
-                                                 # all sizes now where a step may be in flight when a size is first
-                                                 # asked for (its graph outputs must not be overwritten), or where DP
-                                                 # ranks would ask for different sizes
-                                                 eager=self.overlap_schedule or self.parallel.config.dp_size > 1,
-                                                 overlap_verify=self.overlap_verify is not None,
-                                                 proposal_costs=drafter.proposal_costs,
-                                                 verify_overhead=self._verify_overhead)
-            self.speculation.policy = AdaptivePolicy(drafter.num_steps, self.step_costs)
-            # the table scaled to what verify steps take while serving (DP ranks step apart: their timings cannot agree)
-            if config.speculative_cost_calibration and self.parallel.config.dp_size == 1:
-                self.calibration = Calibration(self.step_costs, slowest_of(self.parallel.world),
-                                               isolated=self.overlap_schedule and self.overlap_verify is None)
+        # speculative decoding (core/speculation/build.py): its verify step, overlapped form, costs and calibration
+        self.speculation = self.overlap_verify = self.step_costs = self.calibration = None
+        if drafter is not None:
+            parts = build_speculation(drafter, config, self.model, self.kv, self.runner, self.scheduler, self.device,
+                                      self.parallel, graphs, range(len(shapes), len(self.kv.buffers)),
+                                      self.overlap_schedule, self._agree)
+            self.speculation, self.overlap_verify = parts.decoding, parts.overlap_verify
+            self.step_costs, self.calibration = parts.step_costs, parts.calibration
         # prefill/decode disaggregation: this rank's transfer backend and the pages it holds or expects
         self.pd = RankTransfers.create(self) if config.disaggregation_mode != "none" else None
         self.in_flight: InFlight | None = None  # the step launched last, its tokens not read yet
@@ -421,11 +386,6 @@ class Engine:
         wanted: decoding requests only, each of which may be stepped before its tokens reach the host."""
         return (self.overlap_verify is not None and self.pd is None and len(decoding) == len(work)
                 and eligible(decoding, self.grammar.tracks))
-
-    def _verify_overhead(self, requests: int, rows: int) -> float:
-        """Seconds an overlapped verify step's graphs add to its forward (0.0 without them), for the step costs."""
-        graphs = self.overlap_verify.graphs if self.overlap_verify is not None else None
-        return graphs.overhead(requests, rows) if graphs is not None else 0.0
 
     def _start_verify(self, decoding: list[Request]) -> bool:
         """A step of decoding requests only (_verify_overlaps), whose drafts the policy wants: launched, its tokens

@@ -104,10 +104,10 @@ def test_a_step_the_policy_drafts_nothing_for_is_a_plain_step(tiny_model_dir, pl
     """No overlapped verify step is launched without a draft chosen (it would pay its drafting and acceptance for
     a plain step's work): once the requests' drafts keep missing, the adaptive policy's steps take the ordinary
     path. The step costs are given (a verify step a little dearer than a plain one), not measured."""
-    import moeplex.engine
+    import moeplex.speculation.build
     from moeplex.speculation.costs import StepCosts, grid_sizes
 
-    monkeypatch.setattr(moeplex.engine, "measure_step_costs",
+    monkeypatch.setattr(moeplex.speculation.build, "measure_step_costs",
                         lambda *a, **k: StepCosts(grid_sizes(4), lambda n: [1.0, 1.05, 1.1, 1.15, 1.2]))
     spec = engine(tiny_model_dir("qwen3_moe"), overlap_schedule=True, max_running_requests=4,
                   speculative_policy="adaptive", speculative_cost_calibration=False, **NGRAM)  # (the table is given)
@@ -130,10 +130,10 @@ def test_a_run_goes_on_through_steps_of_no_drafts_while_that_costs_less_than_its
     idle steps cost less than two breaks (ski rental: a verify step of one row costs 0.3 more than a plain one
     here, and drafts of a random model rarely pay), then the run ends. Breaks that cost nothing end it at once. No
     token changes either way."""
-    import moeplex.engine
+    import moeplex.speculation.build
     from moeplex.speculation.costs import StepCosts, grid_sizes
 
-    monkeypatch.setattr(moeplex.engine, "measure_step_costs", lambda *a, **k: StepCosts(
+    monkeypatch.setattr(moeplex.speculation.build, "measure_step_costs", lambda *a, **k: StepCosts(
         grid_sizes(4), lambda n: [1.0, 1.1, 1.9, 2.7, 3.5], lambda n: break_cost))
     spec = engine(tiny_model_dir("qwen3_moe"), overlap_schedule=True, max_running_requests=4,
                   speculative_policy="adaptive", speculative_cost_calibration=False, **NGRAM)  # (the table is given)

@@ -186,6 +186,10 @@ class OverlapVerify:
             hidden=hidden,
         ))
 
+    def overhead(self, requests: int, rows: int) -> float:
+        """Seconds a graphed step's graphs add to its forward (0.0 without them), for the step costs."""
+        return self.graphs.overhead(requests, rows) if self.graphs is not None else 0.0
+
     def _cover(self, requests: Sequence[Request], positions: int) -> bool:
         """Pages for `positions` positions of each request from its first uncached one (draft_pages: drafts never
         preempt; pages left over go back when its step is read)."""

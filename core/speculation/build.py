@@ -1,0 +1,68 @@
+"""Speculative decoding's parts for one engine: the verify step, its overlapped form, the step costs and their
+calibration, made from the drafter and the engine's pieces once they exist (Engine.__init__ calls `build`)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+
+from ..cuda_graph import CudaGraphCapture
+from .calibration import Calibration
+from .costs import StepCosts
+from .overlap import OverlapVerify
+from .policy import AdaptivePolicy, FixedPolicy
+from .setup import drafter_context, measure_step_costs, slowest_of
+from .step import SpeculativeDecoding
+from .verify_graphs import verify_graphs
+
+
+@attrs.frozen
+class Speculation:
+    decoding: SpeculativeDecoding
+    overlap_verify: OverlapVerify | None  # verify steps under the overlap schedule (speculation/overlap.py)
+    step_costs: StepCosts | None  # the adaptive policy's cost model
+    calibration: Calibration | None  # the table scaled to what serving measures
+
+
+def build(drafter, config, model, kv, runner, scheduler, device, parallel, graphs, draft_layers: range,
+          overlap_schedule: bool, agree: Callable) -> Speculation:
+    """Bind the drafter (its KV in pool layers `draft_layers`) and make the parts around it. Steps that draft run
+    without the overlap schedule where the drafter drafts on the host (their drafts need the tokens accepted before
+    them); the steps between them overlap (a drafter that reads hidden states observes them one step late)."""
+    vocab = model.hf_config["vocab_size"]
+    speculation = SpeculativeDecoding(
+        drafter, kv, vocab, decode_rows=model.attention_backend.graph_safe,
+        policy=FixedPolicy(drafter.num_steps, backoff=not config.disable_speculative_backoff),
+        name=config.speculative_algorithm,
+    )
+    drafter.bind(drafter_context(model, kv, config, device, draft_layers, graphs, parallel.config.world_size))
+    scheduler.lookahead = speculation.lookahead
+    # verify steps under the overlap schedule, for a drafter that drafts on the device; one that observes must draft
+    # from the hidden rows of the step before (it observes only a run's last step). An attention backend that reads
+    # flattened KV indices would need a host sync per step to shift them on a GPU.
+    overlap_verify = None
+    ragged = not model.attention_backend.graph_safe
+    if overlap_schedule and drafter.caps.drafts_on_device and (drafter.caps.needs_hidden or not speculation.observes) \
+            and parallel.config.dp_size == 1 and not (ragged and device.type == "cuda"):
+        overlap_verify = OverlapVerify(speculation, runner, kv, device, ragged, scheduler.draft_pages)
+        if graphs is not None:  # its greedy steps as graph replays (speculation/verify_graphs.py)
+            overlap_verify.graphs = verify_graphs(drafter, graphs, vocab, config.max_running_requests,
+                                                  CudaGraphCapture(device))
+    step_costs = calibration = None
+    if config.speculative_policy == "adaptive":
+        step_costs = measure_step_costs(
+            runner, kv, config, speculation.decode_rows, drafter.caps.needs_hidden, agree, parallel.world,
+            overlap=overlap_schedule,
+            # all sizes now where a step may be in flight when a size is first asked for (its graph outputs must
+            # not be overwritten), or where DP ranks would ask for different sizes
+            eager=overlap_schedule or parallel.config.dp_size > 1,
+            overlap_verify=overlap_verify is not None, proposal_costs=drafter.proposal_costs,
+            verify_overhead=overlap_verify.overhead if overlap_verify is not None else lambda n, rows: 0.0,
+        )
+        speculation.policy = AdaptivePolicy(drafter.num_steps, step_costs)
+        # the table scaled to what verify steps take while serving (DP ranks step apart: their timings cannot agree)
+        if config.speculative_cost_calibration and parallel.config.dp_size == 1:
+            calibration = Calibration(step_costs, slowest_of(parallel.world),
+                                      isolated=overlap_schedule and overlap_verify is None)
+    return Speculation(speculation, overlap_verify, step_costs, calibration)
