@@ -20,9 +20,9 @@ most CATCH_UP_ROWS rows): the same rows, the same KV slots, computed later. A re
 segments: under the overlap schedule a run of verify steps puts its positions through the layer on the device
 (nextn_device.py), so the rows observed after such a run start a segment past those held from before it. The
 engine's plain steps run under the overlap schedule and tell the drafter their rows one step late, so nothing here
-reads the device: the chain starts' first drafts stay there until `propose` reads them all at once. A request that ends while rows are
-pending never gets them written: a later request reusing those positions from the prefix cache drafts from
-whatever MTP rows its pages hold there (worse drafts, never another token).
+reads the device: the chain starts' first drafts stay there until `propose` reads them all at once. A request that
+ends while rows are pending never gets them written: a later request reusing those positions from the prefix cache
+drafts from whatever MTP rows its pages hold there (worse drafts, never another token).
 
 Why a budget over all requests and not a cap per request: a catch-up batch is one MTP layer forward, whose MoE
 reads about every expert's weights once it holds a few hundred rows. Capped at 64 rows per request, a batch of
@@ -68,6 +68,10 @@ class Pending:
     hidden: list[torch.Tensor]  # the target's pre-norm hidden rows, in pieces of [rows, H]
 
 
+def held_rows(segments: Sequence[Pending]) -> int:
+    return sum(len(p.next_ids) for p in segments)
+
+
 class NextNDrafter(Drafter):
     caps = DrafterCaps(needs_weights=True, needs_hidden=True, architectures=frozenset({"deepseek_v3"}),
                        drafts_on_device=True)
@@ -110,7 +114,7 @@ class NextNDrafter(Drafter):
             held = segments[-1] if segments else None
             end = held.start + len(held.next_ids) if held is not None else start
             if start < end:  # before where it left off (preempted, prefilled again): start over
-                self.pending_rows -= sum(len(p.next_ids) for p in segments)
+                self.pending_rows -= held_rows(segments)
                 segments.clear()
             if start != end or not segments:  # (beyond it: the positions between went through the layer on the
                 held = Pending(start, [], (), [])  # device, in verify steps under the overlap schedule)
@@ -120,13 +124,13 @@ class NextNDrafter(Drafter):
             held.hidden.append(rows)
             self.pending_rows += len(ids)
         if self.pending_rows > MAX_PENDING_ROWS:  # the requests holding the most, down to half the budget
-            held_rows = {rid: sum(len(p.next_ids) for p in segments) for rid, segments in self.pending.items()}
+            holding = {rid: held_rows(segments) for rid, segments in self.pending.items()}
             due, left = [], self.pending_rows
-            for rid in sorted(held_rows, key=lambda rid: -held_rows[rid]):
+            for rid in sorted(holding, key=lambda rid: -holding[rid]):
                 if left <= MAX_PENDING_ROWS // 2:
                     break
                 due.append(rid)
-                left -= held_rows[rid]
+                left -= holding[rid]
             self.catch_up(due)
 
     @torch.inference_mode()
@@ -271,4 +275,4 @@ class NextNDrafter(Drafter):
 
     def finished(self, rid: str) -> None:
         self.starts.pop(rid, None)
-        self.pending_rows -= sum(len(p.next_ids) for p in self.pending.pop(rid, ()))
+        self.pending_rows -= held_rows(self.pending.pop(rid, ()))

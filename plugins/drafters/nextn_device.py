@@ -32,6 +32,8 @@ import torch
 
 from moeplex.interfaces import DeviceDrafts, DeviceTokens, DraftRequest, ForwardBatch, ForwardMode, StaticProposer
 
+from .host_copies import pinned, to_device
+
 START, PAGES, CHOSEN, HOST_OK = range(4)  # the staged integers' columns, per row
 
 
@@ -90,10 +92,11 @@ class MTPChain(StaticProposer):
                 known.append(i)
                 hidden.append(start.hidden)
                 drafts.append(start.draft)
-        self.staged[:rows].copy_(_to_device(self.staged.device, torch.from_numpy(staged)), non_blocking=True)
-        self.table[:rows, :pages].copy_(_to_device(self.staged.device, torch.from_numpy(table)), non_blocking=True)
+        device = self.staged.device
+        self.staged[:rows].copy_(pinned(device, torch.from_numpy(staged)), non_blocking=True)
+        self.table[:rows, :pages].copy_(pinned(device, torch.from_numpy(table)), non_blocking=True)
         if known:  # the host's chain starts, already on the device: two copies for the batch
-            at = _to_device(self.staged.device, torch.tensor(known, dtype=torch.int64))
+            at = to_device(device, torch.tensor(known, dtype=torch.int64))
             self.host_hidden.index_copy_(0, at, torch.stack(hidden))
             self.host_draft.index_copy_(0, at, torch.stack(drafts))
         if self.ragged:
@@ -162,8 +165,3 @@ class MTPChain(StaticProposer):
             prefix_lens=(self.bound - 1,) * n, kv_indices=kv_indices, kv_indptr=kv_indptr,
             page_table=self.page_table[:n], page_size=page,
         )
-
-
-def _to_device(device: torch.device, host: torch.Tensor) -> torch.Tensor:
-    """A host tensor to copy to `device` without waiting: pinned where that is a GPU."""
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 from moeplex.interfaces import DeviceDrafts, DeviceTokens, DraftRequest, StaticProposer
 
+from .host_copies import pinned, to_device
+
 SLACK = 64  # columns kept free after a row's known tokens: room for a step's pending tokens
 
 
@@ -59,13 +61,6 @@ def lookup_batch(history: torch.Tensor, lengths: torch.Tensor, max_n: int, min_n
     return torch.where(steps < counts[:, None], drafts, -1), counts
 
 
-def _to(device: torch.device, host: torch.Tensor) -> torch.Tensor:
-    """A host tensor on `device`; to a GPU from pinned memory, so the host does not wait for the GPU's queue."""
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 class DeviceHistories:
     """Each live request's latest token ids, one row of a device buffer per request (rows reused after `drop`)."""
 
@@ -88,7 +83,7 @@ class DeviceHistories:
         if pending_width > SLACK:
             raise ValueError(f"{pending_width} pending tokens per request: at most {SLACK}")
         width = int(known.max()) + pending_width
-        slots, known = _to(self.device, torch.stack([slots, known]))
+        slots, known = to_device(self.device, torch.stack([slots, known]))
         if pending is not None:  # after the known ids, on the device; the host writes the same ids once it reads them
             cols = known[:, None] + torch.arange(pending_width, device=self.device)[None, :]
             self.buffer[slots[:, None], cols] = pending.tokens
@@ -120,7 +115,7 @@ class DeviceHistories:
                 values += ids[known:n]
             meta[1:] = [offset, n, ids[n - 1] if n else -1]
         if values:
-            index = _to(self.device, torch.tensor([rows, cols, values], dtype=torch.int64))
+            index = to_device(self.device, torch.tensor([rows, cols, values], dtype=torch.int64))
             self.buffer[index[0], index[1]] = index[2]
         return [self.rows[r.rid] for r in requests]
 
@@ -152,7 +147,7 @@ class StaticLookup(StaticProposer):
         meta = self.histories.write_known(requests)
         scratch = self.histories.scratch
         staged = [[m[0], m[2] - m[1], 1] for m in meta] + [[scratch, 0, 0]] * (rows - len(requests))
-        self.meta[:rows].copy_(_pinned(self.histories.device, torch.tensor(staged, dtype=torch.int64)),
+        self.meta[:rows].copy_(pinned(self.histories.device, torch.tensor(staged, dtype=torch.int64)),
                                non_blocking=True)
         self.rows = rows
 
@@ -168,8 +163,3 @@ class StaticLookup(StaticProposer):
 
     def replayable(self) -> bool:
         return self.histories.buffer is self.buffer
-
-
-def _pinned(device: torch.device, host: torch.Tensor) -> torch.Tensor:
-    """A host tensor to copy to `device` without waiting: pinned where that is a GPU."""
-    return host.pin_memory() if device.type == "cuda" else host
