@@ -16,6 +16,11 @@ Drafters, every one greedy with ignore_eos (so every run does the same work and 
 - ngram: prompt lookup, on a repetitive workload: each prompt is a random 24-token phrase said 4 times, so the
   phrase's tokens are what ngram proposes; random weights do not repeat the phrase, so acceptance is whatever
   the model's own loops give (reported as the accept length column);
+- ngram on a copy workload (--copy-edits; --no-copy leaves it out): a target of Qwen3-MoE shapes made to follow a
+  fixed next-token map (make-model --synthetic-map; synthetic weights, every layer running at full cost) is given
+  documents that walk its map with 10% of their tokens edited, then the document's first 4 tokens again; it copies
+  the document on from there (summarizing, quoting and code editing repeat their input the same way), ngram
+  drafts the document's next tokens and they miss where the copy reaches an edit: ngram's gain where it has one;
 - oracle: proposes the continuation that `none` produced (tests/script_drafters.py, registered through an
   entry point): every draft accepted, the mechanism's ceiling at accept length steps + 1. On a GPU, bf16 logits
   of random weights are nearly flat and a verify batch of other shape flips near-ties, so a script from the
@@ -67,6 +72,8 @@ import torch
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
 from moeplex.models.make_model import write_checkpoint
+from moeplex.models.setup import read_config
+from moeplex.models.synthetic_mtp import next_token_map
 from moeplex.sampling import SamplingParams
 from moeplex.speculation import overlap as spec_overlap, step as spec_step, verify_graphs as spec_graphs
 from report import emit, processor
@@ -77,12 +84,30 @@ import script_drafters  # noqa: E402  (the test-only oracle and adversary)
 
 SGLANG = {1: "1.8x", 32: "1.5x"}  # SGLang, DeepSeek-V3 + MTP (EAGLE), H200, as reported in its docs / blog
 PHRASE, REPEATS = 24, 4
+CUE = 4  # --copy: the document's first tokens, said again at the prompt's end
 STEADY_WAVES = 4  # --steady: prompts per batch slot (--waves)
 
 
 def workload(batch: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[256] + [rng.randrange(256) for _ in range(PHRASE)] * REPEATS for _ in range(batch)]
+
+
+def copy_workload(batch: int, seed: int, follow: list[int], length: int, edits: float) -> list[list[int]]:
+    """--copy: prompts for a synthetic-map target (make-model --synthetic-map), each a document of `length` tokens
+    that walks the target's next-token map from a random token, a fraction `edits` of its tokens then replaced by
+    random ones, followed by the document's first CUE tokens again: the target goes on copying the document (its
+    map, from the cue's last token), ngram drafts the document's next tokens, and a draft misses where the copy
+    reaches an edit (the document's token there is not the map's)."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(batch):
+        doc = [rng.randrange(len(follow))]
+        while len(doc) < length:
+            doc.append(follow[doc[-1]])
+        doc = doc[:CUE] + [t if rng.random() >= edits else rng.randrange(len(follow)) for t in doc[CUE:]]
+        prompts.append(doc + doc[:CUE])
+    return prompts
 
 
 NO_BACKOFF = "/no-backoff"  # a drafter name with this suffix runs the fixed policy without backoff
@@ -109,9 +134,10 @@ def label_of(drafter: str) -> str:
 
 
 def engine_for(folder: str, args, drafter: str) -> Engine:
+    prompt = prompt_len(args)
     settings = dict(model=folder, device=args.device, show_progress=False, max_running_requests=max(args.batches),
-                    max_batched_tokens=max(args.batches) * (PHRASE * REPEATS + 1), chunked_prefill_size=4096,
-                    max_total_tokens=max(args.batches) * (PHRASE * REPEATS + args.output_len + 16) + 1024)
+                    max_batched_tokens=max(args.batches) * prompt, chunked_prefill_size=4096,
+                    max_total_tokens=max(args.batches) * (prompt + round(1.5 * args.output_len) + 16) + 1024)
     if args.device == "cpu":
         settings.update(dtype="fp32")
     else:
@@ -137,6 +163,15 @@ def engine_for(folder: str, args, drafter: str) -> Engine:
         costs.measure_all()  # before any clock starts
         print(f"# {drafter}: measured step costs (ms)\n{costs.table()}", flush=True)
     return engine
+
+
+def prompt_len(args) -> int:
+    """The longest prompt of either workload (the copy one's document covers the longest output)."""
+    return max(PHRASE * REPEATS + 1, copy_length(args) + CUE if getattr(args, "copy", None) is not None else 0)
+
+
+def copy_length(args) -> int:
+    return round(1.5 * args.output_len) + 2 * CUE + args.steps
 
 
 def forced(drafter: str, args) -> bool:
@@ -275,12 +310,17 @@ def warmed_engine(folder: str, args, drafter: str) -> Engine:
     return engine
 
 
-def rows_for(name: str, folder: str, drafters: list[str], args) -> list[str]:
+def rows_for(name: str, folder: str, drafters: list[str], args, follow: list[int] | None = None) -> list[str]:
     """One engine at a time (on a GPU several real-shaped engines would not fit together), `none` first, each
     drafter's --runs runs back to back; or, with --interleave, every engine built and warmed once, then rounds in
-    which every engine runs each batch once, the order rotated per round."""
+    which every engine runs each batch once, the order rotated per round. With `follow` (a synthetic-map
+    target's next-token map) the prompts are --copy's documents."""
     waves = args.waves if args.steady else 1
-    workloads = {batch: workload(batch * waves, seed=batch) for batch in args.batches}
+    if follow is None:
+        workloads = {batch: workload(batch * waves, seed=batch) for batch in args.batches}
+    else:
+        workloads = {batch: copy_workload(batch * waves, batch, follow, copy_length(args), args.copy)
+                     for batch in args.batches}
     rates: dict[tuple[str, int], list[float]] = {}
     clean: dict[tuple[str, int], list[float]] = {}  # decode-only rates (--steady)
     accept: dict[tuple[str, int], float | None] = {}
@@ -386,6 +426,11 @@ def arguments() -> argparse.ArgumentParser:
                         "which averages out a shared machine's bursts)")
     parser.add_argument("--mtp-acceptance", type=float, default=0.8,
                         help="per-position acceptance of the synthetic MTP checkpoint's drafts (default: %(default)s)")
+    parser.add_argument("--copy-edits", type=float, default=0.1, metavar="RATE",
+                        help="ngram's second workload: a synthetic-map target (make-model --synthetic-map: Qwen3 shapes "
+                        "on a GPU, tiny Qwen3 on CPU) copying documents that walk its map, RATE of their tokens edited "
+                        "(default: %(default)s; see copy_workload)")
+    parser.add_argument("--no-copy", action="store_true", help="leave the copy workload out")
     parser.add_argument("--interleave", action="store_true",
                         help="build and warm every engine once, then --runs rounds in which every engine runs each "
                         "batch once, the order rotated per round; the ratio is the median of the rounds' ratios (a "
@@ -404,6 +449,15 @@ def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(arguments().parse_args([])), **vars(args)})
 
 
+def copy_rows(name: str, preset: str, overrides: dict, drafters: list[str], args) -> list[str]:
+    """The copy workload's rows: a synthetic-map Qwen3-MoE (weights made from config.json on a GPU)."""
+    folder = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", preset, seed=0, overrides=overrides,
+                              config_only=args.device != "cpu", synthetic_map=True)
+    follow = next_token_map(read_config(folder), seed=0)
+    dtype = "fp32" if args.device == "cpu" else "bf16"
+    return rows_for(f"{name}, synthetic map, copy ({args.copy:.0%} edited), {dtype}", folder, drafters, args, follow)
+
+
 def main() -> None:
     parser = arguments()
     args = parser.parse_args()
@@ -413,9 +467,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     args.output_len = args.output_len or (32 if args.device == "cpu" else 128)
     args.batches = args.batches or ([1, 8, 32] if args.device == "cpu" else [1, 8, 32, 64])
+    args.copy = None if args.no_copy else args.copy_edits
     register_script_drafters()
     chosen = args.drafters or DEFAULT_DRAFTERS + ["nextn"]
     plain = ["none"] + [d for d in chosen if d != "none" and drafter_name(d) != "nextn"]
+    copying = ["none"] + [d for d in plain if drafter_name(d) in ("ngram", "test-oracle", "test-oracle-device")]
+    if args.copy is None or copying == ["none"]:
+        copying = []
     with_mtp = plain + [d for d in chosen if drafter_name(d) == "nextn"]
     mode = f"steady batches ({args.waves} prompts per slot)" if args.steady else "each batch run to completion"
     if args.interleave:
@@ -426,7 +484,9 @@ def main() -> None:
     if args.clock == "cpu":
         mode += "; rates per second of this process's CPU time"
     lines = [processor(), "",
-             f"steps {args.steps}, {args.output_len} tokens per request, prompts of {PHRASE} tokens x {REPEATS}; {mode}", "",
+             f"steps {args.steps}, {args.output_len} tokens per request, prompts of {PHRASE} tokens x {REPEATS}; {mode}"
+             + (f"; copy rows: documents of {copy_length(args)} tokens walking the map, {args.copy:.0%} of them edited,"
+                f" then their first {CUE} tokens" if copying else ""), "",
              f"| model | batch | drafter | decode tok/s (median) | min-max | {ratio_head} | accept length | SGLang H200 (reported) |"
              + (" decode-only steps: tok/s (median) | vs none |" if args.steady else ""),
              f"|---|---:|---|---:|---:|{ratio_rule}|---:|---:|" + ("---:|---:|" if args.steady else "")]
@@ -438,11 +498,16 @@ def main() -> None:
                                          mtp_acceptance=args.mtp_acceptance)
             lines += rows_for(f"tiny DeepSeek-V3 + synthetic MTP ({args.mtp_acceptance}), fp32", synthetic,
                               ["none"] + with_mtp[len(plain):], args)
+        if copying:
+            lines += copy_rows("tiny Qwen3-MoE", "tiny", {}, copying, args)
     else:
         if args.only != "dsv3":
             qwen = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True,
                                     overrides={"num_hidden_layers": args.qwen_layers})
             lines += rows_for(f"Qwen3-30B-A3B shapes ({args.qwen_layers} layers), bf16", qwen, plain, args)
+            if copying:
+                lines += copy_rows(f"Qwen3-30B-A3B shapes ({args.qwen_layers} layers)", "30b-a3b",
+                                   {"num_hidden_layers": args.qwen_layers}, copying, args)
         if args.only != "qwen":
             shape = {"num_hidden_layers": args.dsv3_layers}
             name = f"DeepSeek-V3 shapes, {args.dsv3_layers} layers"

@@ -57,3 +57,40 @@ def test_the_rate_needs_mtp_layers(tmp_path):
         write_checkpoint(str(tmp_path), "deepseek_v3", "tiny", mtp_acceptance=0.8)
     with pytest.raises(ValueError, match="--mtp-acceptance"):
         write_checkpoint(str(tmp_path), "deepseek_v3", "tiny", mtp=1, mtp_acceptance=1.5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_synthetic_map_target_copies_a_document_and_ngram_drafts_land_where_it_has_no_edit(tmp_path, arch):
+    """make-model --synthetic-map (no MTP layer): the target follows the map whatever the architecture, so a prompt
+    that walks it and then repeats its start is copied on, and prompt lookup's drafts are accepted except at edits."""
+    folder = write_checkpoint(str(tmp_path), arch, "tiny", seed=0, synthetic_map=True)
+    follow = next_token_map(read_config(folder), seed=0)
+    docs = []
+    for start in (5, 50, 120):
+        doc = [start]
+        while len(doc) < 60:
+            doc.append(follow[doc[-1]])
+        doc[20] = doc[40] = 7  # two edits: there the document is not the map
+        docs.append(doc + doc[:4])
+    want = engine(folder).generate(docs, GREEDY)
+    for doc, r in zip(docs, want):
+        assert r.output_ids[:16] == doc[4:20]  # copied from the cue on
+        assert all(follow[a] == b for a, b in zip(doc[3:4] + r.output_ids, r.output_ids))  # the map, not the edits
+    spec = engine(folder, speculative_algorithm="ngram", speculative_num_steps=3, speculative_policy="fixed",
+                  disable_speculative_backoff=True)
+    got = spec.generate(docs, GREEDY)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    steps = sum(r.spec_verify_steps for r in got)
+    assert (sum(r.spec_accepted_tokens for r in got) + steps) / steps > 3.0  # 4 at most: two misses per document
+
+
+def test_random_weights_do_not_copy(tmp_path):
+    """The reference for the test above: a random target does not follow the map's document."""
+    folder = write_checkpoint(str(tmp_path), "qwen3_moe", "tiny", seed=0)
+    synthetic = write_checkpoint(str(tmp_path / "s"), "qwen3_moe", "tiny", seed=0, synthetic_map=True)
+    follow = next_token_map(read_config(synthetic), seed=0)
+    doc = [5]
+    while len(doc) < 40:
+        doc.append(follow[doc[-1]])
+    out = engine(folder).generate([doc + doc[:4]], GREEDY)[0].output_ids
+    assert out[:8] != doc[4:12]

@@ -40,6 +40,13 @@ def add_parser(sub) -> None:
         "(docs/speculative.md says how they are made)",
     )
     p.add_argument(
+        "--synthetic-map", action="store_true",
+        help="synthetic weights instead of random ones for any architecture: a target close to a fixed next-token "
+        "map (every layer runs, at full cost), so a prompt that walks the map is copied token for token, for "
+        "measuring prompt-lookup (ngram) drafting at a real acceptance; recorded in config.json like "
+        "--mtp-acceptance, which implies it (docs/speculative.md)",
+    )
+    p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a config.json field, VALUE as JSON (e.g. --set num_hidden_layers=4); repeatable",
     )
@@ -63,10 +70,13 @@ def run(args) -> int:
     folder = write_checkpoint(
         args.out, args.arch, args.preset, args.seed, overrides=_overrides(args.set), config_only=args.config_only,
         fp8=args.fp8, show_progress=True, mtp=args.mtp, mtp_acceptance=args.mtp_acceptance,
+        synthetic_map=args.synthetic_map,
     )
     what = "config (no weights)" if args.config_only else "random fp8 checkpoint" if args.fp8 else "random checkpoint"
     layers = f" with {args.mtp} MTP layer(s)" if args.mtp else ""
     if args.mtp_acceptance is not None:
         what = f"synthetic checkpoint (MTP drafts accepted at {args.mtp_acceptance} per position)"
+    elif args.synthetic_map:
+        what = "synthetic checkpoint (a target close to a fixed next-token map)"
     print(f"wrote a {args.arch} ({args.preset}) {what}{layers} to {folder}")
     return 0

@@ -85,6 +85,7 @@ def write_checkpoint(
     show_progress: bool = False,
     mtp: int = 0,
     mtp_acceptance: float | None = None,
+    synthetic_map: bool = False,
 ) -> str:
     """Write config, generation config, tokenizer and random safetensors weights of `arch`/`preset` to `folder`.
 
@@ -94,7 +95,9 @@ def write_checkpoint(
     that many multi-token-prediction layers (deepseek_v3; config.json's num_nextn_predict_layers says how
     many the folder holds, 0 without them); `mtp_acceptance` makes the weights synthetic instead of random: a
     target close to a fixed next-token map and an MTP layer whose drafts it accepts at that rate per position
-    (synthetic_mtp.py; config.json records it, so --load-format dummy makes the same weights).
+    (synthetic_mtp.py; config.json records it, so --load-format dummy makes the same weights); `synthetic_map`
+    makes the target so without an MTP layer, for any architecture (a model that copies what follows a fixed
+    next-token map: what prompt-lookup drafting measures on a copy workload).
     """
     from ..selection import resolve  # deferred: selection reads the plugin registry
     from .setup import build_model
@@ -118,7 +121,8 @@ def write_checkpoint(
     if mtp_acceptance is not None:
         if not mtp or not 0.0 <= mtp_acceptance <= 1.0:
             raise ValueError(f"--mtp-acceptance {mtp_acceptance}: a rate in 0..1, with --mtp 1 or more (deepseek_v3)")
-        config[CONFIG_KEY] = {"acceptance": mtp_acceptance}
+    if mtp_acceptance is not None or synthetic_map:
+        config[CONFIG_KEY] = {"acceptance": 1.0 if mtp_acceptance is None else mtp_acceptance}
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise NotADirectoryError(f"{folder} is a file; make-model writes a folder there")
     os.makedirs(folder, exist_ok=True)
@@ -133,7 +137,7 @@ def write_checkpoint(
     engine_config = EngineConfig(model=folder, show_progress=False)
     model = build_model(folder, engine_config, resolve(engine_config), mtp=mtp > 0)
     targets = progress(model.weight_targets().items(), desc="making random weights", unit="tensor", enabled=show_progress)
-    if mtp_acceptance is not None:
+    if CONFIG_KEY in config:
         tensors = {name: synthetic_tensor(name, t.shape, seed, config).contiguous() for name, t in targets}
     else:
         tensors = {name: named_random_tensor(name, t.shape, seed).contiguous() for name, t in targets}

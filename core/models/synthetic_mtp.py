@@ -1,4 +1,5 @@
-"""Synthetic DeepSeek-V3 weights whose MTP layer's drafts are accepted at a chosen rate (make-model --mtp-acceptance).
+"""Synthetic DeepSeek-V3 weights whose MTP layer's drafts are accepted at a chosen rate (make-model --mtp-acceptance),
+and synthetic targets of any architecture that follow a fixed next-token map (make-model --synthetic-map).
 
 Random weights make a target whose next token no draft model can guess, and random MTP weights guess nothing:
 neither measures what `nextn` costs and gains. These weights make both predictable, and say how often they agree:
@@ -21,6 +22,11 @@ generation visits), independently of the others: the accept length with k steps 
 Every tensor is a function of its name, the seed and the config (as random weights are: random_weights.py), so
 make-model writes and --load-format dummy makes the same synthetic model; the config.json key
 `moeplex_synthetic_mtp` ({"acceptance": a}) turns it on. Synthetic weights: not a language model of anything.
+
+Without an MTP layer (--synthetic-map, any architecture; the key's acceptance 1.0, so S is empty) the same target
+remains: it copies any stretch of a prompt that walks the map, which is what prompt lookup (ngram) drafts from,
+so a document that walks the map, with some of its tokens edited, and then its first tokens again, is copied on
+from there and ngram's drafts are accepted wherever the copy has no edit (benchmarks/speculative.py --copy).
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ def synthetic_tensor(name: str, shape: tuple[int, ...], seed: int, hf_config: di
     acceptance = acceptance_of(hf_config)
     vocab, hidden = hf_config["vocab_size"], hf_config["hidden_size"]
     eos = _eos(hf_config)
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):  # (.w2: Mixtral's expert down projection)
         return RESIDUAL * named_random_tensor(name, shape, seed, device)
     if name == "model.norm.weight" or name.endswith(("enorm.weight", "hnorm.weight", "shared_head.norm.weight")):
         return torch.ones(shape, device=device)
