@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
-#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-profile|spec-profile-dsv3|tests-nextn|
+#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-profile|spec-profile-dsv3|tests-nextn|
 #                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
 #   bash benchmarks/gpu_system.sh OUT spec-steady              # #32: steady batches (session 10, H100, before the
@@ -53,6 +53,10 @@ for part in "$@"; do
           --steady --runs 3 --batches 1 8 32 64 --output-len 64 --drafters $set \
           --out "$out/speculative_steady_${name}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/${part}_$name.log" | tail -12
       done ;;
+    spec-copy)  # #32 ngram: random weights (never worse) and the synthetic-map target's copy workload (its gain)
+      timeout $(lim 330) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave \
+        --steady --runs 3 --batches 1 8 32 64 --output-len 64 --drafters ngram test-adversary \
+        --out "$out/speculative_copy_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -16 ;;
     spec-mixed)
       timeout $(lim 300) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
         --runs 3 --batches 8 32 --output-len 64 --drafters ngram --mixed-chunk on \
