@@ -54,7 +54,7 @@ from .speculation.overlap import VerifyInFlight, eligible, host_decodes
 from .speculation.setup import check_drafter
 from .speculation.step import is_decoding
 from .step_agreement import Vote, agree
-from .step_log import VERIFY_KINDS, StepLog, launch_kind
+from .step_log import PROMPT_KINDS, VERIFY_KINDS, StepLog, launch_kind
 from .selection import resolve
 from .tokenizer import Detokenizer, load_tokenizer, whole_text
 from .host_memory import keep_freed_host_memory
@@ -271,6 +271,8 @@ class Engine:
             timed = self.step_log.timed(time.perf_counter() - start)
             if self.calibration is not None:
                 self.calibration.observe(timed)
+            if self.speculation is not None:
+                self.speculation.stepped(timed.kind in PROMPT_KINDS)
             if timed.wanted_drafts:  # (the step in flight was read for drafts: did a verify step come of it?)
                 self.speculation.break_ended(timed.kind in VERIFY_KINDS)
 

@@ -27,6 +27,7 @@ import attrs
 KINDS = ("prompt", "decode", "mixed", "verify", "verify_overlap", "verify_idle", "none")
 BREAKS = ("drafts_wanted", "verify_run_ended")
 VERIFY_KINDS = frozenset({"verify", "verify_overlap", "verify_idle"})  # the kinds of a step that verifies
+PROMPT_KINDS = frozenset({"prompt", "mixed"})  # the kinds of a step that holds prompt tokens
 
 
 @attrs.frozen

@@ -13,6 +13,7 @@ from moeplex.sampling import SamplingParams
 from moeplex.speculation import costs as costs_module
 from moeplex.speculation.costs import StepCosts, grid_sizes, time_size
 from moeplex.speculation.policy import MAX_COLD, AdaptivePolicy, FixedPolicy
+from moeplex.speculation.step import PromptGaps
 
 import script_drafters
 from test_speculative import PAGE, PROMPTS, conserved, script_distribution, scripted  # noqa: F401 (a fixture)
@@ -324,6 +325,68 @@ def test_a_run_of_verify_steps_goes_on_without_drafts_while_that_costs_less_than
     dear = StepCosts(grid_sizes(64), lambda n: [n * 1.0] + [n * k * 1.0 for k in range(1, 5)], lambda n: 5.0)
     assert not AdaptivePolicy(STEPS, dear).keeps_run(8, 1)  # no draft pays at 8 requests: nothing to wait for
     assert not FixedPolicy(STEPS).keeps_run(1, 1)
+
+
+def test_a_run_is_entered_from_plain_steps_only_where_it_saves_more_before_the_next_prompt_than_two_breaks():
+    """run_pays: a run entered from plain steps breaks the overlap schedule now and when the next prompt step ends
+    it. A plain step costs 1.0, a verify step of one / three drafts 1.2 / 1.4, a break 0.25: a draft that lands
+    half the time saves 1.5 - 1.2 = 0.3 a step, so it pays for the 0.5 of two breaks in runs of 2 steps, not 1;
+    three sure drafts save 2.6 a step, and pay in one. An exploring try (no saving by the records) was priced
+    with its breaks already; the fixed policy enters every run."""
+    costs = StepCosts(grid_sizes(64), table(1.0, 0.1, fixed=0.1), measure_break=lambda n: 0.25)
+    policy = AdaptivePolicy(STEPS, costs)
+    weak, strong = request("weak"), request("strong")
+    for _ in range(20):
+        policy.record(weak, STEPS, 1)  # the first draft lands half the time, the second never
+        policy.record(weak, STEPS, 0)
+        policy.record(strong, STEPS, STEPS)
+    assert policy.choose([weak], [STEPS]) == [1]
+    assert [policy.run_pays([weak], [1], steps) for steps in (1, 2, 5, float("inf"))] == [False, True, True, True]
+    assert policy.choose([strong], [STEPS]) == [STEPS] and policy.run_pays([strong], [STEPS], 1)
+    fresh = request("fresh")
+    assert policy.run_pays([fresh], [0], 1)  # nothing chosen: nothing to price
+    free = AdaptivePolicy(STEPS, StepCosts(grid_sizes(64), table(1.0, 0.1, fixed=0.1)))  # breaks cost nothing
+    assert free.run_pays([weak], [1], 1)
+    cold = AdaptivePolicy(STEPS, costs)
+    for _ in range(20):
+        cold.record(weak, STEPS, 0)
+    assert cold.run_pays([weak], [STEPS], 1)  # a try: its saving by the record is none
+    assert FixedPolicy(STEPS).run_pays([weak], [1], 1)
+
+
+def test_prompt_gaps_count_steps_between_prompt_steps():
+    gaps = PromptGaps()
+    assert gaps.expected() == float("inf")
+    for holds in (True, False, False, False, True):  # (the gap before the first prompt step is start-up's)
+        gaps.stepped(holds)
+    assert gaps.mean == 4 and gaps.expected() == 4
+    for holds in (False, True):
+        gaps.stepped(holds)
+    assert gaps.mean == pytest.approx(0.8 * 4 + 0.2 * 2)
+    for _ in range(9):
+        gaps.stepped(False)
+    assert gaps.expected() == 9  # at least the gap under way
+
+
+def test_drafts_are_wanted_only_where_the_run_pays(tiny_model_dir):
+    """wants_drafts (a plain step in flight would be read for them) asks run_pays with the steps the engine has
+    seen between prompt steps; no token changes either way."""
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [r.output_ids for r in Engine(EngineConfig(model=tiny_model_dir("qwen3_moe"), dtype="fp32",
+                                                      show_progress=False, max_total_tokens=4096, page_size=PAGE)
+                                         ).generate(PROMPTS, params)]
+    for pays in (True, False):
+        engine = Engine(EngineConfig(model=tiny_model_dir("qwen3_moe"), dtype="fp32", show_progress=False,
+                                     max_total_tokens=4096, page_size=PAGE, overlap_schedule=True,
+                                     speculative_algorithm="ngram", speculative_num_steps=STEPS))
+        spec = engine.speculation
+        asked = []
+        spec.policy.run_pays = lambda requests, counts, steps: asked.append(steps) or pays
+        spec.policy.choose = lambda requests, rooms, expect_offers=False: [1] * len(requests)
+        assert [r.output_ids for r in engine.generate(PROMPTS, params)] == want
+        assert asked and all(steps >= 1 for steps in asked)
+        assert (engine.step_log.breaks["drafts_wanted"] > 0) == pays
+        assert conserved(engine)
 
 
 def test_newcomers_start_from_the_drafters_recent_rate():

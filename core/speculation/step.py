@@ -21,6 +21,7 @@ only.
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 
 from typing import Callable, Sequence
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 MAX_UNASKED = 16  # steps: the longest a cheap drafter goes unasked after the policy kept declining its proposals
 MAX_QUIET = 64  # steps: the longest drafts go unwanted after reads of the step in flight that launched no verify step
+GAP_WEIGHT = 0.2  # PromptGaps: the latest gap's weight in the running mean
 
 @attrs.define
 class SpecCounts:
@@ -70,6 +72,30 @@ class PlainStep:
     starts: list[int]  # each request's num_cached before the step
     preemptions: list[int]  # each request's num_preemptions then
     hidden: torch.Tensor  # [T, H] every token row's pre-norm hidden state
+
+
+@attrs.define
+class PromptGaps:
+    """Engine steps between steps that hold prompt tokens (an admission, a prompt's chunk), each of which ends a run
+    of overlapped verify steps: a running mean (GAP_WEIGHT on the latest gap), and at least the gap under way;
+    unknown (infinite) until the first gap closes. Under steady serving at 32-64 requests a prompt came every
+    2.6 steps (H100, Qwen3 12 layers), so a run entered from plain steps paid its two breaks of the overlap
+    schedule every 2-3 verify steps. A count of steps: every rank alike."""
+
+    mean: float = math.inf
+    since: int = 0
+    seen: bool = False  # a prompt step came (the gap before the first one is start-up's, not the workload's)
+
+    def stepped(self, holds_prompt: bool) -> None:
+        self.since += 1
+        if not holds_prompt:
+            return
+        if self.seen:
+            self.mean = self.since if math.isinf(self.mean) else (1 - GAP_WEIGHT) * self.mean + GAP_WEIGHT * self.since
+        self.seen, self.since = True, 0
+
+    def expected(self) -> float:
+        return max(self.mean, self.since)
 
 
 def is_decoding(item: ScheduledWork) -> bool:
@@ -102,6 +128,7 @@ class SpeculativeDecoding:
         # found no page caused ~300 of them a run at batch 32 on an H100 (session 10) before draft_pages was fixed
         self._wasted = 0
         self._quiet = 0
+        self.prompt_gaps = PromptGaps()  # how long a run of verify steps started now may last (wants_drafts)
         # verify steps as decode rows (ModelRunner.prepare): where the attention backend's paged decode reads
         # only fixed-size tensors (triton), so those batches replay the decode CUDA graphs; else as extends
         # (the torch backend's per-request SDPA over a prefix is the cheaper of its two paths)
@@ -147,7 +174,12 @@ class SpeculativeDecoding:
         if not decoding or not self.policy.may_draft(len(decoding)) or self._left_unasked(len(decoding)):
             return False
         rooms = [min(self.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in decoding]
-        return any(self.policy.choose(decoding, rooms, expect_offers=True))
+        counts = self.policy.choose(decoding, rooms, expect_offers=True)
+        return any(counts) and self.policy.run_pays(decoding, counts, self.prompt_gaps.expected())
+
+    def stepped(self, holds_prompt: bool) -> None:
+        """An engine step ended; whether it held prompt tokens (such a step ends a run of overlapped verify steps)."""
+        self.prompt_gaps.stepped(holds_prompt)
 
     def drafts_in(self, decoding: Sequence[Request]) -> bool:
         """Whether a step of these decoding requests (is_decoding) takes the speculative path (with no step in
