@@ -297,7 +297,7 @@ class Engine:
                 (self.in_flight,) = admitted
                 return finished + self._drain_dropped()
         if spec is not None and self.in_flight is not None and not self._prompt_due() and \
-                spec.wants_drafts(self.scheduler.running):
+                spec.wants_drafts(self.scheduler.running, breaks=1 if self._follows_plain() else 2):
             ahead = self._verify_ahead()
             finished = self._complete(self.in_flight)  # drafts need the tokens in flight
             self.in_flight = ahead
@@ -349,18 +349,35 @@ class Engine:
         batch = self._agree(self.runner.prepare(work, None))
         return (self._launch(work, batch) if batch is not None else None,)
 
+    def _follows_plain(self) -> bool:
+        """Whether a verify step of every running request can be launched before the plain step in flight is read
+        (OverlapVerify.after_plain): each one that step samples for has only that token to come, every other decodes
+        with its token on the host. Entering a run of verify steps then breaks the overlap schedule only where
+        it ends (H100, Qwen3 12 layers, steady 64: every admission's mixed step was read for drafts, a break)."""
+        verify = self.overlap_verify
+        if verify is None or self.pd is not None or not verify.follows_plain or self.in_flight is None:
+            return False
+        sampled = {id(r) for r in self.in_flight.requests}
+        return all(len(r.pending_rows) == 1 and r.num_uncached == 1 if id(r) in sampled else host_decodes(r)
+                   for r in self.scheduler.running)
+
     def _verify_ahead(self) -> VerifyInFlight | None:
-        """Where the plain step in flight samples only for some running requests (a prompt step launched ahead of a
-        verify step's read) and every other one decodes with its token on the host: their verify step, launched
-        before the step in flight is read, so the device runs it while the host reads (the requests of the step in
-        flight join the next verify step: OverlapVerify.follow). None where that does not apply or the policy
-        drafts for none of them."""
-        pending = {id(r) for r in self.in_flight.requests}
-        ready = [r for r in self.scheduler.running if id(r) not in pending]
-        if self.overlap_verify is None or self.pd is not None or self.scheduler.may_admit or not ready or \
-                not all(host_decodes(r) for r in ready):
+        """A verify step launched before the plain step in flight is read, so the device runs it while the host
+        reads: of every running request where the drafter can follow that step (_follows_plain); else, where that
+        step samples only for some (a prompt step launched ahead of a verify step's read) and every other one
+        decodes with its token on the host, of those (the step's own requests join the next verify step:
+        OverlapVerify.follow). None where neither applies or the policy drafts for none of them."""
+        if self.overlap_verify is None or self.pd is not None or self.scheduler.may_admit:
             return None
-        launched = self.overlap_verify.start(ready, self.grammar.tracks, self.hooks)
+        if self._follows_plain():
+            launched = self.overlap_verify.after_plain(self.in_flight, list(self.scheduler.running),
+                                                       self.grammar.tracks, self.hooks)
+        else:
+            pending = {id(r) for r in self.in_flight.requests}
+            ready = [r for r in self.scheduler.running if id(r) not in pending]
+            if not ready or not all(host_decodes(r) for r in ready):
+                return None
+            launched = self.overlap_verify.start(ready, self.grammar.tracks, self.hooks)
         if launched is not None:
             self.balancing.after_forward()
             self.step_log.launched("verify_overlap", *launched.shape)

@@ -11,6 +11,9 @@ import torch
 
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
+from moeplex.models.make_model import write_checkpoint
+from moeplex.models.setup import read_config
+from moeplex.models.synthetic_mtp import next_token_map
 from moeplex.sampling import SamplingParams
 from moeplex.speculation.overlap import VerifyInFlight
 
@@ -25,14 +28,15 @@ def engine(folder: str, **overrides) -> Engine:
 
 
 class Launches:
-    """Counts the verify steps launched before the step in flight was read (and those launched after a read)."""
+    """Counts the verify steps that follow a verify step in flight, and the first steps of runs (from the host's
+    tokens or from a plain step in flight: after_plain)."""
 
     def __init__(self, engine: Engine):
         self.following = self.first = 0
         launch = engine.overlap_verify.launch
 
         def counted(requests, counts, previous, hooks=None):
-            if previous is None:
+            if previous is None or previous.ahead:
                 self.first += 1
             else:
                 self.following += 1
@@ -568,9 +572,9 @@ def test_no_step_in_flight_is_read_for_drafts_while_a_prompt_makes_the_next_step
     wants, ended = spec.speculation.wants_drafts, spec.speculation.break_ended
     scheduler = spec.scheduler
 
-    def wanting(running):
+    def wanting(running, breaks=2):
         asked.append(scheduler.may_admit or any(r.num_uncached > 1 for r in scheduler.running))
-        return wants(running)
+        return wants(running, breaks)
 
     spec.speculation.wants_drafts = wanting
     spec.speculation.break_ended = lambda verified: wasted.append(not verified) or ended(verified)
@@ -584,4 +588,48 @@ def test_no_step_in_flight_is_read_for_drafts_while_a_prompt_makes_the_next_step
     assert spec.step_log.steps["mixed"] > 0
     assert asked and not any(asked), "the step in flight was considered for drafts while a prompt was due"
     assert sum(wasted) <= 1  # (3 when it was: a read that finds the next step mixed verifies nothing)
+    assert conserved(spec)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_verify_step_follows_a_plain_step_in_flight_without_reading_it(tmp_path, temperature):
+    """A run of verify steps entered from a plain step in flight (a decode step, or a mixed step that admitted a
+    request) launches before that step is read: each request the step samples for drafts from its token on the
+    device (a new request's first token included), the others from the host (OverlapVerify.after_plain). Requests
+    arrive every other step on a target that copies its prompt, so drafts land in runs; greedy tokens equal plain
+    decoding's, sampled ones are valid ids of the right count, no step is read for drafts, pools end empty."""
+    folder = write_checkpoint(str(tmp_path), "qwen3_moe", "tiny", seed=0, synthetic_map=True)
+    follow = next_token_map(read_config(folder), seed=0)
+    docs = []
+    for start in range(6):
+        doc = [40 * start + 1]
+        while len(doc) < 40:
+            doc.append(follow[doc[-1]])
+        doc[25] = 3  # an edit: a miss in the copy
+        docs.append(doc + doc[:4])
+    params = SamplingParams(max_new_tokens=20, temperature=temperature, ignore_eos=True)
+    want = outputs(engine(folder, mixed_chunk=True).generate(docs, params))
+    spec = engine(folder, overlap_schedule=True, mixed_chunk=True, max_running_requests=4, **NGRAM)
+    spec.plain_mixed_steps = True  # what auto sets where decode steps replay graphs (a GPU)
+    first_tokens_in_flight = []
+    after_plain = spec.overlap_verify.after_plain
+
+    def counted(step, requests, *args):
+        first_tokens_in_flight.append(any(not r.output_ids and r.pending_rows for r in requests))
+        return after_plain(step, requests, *args)
+
+    spec.overlap_verify.after_plain = counted
+    requests = []
+    for doc in docs:
+        requests.append(spec.add_request(doc, params))
+        spec.step(), spec.step()
+    while spec.has_work:
+        spec.step()
+    if temperature == 0.0:
+        assert outputs(requests) == want
+    else:
+        assert all(len(r.output_ids) == 20 and all(0 <= t < spec.vocab_size for t in r.output_ids) for r in requests)
+    assert any(first_tokens_in_flight), "no run started from a new request's first token in flight"
+    assert spec.step_log.breaks["drafts_wanted"] == 0
+    assert sum(r.spec_accepted_tokens for r in requests) > 20
     assert conserved(spec)

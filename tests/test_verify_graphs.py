@@ -139,9 +139,12 @@ def test_replayed_verify_steps_change_no_token(echo, plain):
     spec = engine(echo, overlap_schedule=True, speculative_algorithm="ngram", speculative_num_steps=3)
     assert spec.overlap_verify is not None and spec.overlap_verify.graphs is None  # a CPU: no graphs of its own
     replayed = install_graphs(spec)
+    after_plain, followed = spec.overlap_verify.after_plain, []  # runs entered from a plain step in flight
+    spec.overlap_verify.after_plain = lambda *args: followed.append(len(replayed)) or after_plain(*args)
     got = spec.generate(ECHO_PROMPTS, GREEDY)
     assert [r.output_ids for r in got] == plain
     assert len(replayed) > 3 and (4, 4) in replayed  # 3 requests padded to 4, full width
+    assert followed and followed[0] < len(replayed)  # (the step after_plain launched was replayed)
     assert sum(r.spec_accepted_tokens for r in got) > 6
     assert conserved(spec)
 

@@ -45,6 +45,15 @@ class VerifyInFlight:
     graphed: bool = False  # launched from VerifyGraphs: `accepted` is its state, which the next graphed step reads
     idle: int = 0  # verify steps in a row, this one included, that verify no draft (the run goes on: keeps_run)
     hidden: torch.Tensor | None = None  # [R, width, H] the target's pre-norm hidden rows (a drafter that reads them)
+    ahead: int = 0  # how far its requests' num_cached is past its first rows (standing_for: 1, counted at launch)
+
+    @classmethod
+    def standing_for(cls, step) -> VerifyInFlight:
+        """A plain step in flight (in_flight.InFlight) as the step a verify step follows: each of its rows emits
+        the one token it samples and verified no draft; the host counted each row's input when it launched it."""
+        zeros = torch.zeros_like(step.tokens)
+        return cls(list(step.requests), 1, [0] * len(step.requests), Accepted(zeros, step.tokens[:, None]),
+                   step.host, step.ready, ahead=1)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -110,6 +119,28 @@ class OverlapVerify:
         if not any(counts) or not self._cover(requests, 1 + max(counts)):
             return None
         return self.launch(requests, counts, None, hooks)
+
+    @property
+    def follows_plain(self) -> bool:
+        """Whether a verify step may follow a plain step in flight before that step is read (after_plain): the
+        drafter drafts from the tokens it samples, on the device. One that reads hidden states would need that
+        step's rows: the step is read first for it."""
+        return not self.spec.drafter.caps.needs_hidden
+
+    def after_plain(self, step, requests: list[Request], tracks_grammar, hooks=None) -> VerifyInFlight | None:
+        """The first verify step of the running requests, launched before the plain `step` in flight (a decode,
+        mixed or prompt step) is read: a request it samples for starts from that token on the device, the others
+        from their last token on the host. The engine then reads `step`, as it reads a prompt step launched ahead.
+        None where the policy drafts for none of them or the pages are not free (the engine reads `step` first)."""
+        policy = self.spec.policy
+        if not eligible(requests, tracks_grammar) or not policy.may_draft(len(requests)):
+            return None
+        rooms = [max(min(self.spec.lookahead, r.params.max_new_tokens - len(r.output_ids) - len(r.pending_rows) - 1), 0)
+                 for r in requests]
+        counts = policy.choose(requests, rooms, expect_offers=True)
+        if not any(counts) or not self._cover(requests, 1 + max(counts)):
+            return None
+        return self.launch(requests, counts, VerifyInFlight.standing_for(step), hooks)
 
     def follow(self, previous: VerifyInFlight, scheduler, tracks_grammar, hooks=None) -> VerifyInFlight | None:
         """The next verify step of the same requests, launched before `previous` is read, with the running requests
@@ -218,6 +249,7 @@ class OverlapVerify:
         if shape is not None:
             return self._launch_graphed(shape, requests, counts, previous, drafter_requests, hooks)
         previous_rows = _previous_rows(previous, requests)
+        starts = _starts(previous, requests, previous_rows)
         host_last = torch.tensor(host_last_tokens(requests, previous_rows), dtype=torch.int64)
         with_hidden = self.spec.drafter.caps.needs_hidden
         if previous is not None:  # rows of requests that joined since `previous` (-1) take their token from the host
@@ -245,7 +277,7 @@ class OverlapVerify:
         bad = ((grid < 0) | (grid >= self.spec.vocab_size)) & (k < verified[:, None])
         verified = torch.where(bad.any(dim=1), 0, verified)
         grid = torch.where(k < verified[:, None], grid, -1)
-        seqs = [ScheduledSeq([0], r.num_cached + j, r.pages) for r in requests for j in range(width)]
+        seqs = [ScheduledSeq([0], start + j, r.pages) for r, start in zip(requests, starts) for j in range(width)]
         batch = build_forward_batch(seqs, self.kv, self.device)
         if offsets is not None:  # step N's emitted counts, which only the device knows yet
             batch = shift_rows(batch, offsets.repeat_interleave(width), previous.width, self.ragged)
@@ -268,7 +300,7 @@ class OverlapVerify:
             self.graphs.carry(previous.accepted, previous.hidden)
         rows = _previous_rows(previous, requests)
         accepted, packed, hidden = self.graphs.launch(shape, requests, counts, rows, drafter_requests, self.runner,
-                                                      hooks)
+                                                      hooks, _starts(previous, requests, rows))
         return VerifyInFlight(requests, shape[1], list(counts), accepted, *_to_host(packed), graphed=True,
                               hidden=hidden)
 
@@ -282,6 +314,13 @@ def _previous_rows(previous: VerifyInFlight | None, requests: Sequence[Request])
     """Each request's row in `previous` (-1: not in it, its last token is on the host)."""
     index = {} if previous is None else {id(r): i for i, r in enumerate(previous.requests)}
     return [index.get(id(r), -1) for r in requests]
+
+
+def _starts(previous: VerifyInFlight | None, requests: Sequence[Request], previous_rows: Sequence[int]) -> list[int]:
+    """Each request's position of its row in `previous` (where the shift by what that step emitted starts), or its
+    first uncached one (no row there)."""
+    ahead = previous.ahead if previous is not None else 0
+    return [r.num_cached - (ahead if row >= 0 else 0) for r, row in zip(requests, previous_rows)]
 
 
 def _to_host(packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

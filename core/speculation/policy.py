@@ -302,11 +302,11 @@ class AdaptivePolicy:
         size = self._size(n)
         return idle * size.idle_extra < 2 * size.break_cost
 
-    def run_pays(self, requests: Sequence[Request], counts: Sequence[int], steps: float) -> bool:
+    def run_pays(self, requests: Sequence[Request], counts: Sequence[int], steps: float, breaks: int = 2) -> bool:
         """Whether a run of overlapped verify steps entered now from plain ones (choose() gave `counts`) pays for
-        the two breaks of the overlap schedule it makes: one now (the plain step in flight read for drafts) and one
-        when it ends, at the next step that holds a prompt, `steps` steps on as the engine has seen them come
-        (PromptGaps). The step's expected tokens would take plain steps `saving` seconds longer than it; the run
+        the `breaks` breaks of the overlap schedule it makes: where the plain step in flight is read for drafts
+        one now, and one when the run ends, at the next step that holds a prompt, `steps` steps on as the engine
+        has seen them come (PromptGaps). The step's expected tokens would take plain steps `saving` seconds longer than it; the run
         pays where its steps save more than the breaks cost. A try no record advises (exploration: no saving)
         was priced with its breaks already (explore_every). At 32-64 requests with a prompt every 2-3 steps,
         ngram on random weights (decode-only steps 1.13-1.15x of plain ones) entered runs at every admission and
@@ -319,7 +319,7 @@ class AdaptivePolicy:
         taken = np.arange(self.steps)[None, :] < np.asarray(counts)[:, None]
         tokens = n + float(worth[taken].sum())
         saving = tokens / size.plain_rate - float(size.curve[sum(counts) - 1])
-        return saving <= 0.0 or saving * steps >= 2 * size.break_cost
+        return saving <= 0.0 or saving * steps >= breaks * size.break_cost
 
     def least_paying_worth(self, n: int) -> float:
         """The worth a draft must exceed for any count of drafts to pay in a step of n requests: every draft is
@@ -455,7 +455,7 @@ class FixedPolicy:
         """A run of overlapped verify steps ends with the first step the policy drafts nothing for."""
         return False
 
-    def run_pays(self, requests: Sequence[Request], counts: Sequence[int], steps: float) -> bool:
+    def run_pays(self, requests: Sequence[Request], counts: Sequence[int], steps: float, breaks: int = 2) -> bool:
         """Every run the choice wants is entered."""
         return True
 

@@ -163,7 +163,7 @@ class SpeculativeDecoding:
         return min(self.lookahead, request.params.max_new_tokens - len(request.output_ids) - 1,
                    len(request.pages) * self.kv.page_size - request.num_tokens)
 
-    def wants_drafts(self, running: Sequence[Request]) -> bool:
+    def wants_drafts(self, running: Sequence[Request], breaks: int = 2) -> bool:
         """Whether the policy would draft for some of these running requests (those that decode): then the step
         in flight is read first. Drafts count with their chance of coming: a step that drafts nothing would have
         given up the overlap schedule for nothing."""
@@ -175,7 +175,7 @@ class SpeculativeDecoding:
             return False
         rooms = [min(self.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in decoding]
         counts = self.policy.choose(decoding, rooms, expect_offers=True)
-        return any(counts) and self.policy.run_pays(decoding, counts, self.prompt_gaps.expected())
+        return any(counts) and self.policy.run_pays(decoding, counts, self.prompt_gaps.expected(), breaks)
 
     def stepped(self, holds_prompt: bool) -> None:
         """An engine step ended; whether it held prompt tokens (such a step ends a run of overlapped verify steps)."""

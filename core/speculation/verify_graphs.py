@@ -188,17 +188,19 @@ class VerifyGraphs:
             self.state_hidden[:count, :width].copy_(hidden)
 
     def launch(self, shape: tuple[int, int], requests: Sequence, counts: Sequence[int], previous_rows: Sequence[int],
-               drafter_requests, runner, hooks=None) -> tuple[Accepted, torch.Tensor, torch.Tensor | None]:
+               drafter_requests, runner, hooks=None, starts: Sequence[int] | None = None
+               ) -> tuple[Accepted, torch.Tensor, torch.Tensor | None]:
         """Stage, replay pre / forward / post; (the accepted state's view, the packed rows on the device, the hidden
         rows' state view or None).
         previous_rows[i]: request i's row in the step before (its tokens in the accepted state), or -1 (its last
-        token is on the host)."""
+        token is on the host); starts[i]: where its rows start before the shift by what that step emitted (default:
+        its num_cached)."""
         rows, width = shape
         count, inputs = len(requests), self.graphs.inputs
         staged = np.zeros((rows, 4), dtype=np.int64)
         staged[:, PREVIOUS] = -1
         staged[:count, CHOSEN] = counts
-        staged[:count, START] = [r.num_cached for r in requests]
+        staged[:count, START] = starts if starts is not None else [r.num_cached for r in requests]
         staged[:count, PREVIOUS] = previous_rows
         staged[:count, LAST] = host_last_tokens(requests, previous_rows)
         pages = max(max(len(r.pages) for r in requests), -(-width // inputs.page_size))
