@@ -11,7 +11,7 @@ import pytest
 from moeplex.config import EngineConfig
 from moeplex.engine import Engine
 from moeplex.interfaces import DraftRequest
-from moeplex.plugins.drafters.ngram import NgramDrafter, lookup
+from moeplex.plugins.drafters.ngram import NgramDrafter, SuffixIndex, lookup
 from moeplex.request import Request, TokenIds
 from moeplex.sampling import SamplingParams
 from moeplex.speculation.costs import StepCosts, grid_sizes
@@ -87,6 +87,23 @@ def test_ngram_history_grows_and_rebuilds_under_a_reused_rid():
     assert drafter.propose([DraftRequest("r", other, 49)]).tokens[0] == lookup(np.asarray(other), 4, 1, STEPS)
     drafter.finished("r")
     assert "r" not in drafter._history
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_suffix_index_drafts_what_a_lookup_over_the_window_does(seed):
+    """SuffixIndex (ngram's host path) against lookup over the latest `window` ids, as the sequence grows by one
+    token or by runs, over small vocabularies (many matches) and windows the sequence outgrows (rebuilds)."""
+    rng = random.Random(seed)
+    for _ in range(60):
+        vocab, window, min_n = rng.choice([3, 5, 20, 200]), rng.choice([8, 16, 64, 4096]), rng.choice([1, 2])
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 300))]
+        index, n = SuffixIndex(4, min_n, window), 0
+        while n < len(ids):
+            n = min(len(ids), n + rng.choice([1, 1, 2, 4, 50]))
+            index.sync(TokenIds(ids[:n], []))
+            want = lookup(np.asarray(ids[:n][-window:]), 4, min_n, STEPS) if min(n, window) > 1 else []
+            assert (index.draft(STEPS) if len(index.ids) > 1 else []) == want
+        assert len(index.ids) <= 2 * window
 
 
 def test_a_step_whose_drafter_had_nothing_takes_the_ordinary_path(tiny_model_dir, plain, script_distribution):

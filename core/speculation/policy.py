@@ -140,6 +140,7 @@ class AdaptivePolicy:
         self._due: str | None = None  # the request _explore chose to try, until its try is recorded or offered
         self._cold: dict[str, int] = {}  # per request: its verify steps running in which every draft missed
         self._prior: list[float] | None = None  # prior(), while all requests' record is unchanged
+        self._cold_after: int | None = None  # cold_after(), likewise
 
     def prior(self) -> np.ndarray:
         """All requests' acceptance per position, each position leaning on the one before it (the first on PRIOR):
@@ -237,13 +238,18 @@ class AdaptivePolicy:
         row come every 25 verify steps: a request decoding 64 tokens went cold about every other time (H100, nextn
         on the synthetic checkpoint, 24 layers at batch 1: 1.40x against 1.70x for the fixed policy); three make
         it one in 125."""
+        if self._cold_after is not None:
+            return self._cold_after
         tried = self.all.tried[0]
         miss = 1.0 - self.all.accepted[0] / tried if tried > 0 else 1.0
         if miss <= 0.0:
-            return MAX_COLD
-        if miss >= 1.0:
-            return COLD_AFTER
-        return min(max(math.ceil(math.log(COLD_CHANCE) / math.log(miss)), COLD_AFTER), MAX_COLD)
+            after = MAX_COLD
+        elif miss >= 1.0:
+            after = COLD_AFTER
+        else:
+            after = min(max(math.ceil(math.log(COLD_CHANCE) / math.log(miss)), COLD_AFTER), MAX_COLD)
+        self._cold_after = after  # (until all requests' record changes: record() drops it)
+        return after
 
     def _explore(self, requests: Sequence[Request], rooms: Sequence[int], n: int,
                  drafting: Sequence[int] = ()) -> list[int]:
@@ -349,13 +355,13 @@ class AdaptivePolicy:
         if self._best_own is None:  # recomputed only after a record changed
             self._best_own = max((own.accepted[0] / own.tried[0] for own in self._own.values() if own.tried[0] > 0),
                                  default=0.0)
-        prior = (self.all.accepted[0] + PRIOR_WEIGHT * PRIOR) / (self.all.tried[0] + PRIOR_WEIGHT)
+        prior = self._prior_rates()[0]
         return max(prior, self._best_own) <= least or self._best_first_worth(requests, expect_offers) <= least
 
     def _best_first_worth(self, requests: Sequence[Request], expect_offers: bool) -> float:
         """max over the requests of their first draft's worth (times its chance of coming): the rates of
         _worth_matrix's first column, in plain Python (a few operations per request; it reads and fades nothing)."""
-        prior = (self.all.accepted[0] + PRIOR_WEIGHT * PRIOR) / (self.all.tried[0] + PRIOR_WEIGHT)
+        prior = self._prior_rates()[0]
         best = 0.0
         for request in requests:
             own = self._own.get(request.rid)
@@ -408,7 +414,7 @@ class AdaptivePolicy:
         own.record(drafted, accepted)
         self._tried(request)
         self._cold[request.rid] = 0 if accepted else self._cold.get(request.rid, 0) + 1
-        self._best_own = self._prior = None
+        self._best_own = self._prior = self._cold_after = None
         self.all.record(drafted, accepted, recency=0.98)
         self._seen_at[request.rid] = len(request.output_ids)
 

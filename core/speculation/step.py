@@ -129,6 +129,7 @@ class SpeculativeDecoding:
         self._wasted = 0
         self._quiet = 0
         self.prompt_gaps = PromptGaps()  # how long a run of verify steps started now may last (wants_drafts)
+        self._steps = 0  # engine steps ended (stepped): _first_choice's cache holds for one step
         # verify steps as decode rows (ModelRunner.prepare): where the attention backend's paged decode reads
         # only fixed-size tensors (triton), so those batches replay the decode CUDA graphs; else as extends
         # (the torch backend's per-request SDPA over a prefix is the cheaper of its two paths)
@@ -180,6 +181,7 @@ class SpeculativeDecoding:
     def stepped(self, holds_prompt: bool) -> None:
         """An engine step ended; whether it held prompt tokens (such a step ends a run of overlapped verify steps)."""
         self.prompt_gaps.stepped(holds_prompt)
+        self._steps += 1
 
     def drafts_in(self, decoding: Sequence[Request]) -> bool:
         """Whether a step of these decoding requests (is_decoding) takes the speculative path (with no step in
@@ -190,10 +192,10 @@ class SpeculativeDecoding:
         """The policy's choice before asking the drafter; drafts_in's is kept for the draft() of the same step."""
         if not requests or not self.policy.may_draft(len(requests)):
             return [0] * len(requests)  # the step stays plain whatever the records say: look at nothing
-        rooms = [self.room(r) for r in requests]
-        key = ([(r.rid, len(r.output_ids)) for r in requests], rooms)  # the same requests, at the same tokens
-        if self._choice is not None and self._choice[0] == key:
+        key = (self._steps, [(r.rid, len(r.output_ids)) for r in requests])  # the same requests at the same tokens
+        if self._choice is not None and self._choice[0] == key:  # in the same step (so the same pages and rooms)
             return self._choice[1]
+        rooms = [self.room(r) for r in requests]
         if self.drafter.caps.cheap_proposals:  # who is asked: every request with room, where some draft could pay
             counts = [0] * len(requests) if self._left_unasked(len(requests)) else self.policy.candidates(requests, rooms)
         else:
