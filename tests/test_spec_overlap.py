@@ -45,6 +45,17 @@ class Launches:
         engine.overlap_verify.launch = counted
 
 
+def arriving(spec: Engine, prompts, params: SamplingParams) -> list:
+    """The prompts added one every other step, then run to the end; their requests."""
+    requests = []
+    for prompt in prompts:
+        requests.append(spec.add_request(prompt, params))
+        spec.step(), spec.step()
+    while spec.has_work:
+        spec.step()
+    return requests
+
+
 def outputs(requests) -> list[list[int]]:
     return [list(r.output_ids) for r in requests]
 
@@ -578,12 +589,7 @@ def test_no_step_in_flight_is_read_for_drafts_while_a_prompt_makes_the_next_step
 
     spec.speculation.wants_drafts = wanting
     spec.speculation.break_ended = lambda verified: wasted.append(not verified) or ended(verified)
-    requests = []
-    for prompt in prompts:
-        requests.append(spec.add_request(prompt, params))
-        spec.step(), spec.step()
-    while spec.has_work:
-        spec.step()
+    requests = arriving(spec, prompts, params)
     assert outputs(requests) == want
     assert spec.step_log.steps["mixed"] > 0
     assert asked and not any(asked), "the step in flight was considered for drafts while a prompt was due"
@@ -619,12 +625,7 @@ def test_a_verify_step_follows_a_plain_step_in_flight_without_reading_it(tmp_pat
         return after_plain(step, requests, *args)
 
     spec.overlap_verify.after_plain = counted
-    requests = []
-    for doc in docs:
-        requests.append(spec.add_request(doc, params))
-        spec.step(), spec.step()
-    while spec.has_work:
-        spec.step()
+    requests = arriving(spec, docs, params)
     if temperature == 0.0:
         assert outputs(requests) == want
     else:
