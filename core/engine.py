@@ -354,12 +354,8 @@ class Engine:
         (OverlapVerify.after_plain): each one that step samples for has only that token to come, every other decodes
         with its token on the host. Entering a run of verify steps then breaks the overlap schedule only where
         it ends (H100, Qwen3 12 layers, steady 64: every admission's mixed step was read for drafts, a break)."""
-        verify = self.overlap_verify
-        if verify is None or self.pd is not None or not verify.follows_plain or self.in_flight is None:
-            return False
-        sampled = {id(r) for r in self.in_flight.requests}
-        return all(len(r.pending_rows) == 1 and r.num_uncached == 1 if id(r) in sampled else host_decodes(r)
-                   for r in self.scheduler.running)
+        return self.overlap_verify is not None and self.pd is None and \
+            self.overlap_verify.can_follow(self.in_flight, self.scheduler.running)
 
     def _verify_ahead(self) -> VerifyInFlight | None:
         """A verify step launched before the plain step in flight is read, so the device runs it while the host

@@ -127,6 +127,15 @@ class OverlapVerify:
         step's rows: the step is read first for it."""
         return not self.spec.drafter.caps.needs_hidden
 
+    def can_follow(self, step, running: Sequence[Request]) -> bool:
+        """Whether after_plain applies to the plain `step` in flight: the drafter follows plain steps, and each
+        running request either has only the token `step` samples for it to come or decodes from the host."""
+        if not self.follows_plain or step is None:
+            return False
+        sampled = {id(r) for r in step.requests}
+        return all(len(r.pending_rows) == 1 and r.num_uncached == 1 if id(r) in sampled else host_decodes(r)
+                   for r in running)
+
     def after_plain(self, step, requests: list[Request], tracks_grammar, hooks=None) -> VerifyInFlight | None:
         """The first verify step of the running requests, launched before the plain `step` in flight (a decode,
         mixed or prompt step) is read: a request it samples for starts from that token on the device, the others
