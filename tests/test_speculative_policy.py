@@ -236,25 +236,29 @@ def test_where_the_prior_advises_against_drafts_a_request_tries_them_now_and_the
     assert policy.choose([misses], [STEPS]) == [0]  # a record exists: a new request waits its turn
     misses.output_ids.extend([5] * every)
     assert policy.choose([misses], [STEPS]) == [STEPS]
-    policy.record(misses, STEPS, 0)
-    misses.output_ids.extend([5] * (every - 1))
+    policy.offered(misses, True)  # (the drafter asked, as the engine does, before the verify step)
+    policy.record(misses, STEPS, 0)  # a try that came to nothing: the next one is due after twice the interval
+    misses.output_ids.extend([5] * (2 * every - 1))
     assert policy.choose([misses], [STEPS]) == [0]
     misses.output_ids.append(5)
     assert policy.choose([misses], [STEPS]) == [STEPS]
+    policy.record(misses, STEPS, 1)  # a try that lands: the interval is back to `every`
+    misses.output_ids.extend([5] * every)
+    assert policy._missed_tries == 0 and policy.choose([misses], [STEPS]) != [0]
 
 
 def test_requests_shorter_than_the_exploring_interval_are_tried_too():
     """The interval between tries counts the batch's tokens, not one request's: in a stream of 40-token requests
     where a try is due every 150 tokens (a verify step of 2.5 plain ones), one request in about four tries; counted
     per request (as it was), none ever did, and a drafter whose drafts land (nextn, accepted at 0.8 a position) was
-    never found out at batch 1 on an H100."""
+    never found out at batch 1 on an H100. Tries that all miss double the interval (150, 300, 600 tokens...)."""
     policy = AdaptivePolicy(STEPS, StepCosts(grid_sizes(64), table(1.0, 0.25, fixed=0.75)))
     first = request("first")
     assert policy.choose([first], [STEPS]) == [STEPS]  # fresh: a try at once
     policy.record(first, STEPS, 0)
     policy.finished(first.rid)
     tried = []
-    for i in range(12):
+    for i in range(30):
         r = request(f"r{i}")
         for _ in range(40):
             if policy.choose([r], [STEPS]) != [0]:
@@ -262,7 +266,8 @@ def test_requests_shorter_than_the_exploring_interval_are_tried_too():
                 policy.record(r, STEPS, 0)
             r.output_ids.append(5)
         policy.finished(r.rid)
-    assert len(tried) == 3 and all(b[0] * 40 + b[1] - a[0] * 40 - a[1] >= 150 for a, b in zip(tried, tried[1:])), tried
+    gaps = [b[0] * 40 + b[1] - a[0] * 40 - a[1] for a, b in zip(tried, tried[1:])]
+    assert len(tried) == 3 and all(gap >= 150 << k for k, gap in enumerate(gaps, start=1)), tried  # 30 x 40 tokens
 
 
 def test_only_a_fresh_engine_has_every_newcomer_try_at_once():

@@ -27,7 +27,9 @@ drafter whose drafts would land is never found out. Where a sure draft could pay
 `explore_every` tokens decoded by the whole batch the request that verified longest ago (none: first) drafts fully
 once: that interval is set from the cost table so that trying costs the batch at most EXPLORE_LOSS of its plain
 rate when every try misses (a try's verify step beyond a plain one, and under the overlap schedule the two breaks
-of it a try out of plain steps makes: StepCosts.break_cost). The clock is the batch's because requests are often shorter than the interval (150
+of it a try out of plain steps makes: StepCosts.break_cost); tries in a row that come to nothing double it, up to
+8x (MAX_EXPLORE_DOUBLINGS), and any accepted draft restores it: the adversary's tries cost 1.4% at batch 1 on CPU,
+where a synchronous verify step costs more than the table says. The clock is the batch's because requests are often shorter than the interval (150
 tokens where a verify step costs 2.5 plain ones): counted per request, none of them ever tried. In a fresh engine
 (no request verified or was asked yet) every new request tries at once. A request whose
 drafts all missed in cold_after() verify steps running drafts only when it is due to explore: its record leans on
@@ -60,6 +62,7 @@ EXPLORE_LOSS = 0.01  # the most of a batch's plain rate that trying drafts the r
 COLD_AFTER = 2  # verify steps running in which all of a request's drafts missed: then it only drafts to explore ...
 COLD_CHANCE = 0.01  # ... or more: as many as a request landing first drafts as all requests do misses with this chance
 MAX_COLD = 8  # ... and at most this many
+MAX_EXPLORE_DOUBLINGS = 3  # exploring tries in a row whose drafts all missed double the interval, up to 8x
 NEW_REQUEST_FADE = 0.97  # all requests' record shrinks by this with each new request (see the module docstring)
 
 
@@ -141,6 +144,8 @@ class AdaptivePolicy:
         self._cold: dict[str, int] = {}  # per request: its verify steps running in which every draft missed
         self._prior: list[float] | None = None  # prior(), while all requests' record is unchanged
         self._cold_after: int | None = None  # cold_after(), likewise
+        self._missed_tries = 0  # exploring tries in a row that came to nothing (no draft, or none accepted)
+        self._trying: str | None = None  # the request of the exploring try under way, until its outcome
 
     def prior(self) -> np.ndarray:
         """All requests' acceptance per position, each position leaning on the one before it (the first on PRIOR):
@@ -258,7 +263,7 @@ class AdaptivePolicy:
         by the request whose last try (or none) is oldest, so requests shorter than the interval are tried too.
         The same requests at the same tokens get the same answer (a try moves the clock's mark only once it is
         recorded or offered). Requests `drafting` drafts already are not the one due."""
-        every = self._size(n).explore_every
+        every = self._size(n).explore_every << min(self._missed_tries, MAX_EXPLORE_DOUBLINGS)
         for request in requests:  # the clock: every token any request decoded since it was last seen here
             now = len(request.output_ids)
             self._clock += max(now - self._clock_seen.get(request.rid, now), 0)
@@ -279,7 +284,7 @@ class AdaptivePolicy:
         if due:
             oldest = min(due, key=lambda i: self._tried_clock.get(requests[i].rid, -1))  # never tried: first
             counts[oldest] = min(rooms[oldest], self.steps)
-            self._due = requests[oldest].rid
+            self._due = self._trying = requests[oldest].rid
         return counts
 
     def _tried(self, request: Request) -> None:
@@ -412,6 +417,12 @@ class AdaptivePolicy:
             self.all.fade(NEW_REQUEST_FADE)
             self.offers = (self.offers[0] * NEW_REQUEST_FADE, self.offers[1] * NEW_REQUEST_FADE)
         own.record(drafted, accepted)
+        if accepted:
+            self._missed_tries = 0
+        elif request.rid == self._trying:
+            self._missed_tries += 1
+        if request.rid == self._trying:
+            self._trying = None
         self._tried(request)
         self._cold[request.rid] = 0 if accepted else self._cold.get(request.rid, 0) + 1
         self._best_own = self._prior = self._cold_after = None
@@ -422,12 +433,17 @@ class AdaptivePolicy:
         """The drafter was asked for the request, and proposed something (or nothing)."""
         asked, got, at = self._offers.get(request.rid, (0.0, 0.0, 0))
         fade = RECENCY * RECOVERY ** max(len(request.output_ids) - at, 0)
+        if not given and request.rid == self._trying:  # (a try given drafts ends when they are verified: record)
+            self._missed_tries += 1
+            self._trying = None
         self._tried(request)
         self._offers[request.rid] = (asked * fade + 1.0, got * fade + float(given), len(request.output_ids))
         self.offers = (self.offers[0] * 0.98 + 1.0, self.offers[1] * 0.98 + float(given))
 
     def finished(self, rid: str) -> None:
         self._best_own = None
+        if rid == self._trying:  # its try never came to an outcome
+            self._trying = None
         self._offers.pop(rid, None)
         self._own.pop(rid, None)
         self._seen_at.pop(rid, None)
