@@ -373,7 +373,7 @@ class AdaptivePolicy:
             if own is None:
                 rate = prior
             else:
-                fade = RECOVERY ** max(len(request.output_ids) - self._seen_at[request.rid], 0)
+                fade = self._fade(request)
                 rate = (own.accepted[0] * fade + PRIOR_WEIGHT * prior) / (own.tried[0] * fade + PRIOR_WEIGHT)
             if expect_offers:
                 rate *= self.offer_rate(request)
@@ -386,9 +386,14 @@ class AdaptivePolicy:
         own = self._own.get(request.rid)
         if own is None:
             return prior
-        self._fade_own(request, own)
-        return [(a + PRIOR_WEIGHT * p) / (t + PRIOR_WEIGHT)
+        fade = self._fade(request)
+        return [(a * fade + PRIOR_WEIGHT * p) / (t * fade + PRIOR_WEIGHT)
                 for a, t, p in zip(own.accepted.tolist(), own.tried.tolist(), prior)]
+
+    def _fade(self, request: Request) -> float:
+        """The factor the request's record fades by for the tokens it decoded without drafts since it last changed
+        (applied to its counts only when it changes next: record)."""
+        return RECOVERY ** max(len(request.output_ids) - self._seen_at[request.rid], 0)
 
     def _fade_own(self, request: Request, own: Acceptance) -> None:
         """Fade the request's record by the tokens it decoded without drafts since it last changed."""
@@ -400,18 +405,23 @@ class AdaptivePolicy:
     def _worth_matrix(self, requests: Sequence[Request]) -> np.ndarray:
         """[requests, steps]: worth() of each request, at once."""
         tried, accepted = np.zeros((len(requests), self.steps)), np.zeros((len(requests), self.steps))
+        fades = np.ones((len(requests), 1))
         for i, request in enumerate(requests):
             own = self._own.get(request.rid)
             if own is None:
                 continue
-            self._fade_own(request, own)
+            fades[i, 0] = self._fade(request)
             tried[i], accepted[i] = own.tried, own.accepted
+        tried *= fades
+        accepted *= fades
         prior = self.prior()[None, :]
         return np.cumprod((accepted + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT), axis=1)
 
     def record(self, request: Request, drafted: int, accepted: int) -> None:
         own = self._own.get(request.rid)
-        if own is None:
+        if own is not None:
+            self._fade_own(request, own)
+        else:
             own = self._own[request.rid] = Acceptance(self.steps)
             # each new request moves all requests' record a little back to PRIOR (record() drops the cached prior)
             self.all.fade(NEW_REQUEST_FADE)
