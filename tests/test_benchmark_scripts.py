@@ -147,6 +147,14 @@ def test_speculative_interleaved_rounds(tmp_path):
     assert rows[0][-1] == "1.00x" and all(float(row[-2]) > 0 and row[-1].endswith("x") for row in rows), out
 
 
+def test_spec_cpu_best_of_rounds(tmp_path):
+    """The CPU 'never worse' table by each engine's best CPU time (the script checks that no token changed)."""
+    out = run("spec_cpu_best.py", tmp_path / "best.md", "--runs", "2", "--rounds", "1", "--batches", "2")
+    rows = table_rows(out, "2")
+    assert [row[1] for row in rows] == ["ngram", "adversary"], out
+    assert all(len(row[2].split(", ")) == 2 and 0.5 < float(row[3]) < 2.0 for row in rows), out
+
+
 def test_spec_device_parts_against_the_host_paths(tmp_path):
     out = run("spec_device_parts.py", tmp_path / "parts.md", "--batches", "1", "3", "--iters", "2", "--warmup", "1",
               "--runs", "2", "--history", "64", "--vocab", "256")
