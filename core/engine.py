@@ -296,14 +296,15 @@ class Engine:
             if admitted is not None:
                 (self.in_flight,) = admitted
                 return finished + self._drain_dropped()
-        if spec is not None and self.in_flight is not None and not self._prompt_due() and \
-                spec.wants_drafts(self.scheduler.running, breaks=1 if self._follows_plain() else 2):
-            ahead = self._verify_ahead()
-            finished = self._complete(self.in_flight)  # drafts need the tokens in flight
-            self.in_flight = ahead
-            if ahead is not None:
-                return finished + self._drain_dropped()
-            self.step_log.broke("drafts_wanted")
+        if spec is not None and self.in_flight is not None and not self._prompt_due():
+            follows = self._follows_plain()  # (then entering a run breaks the overlap schedule only where it ends)
+            if spec.wants_drafts(self.scheduler.running, breaks=1 if follows else 2):
+                ahead = self._verify_ahead(follows)
+                finished = self._complete(self.in_flight)  # the step in flight is read (after `ahead` launched)
+                self.in_flight = ahead
+                if ahead is not None:
+                    return finished + self._drain_dropped()
+                self.step_log.broke("drafts_wanted")
         if spec is not None:  # pages for drafts only where a draft could pay at this batch size (the policy says)
             self.scheduler.lookahead = spec.lookahead if spec.policy.may_draft(max(len(self.scheduler.running), 1)) else 0
         work = self.scheduler.schedule()
@@ -357,15 +358,15 @@ class Engine:
         return self.overlap_verify is not None and self.pd is None and \
             self.overlap_verify.can_follow(self.in_flight, self.scheduler.running)
 
-    def _verify_ahead(self) -> VerifyInFlight | None:
+    def _verify_ahead(self, follows: bool) -> VerifyInFlight | None:
         """A verify step launched before the plain step in flight is read, so the device runs it while the host
-        reads: of every running request where the drafter can follow that step (_follows_plain); else, where that
+        reads: of every running request where the drafter can follow that step (`follows`: _follows_plain); else, where that
         step samples only for some (a prompt step launched ahead of a verify step's read) and every other one
         decodes with its token on the host, of those (the step's own requests join the next verify step:
         OverlapVerify.follow). None where neither applies or the policy drafts for none of them."""
         if self.overlap_verify is None or self.pd is not None or self.scheduler.may_admit:
             return None
-        if self._follows_plain():
+        if follows:
             launched = self.overlap_verify.after_plain(self.in_flight, list(self.scheduler.running),
                                                        self.grammar.tracks, self.hooks)
         else:

@@ -165,9 +165,10 @@ class SpeculativeDecoding:
                    len(request.pages) * self.kv.page_size - request.num_tokens)
 
     def wants_drafts(self, running: Sequence[Request], breaks: int = 2) -> bool:
-        """Whether the policy would draft for some of these running requests (those that decode): then the step
-        in flight is read first. Drafts count with their chance of coming: a step that drafts nothing would have
-        given up the overlap schedule for nothing."""
+        """Whether the policy would draft for some of these running requests (those that decode), in a run that pays
+        for the `breaks` breaks of the overlap schedule entering it makes (run_pays: 2 where the step in flight must
+        be read first, 1 where a verify step can follow it unread). Drafts count with their chance of coming: a
+        step that drafts nothing would have given up the overlap schedule for nothing."""
         decoding = [r for r in running if r.output_ids]
         if self._quiet:
             self._quiet -= 1
