@@ -360,10 +360,10 @@ class Engine:
 
     def _verify_ahead(self, follows: bool) -> VerifyInFlight | None:
         """A verify step launched before the plain step in flight is read, so the device runs it while the host
-        reads: of every running request where the drafter can follow that step (`follows`: _follows_plain); else, where that
-        step samples only for some (a prompt step launched ahead of a verify step's read) and every other one
-        decodes with its token on the host, of those (the step's own requests join the next verify step:
-        OverlapVerify.follow). None where neither applies or the policy drafts for none of them."""
+        reads: of every running request where the drafter can follow that step (`follows`: _follows_plain); else,
+        where that step samples only for some (a prompt step launched ahead of a verify step's read) and every
+        other one decodes with its token on the host, of those (the step's own requests join the next verify
+        step: OverlapVerify.follow). None where neither applies or the policy drafts for none of them."""
         if self.overlap_verify is None or self.pd is not None or self.scheduler.may_admit:
             return None
         if follows:

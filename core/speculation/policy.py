@@ -29,8 +29,9 @@ once: that interval is set from the cost table so that trying costs the batch at
 rate when every try misses (a try's verify step beyond a plain one, and under the overlap schedule the two breaks
 of it a try out of plain steps makes: StepCosts.break_cost); tries in a row that come to nothing double it, up to
 8x (MAX_EXPLORE_DOUBLINGS), and any accepted draft restores it: the adversary's tries cost 1.4% at batch 1 on CPU,
-where a synchronous verify step costs more than the table says. The clock is the batch's because requests are often shorter than the interval (150
-tokens where a verify step costs 2.5 plain ones): counted per request, none of them ever tried. In a fresh engine
+where a synchronous verify step costs more than the table says. The clock is the batch's because requests are
+often shorter than the interval (150 tokens where a verify step costs 2.5 plain ones): counted per request, none
+of them ever tried. In a fresh engine
 (no request verified or was asked yet) every new request tries at once. A request whose
 drafts all missed in cold_after() verify steps running drafts only when it is due to explore: its record leans on
 the prior, which alone would have it try again every few tokens wherever a verify step costs little more than a
@@ -317,9 +318,9 @@ class AdaptivePolicy:
         """Whether a run of overlapped verify steps entered now from plain ones (choose() gave `counts`) pays for
         the `breaks` breaks of the overlap schedule it makes: where the plain step in flight is read for drafts
         one now, and one when the run ends, at the next step that holds a prompt, `steps` steps on as the engine
-        has seen them come (PromptGaps). The step's expected tokens would take plain steps `saving` seconds longer than it; the run
-        pays where its steps save more than the breaks cost. A try no record advises (exploration: no saving)
-        was priced with its breaks already (explore_every). At 32-64 requests with a prompt every 2-3 steps,
+        has seen them come (PromptGaps). The step's expected tokens would take plain steps `saving` seconds longer
+        than it; the run pays where its steps save more than the breaks cost. A try no record advises
+        (exploration: no saving) was priced with its breaks already (explore_every). At 32-64 requests with a prompt every 2-3 steps,
         ngram on random weights (decode-only steps 1.13-1.15x of plain ones) entered runs at every admission and
         ran at 0.88-0.94x of plain decoding (H100, Qwen3 12 layers)."""
         n = len(requests)
@@ -427,25 +428,29 @@ class AdaptivePolicy:
             self.all.fade(NEW_REQUEST_FADE)
             self.offers = (self.offers[0] * NEW_REQUEST_FADE, self.offers[1] * NEW_REQUEST_FADE)
         own.record(drafted, accepted)
-        if accepted:
-            self._missed_tries = 0
-        elif request.rid == self._trying:
-            self._missed_tries += 1
-        if request.rid == self._trying:
-            self._trying = None
+        self._try_ended(request, landed=accepted > 0)
         self._tried(request)
         self._cold[request.rid] = 0 if accepted else self._cold.get(request.rid, 0) + 1
         self._best_own = self._prior = self._cold_after = None
         self.all.record(drafted, accepted, recency=0.98)
         self._seen_at[request.rid] = len(request.output_ids)
 
+    def _try_ended(self, request: Request, landed: bool) -> None:
+        """A request's drafts came to an outcome: any landed draft restores the exploring interval; the exploring
+        try under way that came to nothing doubles it (MAX_EXPLORE_DOUBLINGS)."""
+        if landed:
+            self._missed_tries = 0
+        elif request.rid == self._trying:
+            self._missed_tries += 1
+        if request.rid == self._trying:
+            self._trying = None
+
     def offered(self, request: Request, given: bool) -> None:
         """The drafter was asked for the request, and proposed something (or nothing)."""
         asked, got, at = self._offers.get(request.rid, (0.0, 0.0, 0))
         fade = RECENCY * RECOVERY ** max(len(request.output_ids) - at, 0)
-        if not given and request.rid == self._trying:  # (a try given drafts ends when they are verified: record)
-            self._missed_tries += 1
-            self._trying = None
+        if not given:  # (a try given drafts ends when they are verified: record)
+            self._try_ended(request, landed=False)
         self._tried(request)
         self._offers[request.rid] = (asked * fade + 1.0, got * fade + float(given), len(request.output_ids))
         self.offers = (self.offers[0] * 0.98 + 1.0, self.offers[1] * 0.98 + float(given))

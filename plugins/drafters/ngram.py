@@ -20,7 +20,8 @@ from .ngram_device import DeviceHistories, StaticLookup, lookup_batch
 
 def lookup(ids: np.ndarray, max_n: int, min_n: int, count: int) -> list[int]:
     """Up to `count` tokens that followed the latest earlier occurrence of the longest suffix of `ids`
-    of length max_n .. min_n (an occurrence must be followed by at least one token).
+    of length max_n .. min_n (an occurrence must be followed by at least one token). The definition of ngram's
+    drafts: SuffixIndex (the host path) and the device lookup are tested against it.
 
     One comparison over the sequence finds the earlier positions holding the last token; the suffix is then
     matched backwards from those few candidates only: O(len(ids) + candidates x max_n), not O(len x max_n).
