@@ -321,8 +321,8 @@ class AdaptivePolicy:
         has seen them come (PromptGaps). The step's expected tokens would take plain steps `saving` seconds longer
         than it; the run pays where its steps save more than the breaks cost. A try no record advises
         (exploration: no saving) was priced with its breaks already (explore_every). At 32-64 requests with a
-        prompt every 2-3 steps, ngram on random weights (decode-only steps 1.13-1.15x of plain ones) entered runs at every admission and
-        ran at 0.88-0.94x of plain decoding (H100, Qwen3 12 layers)."""
+        prompt every 2-3 steps, ngram on random weights (decode-only steps 1.13-1.15x of plain ones) entered runs
+        at every admission and ran at 0.88-0.94x of plain decoding (H100, Qwen3 12 layers)."""
         n = len(requests)
         size = self._size(n)
         if size.break_cost <= 0.0 or math.isinf(steps) or not any(counts):
