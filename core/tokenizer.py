@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 
 def load_tokenizer(folder: str) -> Tokenizer | None:
@@ -23,6 +24,10 @@ class Detokenizer:
     Byte-level tokens can end in the middle of a multi-byte character; such a tail
     decodes to U+FFFD and is held back until the following tokens complete it.
     Only a short window of recent ids is decoded each time, so cost stays flat.
+
+    The window is the tokenizers library's own incremental decoder (`DecodeStream`: one call a token, against two
+    decodes and two list slices from Python); the offsets are kept here too, for `flush` and for a decoder whose
+    window no longer starts with the text already emitted, which DecodeStream refuses and the Python path handles.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
@@ -31,12 +36,23 @@ class Detokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0  # window start: context for tokenizers that merge across tokens
         self.read_offset = 0  # ids up to here have been emitted
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def push(self, token: int) -> str:
         self.ids.append(token)
+        if self._stream is not None:
+            try:
+                delta = self._stream.step(self.tokenizer, token)
+            except Exception:  # the window's text no longer starts with what was emitted: the Python path from here
+                self._stream = None
+            else:
+                if delta is None:
+                    return ""
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                return delta
         emitted = self._decode(self.ids[self.prefix_offset : self.read_offset])
         text = self._decode(self.ids[self.prefix_offset :])
         if text.endswith("\ufffd") or len(text) <= len(emitted):

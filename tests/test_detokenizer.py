@@ -72,3 +72,37 @@ def test_the_text_decoded_at_the_end_keeps_metaspace_spaces(ids, stopped):
     detok = Detokenizer(tokenizer)
     streamed = "".join(detok.push(token) for token in ids) + ("" if stopped else detok.flush())
     assert whole_text(tokenizer, ids, True, stopped) == streamed
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from([*range(0, 256, 5), 0xC3, 0xE2, 0x82, 0xAC, 0x80, 0xF0, 0x9F]), min_size=1, max_size=30),
+       st.integers(0, 30), st.booleans())
+def test_the_librarys_stream_and_the_python_path_agree_and_hand_over_midway(ids, switch_at, metaspace):
+    """The tokenizers library's DecodeStream makes the deltas; where it refuses a window, the Python path goes on
+    from the same offsets. Both paths give the same deltas, and so does a hand-over at any token."""
+    tokenizer = metaspace_tokenizer() if metaspace else BYTES
+    if metaspace:
+        ids = [i % len(WORDS) for i in ids]
+    streamed, python, handed = Detokenizer(tokenizer), Detokenizer(tokenizer), Detokenizer(tokenizer)
+    python._stream = None
+    deltas = {"stream": [], "python": [], "handed": []}
+    for at, token in enumerate(ids):
+        if at == switch_at:
+            handed._stream = None
+        for name, detok in (("stream", streamed), ("python", python), ("handed", handed)):
+            deltas[name].append(detok.push(token))
+    assert deltas["stream"] == deltas["python"] == deltas["handed"]
+    assert streamed.flush() == python.flush() == handed.flush()
+
+
+def test_a_window_the_library_refuses_goes_on_in_python():
+    class Refusing:
+        def step(self, tokenizer, token):
+            raise Exception("Invalid prefix encountered")  # what DecodeStream raises where the window was rewritten
+
+    ids = BYTES.encode("ab\u20acc").ids
+    detok = Detokenizer(BYTES)
+    first = detok.push(ids[0])
+    detok._stream = Refusing()
+    assert first + "".join(detok.push(token) for token in ids[1:]) == "ab\u20acc"
+    assert detok._stream is None
