@@ -56,7 +56,7 @@ from .speculation.step import is_decoding
 from .step_agreement import Vote, agree
 from .step_log import PROMPT_KINDS, VERIFY_KINDS, StepLog, launch_kind
 from .selection import resolve
-from .tokenizer import Detokenizer, load_tokenizer, whole_text
+from .tokenizer import Detokenizer, load_tokenizer, text_while_running, whole_text
 from .host_memory import keep_freed_host_memory
 from .transfer import to_device
 
@@ -174,9 +174,9 @@ class Engine:
         stream_text: bool = True,
     ) -> Request:
         """Queue a request; `room`: its KV pages move under this bootstrap room (a prefill or decode engine).
-        `stream_text` False: nobody reads request.text before the request finishes (offline generation), so it is
-        decoded then, in one call, instead of twice per token in every step; stop strings and a constraint that
-        starts after some text still need it as it grows."""
+        `stream_text` False: nobody reads request.text before the request finishes (offline generation; a served
+        rank, whose front end makes the text it streams), so it is decoded then, in one call, instead of at every
+        token; stop strings and a constraint that starts after some text still need it as it grows."""
         prompt_ids = list(prompt_ids)
         check_prompt(prompt_ids, self.vocab_size, self.kv.capacity_tokens)
         if params.prompt_logprobs is not None and (self.speculation is not None or self.pd is not None):
@@ -189,7 +189,7 @@ class Engine:
         if room is None or self.pd.add(request, room):
             self.scheduler.add(request)
         self._requests[request.rid] = request
-        if self.tokenizer is not None and (stream_text or params.stop or params.constraint_after):
+        if self.tokenizer is not None and (stream_text or text_while_running(params)):
             self._detok[request.rid] = Detokenizer(self.tokenizer, params.skip_special_tokens)
         elif self.tokenizer is not None:
             self._text_at_end.add(request.rid)

@@ -96,7 +96,8 @@ class Updates:
     """What the requests of one DP group gained in one round, column-wise: one message, one row per request with
     something new (nothing for a request that gained nothing). The columns every row has are `rids`, `ids` (the new
     token ids, row after row; `counts` says how many each row has, empty when each has one, as in a decode step)
-    and `texts` (the text each gained). The rest are sparse, keyed by row: `cuts` where a stop string cut the text
+    and `texts` (the text each gained, where the engine makes it: for requests whose stop strings or constraint
+    need it as it grows; the receiver's own detokenizer makes the rest from the ids, see `apply`). The rest are sparse, keyed by row: `cuts` where a stop string cut the text
     before what was reported (the row's text then replaces the text from there on), `logprobs` for requests that
     asked for them, `ends` (finish reason, stop reason, error) where a request finished, `cached` (prompt tokens the
     prefix cache gave it) and `spec` (speculative decoding so far, Request.spec_counts) where they changed."""
@@ -131,7 +132,9 @@ class Updates:
         return out
 
     def apply(self, requests: Mapping[str, Any]) -> None:
-        """Bring the mirrors up to date: requests[rid].request for each row's rid (a rid not there was dropped)."""
+        """Bring the mirrors up to date: requests[rid].request for each row's rid (a rid not there was dropped).
+        A holder whose `detok` is a Detokenizer gets its text from it: the new ids pushed, flushed at the end unless
+        the request stopped (as the engine's own text is)."""
         ids, counts, texts, cuts = self.ids, self.counts, self.texts, self.cuts
         at = 0
         for row, rid in enumerate(self.rids):
@@ -143,7 +146,13 @@ class Updates:
                     request.output_ids.append(ids[at])
                 elif n:
                     request.output_ids.extend(ids[at : at + n])
-                if row in cuts:
+                detok = holder.detok
+                if detok is not None:
+                    request.text += "".join(map(detok.push, ids[at : at + n])) if n != 1 else detok.push(ids[at])
+                    end = self.ends.get(row)
+                    if end is not None and end[0] != FinishReason.STOP:
+                        request.text += detok.flush()
+                elif row in cuts:
                     request.text = request.text[: cuts[row]] + texts[row]
                 elif texts[row]:
                     request.text += texts[row]

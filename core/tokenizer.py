@@ -68,6 +68,13 @@ class Detokenizer:
         return text[len(emitted) :]
 
 
+def text_while_running(params) -> bool:
+    """Whether a request's text must grow with it inside the engine: its stop strings are searched in the text, or
+    its constraint starts after some text. Otherwise the text may be made where it is read (the served front end
+    streams it; offline generation decodes it once, at the end)."""
+    return bool(params.stop or params.constraint_after)
+
+
 def whole_text(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool, stopped: bool) -> str:
     """The text a Detokenizer fed `ids` one by one would hold at the end, in one decode where that is the same: with
     its flush (a request that did not stop) it is the whole decode; a stopped request is not flushed, so an

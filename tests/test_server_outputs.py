@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from moeplex.messages import Failure, GroupReport, GroupStats, LoopStats, RoundReport, Updates
 from moeplex.ranks.worker import UpdateLog
 from moeplex.request import FinishReason, Request
+from moeplex.models.make_model import EOS, byte_level_tokenizer
 from moeplex.sampling import SamplingParams
+from moeplex.tokenizer import Detokenizer, whole_text
 from moeplex.server.group import _joined
 from moeplex.server.outputs import Output
 
@@ -32,8 +34,9 @@ def test_reports_pickle_every_field():
 
 
 class Mirror:
-    def __init__(self, request: Request):
+    def __init__(self, request: Request, detok: Detokenizer | None = None):
         self.request = request
+        self.detok = detok
 
 
 @settings(max_examples=60, deadline=None)
@@ -41,8 +44,9 @@ class Mirror:
                                    st.integers(0, 3)), max_size=4), min_size=1, max_size=6))
 def test_a_mirror_fed_the_updates_equals_the_request(rounds):
     """Whatever the requests do between rounds (tokens, text cut by a stop string, logprobs, cached tokens, spec
-    counts, a finish, a refusal), one Updates per round makes the front end's mirrors equal to them."""
-    requests = [Request(f"r{i}", [1, 2], SamplingParams()) for i in range(4)]
+    counts, a finish, a refusal), one Updates per round makes the front end's mirrors equal to them. The requests have
+    a stop string, so the engine grows their text and sends it."""
+    requests = [Request(f"r{i}", [1, 2], SamplingParams(stop=("zz",))) for i in range(4)]
     log = UpdateLog(speculates=True)
     for request in requests:
         log.track(request)
@@ -81,6 +85,40 @@ def test_a_mirror_fed_the_updates_equals_the_request(rounds):
         assert (m.output_ids, m.text, m.logprobs, m.cached_tokens, m.spec_counts, m.finish_reason, m.stop_reason) == (
             r.output_ids, r.text, r.logprobs, r.cached_tokens, r.spec_counts, r.finish_reason, r.stop_reason)
     assert len(log.take()) == 0  # nothing new: nothing sent
+
+
+BYTES = byte_level_tokenizer()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.sampled_from([*range(0, 256, 9), 0xC3, 0xE2, 0x82, 0xAC, 0x80]), st.integers(0, 2)),
+                         max_size=6), min_size=1, max_size=8),
+       st.sampled_from([FinishReason.LENGTH, FinishReason.STOP, FinishReason.ABORT]))
+def test_a_mirror_that_detokenizes_gets_the_engines_text(rounds, reason):
+    """Without stop strings the engine sends ids only (its own text is made once, at the end) and the front end's
+    detokenizer makes the text it streams: the same text, ending inside a character or not, flushed unless the
+    request stopped, where a stop token ends it."""
+    requests = [Request(f"r{i}", [1, 2], SamplingParams()) for i in range(3)]
+    log = UpdateLog(speculates=False)
+    for request in requests:
+        log.track(request)
+    mirrors = {r.rid: Mirror(Request(r.rid, [1, 2], SamplingParams()), Detokenizer(BYTES)) for r in requests}
+    for events in rounds + [[(0, i) for i in range(3)]]:
+        for token, i in events:
+            requests[i].output_ids.append(token)
+            requests[i].text = "never sent"  # the engine's text of a request without stop strings stays on the rank
+        updates = pickle.loads(pickle.dumps(log.take()))
+        assert not any(updates.texts)
+        updates.apply(mirrors)
+    for r in requests:
+        if reason == FinishReason.STOP:
+            r.output_ids.append(BYTES.token_to_id(EOS))
+        r.finish(reason)
+    pickle.loads(pickle.dumps(log.take())).apply(mirrors)
+    for r in requests:
+        stopped = reason == FinishReason.STOP
+        assert mirrors[r.rid].request.text == whole_text(BYTES, r.output_ids, True, stopped)
+        assert mirrors[r.rid].request.output_ids == r.output_ids
 
 
 def out(index: int, text: str, ids: tuple[int, ...], **kw) -> Output:

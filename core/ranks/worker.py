@@ -24,6 +24,7 @@ from ..memory import memory_report
 from ..messages import Abort, Admit, Call, EndTransfer, GroupReport, GroupStats, Round, SendKV, Updates
 from ..parallel import ParallelState
 from ..request import FinishReason, Request
+from ..tokenizer import text_while_running
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +50,13 @@ def group_stats(engine: Engine) -> GroupStats:
 class _Seen:
     """How much of one request rank 0 has been told about."""
 
-    __slots__ = ("request", "ids", "logprobs", "text", "cached", "spec", "prompt_sent")
+    __slots__ = ("request", "ids", "logprobs", "text", "cached", "spec", "prompt_sent", "sends_text")
 
     def __init__(self, request: Request):
         self.request = request
         self.ids = self.logprobs = self.text = self.cached = 0
+        # the engine grows the text only where stop strings or a constraint need it; the front end makes the rest
+        self.sends_text = text_while_running(request.params)
         self.spec = (0, 0, 0)
         self.prompt_sent = request.params.prompt_logprobs is None  # nothing to send
 
@@ -83,7 +86,7 @@ class UpdateLog:
         done = []
         for seen in self._seen.values():
             r = seen.request
-            out, text = r.output_ids, r.text
+            out, text = r.output_ids, r.text if seen.sends_text else ""
             n, t = len(out), len(text)
             if n == seen.ids and t == seen.text and r.finish_reason is None and len(r.logprobs) == seen.logprobs:
                 continue
@@ -175,7 +178,8 @@ class RankWorker:
 
     def _admit(self, command: Admit) -> None:
         try:
-            request = self.engine.add_request(command.prompt_ids, command.params, rid=command.rid, room=command.room)
+            request = self.engine.add_request(command.prompt_ids, command.params, rid=command.rid, room=command.room,
+                                              stream_text=False)  # the front end detokenizes what it streams
         except ValueError as exc:  # rank 0 checks first, so a refusal here is a fault: fail the request
             self.log.refused(command.rid, str(exc))
             return

@@ -58,19 +58,22 @@ def build_app(
     """
     metrics = ServerMetrics()
     if isinstance(engine, LeaderLink):
+        tokenizer = load_tokenizer(engine.facts.config.model)
         watchdog = Watchdog(engine.beats, settings.stall_timeout)
         loop = EngineLoop(engine.connection, engine.facts, metrics, on_engine_stopped, watchdog=watchdog,
-                          verdict=engine.verdict)
+                          verdict=engine.verdict, tokenizer=tokenizer)
     else:
+        tokenizer = load_tokenizer(engine.config.model)
         group = EngineGroup(engine)
         here, there = multiprocessing.Pipe()
         watchdog = Watchdog(None, settings.stall_timeout)
-        loop = EngineLoop(here, EngineFacts.of(group), metrics, on_engine_stopped, Leader(group, there), watchdog)
+        loop = EngineLoop(here, EngineFacts.of(group), metrics, on_engine_stopped, Leader(group, there), watchdog,
+                          tokenizer=tokenizer)
     metrics.watch(lambda: loop.stats)
     facts = loop.facts
     loop.pd = pd_side(loop, facts)
     metrics.watch_transfers(lambda: loop.transfers)
-    model = ServedModel(facts, settings.served_model_name or facts.config.model, load_tokenizer(facts.config.model))
+    model = ServedModel(facts, settings.served_model_name or facts.config.model, tokenizer)
     chat = ChatEndpoint(model, PARSERS.get(settings.tool_call_parser), reasoning_parser(settings.reasoning_parser))
     endpoints = [CompletionsEndpoint(model), chat, GenerateEndpoint(model)]
     info = InfoRoutes(model, loop, metrics, settings, endpoints)

@@ -25,10 +25,13 @@ import time
 from multiprocessing.connection import Connection
 from typing import Callable
 
+from tokenizers import Tokenizer
+
 from ..engine import Engine
 from ..messages import Abort, Admit, Call, Failure, Halted, Round, RoundReport
 from ..ranks.leader import EngineFacts, Leader
 from ..request import Request, check_prompt
+from ..tokenizer import Detokenizer, text_while_running
 from .metrics import ServerMetrics
 from .outputs import Output, Ticket
 from .progress import Progress
@@ -54,11 +57,13 @@ class EngineLoop:
         leader: Leader | None = None,
         watchdog: Watchdog | None = None,
         verdict: Callable[[float], str | None] | None = None,
+        tokenizer: Tokenizer | None = None,
     ):
         """`leader`: run it on a thread of this process (an in-process engine); None: it runs in another process.
         `on_stopped` is called on the event loop if the leader stops by itself (see `failure`). `verdict(timeout)`:
         the launcher's account of a rank's failure, which clients are told instead of the collective's own error
-        (gloo's "[/__w/pytorch/...pair.cc:537] Read error" is what rank 0 sees when rank 1 dies)."""
+        (gloo's "[/__w/pytorch/...pair.cc:537] Read error" is what rank 0 sees when rank 1 dies). `tokenizer`: the
+        model's, which turns the ids of the requests whose text the engine does not make into the text streamed."""
         self.connection = connection
         self.facts = facts
         self.config = facts.config
@@ -67,6 +72,7 @@ class EngineLoop:
         self.leader = leader
         self.watchdog = watchdog or Watchdog(None, 30.0)
         self.verdict = verdict
+        self.tokenizer = tokenizer
         self.failure: EngineStopped | None = None  # why the leader stopped when nobody asked it to
         self.stats = facts.stats
         self._progress: dict[str, Progress] = {}
@@ -161,7 +167,11 @@ class EngineLoop:
         mirror = Request(ticket.rid, list(ticket.prompt_ids), ticket.params)
         if not self.busy:
             self.watchdog.reported()  # idle until now: no round was due
-        self._progress[ticket.rid] = Progress(mirror, ticket)
+        params = ticket.params
+        detok = None
+        if self.tokenizer is not None and not text_while_running(params):
+            detok = Detokenizer(self.tokenizer, params.skip_special_tokens)
+        self._progress[ticket.rid] = Progress(mirror, ticket, detok)
         self.metrics.prompt_tokens.inc(len(ticket.prompt_ids))
         boot = ticket.bootstrap
         self._command(Admit(ticket.rid, tuple(ticket.prompt_ids), ticket.params, room=boot.room if boot else None))

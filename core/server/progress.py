@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..request import Request
+from ..tokenizer import Detokenizer
 from .outputs import Output, Ticket
 
 
@@ -29,11 +30,13 @@ def held_back(text: str, stops: Sequence[str]) -> int:
 
 
 class Progress:
-    """One admitted request, seen from the engine thread after each step."""
+    """One admitted request, seen from the engine thread after each step. `detok`: where the engine does not grow the
+    request's text (no stop string or constraint needs it), the front end makes it from the ids (Updates.apply)."""
 
-    def __init__(self, request: Request, ticket: Ticket):
+    def __init__(self, request: Request, ticket: Ticket, detok: Detokenizer | None = None):
         self.request = request
         self.ticket = ticket
+        self.detok = detok
         self.sent_text = 0
         self.sent_tokens = 0
         self.sent_logprobs = 0
