@@ -75,6 +75,14 @@ def text_while_running(params) -> bool:
     return bool(params.stop or params.constraint_after)
 
 
+def front_end_detokenizer(tokenizer: Tokenizer | None, params) -> Detokenizer | None:
+    """The Detokenizer a served front end keeps for a request, making the text it streams from the ids; None where
+    there is no tokenizer or the engine sends the text itself (`text_while_running`)."""
+    if tokenizer is None or text_while_running(params):
+        return None
+    return Detokenizer(tokenizer, params.skip_special_tokens)
+
+
 def whole_text(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool, stopped: bool) -> str:
     """The text a Detokenizer fed `ids` one by one would hold at the end, in one decode where that is the same: with
     its flush (a request that did not stop) it is the whole decode; a stopped request is not flushed, so an

@@ -15,7 +15,7 @@ from moeplex.messages import Round
 from moeplex.ranks.group import EngineGroup
 from moeplex.request import Request
 from moeplex.sampling import SamplingParams
-from moeplex.tokenizer import Detokenizer
+from moeplex.tokenizer import Detokenizer, front_end_detokenizer
 
 CONCURRENCY = 4  # both engines' running limit and the served clients: admissions trickle in as requests finish
 
@@ -53,7 +53,8 @@ def served(engine: Engine, work) -> list[Request]:
     def admit(count: int) -> None:
         for _ in range(min(count, len(pending))):
             i, (prompt, params) = pending.pop(0)
-            mirrors[str(i)] = types.SimpleNamespace(request=Request(str(i), list(prompt), params))
+            mirrors[str(i)] = types.SimpleNamespace(request=Request(str(i), list(prompt), params),  # the front end's
+                                                    detok=front_end_detokenizer(group.engine.tokenizer, params))
             group.add_request(prompt, params, rid=str(i))
 
     admit(CONCURRENCY)

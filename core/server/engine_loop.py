@@ -31,7 +31,7 @@ from ..engine import Engine
 from ..messages import Abort, Admit, Call, Failure, Halted, Round, RoundReport
 from ..ranks.leader import EngineFacts, Leader
 from ..request import Request, check_prompt
-from ..tokenizer import Detokenizer, text_while_running
+from ..tokenizer import front_end_detokenizer
 from .metrics import ServerMetrics
 from .outputs import Output, Ticket
 from .progress import Progress
@@ -167,11 +167,7 @@ class EngineLoop:
         mirror = Request(ticket.rid, list(ticket.prompt_ids), ticket.params)
         if not self.busy:
             self.watchdog.reported()  # idle until now: no round was due
-        params = ticket.params
-        detok = None
-        if self.tokenizer is not None and not text_while_running(params):
-            detok = Detokenizer(self.tokenizer, params.skip_special_tokens)
-        self._progress[ticket.rid] = Progress(mirror, ticket, detok)
+        self._progress[ticket.rid] = Progress(mirror, ticket, front_end_detokenizer(self.tokenizer, ticket.params))
         self.metrics.prompt_tokens.inc(len(ticket.prompt_ids))
         boot = ticket.bootstrap
         self._command(Admit(ticket.rid, tuple(ticket.prompt_ids), ticket.params, room=boot.room if boot else None))
