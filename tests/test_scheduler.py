@@ -174,7 +174,8 @@ def test_drafts_take_cached_pages_no_request_reads_but_never_a_requests():
 
 def test_a_prompt_mixes_with_decodes_only_where_the_rows_fit_mixed_rows():
     """mixed_rows (the largest decode graph under --mixed-chunk auto): a prompt piece that fits beside the decodes
-    shares their step, capped so the step holds at most mixed_rows rows; one that does not gets a step of its own."""
+    shares their step, capped so the step holds at most mixed_rows rows; one of which the rows left hold at least
+    half is cut to them; one of which they hold less gets a step of its own."""
     scheduler = Scheduler(make_pool(200), max_running=8, token_budget=64, chunk_size=16, mixed_rows=8)
     decoding = [Request(f"d{i}", [1, 2, 3], SamplingParams(max_new_tokens=10)) for i in range(5)]
     for r in decoding:
@@ -195,8 +196,22 @@ def test_a_prompt_mixes_with_decodes_only_where_the_rows_fit_mixed_rows():
         w.request.output_ids.append(0)
     assert all(r.num_uncached == 1 for r in scheduler.running)
     scheduler.add(Request("long", list(range(12)), SamplingParams(max_new_tokens=2)))
-    work = scheduler.schedule()  # 6 decodes + a 12-token piece > 8 rows: the prompt alone
+    work = scheduler.schedule()  # 6 decodes + a 12-token piece > 8 rows, and 2 rows are less than half: the prompt alone
     assert [(w.request.rid, w.num_tokens) for w in work] == [("long", 12)]
+    for w in work:
+        w.request.num_cached += w.num_tokens
+        w.request.output_ids.append(0)
+    for r in scheduler.running[:3]:  # 4 decodes left: 4 rows hold half of an 8-token piece
+        r.finish(FinishReason.LENGTH)
+        scheduler.finish(r)
+    scheduler.add(Request("cut", list(range(8)), SamplingParams(max_new_tokens=2)))
+    work = scheduler.schedule()
+    assert sorted((w.request.rid, w.num_tokens) for w in work) == [("cut", 4), ("d3", 1), ("d4", 1), ("fits", 1),
+                                                                   ("long", 1)]
+    for w in work:
+        w.request.num_cached += w.num_tokens
+    work = scheduler.schedule()  # the rest of the piece beside the decodes
+    assert ("cut", 4) in [(w.request.rid, w.num_tokens) for w in work] and len(work) == 5
     unlimited = Scheduler(make_pool(200), max_running=8, token_budget=64, chunk_size=16)
     assert unlimited.mixed_rows is None
 
