@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
 #   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M)
 #   bash benchmarks/plan_profile.sh OUT                        # #34: the inputs the shipped plan profile borrows
+# AB=1: the serving parts import the moeplex copied into .ab/moeplex (an earlier commit's core/, git-ignored), for a
+# before/after in one call: mkdir .ab && git archive REV core | tar x -C .ab && mv .ab/core .ab/moeplex
 # dgmasked needs the DeepGEMM wheel carried in .dg/ (see benchmarks/results/deepgemm_moe_h200.md); its JIT cache
 # goes back as OUT/dg_cache.tgz (unpack it into .dg/cache to skip the compiles next time).
 set -o pipefail
@@ -137,8 +139,8 @@ for part in "$@"; do
                                     # 3 runs each, alternated; serving-torch-threads: torch's own CPU thread count in the
                                     # offline engine and the server's rank, as before GPU ranks got one
       threads=(); [ $part = serving-torch-threads ] && threads=(--threads $(python3 -c "import torch; print(torch.get_num_threads())"))
-      timeout $(lim 300) python3 benchmarks/serving.py --device cuda --concurrency 64 --num-requests 256 --runs 3 "${threads[@]}" \
-        --out "$out/${part}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -16 ;;
+      PYTHONPATH=${AB:+$PWD/.ab:}$PYTHONPATH timeout $(lim 300) python3 benchmarks/serving.py --device cuda --concurrency 64 --num-requests 256 --runs 3 "${threads[@]}" \
+        --out "$out/${part}${AB:+_ab}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part${AB:+_ab}.log" | tail -16 ;;
     offline-host)  # #31 target 3: host ms per step by phase, offline against a served rank 0 (tiny DeepSeek-V3, graphs)
       timeout $(lim 200) python3 benchmarks/offline_host_profile.py --device cuda --dtype bf16 --runs 3 \
         --out "$out/offline_host_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
