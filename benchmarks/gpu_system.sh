@@ -2,7 +2,7 @@
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-profile|spec-profile-dsv3|tests-nextn|
-#                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|serving|serving-torch-threads|offline-host|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
+#                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|serving|serving-1t|offline-host|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
 #   bash benchmarks/gpu_system.sh OUT spec-steady              # #32: steady batches (session 10, H100, before the
 #                                         #      draft-pages fix: ngram 0.97 / 0.98 / 0.82 / 0.96 at 1/8/32/64, with
@@ -135,10 +135,9 @@ for part in "$@"; do
       CPLUS_INCLUDE_PATH=$PWD/.dg/include DG_JIT_CACHE_DIR=$PWD/.dg/cache timeout $(lim 420) python3 benchmarks/deepgemm_masked.py \
         --tokens 1 8 32 --runs 3 --out "$out/deepgemm_masked_${card}.md" 2>&1 | grep -v -i warn | tail -12
       tar czf "$out/dg_cache.tgz" -C .dg cache ;;
-    serving|serving-torch-threads)  # #31 target 3: served against the offline engine at concurrency 64 (tiny DeepSeek-V3),
-                                    # 3 runs each, alternated; serving-torch-threads: torch's own CPU thread count in the
-                                    # offline engine and the server's rank, as before GPU ranks got one
-      threads=(); [ $part = serving-torch-threads ] && threads=(--threads $(python3 -c "import torch; print(torch.get_num_threads())"))
+    serving|serving-1t)  # #31 target 3: served against the offline engine at concurrency 64 (tiny DeepSeek-V3), 3 runs
+                         # each, alternated; serving-1t: one torch CPU thread in the offline engine and the server's rank
+      threads=(); [ $part = serving-1t ] && threads=(--threads 1)
       PYTHONPATH=${AB:+$PWD/.ab:}$PYTHONPATH timeout $(lim 300) python3 benchmarks/serving.py --device cuda --concurrency 64 --num-requests 256 --runs 3 "${threads[@]}" \
         --out "$out/${part}${AB:+_ab}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part${AB:+_ab}.log" | tail -16 ;;
     offline-host)  # #31 target 3: host ms per step by phase, offline against a served rank 0 (tiny DeepSeek-V3, graphs)

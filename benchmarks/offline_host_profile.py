@@ -223,12 +223,14 @@ def main() -> None:
     parser.add_argument("--schedule", choices=("gpu", "cpu"), default="gpu", help="gpu: a CUDA engine's schedule (overlap "
                         "on, prompts in steps of their own); cpu: this device's defaults (default: gpu)")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1, as a served GPU rank has)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on a CPU device; on a GPU, "
+                        "torch's own choice, as a served rank's)")
     parser.add_argument("--out", metavar="FILE", help="also write the Markdown to FILE")
     args = parser.parse_args()
     import torch
 
-    torch.set_num_threads(args.threads or 1)
+    if args.threads or not (args.device or "cpu").startswith("cuda"):
+        torch.set_num_threads(args.threads or 1)
     folder = model_folder(args)
     args.work = mixed_workload(args.num_requests)
     runs = {"offline": [], "served": []}

@@ -71,15 +71,11 @@ def _warm_engine(model: str, settings: dict, warm, threads: int | None):
     from moeplex.config import EngineConfig
     from moeplex.engine import Engine
     from moeplex.ranks.group import EngineGroup
-    from moeplex.ranks.launcher import set_rank_threads
     from moeplex.ranks.warmup import warm_up
 
-    config = EngineConfig(model=model, show_progress=False, **settings)
     if threads:
         torch.set_num_threads(threads)
-    else:  # as `moeplex generate` and a served rank set them
-        set_rank_threads(config.device, 1)
-    engine = Engine(config)
+    engine = Engine(EngineConfig(model=model, show_progress=False, **settings))
     if engine.device.type == "cuda":  # as `moeplex serve` does before it serves (unless --skip-warmup)
         warm_up(EngineGroup(engine))
     _generate(engine, warm)

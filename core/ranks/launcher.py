@@ -121,7 +121,7 @@ def launch(fn: Callable[..., Any], parallel: ParallelConfig, *args, device: str 
             result_path = os.path.join(tmp, "rank0.pkl")
             try:
                 ranks = mp.start_processes(
-                    _rank_main, args=(fn, parallel, joining, result_path, args, device), nprocs=parallel.ranks_per_node,
+                    _rank_main, args=(fn, parallel, joining, result_path, args), nprocs=parallel.ranks_per_node,
                     start_method="spawn", join=False,
                 )
                 # after a failure the others get a few seconds, not torch's 30, before SIGTERM and then SIGKILL:
@@ -154,23 +154,20 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else text
 
 
-def set_rank_threads(device: str, ranks_per_node: int) -> None:
-    """Torch's CPU threads for a rank. OMP_NUM_THREADS, where set, decides (torch read it at start-up). A GPU rank's
-    host only builds batches and launches kernels: a pool of threads forked over tiny tensors waits on cores that the
-    front end, the clients and the other ranks hold, so it gets one thread, as vLLM's GPU workers do. CPU ranks
-    compute, and share the node's cores; one CPU rank keeps torch's own choice."""
-    if os.environ.get("OMP_NUM_THREADS"):
+def set_rank_threads(ranks_per_node: int) -> None:
+    """Torch's CPU threads for each of a node's ranks: OMP_NUM_THREADS where it is set (torch read it at start-up),
+    else the node's cores shared by its ranks (one rank keeps torch's own choice). On a GPU rank one thread was
+    measured too (H100, tiny DeepSeek-V3 at concurrency 64, results/serving_offline_h100_s15.md): served 5% faster,
+    offline 19% slower, so GPU ranks keep the same rule."""
+    if os.environ.get("OMP_NUM_THREADS") or ranks_per_node == 1:
         return
-    if torch.device(device).type != "cpu":
-        torch.set_num_threads(1)
-    elif ranks_per_node > 1:  # more threads per rank would only contend
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_node))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_node))  # more threads per rank would only contend
 
 
-def _rank_main(local_rank: int, fn, parallel: ParallelConfig, joining: tuple, result_path: str, args, device: str) -> None:
+def _rank_main(local_rank: int, fn, parallel: ParallelConfig, joining: tuple, result_path: str, args) -> None:
     rank = parallel.node_rank * parallel.ranks_per_node + local_rank
     logging.basicConfig(level=logging.INFO, format="moeplex: %(message)s")  # a spawned process starts unconfigured
-    set_rank_threads(device, parallel.ranks_per_node)
+    set_rank_threads(parallel.ranks_per_node)
     host, port, backend = joining
     timeout = datetime.timedelta(seconds=parallel.timeout_s)
     store = dist.TCPStore(host, port, None, False, timeout)

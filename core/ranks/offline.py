@@ -20,7 +20,7 @@ from ..memory import describe, memory_report
 from ..parallel import ParallelState, init_parallel, rank_device
 from ..sampling import SamplingParams
 from .dp_dispatch import DPDispatch
-from .launcher import launch, set_rank_threads
+from .launcher import launch
 
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,6 @@ def result_of(request, with_text: bool) -> dict:
 def _generate_on_rank(rank: int, config: EngineConfig, prompts, params) -> list[dict] | None:
     if config.parallel.distributed:  # a spawned rank: Ctrl-C is the launching process's to report, in one line
         signal.signal(signal.SIGINT, _stop_quietly)
-    else:  # one rank, in the command's own process (the launcher sets a spawned rank's)
-        set_rank_threads(config.device, 1)
     config = attrs.evolve(config, device=rank_device(config.device, rank, config.parallel))
     parallel = init_parallel(config.parallel, rank, torch.device(config.device))
     return generate_on_rank(parallel, config, prompts, params)

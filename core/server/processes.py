@@ -32,7 +32,7 @@ from ..engine import Engine
 from ..memory import describe, memory_report
 from ..parallel import init_parallel, rank_device
 from ..ranks.group import EngineGroup
-from ..ranks.launcher import RankFailed, last_line, launch, set_rank_threads
+from ..ranks.launcher import RankFailed, last_line, launch
 from ..ranks.leader import EngineFacts, Leader
 from ..ranks.warmup import warm_up
 from ..ranks.worker import Follower
@@ -136,8 +136,6 @@ def serve_on_rank(
     for sig in (signal.SIGINT, signal.SIGTERM):  # stopping is the front end's to decide
         signal.signal(sig, signal.SIG_IGN)
     beats.start_beating(rank)
-    if not config.parallel.distributed:  # else the launcher set them
-        set_rank_threads(config.device, 1)
     config = attrs.evolve(config, device=rank_device(config.device, rank, config.parallel))
     engine = Engine(config, parallel=init_parallel(config.parallel, rank, torch.device(config.device)))
     log.info(describe(memory_report(engine)))
