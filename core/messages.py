@@ -97,10 +97,11 @@ class Updates:
     something new (nothing for a request that gained nothing). The columns every row has are `rids`, `ids` (the new
     token ids, row after row; `counts` says how many each row has, empty when each has one, as in a decode step)
     and `texts` (the text each gained, where the engine makes it: for requests whose stop strings or constraint
-    need it as it grows; the receiver's own detokenizer makes the rest from the ids, see `apply`). The rest are sparse, keyed by row: `cuts` where a stop string cut the text
-    before what was reported (the row's text then replaces the text from there on), `logprobs` for requests that
-    asked for them, `ends` (finish reason, stop reason, error) where a request finished, `cached` (prompt tokens the
-    prefix cache gave it) and `spec` (speculative decoding so far, Request.spec_counts) where they changed."""
+    need it as it grows; the receiver's own detokenizer makes the rest from the ids, see `apply`). The rest are
+    sparse, keyed by row: `cuts` where a stop string cut the text before what was reported (the row's text then
+    replaces the text from there on), `logprobs` for requests that asked for them, `ends` (finish reason, stop
+    reason, error) where a request finished, `cached` (prompt tokens the prefix cache gave it) and `spec`
+    (speculative decoding so far, Request.spec_counts) where they changed."""
 
     rids: tuple[str, ...] = ()
     ids: tuple[int, ...] = ()

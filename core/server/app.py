@@ -57,13 +57,12 @@ def build_app(
     `on_engine_stopped` is called if the leader stops by itself (with several ranks, a rank failed).
     """
     metrics = ServerMetrics()
+    tokenizer = load_tokenizer((engine.facts.config if isinstance(engine, LeaderLink) else engine.config).model)
     if isinstance(engine, LeaderLink):
-        tokenizer = load_tokenizer(engine.facts.config.model)
         watchdog = Watchdog(engine.beats, settings.stall_timeout)
         loop = EngineLoop(engine.connection, engine.facts, metrics, on_engine_stopped, watchdog=watchdog,
                           verdict=engine.verdict, tokenizer=tokenizer)
     else:
-        tokenizer = load_tokenizer(engine.config.model)
         group = EngineGroup(engine)
         here, there = multiprocessing.Pipe()
         watchdog = Watchdog(None, settings.stall_timeout)
