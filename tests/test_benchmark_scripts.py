@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+from workload import mixed_workload  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -211,3 +213,16 @@ def test_moe_grouping_stages_under_the_triton_interpreter():
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| global | 16 |")]
     assert len(rows) == 1 and len(rows[0].split("|")) == 14, done.stdout
+
+
+def test_mixed_steps_cut_prompt_pieces_into_graphed_steps(tmp_path):
+    """With the rows of a 256-row graph, the serving workload's prompts (32-256 tokens, 64 at a time) ride mixed
+    steps, cut where they do not fit, rather than taking steps of their own (41-45 of them before the cut), offline
+    and served alike; every output token is counted."""
+    out = run("mixed_steps.py", tmp_path / "steps.md", "--mixed-rows", "256", "--delays", "2")
+    rows = table_rows(out, "offline") + table_rows(out, "served,")
+    assert len(rows) == 2, out
+    for row in rows:
+        steps, decode, mixed, prompt, tokens = map(int, row[1:])
+        assert steps == decode + mixed + prompt and prompt <= 2, out
+        assert tokens == sum(n for _, n in mixed_workload(256)), out
