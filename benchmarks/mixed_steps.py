@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from report import emit
 from workload import mixed_workload
 
 from moeplex.kv_cache import KVPool
@@ -70,10 +71,7 @@ def main() -> None:
         kinds, tokens = steps(args, delay)
         side = "offline" if delay is None else f"served, successor {delay} step{'s' if delay > 1 else ''} later"
         lines.append(f"| {side} | {sum(kinds.values())} | {kinds['decode']} | {kinds['mixed']} | {kinds['prompt']} | {tokens} |")
-    print("\n".join(lines))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

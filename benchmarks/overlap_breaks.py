@@ -32,6 +32,7 @@ from moeplex.engine import Engine  # noqa: E402
 from moeplex.models.make_model import write_checkpoint  # noqa: E402
 from moeplex.sampling import SamplingParams  # noqa: E402
 from moeplex.speculation.costs import StepCosts, grid_sizes  # noqa: E402
+from report import emit  # noqa: E402
 from spec_serving import repetitive_workload  # noqa: E402
 
 WAYS = ("ends_at_once", "keeps_run")
@@ -98,10 +99,7 @@ def main() -> None:
         steps = ", ".join(f"{kind} {n}" for kind, n in row["steps"].items())
         lines.append(f"| {way} | {steps} | {row['breaks']['drafts_wanted']} | {row['breaks']['verify_run_ended']} | "
                      f"{row['accepted']} | {row['seconds']:.3f} | {row['tokens'] / row['seconds']:.0f} |")
-    print("\n".join(lines))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    emit("\n".join(lines), args.out)
 
 if __name__ == "__main__":
     main()
