@@ -84,12 +84,14 @@ def _warm_engine(model: str, settings: dict, warm, threads: int | None):
 
 def _timed(engine, work) -> dict:
     engine.reset_prefix_cache()  # the server's cache is flushed before each level too
+    before = {kind: (n, t) for kind, n, t in engine.step_log.totals()}
     cpu, start = time.process_time(), time.perf_counter()
     steps = _generate(engine, work)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(n for _, n in work)
+    kinds = {kind: (n - before[kind][0], t - before[kind][1]) for kind, n, t in engine.step_log.totals()}
     return {"tok_per_s": tokens / elapsed, "ms_per_step": 1e3 * elapsed / steps, "tok_per_step": tokens / steps,
-            "cpu_ms_per_step": 1e3 * cpu / steps}
+            "cpu_ms_per_step": 1e3 * cpu / steps, "kinds": kinds}
 
 
 def _generate(engine, work) -> int:

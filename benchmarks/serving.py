@@ -43,7 +43,7 @@ import httpx
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from offline_reference import OfflineReference  # noqa: E402
-from serving_load import run_level, summarize  # noqa: E402
+from serving_load import kinds_text, run_level, summarize  # noqa: E402
 from workload import mixed_workload  # noqa: E402
 
 ENGINE_FLAGS = ("max_running_requests", "max_batched_tokens", "chunked_prefill_size", "max_total_tokens", "dtype", "device",
@@ -206,6 +206,14 @@ def summary(rows: list[dict], concurrency: list[int]) -> str:
     return "\n".join(lines)
 
 
+def kinds_table(rows: list[dict]) -> str:
+    lines = ["| run | concurrency | served | offline |", "|---|---|---|---|"]
+    for r in rows:
+        offline = kinds_text(r["offline"]["kinds"]) if r["offline"] else "-"
+        lines.append(f"| {r['run']} | {r['concurrency']} | {kinds_text(r['served']['kinds'])} | {offline} |")
+    return "\n".join(lines)
+
+
 def model_folder(args) -> str:
     """--model, or a checkpoint of --arch/--preset written here (released shapes: config only, dummy weights)."""
     if args.model:
@@ -280,6 +288,8 @@ def main() -> None:
             offline.close()
     report.say(f"\nmedian (min-max) of {args.runs} runs:\n")
     report.say(summary(rows, args.concurrency))
+    report.say("\nsteps by kind (steps x mean host ms a step; under the overlap schedule about the device's time):\n")
+    report.say(kinds_table(rows))
     if args.profile:
         report.say(f"\nprofile of the server: {args.profile}/frontend.txt, {args.profile}/rank0.txt")
     report.close()
