@@ -34,7 +34,7 @@ for part in "$@"; do
       timeout -s ABRT $(lim 480) python3 -m pytest -q -rs -m gpu tests/test_kernel_rope.py tests/test_kernel_router_gemv.py \
         tests/test_triton_attention.py tests/test_triton_moe.py tests/test_fused_kernels.py tests/test_cuda_graph.py \
         tests/test_speculative_gpu.py tests/test_draft_graphs.py tests/test_cuda_graph_parallel.py tests/test_prefix_cache_benchmark.py \
-        tests/test_torch_attention.py tests/test_ngram_device.py tests/test_verify_graphs.py tests/test_prompt_graphs.py 2>&1 \
+        tests/test_torch_attention.py tests/test_ngram_device.py tests/test_verify_graphs.py tests/test_prompt_graphs.py tests/test_transfer.py 2>&1 \
         | tee "$out/gpu_tests.log" | tail -15 ;;
     tests-spec)
       timeout -s ABRT $(lim 150) python3 -m pytest -q -rs -m gpu tests/test_speculative_gpu.py tests/test_draft_graphs.py tests/test_ngram_device.py 2>&1 \
@@ -44,7 +44,7 @@ for part in "$@"; do
         tests/test_speculative_gpu.py tests/test_draft_graphs.py 2>&1 | tee "$out/gpu_tests_nextn.log" | tail -8 ;;
     tests-overlap)  # the GPU tests of the overlap schedule's steps only (graphs, syncs, overlapped verify steps)
       timeout -s ABRT $(lim 180) python3 -m pytest -q -rs -m gpu tests/test_cuda_graph.py tests/test_verify_graphs.py \
-        tests/test_spec_overlap.py tests/test_prompt_graphs.py 2>&1 | tee "$out/gpu_tests_overlap.log" | tail -8 ;;
+        tests/test_spec_overlap.py tests/test_prompt_graphs.py tests/test_transfer.py 2>&1 | tee "$out/gpu_tests_overlap.log" | tail -8 ;;
     spec)
       timeout $(lim 240) python3 benchmarks/speculative.py --device cuda --qwen-layers 12 --batches 1 8 32 --runs 3 \
         --out "$out/speculative_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -40 ;;
