@@ -249,6 +249,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", metavar="FILE", help="also write the Markdown to FILE")
     parser.add_argument("--pin-rank", type=int, metavar="CORE", help="pin rank 0 and the offline engine to CORE, the "
                         "front end and the load generator to the other cores (needs the server launched here)")
+    parser.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval (default: 1)")
     parser.add_argument("--skip-offline", action="store_true", help="no offline reference (no ratio column)")
     parser.add_argument("--profile", metavar="DIR", help="profile the server (benchmarks/profiled_serve.py: the front end's "
                         "event loop sampled, rank 0 under cProfile); DIR/frontend.txt and DIR/rank0.txt when it stops")
@@ -270,7 +271,7 @@ def main() -> None:
     work = mixed_workload(args.num_requests, prompt_range=tuple(args.prompt_range), output_range=tuple(args.output_range))
     warm = [(prompt, min(n, WARM_TOKENS)) for prompt, n in work[: max(args.concurrency)]]
     offline = None if args.skip_offline else OfflineReference(args.model, engine_settings(args), warm, args.threads)
-    server, url = (None, args.url) if args.url else launch_server(args)
+    server, url = (None, args.url) if args.url else launch_server(args, [f"--stream-interval={args.stream_interval}"])
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     report = Report(args.out)
     report.say(f"\n{args.num_requests} requests, prompts {args.prompt_range[0]}-{args.prompt_range[1]} tokens, outputs "

@@ -167,3 +167,42 @@ def test_a_front_end_behind_the_engine_sends_several_steps_in_one_event(tiny_mod
     assert [t for e in events for t in e["token_ids"]] == whole["token_ids"]
     assert "".join(e["text"] for e in events) == whole["text"]
     assert max(len(e["token_ids"]) for e in events) > 1, [len(e["token_ids"]) for e in events]
+
+
+def test_stream_interval_sends_the_first_token_then_chunks_of_n(tiny_model_dir):
+    """--stream-interval 4: the first token alone, then chunks of at least 4 tokens (the last may hold fewer), the
+    same tokens and text as unchunked; a native request's sampling_params.stream_interval overrides the server's."""
+    import json
+
+    import httpx
+    from live_server import LiveServer
+
+    from moeplex.config import EngineConfig
+    from moeplex.engine import Engine
+    from moeplex.server import ServerSettings, build_app
+
+    engine = Engine(EngineConfig(model=tiny_model_dir("deepseek_v3"), dtype="fp32", show_progress=False, max_total_tokens=4096))
+    app = build_app(engine, ServerSettings(stream_interval=4))
+    body = {"prompt": [256, 72, 105], "max_tokens": 23, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+    def chunks(path: str, payload: dict, pick) -> list:
+        got = []
+        with httpx.stream("POST", f"{server.url}{path}", json=payload, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    got.append(pick(json.loads(line[len("data: "):])))
+        return got
+
+    with LiveServer(app) as server:
+        whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        events = chunks("/v1/completions", {**body, "stream": True}, lambda e: e["choices"][0])
+        native = {"input_ids": [256, 72, 105], "stream": True,
+                  "sampling_params": {"max_new_tokens": 23, "temperature": 0, "ignore_eos": True, "stream_interval": 10}}
+        native_sizes = chunks("/generate", native, lambda e: e["meta_info"]["completion_tokens"])
+    sizes = [len(e["token_ids"]) for e in events]
+    assert [t for e in events for t in e["token_ids"]] == whole["token_ids"]
+    assert "".join(e["text"] for e in events) == whole["text"]
+    assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 23, sizes
+    assert len(sizes) <= 1 + -(-22 // 4) + 1, sizes  # not one event a token
+    steps = [b - a for a, b in zip(native_sizes, native_sizes[1:])]
+    assert native_sizes[0] == 1 and native_sizes[-1] == 23 and all(n >= 10 for n in steps[:-1]), native_sizes

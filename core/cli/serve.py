@@ -80,6 +80,12 @@ def add_parser(sub) -> None:
         help="split the model's thinking (<think>...</think>) into reasoning_content: deepseek_r1 or qwen3 "
         "(default: none)",
     )
+    http.add_argument(
+        "--stream-interval", type=int, default=1,
+        help="a streamed answer's chunks: the first token at once, then one chunk every this many tokens, and the "
+        "end (default: 1, every step's tokens; larger: fewer, larger events, less front-end work a token; a native "
+        "request's sampling_params.stream_interval overrides it)",
+    )
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="server log level (default: info)")
     add_engine_flags(p)
     p.set_defaults(run=run)
@@ -97,6 +103,7 @@ def run(args) -> int:
         max_connections=args.max_connections,
         shutdown_timeout=args.shutdown_timeout,
         gil_switch_interval=args.gil_switch_interval,
+        stream_interval=args.stream_interval,
         expert_load_dir=args.expert_load_dir,
         warmup=not args.skip_warmup,
         strict_request_fields=args.strict_request_fields,

@@ -61,13 +61,13 @@ def build_app(
     if isinstance(engine, LeaderLink):
         watchdog = Watchdog(engine.beats, settings.stall_timeout)
         loop = EngineLoop(engine.connection, engine.facts, metrics, on_engine_stopped, watchdog=watchdog,
-                          verdict=engine.verdict, tokenizer=tokenizer)
+                          verdict=engine.verdict, tokenizer=tokenizer, stream_interval=settings.stream_interval)
     else:
         group = EngineGroup(engine)
         here, there = multiprocessing.Pipe()
         watchdog = Watchdog(None, settings.stall_timeout)
         loop = EngineLoop(here, EngineFacts.of(group), metrics, on_engine_stopped, Leader(group, there), watchdog,
-                          tokenizer=tokenizer)
+                          tokenizer=tokenizer, stream_interval=settings.stream_interval)
     metrics.watch(lambda: loop.stats)
     facts = loop.facts
     loop.pd = pd_side(loop, facts)

@@ -25,6 +25,7 @@ class Plan:
     stream: bool
     n: int  # choices per prompt
     options: dict[str, Any]  # the parsed body, for shaping the answer
+    stream_interval: int | None = None  # the request's own (native sampling_params.stream_interval), else the server's
 
 
 class Endpoint(Protocol):

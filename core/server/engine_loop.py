@@ -58,12 +58,15 @@ class EngineLoop:
         watchdog: Watchdog | None = None,
         verdict: Callable[[float], str | None] | None = None,
         tokenizer: Tokenizer | None = None,
+        stream_interval: int = 1,
     ):
         """`leader`: run it on a thread of this process (an in-process engine); None: it runs in another process.
         `on_stopped` is called on the event loop if the leader stops by itself (see `failure`). `verdict(timeout)`:
         the launcher's account of a rank's failure, which clients are told instead of the collective's own error
         (gloo's "[/__w/pytorch/...pair.cc:537] Read error" is what rank 0 sees when rank 1 dies). `tokenizer`: the
-        model's, which turns the ids of the requests whose text the engine does not make into the text streamed."""
+        model's, which turns the ids of the requests whose text the engine does not make into the text streamed.
+        `stream_interval`: a request's outputs after its first hold at least this many tokens (or its end), unless
+        its ticket names its own."""
         self.connection = connection
         self.facts = facts
         self.config = facts.config
@@ -73,6 +76,7 @@ class EngineLoop:
         self.watchdog = watchdog or Watchdog(None, 30.0)
         self.verdict = verdict
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.failure: EngineStopped | None = None  # why the leader stopped when nobody asked it to
         self.stats = facts.stats
         self._progress: dict[str, Progress] = {}
@@ -167,7 +171,8 @@ class EngineLoop:
         mirror = Request(ticket.rid, list(ticket.prompt_ids), ticket.params)
         if not self.busy:
             self.watchdog.reported()  # idle until now: no round was due
-        self._progress[ticket.rid] = Progress(mirror, ticket, front_end_detokenizer(self.tokenizer, ticket.params))
+        self._progress[ticket.rid] = Progress(mirror, ticket, front_end_detokenizer(self.tokenizer, ticket.params),
+                                              ticket.stream_interval or self.stream_interval)
         self.metrics.prompt_tokens.inc(len(ticket.prompt_ids))
         boot = ticket.bootstrap
         self._command(Admit(ticket.rid, tuple(ticket.prompt_ids), ticket.params, room=boot.room if boot else None))

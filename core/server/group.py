@@ -26,9 +26,10 @@ class RequestGroup:
         self.size = 0
         self.unfinished: dict[int, str] = {}  # index -> engine request id
 
-    def add(self, prompt_ids: Sequence[int], params: SamplingParams, bootstrap=None) -> None:
+    def add(self, prompt_ids: Sequence[int], params: SamplingParams, bootstrap=None, stream_interval: int | None = None) -> None:
         index, rid = self.size, f"{self.id}-{self.size}"
-        self.loop.submit(Ticket(rid, index, list(prompt_ids), params, self.queue, self.submitted_at, bootstrap))
+        self.loop.submit(Ticket(rid, index, list(prompt_ids), params, self.queue, self.submitted_at, bootstrap,
+                                stream_interval))
         self.unfinished[index] = rid
         self.size += 1
 

@@ -64,7 +64,7 @@ def generation_route(endpoint: Endpoint, loop: EngineLoop, bodies: BodyReader,
                 await side.connect(boot)  # refuses a prefill server whose KV layout differs, and tells it
         group = RequestGroup(loop)
         for prompt_ids, params in requests:
-            group.add(prompt_ids, params, boot)
+            group.add(prompt_ids, params, boot, plan.stream_interval)
         if plan.stream:
             return EventStream(endpoint.stream(plan, group), on_close=group.abort, headers=headers)
         completions = await group.collect_while_connected(http)

@@ -44,7 +44,8 @@ SAMPLING = ObjectOf(
         Field("min_new_tokens", INTEGER, 0, "EOS and stop_token_ids cannot end the output before this many tokens",
               minimum=0),
         Field("logit_bias", LOGIT_BIAS, None, "token id -> bias added to its logit; -100 bans it, +100 forces it"),
-        Field("stream_interval", INTEGER, None, "accepted and ignored: every step's tokens are streamed", minimum=1),
+        Field("stream_interval", INTEGER, None, "streamed chunks after the first hold at least this many tokens "
+              "(default: the server's --stream-interval)", minimum=1),
         Field("custom_params", OBJECT, None, refused="no custom logit processor is loaded"),
         *NATIVE_FIELDS,
     ],
@@ -103,7 +104,8 @@ class GenerateEndpoint:
             self.model.constraints.check(constraint, "sampling_params")
             expanded = expand([ids], n, lambda j: _params(sampling, logprobs, j, prompt_logprobs))
             requests += [(p, attrs.evolve(sp, constraint=constraint)) for p, sp in expanded] if constraint else expanded
-        return Plan(requests, values["stream"], n, values)
+        intervals = [s["stream_interval"] for s in per_prompt if s["stream_interval"] is not None]
+        return Plan(requests, values["stream"], n, values, min(intervals, default=None))
 
     def _prompt_ids(self, values: dict[str, Any]) -> list[list[int]]:
         text, ids = values["text"], values["input_ids"]

@@ -20,6 +20,7 @@ class Ticket:
     queue: Any  # the asyncio.Queue of the HTTP call, filled from the engine thread
     submitted_at: float  # time.monotonic() when the HTTP request asked for it
     bootstrap: Any = None  # prefill/decode disaggregation: its room (and the prefill server, on a decode server)
+    stream_interval: int | None = None  # tokens a chunk holds at least after the first (None: the server's)
 
 
 @attrs.frozen

@@ -33,10 +33,12 @@ class Progress:
     """One admitted request, seen from the engine thread after each step. `detok`: where the engine does not grow the
     request's text (no stop string or constraint needs it), the front end makes it from the ids (Updates.apply)."""
 
-    def __init__(self, request: Request, ticket: Ticket, detok: Detokenizer | None = None):
+    def __init__(self, request: Request, ticket: Ticket, detok: Detokenizer | None = None, interval: int = 1):
+        """`interval`: outputs after the first wait for this many new tokens, or the request's end."""
         self.request = request
         self.ticket = ticket
         self.detok = detok
+        self.interval = interval
         self.sent_text = 0
         self.sent_tokens = 0
         self.sent_logprobs = 0
@@ -50,6 +52,8 @@ class Progress:
         if not request.finished:
             text_end -= held_back(request.text, request.params.stop)
         new_ids = request.output_ids[self.sent_tokens :]
+        if 0 < len(new_ids) < self.interval and self.sent_tokens and not request.finished:
+            return None  # the rest of the interval first (prompt logprobs come with the first output)
         new_text = request.text[self.sent_text : max(text_end, self.sent_text)]
         new_logprobs = request.logprobs[self.sent_logprobs :]
         prompt_logprobs = None

@@ -35,6 +35,9 @@ class ServerSettings:
     # that receives the engine's round reports gets the GIL back from the event loop within this interval rather
     # than Python's 5 ms default (the forward steps themselves run in the rank processes)
     gil_switch_interval: float = attrs.field(default=1e-4, validator=_positive)
+    # a streamed request's chunks: its first token at once, then one every this many tokens, and its end
+    # (SGLang's --stream-interval; a native request's sampling_params.stream_interval overrides it)
+    stream_interval: int = attrs.field(default=1, validator=_positive)
     # how the model writes tool calls (tool_choice auto) and its thinking: parsers by model family, none by default
     tool_call_parser: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_(TOOL_CALL_PARSERS)))
     reasoning_parser: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_(REASONING_PARSERS)))
