@@ -228,3 +228,13 @@ def test_mixed_steps_cut_prompt_pieces_into_graphed_steps(tmp_path):
         steps, decode, mixed, prompt, tokens = map(int, row[1:])
         assert steps == decode + mixed + prompt and prompt <= 2, out
         assert tokens == sum(n for _, n in mixed_workload(256)), out
+
+
+def test_pack_copy_times_both_packs_idle_and_busy(tmp_path):
+    """Both packs, with the cores idle and busy, each a row of positive times and torch's row a ratio."""
+    out = run("pack_copy.py", tmp_path / "pack.md", "--calls", "20", "--runs", "1", "--threads", "2")
+    rows = table_rows(out, "idle") + table_rows(out, "busy")
+    assert [(r[0], r[1]) for r in rows] == [("idle", "torch.cat"), ("idle", "numpy"), ("busy", "torch.cat"),
+                                            ("busy", "numpy")], out
+    assert all(float(cell.split()[0]) > 0 for r in rows for cell in r[2:6]), out
+    assert float(rows[0][6].split()[0]) > 0 and float(rows[2][6].split()[0]) > 0, out
