@@ -2,7 +2,7 @@
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-profile|spec-profile-dsv3|tests-nextn|
-#                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|serving|serving-1t|offline-host|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
+#                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|serving|serving-1t|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes):
 #   bash benchmarks/gpu_system.sh OUT spec-steady              # #32: steady batches (session 10, H100, before the
 #                                         #      draft-pages fix: ngram 0.97 / 0.98 / 0.82 / 0.96 at 1/8/32/64, with
@@ -140,6 +140,17 @@ for part in "$@"; do
       threads=(); [ $part = serving-1t ] && threads=(--threads 1)
       PYTHONPATH=${AB:+$PWD/.ab:}$PYTHONPATH timeout $(lim 300) python3 benchmarks/serving.py --device cuda --concurrency 64 --num-requests 256 --runs 3 "${threads[@]}" \
         --out "$out/${part}${AB:+_ab}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part${AB:+_ab}.log" | tail -16 ;;
+    serving-interval)  # #31 target 3: served against offline at --stream-interval 1 and 4 (the front end's cost per chunk)
+      for iv in 1 4; do
+        timeout $(lim 150) python3 benchmarks/serving.py --device cuda --concurrency 64 --num-requests 256 --runs 3 \
+          --stream-interval $iv --out "$out/serving_interval${iv}_${card}.md" 2>&1 | grep -v -i warn | grep -A3 "median (min"
+      done ;;
+    spec-oracle-steps)  # #32: the oracle's ceiling at batch 1 with 7 and 3 draft steps (256 tokens a request)
+      for steps in 7 3; do
+        timeout $(lim 150) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --steady --runs 3 \
+          --batches 1 --output-len 256 --no-copy --drafters test-oracle-device --steps $steps \
+          --out "$out/speculative_oracle_steps${steps}_${card}.md" 2>&1 | grep -v -i warn | tail -3
+      done ;;
     offline-host)  # #31 target 3: host ms per step by phase, offline against a served rank 0 (tiny DeepSeek-V3, graphs)
       timeout $(lim 200) python3 benchmarks/offline_host_profile.py --device cuda --dtype bf16 --runs 3 \
         --out "$out/offline_host_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20 ;;
