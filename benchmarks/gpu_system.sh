@@ -3,17 +3,16 @@
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-profile|spec-profile-dsv3|tests-nextn|
 #                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|serving|serving-1t|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
-# What the open issues still need measured, one device call per line (each under ~9 minutes):
-#   bash benchmarks/gpu_system.sh OUT spec-steady              # #32: steady batches (session 10, H100, before the
-#                                         #      draft-pages fix: ngram 0.97 / 0.98 / 0.82 / 0.96 at 1/8/32/64, with
-#                                         #      ~300 breaks a run for drafts that found no page: measure it first)
-#   bash benchmarks/gpu_system.sh OUT spec-serve tests-overlap spec-serve-spread  # #32 served (session 9, H100: 1.00 /
-#                                         #      0.75 / 0.99, spread 0.99 / 0.97 / 0.97; the 0.75 is prompt steps'
-#                                         #      host time: build prompt-step graphs first)
-#   bash benchmarks/gpu_system.sh OUT tests spec-dsv3          # #32: GPU tests; nextn (where b8 loses)
-#   bash benchmarks/gpu_system.sh OUT spec-profile-dsv3 spec-mixed
+# What the open issues still need measured, one device call per line (each under ~9 minutes; session 16's state):
+#   bash benchmarks/gpu_system.sh OUT serving serving-interval spec-oracle-steps  # #31 target 3, #32 oracle: on an
+#                                         #      H200 (H100, session 16: served/offline 0.81-0.82, 0.86 at interval 4;
+#                                         #      the oracle 3.40x at 7 steps)
+#   bash benchmarks/gpu_system.sh OUT spec-copy spec-dsv3      # #32 on an H200 (H100, session 16: copy 1.46/1.49/1.52/
+#                                         #      1.19x; nextn with the synthetic MTP 0.97-1.00x on the 4-layer shapes)
+#   bash benchmarks/gpu_system.sh OUT spec-serve tests-overlap # #32 served, ngram at 1/16/64
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
 #   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M)
+#   bash benchmarks/gpu_system.sh OUT dgmasked                 # #31 target 4 (needs the DeepGEMM wheel in .dg/)
 #   bash benchmarks/plan_profile.sh OUT                        # #34: the inputs the shipped plan profile borrows
 # AB=1: the serving parts import the moeplex copied into .ab/moeplex (an earlier commit's core/, git-ignored), for a
 # before/after in one call: mkdir .ab && git archive REV core | tar x -C .ab && mv .ab/core .ab/moeplex
