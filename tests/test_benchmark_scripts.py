@@ -238,3 +238,17 @@ def test_pack_copy_times_both_packs_idle_and_busy(tmp_path):
                                             ("busy", "numpy")], out
     assert all(float(cell.split()[0]) > 0 for r in rows for cell in r[2:6]), out
     assert float(rows[0][6].split()[0]) > 0 and float(rows[2][6].split()[0]) > 0, out
+
+
+def test_front_end_ceiling_serves_every_request_against_the_stand_in(tmp_path):
+    """The front end against the stand-in engine: every request streams its tokens, against an ideal from the same
+    workload's offline schedule (the stand-in's steps with everything submitted at once)."""
+    from front_end_ceiling import offline_steps
+
+    assert offline_steps([([1], 3), ([1], 1), ([1], 2)], 2) == 3  # 3 and 1 run; 2 joins at step 2 and ends at step 3
+    assert offline_steps([([1], 4)] * 4, 4) == 4
+    out = run("front_end_ceiling.py", tmp_path / "fe.md", "--num-requests", "24", "--concurrency", "8", "--runs", "1",
+              "--step-ms", "5")
+    row = table_rows(out, "1")[0]
+    assert row[1] == "8" and float(row[2]) > 0 and 0 < float(row[4]) <= 1.2, out
+    assert float(row[10]) > 0, out  # the front end's CPU a token

@@ -215,6 +215,12 @@ class EngineLoop:
             self._events.call_soon(self._flush)
         self._outbox.append(item)
 
+    def send_queued(self) -> None:
+        """Send the queued commands now rather than at the end of this pass of the event loop (a request just
+        submitted: under a load of streams a pass lasts milliseconds, and its first token would wait for it)."""
+        if self._outbox:
+            self._flush()
+
     def _flush(self, halt: bool = False) -> None:
         items, self._outbox = tuple(self._outbox), []
         if not (items or halt) or not self._running or self._halting:

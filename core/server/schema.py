@@ -33,10 +33,12 @@ def json_type(value: Any) -> str:
 class Kind:
     """A JSON type: how to recognise it, how to describe it to a person and in JSON Schema."""
 
-    def __init__(self, describe: str, accepts: Callable[[Any], bool], schema: dict):
+    def __init__(self, describe: str, accepts: Callable[[Any], bool], schema: dict, only_type: type | None = None):
+        """`only_type`: a value is accepted exactly when its type is this one (lists of it are checked in C)."""
         self.describe = describe
         self.accepts = accepts
         self._schema = schema
+        self.only_type = only_type
 
     def schema(self) -> dict:
         return dict(self._schema)
@@ -67,18 +69,20 @@ class Text(Kind):
         return value
 
 
-INTEGER = Kind("an integer", lambda v: type(v) is int, {"type": "integer"})
+INTEGER = Kind("an integer", lambda v: type(v) is int, {"type": "integer"}, int)
 NUMBER = Kind("a number", _finite_number, {"type": "number"})
-BOOLEAN = Kind("a boolean", lambda v: type(v) is bool, {"type": "boolean"})
-STRING = Text("a string", lambda v: type(v) is str, {"type": "string"})
-OBJECT = Kind("an object", lambda v: type(v) is dict, {"type": "object"})
+BOOLEAN = Kind("a boolean", lambda v: type(v) is bool, {"type": "boolean"}, bool)
+STRING = Text("a string", lambda v: type(v) is str, {"type": "string"}, str)
+OBJECT = Kind("an object", lambda v: type(v) is dict, {"type": "object"}, dict)
 
 
 class ListOf(Kind):
     def __init__(self, item: Kind, describe: str, min_items: int = 0):
+        only = {item.only_type} if item.only_type is not None else None
         super().__init__(
             describe + (" (at least one)" if min_items else ""),
-            lambda v: type(v) is list and len(v) >= min_items and all(item.accepts(x) for x in v),
+            (lambda v: type(v) is list and len(v) >= min_items and set(map(type, v)) <= only) if only else
+            (lambda v: type(v) is list and len(v) >= min_items and all(item.accepts(x) for x in v)),
             {},
         )
         self.item, self.min_items = item, min_items
@@ -88,6 +92,8 @@ class ListOf(Kind):
 
     def read(self, value: Any, param: str) -> list:
         super().read(value, param)
+        if type(self.item) is Kind:  # accepted is read: a token-id prompt's items need no second look, nor names
+            return list(value)
         return [self.item.read(x, f"{param}[{i}]") for i, x in enumerate(value)]
 
 
@@ -226,7 +232,7 @@ def prune(body: Any, fields: Sequence[Field], where: str = "") -> tuple[Any, lis
 def _prune_value(value: Any, kind: Kind, where: str) -> tuple[Any, list[str]]:
     if isinstance(kind, ObjectOf) and type(value) is dict:
         return prune(value, kind.fields, where + ".")
-    if isinstance(kind, ListOf) and type(value) is list:
+    if isinstance(kind, ListOf) and type(value) is list and _holds_objects(kind.item):
         pruned = [_prune_value(item, kind.item, f"{where}[{i}]") for i, item in enumerate(value)]
         return [v for v, _ in pruned], [name for _, names in pruned for name in names]
     if isinstance(kind, AnyOf):
@@ -235,3 +241,12 @@ def _prune_value(value: Any, kind: Kind, where: str) -> tuple[Any, list[str]]:
         for k in objects or loose:
             return _prune_value(value, k, where)
     return value, []
+
+
+def _holds_objects(kind: Kind) -> bool:
+    """Whether a value of `kind` can hold a JSON object, where undeclared keys would be pruned."""
+    if isinstance(kind, ObjectOf):
+        return True
+    if isinstance(kind, ListOf):
+        return _holds_objects(kind.item)
+    return isinstance(kind, AnyOf) and any(_holds_objects(k) for k in kind.kinds)
