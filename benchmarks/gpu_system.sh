@@ -2,7 +2,7 @@
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-profile|spec-profile-dsv3|tests-nextn|
-#                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|serving|serving-1t|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
+#                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes; session 16's state):
 #   bash benchmarks/gpu_system.sh OUT serving serving-interval spec-oracle-steps  # #31 target 3, #32 oracle: on an
 #                                         #      H200 (H100, session 16: served/offline 0.81-0.82, 0.86 at interval 4;
@@ -139,6 +139,9 @@ for part in "$@"; do
       threads=(); [ $part = serving-1t ] && threads=(--threads 1)
       PYTHONPATH=${AB:+$PWD/.ab:}$PYTHONPATH timeout $(lim 300) python3 benchmarks/serving.py --device cuda --concurrency 64 --num-requests 256 --runs 3 "${threads[@]}" \
         --out "$out/${part}${AB:+_ab}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part${AB:+_ab}.log" | tail -16 ;;
+    front-end)  # #31 target 3: the front end alone, against a stand-in engine of 2 ms steps (no GPU used; this host's CPU)
+      PYTHONPATH=${AB:+$PWD/.ab:}$PYTHONPATH timeout $(lim 120) python3 benchmarks/front_end_ceiling.py --runs 3 \
+        --out "$out/front_end${AB:+_ab}_${card}_host.md" 2>&1 | grep -v -i warn | tail -4 ;;
     serving-interval)  # #31 target 3: served against offline at --stream-interval 1 and 4 (the front end's cost per chunk)
       for iv in 1 4; do
         timeout $(lim 150) python3 benchmarks/serving.py --device cuda --concurrency 64 --num-requests 256 --runs 3 \
