@@ -23,18 +23,15 @@ import json
 import multiprocessing
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-import httpx
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from serving_load import run_level, summarize  # noqa: E402
+from serving_load import free_port, run_level, summarize, wait_healthy  # noqa: E402
 from workload import mixed_workload  # noqa: E402
 
 
@@ -132,23 +129,14 @@ def serve(args) -> None:
 
 
 def launch(args) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     command = [sys.executable, os.path.abspath(__file__), "--serve", "--model", args.model, "--port", str(port),
                "--step-ms", str(args.step_ms), "--max-running", str(args.max_running),
                "--stream-interval", str(args.stream_interval)]
     server = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return server, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    server.kill()
-    raise SystemExit("the front end did not come up within 120 s")
+    wait_healthy(server, url, 120, "the front end")
+    return server, url
 
 
 def processor() -> str:

@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,7 @@ import httpx
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from offline_reference import OfflineReference  # noqa: E402
-from serving_load import kinds_text, run_level, summarize  # noqa: E402
+from serving_load import free_port, kinds_text, run_level, summarize, wait_healthy  # noqa: E402
 from workload import mixed_workload  # noqa: E402
 
 ENGINE_FLAGS = ("max_running_requests", "max_batched_tokens", "chunked_prefill_size", "max_total_tokens", "dtype", "device",
@@ -57,9 +56,7 @@ def engine_settings(args) -> dict:
 
 def launch_server(args, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     """`moeplex serve` with the engine flags of `args` (and `extra` flags) on a free loopback port; (process, url)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in engine_settings(args).items()]
     main = [os.path.join(HERE, "profiled_serve.py"), args.profile] if args.profile else \
         ["-c", "import sys; from moeplex.cli import main; sys.exit(main())"]
@@ -67,15 +64,8 @@ def launch_server(args, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} if args.threads else None
     server = subprocess.Popen(command, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return server, url
-        except httpx.TransportError:
-            time.sleep(0.5)
-    server.kill()
-    raise SystemExit("moeplex serve did not come up within 600 s")
+    wait_healthy(server, url, 600, "moeplex serve")
+    return server, url
 
 
 def server_pids(url: str, server: subprocess.Popen | None) -> dict[str, int]:

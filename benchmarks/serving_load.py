@@ -10,12 +10,34 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
 
 import aiohttp
 import attrs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(server: subprocess.Popen, url: str, seconds: float, what: str) -> None:
+    """Until `url`/health answers 200; SystemExit (the server killed) if it has not within `seconds` or exited."""
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+    server.kill()
+    raise SystemExit(f"{what} did not come up within {seconds:.0f} s")
 
 
 @attrs.define
