@@ -581,3 +581,26 @@ def test_a_repeated_prompt_reports_its_cached_tokens_and_the_cache_can_be_flushe
     wait_until_idle(client)
     assert client.post("/flush_cache").json() == {"flushed": True}
     assert client.get("/get_server_info").json()["kv_cache"]["cached_pages"] == 0
+
+
+def test_small_bodies_are_planned_on_the_event_loop_and_large_ones_in_a_thread(client, reference, monkeypatch):
+    """A body up to INLINE_BODY_BYTES is parsed and planned without a trip to a thread (each trip waits for a pass of
+    the event loop); a larger one still goes to a thread. Both answer as the engine does."""
+    from moeplex.server import handlers
+
+    trips, original = [], handlers.run_in_threadpool
+
+    async def counted(func, *args):
+        trips.append(func)
+        return await original(func, *args)
+
+    monkeypatch.setattr(handlers, "run_in_threadpool", counted)
+    for ids in ([5, 6, 7], [5, 6, 7] * 400):  # a few bytes, then ~4.8 KB of token ids
+        body = {"model": "tiny", "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        inline = len(json.dumps(body)) <= handlers.INLINE_BODY_BYTES
+        trips.clear()
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == greedy(reference, ids, 4).output_ids
+        assert len(trips) == (0 if inline else 2), (len(ids), trips)
