@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import os
 import signal
 import socket
@@ -604,3 +605,25 @@ def test_small_bodies_are_planned_on_the_event_loop_and_large_ones_in_a_thread(c
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == greedy(reference, ids, 4).output_ids
         assert len(trips) == (0 if inline else 2), (len(ids), trips)
+
+
+def test_a_grammar_not_compiled_yet_is_planned_in_a_thread(client, monkeypatch):
+    """A small body whose constraint has not been compiled is planned in a thread (a compile, or the grammar
+    backend's first load, would stall every stream on the event loop); once compiled, the same constraint is
+    planned on the event loop."""
+    from moeplex.server import handlers
+
+    trips, original = [], handlers.run_in_threadpool
+
+    async def counted(func, *args):
+        trips.append(func)
+        return await original(func, *args)
+
+    monkeypatch.setattr(handlers, "run_in_threadpool", counted)
+    body = {"model": "tiny", "prompt": "Pick:", "max_tokens": 4, "temperature": 0, "guided_regex": "(yes|no)[a-z]{0,3}"}
+    for planned_in_threads in (1, 0):
+        trips.clear()
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert re.fullmatch("(yes|no)[a-z]{0,3}", r.json()["choices"][0]["text"]), r.text
+        assert len(trips) == planned_in_threads

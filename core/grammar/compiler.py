@@ -52,6 +52,12 @@ class GrammarCompiler:
         """GrammarError (with the backend's reason) if `constraint` does not compile."""
         self.compile(constraint)
 
+    def done(self, constraint: Constraint) -> bool:
+        """Whether `constraint`'s compile has ended (compiled or failed): check() would not wait."""
+        with self._lock:
+            future = self._cache.get(constraint)
+        return future is not None and future.done()
+
     def _compile(self, constraint: Constraint) -> Any:
         if constraint.kind not in self.backend.caps.kinds:
             raise GrammarError(f"the grammar backend does not compile {constraint.kind} constraints")

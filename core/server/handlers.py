@@ -18,13 +18,16 @@ from .engine_loop import EngineLoop
 from .errors import bad_request
 from .group import RequestGroup
 from .schema import parse, prune
+from .structured import PlanInThread
 from .sse import EventStream
 
 log = logging.getLogger("moeplex.server")
 IGNORED_FIELDS_HEADER = "X-Moeplex-Ignored-Fields"  # the request fields this server dropped, comma-separated
 
 
-INLINE_BODY_BYTES = 2048  # bodies up to this size are parsed and planned on the event loop (~0.1-0.3 ms at most)
+# bodies up to this size are parsed and planned on the event loop (~0.1-0.3 ms at most; a grammar that is not compiled
+# yet sends the planning to a thread: structured.PlanInThread)
+INLINE_BODY_BYTES = 2048
 MAX_NAMED = 32  # a body of a thousand unknown keys names the first ones, not a header of any size
 
 
@@ -57,8 +60,14 @@ def generation_route(endpoint: Endpoint, loop: EngineLoop, bodies: BodyReader,
         if ignored:
             log.warning("%s: ignored request fields this server does not know: %s", endpoint.path, ", ".join(ignored))
         headers = {IGNORED_FIELDS_HEADER: header_list(ignored)} if ignored else None
-        plan = endpoint.plan(parse(values, endpoint.fields)) if inline else \
-            await run_in_threadpool(lambda: endpoint.plan(parse(values, endpoint.fields)))
+        plan = None
+        if inline:
+            try:
+                plan = endpoint.plan(parse(values, endpoint.fields))
+            except PlanInThread:  # a grammar not compiled yet: its compile would stall every stream
+                pass
+        if plan is None:
+            plan = await run_in_threadpool(lambda: endpoint.plan(parse(values, endpoint.fields)))
         requests = plan.requests
         if boot is not None:
             if len(requests) != 1:

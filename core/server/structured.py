@@ -4,6 +4,7 @@ a schema that cannot compile is a 400 naming the problem."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -131,9 +132,15 @@ def from_native(sampling: dict) -> Constraint | None:
     return Constraint(given[0], sampling[given[0]])
 
 
+class PlanInThread(Exception):
+    """Planning on the event loop would wait for a grammar compile (or the backend's first load): plan in a thread."""
+
+
 class ConstraintChecker:
     """The front end's own compiler: a constraint that does not compile is refused before it reaches a rank.
-    Called from the thread that plans a request (never the event loop); the backend is built on first use."""
+    The backend is built on first use. A compile takes milliseconds to seconds, so on the event loop (where small
+    requests are planned: handlers.py) only a constraint compiled already is checked; any other raises
+    PlanInThread, and the request is planned again in a thread, the compile already under way."""
 
     def __init__(self, make: Callable[[], GrammarCompiler], speculative: bool):
         self._make = make
@@ -152,6 +159,10 @@ class ConstraintChecker:
     def check(self, constraint: Constraint | None, param: str) -> None:
         if constraint is None:
             return
+        if _on_event_loop() and (self._compiler is None or not self._compiler.done(constraint)):
+            if self._compiler is not None:
+                self._compiler.submit(constraint)  # (its compile starts now, in the compiler's pool)
+            raise PlanInThread()
         with self._lock:
             if self._compiler is None:
                 try:
@@ -165,3 +176,12 @@ class ConstraintChecker:
             self._compiler.check(constraint)
         except GrammarError as exc:
             raise bad_request(f"{param}: {exc}", param, "invalid_grammar") from None
+
+
+def _on_event_loop() -> bool:
+    """Whether this thread runs an asyncio event loop (the front end's), where nothing may wait."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
