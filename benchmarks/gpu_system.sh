@@ -4,13 +4,9 @@
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-profile|spec-profile-dsv3|tests-nextn|
 #                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes; session 17's state):
-#   bash benchmarks/gpu_system.sh OUT front-end serving; AB=1 bash benchmarks/gpu_system.sh OUT front-end serving
-#                                         # #31 target 3: small requests planned on the event loop (70cebfc), after and
-#                                         #      before (.ab = core/ at 1c8bc23); never measured on a GPU host (CPU
-#                                         #      stand-in: 0.93 -> 0.97; H100, session 16: served/offline 0.81-0.82)
-#   bash benchmarks/gpu_system.sh OUT serving serving-interval spec-oracle-steps  # #31 target 3, #32 oracle: on an
-#                                         #      H200 (H100, session 16: served/offline 0.81-0.82, 0.86 at interval 4;
-#                                         #      the oracle 3.40x at 7 steps)
+#   bash benchmarks/gpu_system.sh OUT front-end serving serving-interval spec-oracle-steps  # #31 target 3, #32 oracle:
+#                                         #      on an H200 (H100, session 17: served/offline 0.90 pooled, a served
+#                                         #      step 46.6 tokens of offline's 48.3; the oracle 3.40x at 7 steps)
 #   bash benchmarks/gpu_system.sh OUT spec-copy spec-dsv3      # #32 on an H200 (H100, session 16: copy 1.46/1.49/1.52/
 #                                         #      1.19x; nextn with the synthetic MTP 0.97-1.00x on the 4-layer shapes)
 #   bash benchmarks/gpu_system.sh OUT spec-serve tests-overlap # #32 served, ngram at 1/16/64
