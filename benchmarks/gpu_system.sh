@@ -12,7 +12,8 @@
 #   bash benchmarks/gpu_system.sh OUT spec-serve tests-overlap # #32 served, ngram at 1/16/64
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
 #   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M)
-#   bash benchmarks/gpu_system.sh OUT dgmasked                 # #31 target 4 (needs the DeepGEMM wheel in .dg/)
+#   bash benchmarks/gpu_system.sh OUT dgmasked                 # #31 target 4 (needs the DeepGEMM wheel in .dg/:
+#                                         #      benchmarks/deepgemm_build.sh builds it there)
 #   bash benchmarks/plan_profile.sh OUT                        # #34: the inputs the shipped plan profile borrows
 # AB=1: the serving parts import the moeplex copied into .ab/moeplex (an earlier commit's core/, git-ignored), for a
 # before/after in one call: mkdir .ab && git archive REV core | tar x -C .ab && mv .ab/core .ab/moeplex
@@ -129,7 +130,7 @@ for part in "$@"; do
         done
       done ;;
     dgmasked)
-      python3 -m pip install -q --no-deps --no-index .dg/deepgemm-*.whl
+      python3 -m pip install -q --no-deps --no-index .dg/deep*.whl  # built by benchmarks/deepgemm_build.sh
       mkdir -p .dg/cache
       CPLUS_INCLUDE_PATH=$PWD/.dg/include DG_JIT_CACHE_DIR=$PWD/.dg/cache timeout $(lim 420) python3 benchmarks/deepgemm_masked.py \
         --tokens 1 8 32 --runs 3 --out "$out/deepgemm_masked_${card}.md" 2>&1 | grep -v -i warn | tail -12
