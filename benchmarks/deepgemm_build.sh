@@ -7,6 +7,11 @@
 #   back:   cat OUT/dg/wheel.part.* > .dg/$(cat OUT/dg/wheel.name)    (then gpu_system.sh's dgmasked part installs it)
 # OUT/dg/env.txt says what the machine had (nvcc, torch, CUDA_HOME's include folders) and how the build ended;
 # OUT/dg/build.log is the build's own log, so a missing header or tool is named there.
+# Seen on an H200 image (session 17: nvcc 13.0, torch 2.11.0+cu130, CCCL in /usr/local/cuda/include/cccl): the build
+# stops at deep_jit's utils/exception.hpp, which includes elfutils' <elfutils/libdwfl.h>, absent there. The library
+# itself (libdw.so.1) is dlopen'ed at run time for stack traces, so its headers alone are needed: put elfutils'
+# libdwfl.h and libdw.h under .dg/include/elfutils/ and libelf.h, gelf.h, dwarf.h under .dg/include/ (this script
+# adds .dg/include to the compiler's include path).
 set -o pipefail
 out=${1:?OUT}/dg; seconds=${2:-360}
 mkdir -p "$out"
@@ -22,6 +27,7 @@ python3 -c "import wheel.bdist_wheel" 2>/dev/null || python3 -m pip install -q -
 rm -rf /tmp/dg_src /tmp/dg_wheel && mkdir -p /tmp/dg_src && tar xzf "$repo"/.dg/deepinfer_gemm-*.tar.gz -C /tmp/dg_src
 cd /tmp/dg_src/deepinfer_gemm-* || exit 1
 start=$(date +%s)
+CPLUS_INCLUDE_PATH=$repo/.dg/include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH} \
 CUDA_HOME=$cuda_home DG_FORCE_BUILD=1 MAX_JOBS=${MAX_JOBS:-16} PYTHONPATH=$tools${PYTHONPATH:+:$PYTHONPATH} timeout "$seconds" \
   python3 -m pip wheel -v --no-deps --no-build-isolation --no-index -w /tmp/dg_wheel . > "$out/build.log" 2>&1
 echo "build rc $? after $(( $(date +%s) - start )) s" >> "$out/env.txt"
