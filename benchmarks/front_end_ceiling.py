@@ -49,6 +49,12 @@ def stand_in(connection, step_s: float, max_running: int, vocab_size: int) -> No
     seconds = 0.0
     next_step = time.monotonic()
     ends = (FinishReason.LENGTH, None, None)
+
+    def admit() -> None:  # the waiting requests, in arrival order, into the free slots
+        while waiting and len(running) < max_running:
+            rid, wanted = waiting.pop(0)
+            running[rid] = wanted
+
     while True:
         timeout = max(0.0, next_step - time.monotonic()) if running else None
         if connection.poll(timeout):
@@ -63,26 +69,17 @@ def stand_in(connection, step_s: float, max_running: int, vocab_size: int) -> No
             if message.halt:
                 connection.send(Halted())
                 return
-            while waiting and len(running) < max_running:
-                rid, wanted = waiting.pop(0)
-                running[rid] = wanted
-            if not running:
-                continue
-            if time.monotonic() < next_step:
-                continue
-        if not running:
+            admit()
+        if not running or time.monotonic() < next_step:
             continue
-        now = time.monotonic()
-        next_step = max(next_step + step_s, now)  # a late step does not bunch the next ones up
+        next_step = max(next_step + step_s, time.monotonic())  # a late step does not bunch the next ones up
         rids = tuple(running)
         finished = {row: ends for row, rid in enumerate(rids) if running[rid] == 1}
         for rid in rids:
             running[rid] -= 1
             if running[rid] == 0:
                 del running[rid]
-        while waiting and len(running) < max_running:
-            rid, wanted = waiting.pop(0)
-            running[rid] = wanted
+        admit()
         steps += 1
         seconds += step_s
         updates = Updates(rids, tuple(rng.randrange(vocab_size) for _ in rids), ends=finished)
