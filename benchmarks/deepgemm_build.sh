@@ -8,10 +8,11 @@
 # OUT/dg/env.txt says what the machine had (nvcc, torch, CUDA_HOME's include folders) and how the build ended;
 # OUT/dg/build.log is the build's own log, so a missing header or tool is named there.
 # Seen on an H200 image (session 17: nvcc 13.0, torch 2.11.0+cu130, CCCL in /usr/local/cuda/include/cccl): the build
-# stops at deep_jit's utils/exception.hpp, which includes elfutils' <elfutils/libdwfl.h>, absent there. The library
-# itself (libdw.so.1) is dlopen'ed at run time for stack traces, so its headers alone are needed: put elfutils'
-# libdwfl.h and libdw.h under .dg/include/elfutils/ and libelf.h, gelf.h, dwarf.h under .dg/include/ (this script
-# adds .dg/include to the compiler's include path).
+# stops at deep_jit's utils/exception.hpp, which includes elfutils' <elfutils/libdwfl.h>, absent there. deep_jit only
+# dlopen()s libdw.so.1 at run time for symbolised stack traces and does nothing when it is missing, so the header's
+# declarations are all the build needs. Where the machine has no such header, this script writes one into
+# .dg/include/elfutils/ (the eight functions and three types exception.hpp names, declared as elfutils' documented
+# API gives them) and adds .dg/include to the compiler's include path.
 set -o pipefail
 out=${1:?OUT}/dg; seconds=${2:-360}
 mkdir -p "$out"
@@ -22,6 +23,48 @@ cuda_home=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   echo "CUDA_HOME $cuda_home: $(ls "$cuda_home/include" | grep -c .) entries in include/, cccl/: $(ls "$cuda_home/include/cccl" 2>/dev/null | tr '\n' ' ')"
 } > "$out/env.txt" 2>&1
+if ! echo '#include <elfutils/libdwfl.h>' | g++ -fsyntax-only -x c++ - 2>/dev/null; then
+  mkdir -p "$repo/.dg/include/elfutils"
+  cat > "$repo/.dg/include/elfutils/libdwfl.h" <<'HEADER'
+/* Declarations of the part of elfutils' libdwfl API that deep_jit's exception.hpp uses (written for moeplex's
+   DeepGEMM build; the library itself is looked up with dlopen at run time). */
+#pragma once
+#include <stdint.h>
+#include <sys/types.h>
+#ifdef __cplusplus
+extern "C" {
+#endif
+typedef uint64_t Dwarf_Addr;
+typedef uint64_t Dwarf_Word;
+typedef uint64_t GElf_Addr;
+typedef uint32_t GElf_Word;
+typedef struct Elf Elf;
+typedef struct Dwfl Dwfl;
+typedef struct Dwfl_Module Dwfl_Module;
+typedef struct Dwfl_Line Dwfl_Line;
+typedef struct GElf_Shdr GElf_Shdr;
+typedef struct {
+  int (*find_elf)(Dwfl_Module *, void **, const char *, Dwarf_Addr, char **, Elf **);
+  int (*find_debuginfo)(Dwfl_Module *, void **, const char *, Dwarf_Addr, const char *, const char *, GElf_Word, char **);
+  int (*section_address)(Dwfl_Module *, void **, const char *, Dwarf_Addr, const char *, GElf_Word, const GElf_Shdr *,
+                         Dwarf_Addr *);
+  char **debuginfo_path;
+} Dwfl_Callbacks;
+Dwfl *dwfl_begin(const Dwfl_Callbacks *callbacks);
+int dwfl_linux_proc_report(Dwfl *dwfl, pid_t pid);
+int dwfl_report_end(Dwfl *dwfl, int (*removed)(Dwfl_Module *, void *, const char *, Dwarf_Addr, void *), void *arg);
+Dwfl_Module *dwfl_addrmodule(Dwfl *dwfl, Dwarf_Addr address);
+const char *dwfl_module_addrname(Dwfl_Module *mod, GElf_Addr address);
+Dwfl_Line *dwfl_module_getsrc(Dwfl_Module *mod, Dwarf_Addr address);
+const char *dwfl_lineinfo(Dwfl_Line *line, Dwarf_Addr *addr, int *linep, int *colp, Dwarf_Word *mtime, Dwarf_Word *length);
+int dwfl_linux_proc_find_elf(Dwfl_Module *mod, void **userdata, const char *module_name, Dwarf_Addr base,
+                             char **file_name, Elf **elfp);
+#ifdef __cplusplus
+}
+#endif
+HEADER
+  echo "elfutils/libdwfl.h: written into .dg/include (the machine has none)" >> "$out/env.txt"
+fi
 tools=/tmp/dg_tools  # the build imports wheel.bdist_wheel; add the carried wheel package only where it is missing
 python3 -c "import wheel.bdist_wheel" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target $tools "$repo"/.dg/wheel-*.whl
 rm -rf /tmp/dg_src /tmp/dg_wheel && mkdir -p /tmp/dg_src && tar xzf "$repo"/.dg/deepinfer_gemm-*.tar.gz -C /tmp/dg_src
