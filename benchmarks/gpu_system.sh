@@ -2,7 +2,7 @@
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-profile|spec-profile-dsv3|tests-nextn|
-#                                     spec-serve|spec-serve-spread|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
+#                                     spec-serve|spec-serve-spread|spec-profile-never|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes; session 17's state):
 #   bash benchmarks/gpu_system.sh OUT front-end serving serving-interval spec-oracle-steps  # #31 target 3, #32 oracle:
 #                                         #      on an H200 (H100, session 17: served/offline 0.90 pooled, a served
@@ -77,6 +77,14 @@ for part in "$@"; do
         --drafters ngram/overlap 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -20
       timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch 32 --out "$out/prof32" \
         --drafters test-oracle-device ngram/overlap 2>&1 | grep -v -i warn | tee -a "$out/$part.log" | tail -20 ;;
+    spec-profile-never)  # #32's never-worse misses on the H200: ngram (random weights) at 64 and 32, the adversary at 1;
+                         # step kinds, overlap breaks, host and device ms per step against plain decoding
+      for b in 64 32; do
+        timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch $b --out "$out/prof_never$b" \
+          --drafters ngram 2>&1 | grep -v -i warn | grep "^| [nt]" | tee -a "$out/$part.log"
+      done
+      timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch 1 --out "$out/prof_never1" \
+        --drafters test-adversary 2>&1 | grep -v -i warn | grep "^| [nt]" | tee -a "$out/$part.log" ;;
     spec-profile-dsv3)
       timeout $(lim 200) python3 benchmarks/spec_host_profile.py --device cuda --model dsv3 --drafters none nextn \
         --batches 1 8 32 --runs 3 --output-len 48 --out "$out/spec_host_dsv3.md" 2>&1 | grep -v -i warn | tail -8
@@ -132,7 +140,12 @@ for part in "$@"; do
     dgmasked)
       python3 -m pip install -q --no-deps --no-index .dg/deep*.whl  # built by benchmarks/deepgemm_build.sh
       mkdir -p .dg/cache
-      CPLUS_INCLUDE_PATH=$PWD/.dg/include DG_JIT_CACHE_DIR=$PWD/.dg/cache timeout $(lim 420) python3 benchmarks/deepgemm_masked.py \
+      export CPLUS_INCLUDE_PATH=$PWD/.dg/include DG_JIT_CACHE_DIR=$PWD/.dg/cache
+      for run in 1 2 3; do  # the plugin's whole masked path against the Triton kernel on the same routing
+        timeout $(lim 200) python3 benchmarks/deepgemm_moe.py --decode 1 8 32 --prefill 2>&1 | grep -v -i warn \
+          | tee "$out/deepgemm_moe_run$run.md" | grep "^| [0-9]"
+      done
+      timeout $(lim 420) python3 benchmarks/deepgemm_masked.py \
         --tokens 1 8 32 --runs 3 --out "$out/deepgemm_masked_${card}.md" 2>&1 | grep -v -i warn | tail -12
       tar czf "$out/dg_cache.tgz" -C .dg cache ;;
     serving|serving-1t)  # #31 target 3: served against the offline engine at concurrency 64 (tiny DeepSeek-V3), 3 runs

@@ -69,7 +69,8 @@ def count_calls(engine) -> dict[str, int]:
 
 def profiled_run(engine, prompts, batch: int, args, paths: dict | None = None) -> tuple[list[float], int, object]:
     """(host seconds of each engine.step() while the batch is full, tokens emitted in them, the profile); `paths`
-    (count_calls' counts) is cleared as the clock starts and frozen as it stops."""
+    (count_calls' counts, with the step log's kinds and overlap breaks added) is cleared as the clock starts and
+    frozen as it stops."""
     params = SamplingParams(max_new_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     queue = list(prompts)
     requests = [engine.add_request(queue.pop(0), params) for _ in range(batch)]
@@ -79,6 +80,8 @@ def profiled_run(engine, prompts, batch: int, args, paths: dict | None = None) -
     times, before = [], sum(len(r.output_ids) for r in requests)
     if paths is not None:
         paths.clear()
+    log = engine.step_log
+    kinds_before, breaks_before = dict(log.steps), dict(log.breaks)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device != "cpu" else [])
     with profile(activities=activities) as prof:
         while engine.has_work and queue:
@@ -91,6 +94,8 @@ def profiled_run(engine, prompts, batch: int, args, paths: dict | None = None) -
     tokens = sum(len(r.output_ids) for r in requests) - before
     if paths is not None:
         frozen = dict(paths)
+        frozen.update({f"kind {k}": v - kinds_before[k] for k, v in log.steps.items() if v > kinds_before[k]})
+        frozen.update({f"break {k}": v - breaks_before[k] for k, v in log.breaks.items() if v > breaks_before[k]})
     while engine.has_work:
         engine.step()
     if paths is not None:
