@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,29 @@ pytestmark = pytest.mark.slow
 
 def run(script: str, out: Path, *args: str, timeout: int = 600) -> str:
     """The Markdown the script writes to --out (its stdout also carries progress lines)."""
-    done = subprocess.run([sys.executable, script, *args, "--out", str(out)], cwd=BENCHMARKS, capture_output=True,
-                          text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out.read_text()
+    return run_side_by_side([(script, out, *args)], timeout)[0]
+
+
+def run_side_by_side(runs: list[tuple], timeout: int = 600) -> list[str]:
+    """run() of each (script, out, *args) at once, each a process of its own: the Markdown of each, in order."""
+    started = []
+    for script, out, *args in runs:  # output to files: a full pipe would stop a script while another is waited for
+        err = tempfile.TemporaryFile("w+")
+        command = [sys.executable, script, *args, "--out", str(out)]
+        started.append((subprocess.Popen(command, cwd=BENCHMARKS, stdout=subprocess.DEVNULL, stderr=err, text=True),
+                        err, out))
+    try:
+        for process, err, _ in started:
+            process.wait(timeout=timeout)
+            err.seek(0)
+            assert process.returncode == 0, err.read()[-3000:]
+    finally:
+        for process, err, _ in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            err.close()
+    return [out.read_text() for _, _, out in started]
 
 
 def table_rows(text: str, first_cell: str) -> list[list[str]]:
@@ -30,9 +50,22 @@ def table_rows(text: str, first_cell: str) -> list[list[str]]:
             if line.startswith(f"| {first_cell} ")]
 
 
-def test_ep_multi_gpu_on_cpu_ranks(tmp_path):
-    out = run("ep_multi_gpu.py", tmp_path / "ep.md", "--cpu", "--gpus", "2", "--iters", "1", "--warmup", "1", "--max-new-tokens", "4",
-              "--skews", "1.2", "--parts", "correctness", "dispatch", "eplb")
+@pytest.fixture(scope="module")
+def ep_multi_gpu(tmp_path_factory):
+    """ep_multi_gpu.py's parts, three runs side by side: the correctness part's `generate` processes run one after
+    the other and mostly wait on one core, the other parts' gloo ranks use the rest. Part name -> its Markdown."""
+    tmp, common = tmp_path_factory.mktemp("ep"), ("--cpu", "--gpus", "2", "--iters", "1", "--warmup", "1")
+    parts = {
+        "correctness": ("--max-new-tokens", "4", "--parts", "correctness"),
+        "dispatch eplb": ("--skews", "1.2", "--parts", "dispatch", "eplb"),
+        "decode": ("--parts", "decode", "--decode-tokens", "3"),  # part 4 with graphs whose capture calls the step
+    }
+    runs = [("ep_multi_gpu.py", tmp / f"{i}.md", *common, *args) for i, args in enumerate(parts.values())]
+    return dict(zip(parts, run_side_by_side(runs)))
+
+
+def test_ep_multi_gpu_on_cpu_ranks(ep_multi_gpu):
+    out = ep_multi_gpu["correctness"] + ep_multi_gpu["dispatch eplb"]
     correctness = table_rows(out, "fp32") + table_rows(out, "bf16")
     assert [row[:5] for row in correctness] == [  # nothing is captured on the CPU: graphs "no"
         ["fp32", "naive", "none", "no", "2"], ["fp32", "naive", "tbo", "no", "2"], ["bf16", "local", "none", "no", "1"],
@@ -45,10 +78,9 @@ def test_ep_multi_gpu_on_cpu_ranks(tmp_path):
     assert float(eplb[1][4]) > float(eplb[0][4]), "EPLB balances the ranks' pairs better than the static placement"
 
 
-def test_ep_multi_gpu_decode_part_on_cpu_ranks(tmp_path):
+def test_ep_multi_gpu_decode_part_on_cpu_ranks(ep_multi_gpu):
     """Part 4 with graphs whose capture calls the step: 3 tokens per rank replay the size-3 graph, every rank."""
-    out = run("ep_multi_gpu.py", tmp_path / "decode.md", "--cpu", "--gpus", "2", "--iters", "1", "--warmup", "1",
-              "--parts", "decode", "--decode-tokens", "3")
+    out = ep_multi_gpu["decode"]
     rows = table_rows(out, "1") + table_rows(out, "2")
     assert [(row[0], row[1], row[2], row[3], row[4]) for row in rows] == [
         ("1", "local + torch", "none", "3", "3"), ("2", "naive + torch", "none", "3", "3"),
