@@ -83,8 +83,8 @@ for part in "$@"; do
         timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch $b --out "$out/prof_never$b" \
           --drafters ngram 2>&1 | grep -v -i warn | grep "^| [nt]" | tee -a "$out/$part.log"
       done
-      timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch 1 --out "$out/prof_never1" \
-        --drafters test-adversary 2>&1 | grep -v -i warn | grep "^| [nt]" | tee -a "$out/$part.log" ;;
+      timeout $(lim 150) python3 benchmarks/spec_host_profile.py --device cuda --layers 12 --batches 1 --runs 3 \
+        --output-len 64 --drafters none test-adversary ngram 2>&1 | grep -v -i warn | grep "^| Q" | tee -a "$out/$part.log" ;;
     spec-profile-dsv3)
       timeout $(lim 200) python3 benchmarks/spec_host_profile.py --device cuda --model dsv3 --drafters none nextn \
         --batches 1 8 32 --runs 3 --output-len 48 --out "$out/spec_host_dsv3.md" 2>&1 | grep -v -i warn | tail -8
