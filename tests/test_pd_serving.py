@@ -3,8 +3,6 @@ answer token for token as a co-located server does, through the official openai 
 
 from __future__ import annotations
 
-import contextlib
-
 import httpx
 import openai
 import pytest
@@ -22,36 +20,23 @@ PROMPTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def colocated(tiny_model_dir):
-    """arch -> its co-located server, started (not yet waited for) once per module: an arch's zmq and nixl
-    clusters answer against the same one."""
-    with contextlib.ExitStack() as stack:
-        made: dict[str, RoleServer] = {}
-
-        def get(arch: str) -> RoleServer:
-            if arch not in made:
-                made[arch] = RoleServer(tiny_model_dir(arch), "none", *FLAGS).start()
-                stack.callback(made[arch].stop)
-            return made[arch]
-
-        yield get
+def cluster(folder: str, backend: str):
+    co = RoleServer(folder, "none", *FLAGS)
+    pd = (*FLAGS, "--disaggregation-transfer-backend", backend)
+    return co, RoleServer(folder, "prefill", *pd), RoleServer(folder, "decode", *pd)
 
 
 @pytest.fixture(scope="module", params=[("deepseek_v3", "zmq"), ("qwen3_moe", "zmq"), ("deepseek_v3", "nixl")],
                 ids=lambda p: "-".join(p))
-def servers(request, tiny_model_dir, colocated):
+def servers(request, tiny_model_dir):
     arch, backend = request.param
     if backend == "nixl":
         try:
             load_nixl()
         except PluginError as exc:
             pytest.skip(str(exc))
-    co, pd = colocated(arch), (*FLAGS, "--disaggregation-transfer-backend", backend)
-    prefill, decode = RoleServer(tiny_model_dir(arch), "prefill", *pd), RoleServer(tiny_model_dir(arch), "decode", *pd)
-    with running(prefill, decode), PDRouter([prefill], [decode]) as router:
-        if not hasattr(co, "client"):
-            co.wait()  # its start-up overlapped the P and D servers'
+    co, prefill, decode = cluster(tiny_model_dir(arch), backend)
+    with running(co, prefill, decode), PDRouter([prefill], [decode]) as router:
         yield co, prefill, decode, router
 
 
