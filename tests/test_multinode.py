@@ -61,7 +61,7 @@ def test_a_node_that_dies_is_named_by_the_other(folder):
         while not _rank_running(second):  # node 1's rank is up and generating
             assert time.monotonic() < deadline and first.poll() is None, first.stderr.read()
             time.sleep(0.5)
-        time.sleep(3)
+        time.sleep(1)  # a little way into its tokens
         os.killpg(second.pid, signal.SIGKILL)
         killed = time.monotonic()
         _, err = first.communicate(timeout=60)

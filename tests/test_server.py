@@ -447,9 +447,9 @@ def test_moeplex_serve_drains_in_flight_requests_on_sigterm(folder):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # a shutdown timeout of 6 s: the 20-token stream drains in well under 1 s, the 16000-token one is still running
+    # a shutdown timeout of 3 s: the 20-token stream drains in well under 1 s, the 16000-token one is still running
     command = [sys.executable, "-c", "import sys; from moeplex.cli import main; sys.exit(main())", "serve", "--model", folder, "--port", str(port), "--max-total-tokens",
-               "16384", "--shutdown-timeout", "6", "--log-level", "warning"]
+               "16384", "--shutdown-timeout", "3", "--log-level", "warning"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
