@@ -268,7 +268,8 @@ class Engine:
         try:
             return self._step()
         finally:
-            timed = self.step_log.timed(time.perf_counter() - start)
+            end = time.perf_counter()
+            timed = self.step_log.timed(end - start, end)
             if self.calibration is not None:
                 self.calibration.observe(timed)
             if self.speculation is not None:
@@ -290,6 +291,7 @@ class Engine:
                 self.step_log.launched("verify_idle" if self.in_flight.idle else "verify_overlap", *self.in_flight.shape)
             elif admitted is None:
                 self.step_log.broke("verify_run_ended")
+            self._await_tokens(previous)
             finished = self.overlap_verify.read(previous, self.in_flight, self._append, self._fail, self.sampler)
             if self.in_flight is not None:
                 return finished
@@ -465,6 +467,7 @@ class Engine:
         masks may fill in the background (a step read early for its mask is masked right away: no point)."""
         if step is None:
             return []
+        self._await_tokens(step)
         tokens = step.token_list()
         finished = []
         for row, request in enumerate(step.requests):
@@ -485,6 +488,13 @@ class Engine:
         if step.observed is not None:
             self.speculation.observe_plain(step.observed)
         return finished
+
+    def _await_tokens(self, step: InFlight | VerifyInFlight) -> None:
+        """Wait for a launched step's tokens to reach the host, and tell the step log when they did (where the device
+        runs ahead of the host: what a break exposes is the host work from then to the next launch)."""
+        if step.ready is not None:
+            step.ready.synchronize()
+            self.step_log.arrived(time.perf_counter())
 
     def _agree(self, batch: ForwardBatch) -> ForwardBatch | None:
         """Under DP attention every rank learns every rank's token count in one small collective.

@@ -199,6 +199,7 @@ class GroupStats:
     # (batch size, scale) where the adaptive policy's verify costs are scaled to what serving measured
     # (speculation/calibration.py)
     verify_cost_scales: tuple[tuple[int, float], ...] = ()
+    break_cost_scales: tuple[tuple[int, float], ...] = ()  # the same for a break of the overlap schedule
 
 
 @pickled_as_fields
@@ -270,9 +271,16 @@ class LoopStats:
 
     def verify_cost_scales(self) -> dict[int, float]:
         """Per batch size, the largest scale of any DP group's verify costs (calibration.py; one group has them)."""
+        return self._largest_scales("verify_cost_scales")
+
+    def break_cost_scales(self) -> dict[int, float]:
+        """Per batch size, the largest scale of any DP group's break of the overlap schedule (calibration.py)."""
+        return self._largest_scales("break_cost_scales")
+
+    def _largest_scales(self, field: str) -> dict[int, float]:
         scales: dict[int, float] = {}
         for group in self.groups:
-            for size, scale in group.verify_cost_scales:
+            for size, scale in getattr(group, field):
                 scales[size] = max(scale, scales.get(size, 0.0))
         return scales
 

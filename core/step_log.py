@@ -14,7 +14,9 @@ Kinds (what a step launched):
 
 Under the overlap schedule `step()` waits for the step launched before it, so the seconds a kind gets are the
 wall time of the steps that launched it: with the host hidden they are about the device's time of the step
-before. The breaks say where the host and the device ran one after the other instead:
+before. The breaks say where the host and the device ran one after the other instead (a broken step's `exposed`
+seconds: from the tokens of the step it read reaching the host to the step's end, the host work the device waited
+for; 0.0 where the device does not run ahead of the host):
   drafts_wanted     a plain step was in flight when the draft policy wanted drafts (the drafts need its tokens)
   verify_run_ended  a verify step was in flight when the next could not follow it (an admission, a preemption,
                     or the policy drafting for no request), and nothing was launched before it was read
@@ -41,6 +43,7 @@ class TimedStep:
     seconds: float
     broken: bool
     wanted_drafts: bool = False  # the break was a read of the step in flight because drafts were wanted
+    exposed: float = 0.0  # a broken step: seconds from the read step's tokens reaching the host to this step's end
 
 
 @attrs.define
@@ -53,6 +56,7 @@ class StepLog:
     broken: bool = False  # whether the overlap schedule broke during the step under way
     wanted_drafts: bool = False  # ... because drafts were wanted (the step in flight read for them)
     last: TimedStep | None = None  # the step that ended last
+    arrived_at: float | None = None  # when the first step read in the step under way had its tokens on the host
 
     def launched(self, kind: str, requests: int = 0, rows: int = 0) -> None:
         self.kind, self.shape = kind, (requests, rows)
@@ -62,12 +66,19 @@ class StepLog:
         self.broken = True
         self.wanted_drafts |= reason == "drafts_wanted"
 
-    def timed(self, seconds: float) -> TimedStep:
-        """The step under way ended after `seconds`: counted for what it launched."""
+    def arrived(self, now: float) -> None:
+        """The tokens of a step read in the step under way reached the host at `now` (perf_counter; the first
+        read counts: in a broken step it is the break's)."""
+        if self.arrived_at is None:
+            self.arrived_at = now
+
+    def timed(self, seconds: float, now: float | None = None) -> TimedStep:
+        """The step under way ended after `seconds`, at `now` (perf_counter): counted for what it launched."""
+        exposed = now - self.arrived_at if self.broken and now is not None and self.arrived_at is not None else 0.0
         self.steps[self.kind] += 1
         self.seconds[self.kind] += seconds
-        self.last = TimedStep(self.kind, *self.shape, seconds, self.broken, self.wanted_drafts)
-        self.kind, self.shape, self.broken, self.wanted_drafts = "none", (0, 0), False, False
+        self.last = TimedStep(self.kind, *self.shape, seconds, self.broken, self.wanted_drafts, max(exposed, 0.0))
+        self.kind, self.shape, self.broken, self.wanted_drafts, self.arrived_at = "none", (0, 0), False, False, None
         return self.last
 
     def totals(self) -> tuple[tuple[str, int, float], ...]:

@@ -1,9 +1,11 @@
 """The step-cost table scaled to what steps take while serving (speculation/calibration.py): verify steps that take
 longer than the table says, against plain steps, make the policy draft less; what slows both alike changes
-nothing; only steps inside runs count; ranks agree on the slowest rank's scale; and no token depends on it."""
+nothing; only steps inside runs count; breaks that expose more host work than the start-up measure price breaks
+higher; ranks agree on the slowest rank's scale; and no token depends on it."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from moeplex.config import EngineConfig
@@ -13,7 +15,7 @@ from moeplex.speculation import calibration as calibration_module
 from moeplex.speculation.calibration import Calibration
 from moeplex.speculation.costs import StepCosts, grid_sizes
 from moeplex.speculation.policy import AdaptivePolicy
-from moeplex.step_log import TimedStep
+from moeplex.step_log import StepLog, TimedStep
 
 import script_drafters
 from test_speculative import PAGE, PROMPTS, conserved, script_distribution  # noqa: F401 (fixtures)
@@ -22,8 +24,8 @@ from test_speculative_policy import STEPS, request, table
 PLAIN, PER_ROW = 1.0, 0.02  # a verify row costs 2% of a plain step: drafting pays at every size
 
 
-def costs() -> StepCosts:
-    c = StepCosts(grid_sizes(8), table(PLAIN, PER_ROW, fixed=0.05))
+def costs(break_cost: float = 0.0) -> StepCosts:
+    c = StepCosts(grid_sizes(8), table(PLAIN, PER_ROW, fixed=0.05), lambda n: break_cost)
     c.measure_all()
     return c
 
@@ -113,9 +115,10 @@ def test_a_host_drafters_synchronous_verify_steps_count_alone():
 def test_every_rank_takes_the_slowest_ranks_scale():
     seen = []
 
-    def slowest(values):  # a second rank measured 2.5x for size 2 (what the all-gather would return)
-        seen.append(list(values))
-        return [max(v, 2.5) if size == 2 else v for size, v in zip(grid_sizes(8), values)]
+    def slowest(values):  # a second rank measured 2.5x for size 2 (what the all-gather would return); the verify
+        seen.append(list(values))  # scales come first, then the breaks'
+        sizes = grid_sizes(8)
+        return [max(v, 2.5) if i < len(sizes) and sizes[i] == 2 else v for i, v in enumerate(values)]
 
     c = costs()
     calibration = Calibration(c, slowest)
@@ -167,3 +170,69 @@ def test_tensor_parallel_ranks_publish_the_same_scales_and_change_no_token(tiny_
     assert outputs == single
     assert observed[0] == observed[1] >= 8  # the same steps observed, and published at least twice
     assert scales[0] == scales[1]
+
+
+BREAK = 0.5  # the start-up measure's break: half a plain step
+
+
+def broken(calibration: Calibration, n: int, kind: str, times: int, exposed: float) -> None:
+    for _ in range(times):
+        calibration.observe(TimedStep(kind, n, n, PLAIN * 2, True, exposed=exposed))
+
+
+def test_breaks_that_expose_more_than_the_start_up_measure_price_breaks_higher():
+    """A broken step's exposed host work (the read step's tokens on the host to the step's end), against the table's
+    break: three times it makes the policy's break three times dearer, so a run must save more to be entered, and a
+    run of steps of no draft goes on longer before it ends (two breaks' worth)."""
+    c = costs(BREAK)
+    calibration, policy = Calibration(c), AdaptivePolicy(STEPS, c)
+    batch, counts = [request(str(i)) for i in range(8)], [STEPS] * 8
+    pays_from = next(s for s in np.arange(0.25, 50.0, 0.25) if policy.run_pays(batch, counts, s, breaks=1))
+    assert c.break_cost(8) == BREAK and not policy.keeps_run(8, 30)
+    broken(calibration, 8, "mixed", 40, exposed=3 * BREAK)
+    assert 2.5 < c.break_scales[8] <= 3.0 and c.break_cost(8) == pytest.approx(BREAK * c.break_scales[8])
+    assert not policy.run_pays(batch, counts, pays_from, breaks=1) and policy.keeps_run(8, 30)
+    assert c.table_break_cost(8) == BREAK and c.scale(8) == 1.0 and 1 not in c.break_scales  # nothing else moved
+
+
+def test_only_breaks_of_launches_that_leave_the_host_at_once_count_and_never_below_the_table():
+    """A synchronous verify step's exposure holds its own forward, a step that launched nothing exposes nothing, and an
+    exposure not timed (a device that does not run ahead of the host: 0.0) says nothing; cheaper breaks than the
+    start-up measure leave it as it is (calibration only makes the policy more careful)."""
+    c = costs(BREAK)
+    calibration = Calibration(c)
+    broken(calibration, 8, "verify", 40, exposed=10 * BREAK)
+    broken(calibration, 8, "none", 40, exposed=10 * BREAK)
+    broken(calibration, 8, "decode", 40, exposed=0.0)
+    broken(calibration, 8, "verify_overlap", 40, exposed=0.2 * BREAK)
+    assert c.break_cost(8) == BREAK and not c.break_scales
+    free = costs(0.0)  # no break measured (verify steps that do not overlap): nothing to scale
+    broken(Calibration(free), 8, "mixed", 40, exposed=3 * BREAK)
+    assert free.break_cost(8) == 0.0 and not free.break_scales
+
+
+def test_every_rank_takes_the_slowest_ranks_break():
+    sizes = grid_sizes(8)
+
+    def slowest(values):  # a second rank's breaks at size 4 exposed 4x the table
+        return [max(v, 4.0) if i == len(sizes) + sizes.index(4) else v for i, v in enumerate(values)]
+
+    c = costs(BREAK)
+    calibration = Calibration(c, slowest)
+    broken(calibration, 4, "mixed", calibration_module.EARLY[0], exposed=BREAK)
+    assert c.break_scales == {4: 4.0} and not c.scales
+
+
+def test_a_broken_steps_exposure_runs_from_the_first_read_to_its_end():
+    log = StepLog()
+    log.arrived(10.0)
+    log.launched("mixed", 8, 8)
+    assert log.timed(0.004, 10.003).exposed == 0.0  # not broken: nothing exposed
+    log.broke("verify_run_ended")
+    log.arrived(20.0)
+    log.arrived(20.002)  # a later read in the same step (after the launch) is not the break's
+    log.launched("mixed", 8, 8)
+    step = log.timed(0.006, 20.003)
+    assert step.broken and step.exposed == pytest.approx(0.003)
+    log.broke("drafts_wanted")  # no read timed (the device does not run ahead): nothing exposed
+    assert log.timed(0.001, 30.0).exposed == 0.0

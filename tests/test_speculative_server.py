@@ -47,12 +47,13 @@ def metric(text: str, name: str) -> float:
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
 
 
-def test_the_calibrated_verify_costs_are_in_metrics_and_server_info(tiny_model_dir):
+def test_the_calibrated_verify_and_break_costs_are_in_metrics_and_server_info(tiny_model_dir):
     folder = tiny_model_dir("deepseek_v3")
     engine = Engine(EngineConfig(model=folder, dtype="fp32", show_progress=False, max_total_tokens=1024, page_size=4,
                                  speculative_algorithm="ngram", speculative_num_steps=2))
     assert engine.calibration is not None  # the adaptive policy's default
     engine.step_costs.set_scale(2, 1.75)  # as the calibration publishes what it measured
+    engine.step_costs.set_break_scale(2, 3.5)
     body = {"input_ids": [256, 40, 41], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
     with LiveServer(build_app(engine, ServerSettings(served_model_name="tiny"))) as live:
         httpx.post(f"{live.url}/generate", json=body, timeout=60).raise_for_status()  # (stats come with a round)
@@ -60,3 +61,5 @@ def test_the_calibrated_verify_costs_are_in_metrics_and_server_info(tiny_model_d
         info = httpx.get(f"{live.url}/get_server_info").json()
     assert metric(text, 'moeplex_spec_verify_cost_scale{requests="2"}') == 1.75
     assert info["spec_verify_cost_scales"] == {"2": 1.75}
+    assert metric(text, 'moeplex_spec_break_cost_scale{requests="2"}') == 3.5
+    assert info["spec_break_cost_scales"] == {"2": 3.5}

@@ -40,7 +40,8 @@ def group_stats(engine: Engine) -> GroupStats:
     extra.update(grammar_mask_waits=engine.grammar.mask_waits, grammar_mask_wait_seconds=engine.grammar.mask_wait_seconds,
                  engine_steps=engine.step_log.totals(), overlap_breaks=engine.step_log.break_totals())
     if engine.calibration is not None:
-        extra.update(verify_cost_scales=tuple(sorted(engine.step_costs.scales.items())))
+        extra.update(verify_cost_scales=tuple(sorted(engine.step_costs.scales.items())),
+                     break_cost_scales=tuple(sorted(engine.step_costs.break_scales.items())))
     if cache is None:
         return GroupStats(*counts, **extra)
     return GroupStats(*counts, cache.num_pages, cache.queried_tokens, cache.hit_tokens, cache.evicted_pages,

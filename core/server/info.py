@@ -132,6 +132,7 @@ class InfoRoutes:
                 # per batch size: the adaptive policy's verify costs as serving measured them / as the start-up
                 # measurement had them (speculation/calibration.py; sizes where they moved)
                 "spec_verify_cost_scales": stats.verify_cost_scales(),
+                "spec_break_cost_scales": stats.break_cost_scales(),  # the same for a break of the overlap schedule
                 "parallel": self._parallel(),
                 "disaggregation": self._disaggregation(),
             }

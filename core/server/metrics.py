@@ -148,7 +148,13 @@ class StepCounters:
                                    "start-up measurement, per batch size (where they moved)", labels=["requests"])
         for size, scale in stats.verify_cost_scales().items():
             scales.add_metric([str(size)], scale)
-        yield from (steps, seconds, breaks, scales)
+        break_scales = GaugeMetricFamily("moeplex_spec_break_cost_scale",
+                                         "The adaptive draft policy's cost of a break of the overlap schedule as "
+                                         "serving measured it over the start-up measurement, per batch size (where "
+                                         "it moved)", labels=["requests"])
+        for size, scale in stats.break_cost_scales().items():
+            break_scales.add_metric([str(size)], scale)
+        yield from (steps, seconds, breaks, scales, break_scales)
 
 
 PREFIX_CACHE_COUNTERS = (

@@ -25,6 +25,15 @@ the table's bare forward (on an H100 at 32 requests, 11.1 ms against 5.4), and a
 For such a drafter (`isolated`) every synchronous verify step counts, alone, at what it took, break included: what
 drafting really costs it there. Without this the adversary at 32 and 64 verified 37-40 times a run and ran at 0.95x.
 
+Breaks of the overlap schedule are priced the same way. The start-up measure (setup.py's measure_break) times a bare
+plain step read before the next is built; a break while serving exposes the engine's whole step instead: the read
+of every request's tokens, their bookkeeping, the next step's scheduling and launch. At 64 requests on an H200
+(session 17) ngram's runs of verify steps ended 39 times a round, its mixed steps (where runs end) averaged 6.17 ms
+against plain decoding's 4.87, and ngram ran at 0.91x of plain decoding. So each broken step whose launch is asynchronous
+counts with what it exposed (StepLog: from the read step's tokens reaching the host to the step's end), against the
+table's break of its size, in a decayed mean of logs like the verify steps'; the break's scale leans towards 1 with
+PRIOR_WEIGHT steps' worth of weight, and stays within SCALE_RANGE (never below the table).
+
 Decisions made from timings would differ between ranks that must decide alike (tensor-parallel ranks schedule the
 same requests), so the scales reach the table only every PUBLISH_EVERY observed steps (and after the first EARLY ones), as the
 slowest rank's (one
@@ -59,6 +68,8 @@ SCALE_RANGE = (1.0, 32.0)
 
 PLAIN_KINDS = frozenset({"decode"})
 SYNC_VERIFY = "verify"  # a verify step that waits for its own forward (StepLog's kind)
+UNTIMED_BREAKS = frozenset({SYNC_VERIFY, "none"})  # a broken step of these kinds exposes more than the break (its own
+# forward) or nothing launched
 
 
 @attrs.define
@@ -96,6 +107,7 @@ class Calibration:
         self.isolated = isolated  # synchronous verify steps count alone (the module docstring)
         self._plain: dict[int, _Ratio] = {}
         self._verify: dict[int, _Ratio] = {}
+        self._breaks: dict[int, _Ratio] = {}  # per size: log(exposed / the table's break) of broken steps
         self._last_class: str | None = None
         self._observed = 0
 
@@ -104,6 +116,8 @@ class Calibration:
         steady = cls is not None and cls == self._last_class and not step.broken and step.requests > 0
         alone = self.isolated and step.kind == SYNC_VERIFY and step.requests > 0
         self._last_class = cls
+        if step.broken and step.kind not in UNTIMED_BREAKS:
+            self._observe_break(step)
         if not (steady or alone):
             return
         size = self.costs.size_of(step.requests)
@@ -117,6 +131,23 @@ class Calibration:
         if cls == "plain":
             for ratio in self._verify.values():
                 ratio.wait()
+        self._count()
+
+    def _observe_break(self, step: TimedStep) -> None:
+        """A broken step: what it exposed against the table's break of its size. Whether it counts depends only on
+        what every rank sees alike (ranks publish together); its time only where the device ran ahead of the host."""
+        n = max(step.requests, 1)
+        size = self.costs.size_of(n)
+        if size not in self.costs.measured or self.costs.table_break_cost(n) <= 0.0:
+            return
+        if step.exposed > 0.0:
+            ratio = self._breaks.setdefault(size, _Ratio())
+            believed = ratio.mean()
+            measured = math.log(step.exposed / self.costs.table_break_cost(n))
+            ratio.add(min(max(measured, believed - math.log(CLIP)), believed + math.log(CLIP)))
+        self._count()
+
+    def _count(self) -> None:
         self._observed += 1
         if self._observed % PUBLISH_EVERY == 0 or self._observed in EARLY:
             self._publish()
@@ -134,9 +165,21 @@ class Calibration:
             out[size] = min(max(math.exp(shrunk), low), high)
         return out
 
+    def break_scales(self) -> dict[int, float]:
+        """This rank's scale of the break per grid size (1.0 where no break was timed)."""
+        low, high = SCALE_RANGE
+        out = {}
+        for size in self.costs.sizes:
+            ratio = self._breaks.get(size, _Ratio())
+            out[size] = min(max(math.exp(ratio.mean() * ratio.weight / (ratio.weight + PRIOR_WEIGHT)), low), high)
+        return out
+
     def _publish(self) -> None:
-        mine = self.scales()
-        agreed = self.slowest([mine[size] for size in self.costs.sizes])
-        for size, scale in zip(self.costs.sizes, agreed):
+        sizes = self.costs.sizes
+        verify, breaks = self.scales(), self.break_scales()
+        agreed = self.slowest([verify[size] for size in sizes] + [breaks[size] for size in sizes])
+        for size, scale, broken in zip(sizes, agreed[: len(sizes)], agreed[len(sizes):]):
             if abs(scale / self.costs.scale(size) - 1.0) > MOVE:
                 self.costs.set_scale(size, scale)
+            if abs(broken / self.costs.break_scales.get(size, 1.0) - 1.0) > MOVE:
+                self.costs.set_break_scale(size, broken)

@@ -75,7 +75,9 @@ class StepCosts:
     steps from plain ones costs one, leaving it another (the policy prices its tries with them).
 
     `set_scale(size, factor)`: verify steps of that size cost `factor` times the table from now on (calibration.py:
-    what serving measures them at, against plain steps); `table_cost` is the table without it."""
+    what serving measures them at, against plain steps); `table_cost` is the table without it. `set_break_scale`
+    does the same for a break (what the host work a break exposes takes while serving: a real step's reads and
+    bookkeeping, which the start-up measure's bare steps do not have); `table_break_cost` is the measure alone."""
 
     def __init__(self, sizes: Sequence[int], measure_size: Callable[[int], Sequence[float]],
                  measure_break: Callable[[int], float] | None = None):
@@ -85,6 +87,7 @@ class StepCosts:
         self.measured: dict[int, list[float]] = {}
         self.breaks: dict[int, float] = {}
         self.scales: dict[int, float] = {}  # per size: verify steps' cost as served / as measured (calibration.py)
+        self.break_scales: dict[int, float] = {}  # per size: a break's cost as served / as measured
         self.version = 0  # moves whenever a size is measured (what was derived from the table may be stale)
 
     def cost(self, n: int, rows: int, verify: bool) -> float:
@@ -120,9 +123,17 @@ class StepCosts:
         return self.sizes[min(bisect.bisect_left(self.sizes, n), len(self.sizes) - 1)]
 
     def break_cost(self, n: int) -> float:
+        return self.table_break_cost(n) * self.break_scales.get(self.size_of(n), 1.0)
+
+    def table_break_cost(self, n: int) -> float:
+        """break_cost() as measured at start-up, without the calibration's scale."""
         size = self.size_of(n)
         self.at(size)
         return self.breaks[size]
+
+    def set_break_scale(self, size: int, factor: float) -> None:
+        self.break_scales[size] = factor
+        self.version += 1
 
     def at(self, size: int) -> list[float]:
         if size not in self.measured:
