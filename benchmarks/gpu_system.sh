@@ -2,7 +2,7 @@
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-profile|spec-profile-dsv3|tests-nextn|
-#                                     spec-serve|spec-serve-spread|spec-profile-never|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
+#                                     spec-serve|spec-serve-spread|spec-profile-never|spec-never|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes; session 17's state):
 #   bash benchmarks/gpu_system.sh OUT front-end serving serving-interval spec-oracle-steps  # #31 target 3, #32 oracle:
 #                                         #      on an H200 (H100, session 17: served/offline 0.90 pooled, a served
@@ -59,6 +59,10 @@ for part in "$@"; do
       timeout $(lim 330) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave \
         --steady --runs 3 --batches 1 8 32 64 --output-len 64 --drafters ngram test-adversary \
         --out "$out/speculative_copy_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -16 ;;
+    spec-never)  # #32 "never worse" on random weights: ngram at 1, 32, 64 and the adversary (AB=1: the core in .ab)
+      PYTHONPATH=${AB:+$PWD/.ab:}$PYTHONPATH timeout $(lim 240) python3 benchmarks/speculative.py --device cuda --only qwen \
+        --qwen-layers 12 --interleave --steady --runs 3 --batches 1 32 64 --output-len 64 --drafters ngram test-adversary \
+        --no-copy --out "$out/speculative_never${AB:+_ab}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part${AB:+_ab}.log" | tail -12 ;;
     spec-mixed)
       timeout $(lim 300) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
         --runs 3 --batches 8 32 --output-len 64 --drafters ngram --mixed-chunk on \

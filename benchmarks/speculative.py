@@ -289,8 +289,8 @@ def measure(engine: Engine, drafter: str, batch: int, prompts, args, reference: 
 
 
 def step_mix(before, engine: Engine) -> str:
-    """The run's steps by kind (count x mean wall ms), the overlap schedule's breaks, and the verify costs' scales
-    the calibration reached (speculation/calibration.py; sizes where it moved the table)."""
+    """The run's steps by kind (count x mean wall ms), the overlap schedule's breaks, and the verify costs' and
+    breaks' scales the calibration reached (speculation/calibration.py; sizes where it moved the table)."""
     log = engine.step_log
     parts = [f"{kind} {log.steps[kind] - before.steps[kind]}x"
              f"{(log.seconds[kind] - before.seconds[kind]) * 1e3 / (log.steps[kind] - before.steps[kind]):.2f}ms"
@@ -300,6 +300,8 @@ def step_mix(before, engine: Engine) -> str:
     costs = getattr(engine, "step_costs", None)
     if costs is not None and costs.scales:
         parts.append("verify scales " + " ".join(f"{n}:{s:.2f}" for n, s in sorted(costs.scales.items())))
+    if getattr(costs, "break_scales", None):  # (an earlier core, AB=1, has none)
+        parts.append("break scales " + " ".join(f"{n}:{s:.2f}" for n, s in sorted(costs.break_scales.items())))
     return ", ".join(parts)
 
 
