@@ -2,7 +2,7 @@
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-profile|spec-profile-dsv3|tests-nextn|
-#                                     spec-serve|spec-serve-spread|spec-profile-never|spec-never|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|large-m|prefix|dgmasked ...
+#                                     spec-serve|spec-serve-spread|spec-profile-never|spec-never|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|large-m|prefix|dgprobe|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes; session 17's state):
 #   bash benchmarks/gpu_system.sh OUT front-end serving serving-interval spec-oracle-steps  # #31 target 3, #32 oracle:
 #                                         #      on an H200 (H100, session 17: served/offline 0.90 pooled, a served
@@ -141,10 +141,21 @@ for part in "$@"; do
             --compare-fewer-launches --out "$out/e2e_${model}_run$run.md" 2>&1 | grep -v -i warn | tail -14
         done
       done ;;
-    dgmasked)
+    dgprobe|dgmasked)
       python3 -m pip install -q --no-deps --no-index .dg/deep*.whl  # built by benchmarks/deepgemm_build.sh
       mkdir -p .dg/cache
       export CPLUS_INCLUDE_PATH=$PWD/.dg/include DG_JIT_CACHE_DIR=$PWD/.dg/cache
+      export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}  # where its JIT finds nvcc
+      if [ $part = dgprobe ]; then  # does DeepGEMM run here at all: the libraries it may load, its JIT's commands
+        { ldconfig -p | grep -E "libdw|libelf" ; command -v gdb; echo "CUDA_HOME=$CUDA_HOME"; } 2>&1 | tee "$out/dgprobe.log"
+        DG_JIT_DEBUG=1 timeout $(lim 150) python3 -X faulthandler benchmarks/deepgemm_probe.py 2>&1 | tail -60 \
+          | tee -a "$out/dgprobe.log" | grep -v "^  \|^$" | tail -25
+        if grep -q "Segmentation fault" "$out/dgprobe.log" && command -v gdb > /dev/null; then  # the native frames
+          timeout $(lim 120) gdb -q -batch -ex run -ex bt --args python3 benchmarks/deepgemm_probe.py 2>&1 \
+            | grep -E "^#|signal" | head -40 | tee "$out/dgprobe_gdb.log"
+        fi
+        continue
+      fi
       for run in 1 2 3; do  # the plugin's whole masked path against the Triton kernel on the same routing
         timeout $(lim 200) python3 benchmarks/deepgemm_moe.py --decode 1 8 32 --prefill 2>&1 | grep -v -i warn \
           | tee "$out/deepgemm_moe_run$run.md" | grep "^| [0-9]"
