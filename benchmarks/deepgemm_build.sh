@@ -12,7 +12,8 @@
 # dlopen()s libdw.so.1 at run time for symbolised stack traces and does nothing when it is missing, so the header's
 # declarations are all the build needs. Where the machine has no such header, this script writes one into
 # .dg/include/elfutils/ (the eight functions and three types exception.hpp names, declared as elfutils' documented
-# API gives them) and adds .dg/include to the compiler's include path.
+# API gives them) and adds .dg/include to the compiler's include path. With it the build ends in 93 s on an H100
+# (session 18: results/deepgemm_build_h100_s18.md); gpu_system.sh's dgprobe part then checks that a GEMM runs.
 set -o pipefail
 out=${1:?OUT}/dg; seconds=${2:-360}
 mkdir -p "$out"

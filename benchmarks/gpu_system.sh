@@ -12,8 +12,12 @@
 #   bash benchmarks/gpu_system.sh OUT spec-serve tests-overlap # #32 served, ngram at 1/16/64
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
 #   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M)
-#   bash benchmarks/gpu_system.sh OUT dgmasked                 # #31 target 4 (needs the DeepGEMM wheel in .dg/:
-#                                         #      benchmarks/deepgemm_build.sh builds it there)
+#   bash benchmarks/gpu_system.sh OUT dgprobe dgmasked         # #31 target 4 (needs the DeepGEMM wheel in .dg/:
+#                                         #      benchmarks/deepgemm_build.sh builds it there; session 18: built, and
+#                                         #      its first GEMM call crashed: results/deepgemm_build_h100_s18.md)
+#   AB=1 bash benchmarks/gpu_system.sh OUT spec-never; bash benchmarks/gpu_system.sh OUT spec-never spec-profile-never
+#                                         # #32 never-worse on an H200, before/after the break calibration (.ab: the
+#                                         #      core before 2ab866b)
 #   bash benchmarks/plan_profile.sh OUT                        # #34: the inputs the shipped plan profile borrows
 # AB=1: the serving parts import the moeplex copied into .ab/moeplex (an earlier commit's core/, git-ignored), for a
 # before/after in one call: mkdir .ab && git archive REV core | tar x -C .ab && mv .ab/core .ab/moeplex
