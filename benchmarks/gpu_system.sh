@@ -154,9 +154,13 @@ for part in "$@"; do
         { ldconfig -p | grep -E "libdw|libelf" ; command -v gdb; echo "CUDA_HOME=$CUDA_HOME"; } 2>&1 | tee "$out/dgprobe.log"
         DG_JIT_DEBUG=1 timeout $(lim 150) python3 -X faulthandler benchmarks/deepgemm_probe.py 2>&1 | tail -60 \
           | tee -a "$out/dgprobe.log" | grep -v "^  \|^$" | tail -25
-        if grep -q "Segmentation fault" "$out/dgprobe.log" && command -v gdb > /dev/null; then  # the native frames
-          timeout $(lim 120) gdb -q -batch -ex run -ex bt --args python3 benchmarks/deepgemm_probe.py 2>&1 \
-            | grep -E "^#|signal" | head -40 | tee "$out/dgprobe_gdb.log"
+        if grep -q "Segmentation fault" "$out/dgprobe.log"; then  # the native frames, named (no gdb on the image)
+          gcc -shared -fPIC -o /tmp/segv_frames.so benchmarks/segv_frames.c
+          LD_PRELOAD=/tmp/segv_frames.so timeout $(lim 120) python3 benchmarks/deepgemm_probe.py 2>&1 \
+            | grep -A64 "native frames" > "$out/dgprobe_frames.log"
+          grep -o "^[^ ]*(+0x[0-9a-f]*)" "$out/dgprobe_frames.log" | head -24 | while IFS='(' read -r lib offset; do
+            echo "$(basename "$lib") ${offset%)}: $(addr2line -f -C -e "$lib" "${offset%)}" 2>/dev/null | head -1)"
+          done | tee -a "$out/dgprobe_frames.log"
         fi
         continue
       fi
