@@ -14,7 +14,8 @@
 #   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M)
 #   bash benchmarks/gpu_system.sh OUT dgprobe dgmasked         # #31 target 4 (needs the DeepGEMM wheel in .dg/:
 #                                         #      benchmarks/deepgemm_build.sh builds it there; session 18: built, and
-#                                         #      its first GEMM call crashed: results/deepgemm_build_h100_s18.md)
+#                                         #      its first GEMM call crashed in std::regex; relinked with
+#                                         #      -Bsymbolic-functions, not yet run: results/deepgemm_build_h100_s18.md)
 #   AB=1 bash benchmarks/gpu_system.sh OUT spec-never; bash benchmarks/gpu_system.sh OUT spec-never spec-profile-never
 #                                         # #32 never-worse on an H200, before/after the break calibration (.ab: the
 #                                         #      core before 2ab866b)
