@@ -13,9 +13,8 @@
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
 #   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M)
 #   bash benchmarks/gpu_system.sh OUT dgprobe dgmasked         # #31 target 4 (needs the DeepGEMM wheel in .dg/:
-#                                         #      benchmarks/deepgemm_build.sh builds it there; session 18: built, and
-#                                         #      its first GEMM call crashed in std::regex; relinked with
-#                                         #      -Bsymbolic-functions, not yet run: results/deepgemm_build_h100_s18.md)
+#                                         #      benchmarks/deepgemm_build.sh builds it there; runs since session 19
+#                                         #      with libstdc++ preloaded: results/deepgemm_masked_h100_s19.md)
 #   AB=1 bash benchmarks/gpu_system.sh OUT spec-never; bash benchmarks/gpu_system.sh OUT spec-never spec-profile-never
 #                                         # #32 never-worse on an H200, before/after the break calibration (.ab: the
 #                                         #      core before 2ab866b)
@@ -151,6 +150,10 @@ for part in "$@"; do
       mkdir -p .dg/cache
       export CPLUS_INCLUDE_PATH=$PWD/.dg/include DG_JIT_CACHE_DIR=$PWD/.dg/cache
       export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}  # where its JIT finds nvcc
+      # The extension built on the lent image carries its own copies of libstdc++'s locale objects and names no
+      # libstdc++.so.6, so its first call to the JIT runtime reached a wrong facet (or factory) and crashed; with the
+      # shared library preloaded every copy resolves to the one (session 19: results/deepgemm_masked_h100_s19.md)
+      export LD_PRELOAD=$(g++ -print-file-name=libstdc++.so.6)${LD_PRELOAD:+:$LD_PRELOAD}
       if [ $part = dgprobe ]; then  # does DeepGEMM run here at all: the libraries it may load, its JIT's commands
         { ldconfig -p | grep -E "libdw|libelf" ; command -v gdb; echo "CUDA_HOME=$CUDA_HOME"; } 2>&1 | tee "$out/dgprobe.log"
         DG_JIT_DEBUG=1 timeout $(lim 150) python3 -X faulthandler benchmarks/deepgemm_probe.py 2>&1 | tail -60 \

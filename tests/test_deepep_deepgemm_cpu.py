@@ -282,8 +282,9 @@ def test_silu_mul_quantize_equals_torch_then_quantize(dtype):
 
 
 def test_silu_mul_quantize_masked_writes_only_counted_rows():
-    x = torch.randn(3, 8, 2 * 128, generator=torch.Generator().manual_seed(2))
-    counts = torch.tensor([0, 3, 8], dtype=torch.int32)
+    # several blocks of 16 rows, and 5 column groups (not a multiple of the 4 a masked program loops over)
+    x = torch.randn(3, 40, 2 * 640, generator=torch.Generator().manual_seed(2))
+    counts = torch.tensor([0, 17, 40], dtype=torch.int32)
     values, scales = silu_mul_quantize(x, counts)
     for expert, count in enumerate(counts.tolist()):
         want = quantize_activations(_silu_mul(x[expert, :count]))
@@ -296,8 +297,8 @@ def test_silu_mul_quantize_masked_writes_only_counted_rows():
 def test_quantize_rows_masked_writes_only_counted_rows():
     from moeplex.kernels.fp8 import quantize_rows
 
-    x = torch.randn(3, 8, 256, generator=torch.Generator().manual_seed(4))
-    counts = torch.tensor([2, 0, 8], dtype=torch.int32)
+    x = torch.randn(3, 40, 640, generator=torch.Generator().manual_seed(4))
+    counts = torch.tensor([2, 0, 33], dtype=torch.int32)
     values, scales = quantize_rows(x, counts)
     full_values, full_scales = quantize_rows(x)
     for expert, count in enumerate(counts.tolist()):

@@ -34,7 +34,9 @@ def test_on_gpu_speculation_changes_no_token(tiny_model_dir, script_distribution
     # ngram reads no hidden states: the steps between drafting ones overlap
     assert graphs is not None and spec.overlap_schedule and max(graphs.sizes) == 16
     replayed, run = [], graphs.run
-    graphs.run = lambda batch, rows=None: replayed.append(batch.batch_size) or run(batch, rows)
+    # the decode and verify steps' sizes (a prompt replayed as decode rows, sample_rows set, is no such step)
+    graphs.run = lambda batch, rows=None: (
+        (batch.sample_rows is None and replayed.append(batch.batch_size)) or run(batch, rows))
     got = spec.generate(PROMPTS, GREEDY)
     assert [r.output_ids for r in got] == want
     if drafter == "test-oracle":  # every decode step verified drafts: 3 requests x 4 rows, from the graphs

@@ -12,6 +12,7 @@ import triton.language as tl
 from ..quant import BLOCK as GROUP, FP8, FP8_MAX
 
 ROWS_PER_PROGRAM = 16
+GROUPS_PER_MASKED_PROGRAM = 4  # column groups a masked-layout program loops over, beside its rows
 
 
 @triton.jit
@@ -43,27 +44,75 @@ def _store_quantized(x, rows, group, row_mask, cols, col_mask, values_ptr, scale
 
 
 @triton.jit
-def _counted_rows(rows, num_rows, counts_ptr, rows_per_group, MASKED: tl.constexpr):
-    """Which of `rows` hold data: all below num_rows, or (masked layout) those below their group's count."""
-    row_mask = rows < num_rows
-    if MASKED:
-        count = tl.load(counts_ptr + rows // rows_per_group, mask=row_mask, other=0)
-        row_mask = row_mask & (rows % rows_per_group < count)
-    return row_mask
-
-
-@triton.jit
-def _quantize_kernel(x_ptr, values_ptr, scales_ptr, counts_ptr, num_rows, rows_per_group, num_cols,
-                     stride_xm, stride_vm, stride_sm,
-                     MASKED: tl.constexpr, FP8_MAX: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    group = tl.program_id(1)
+def _quantize_tile(x_ptr, values_ptr, scales_ptr, rows, row_mask, group, num_cols, stride_xm, stride_vm, stride_sm,
+                   FP8_MAX: tl.constexpr, GROUP: tl.constexpr):
     cols = group * GROUP + tl.arange(0, GROUP)
-    row_mask = _counted_rows(rows, num_rows, counts_ptr, rows_per_group, MASKED)
     col_mask = cols < num_cols
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :],
                 mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
     _store_quantized(x, rows, group, row_mask, cols, col_mask, values_ptr, scales_ptr, stride_vm, stride_sm, FP8_MAX)
+
+
+@triton.jit
+def _silu_quantize_tile(x_ptr, values_ptr, scales_ptr, rows, row_mask, group, inter, stride_xm, stride_vm, stride_sm,
+                        FP8_MAX: tl.constexpr, GROUP: tl.constexpr):
+    cols = group * GROUP + tl.arange(0, GROUP)
+    col_mask = cols < inter
+    mask = row_mask[:, None] & col_mask[None, :]
+    base = x_ptr + rows[:, None] * stride_xm + cols[None, :]
+    gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(base + inter, mask=mask, other=0.0).to(tl.float32)
+    # SiLU rounded to the input dtype before the product, as torch computes F.silu(gate) * up
+    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    _store_quantized(y, rows, group, row_mask, cols, col_mask, values_ptr, scales_ptr, stride_vm, stride_sm, FP8_MAX)
+
+
+@triton.jit
+def _rows_kernel(x_ptr, values_ptr, scales_ptr, counts_ptr, num_rows, rows_per_group, num_cols, num_groups,
+                 stride_xm, stride_vm, stride_sm,
+                 SILU: tl.constexpr, MASKED: tl.constexpr, FP8_MAX: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_R: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr):
+    """One tile of rows x 128 columns quantized (SILU: of silu(gate) * up), or in the masked layout, for expert
+    program_id(0), its counted rows only: a loop over them, so rows past the count cost no program."""
+    if MASKED:
+        expert = tl.program_id(0)
+        count = tl.minimum(tl.load(counts_ptr + expert), rows_per_group)
+        for start in range(0, count, BLOCK_R):
+            offsets = start + tl.arange(0, BLOCK_R)
+            rows = expert.to(tl.int64) * rows_per_group + offsets
+            for j in tl.static_range(GROUPS_PER_PROGRAM):
+                group = tl.program_id(1) * GROUPS_PER_PROGRAM + j
+                if group < num_groups:
+                    if SILU:
+                        _silu_quantize_tile(x_ptr, values_ptr, scales_ptr, rows, offsets < count, group, num_cols,
+                                            stride_xm, stride_vm, stride_sm, FP8_MAX, GROUP)
+                    else:
+                        _quantize_tile(x_ptr, values_ptr, scales_ptr, rows, offsets < count, group, num_cols,
+                                       stride_xm, stride_vm, stride_sm, FP8_MAX, GROUP)
+    else:
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+        if SILU:
+            _silu_quantize_tile(x_ptr, values_ptr, scales_ptr, rows, rows < num_rows, tl.program_id(1), num_cols,
+                                stride_xm, stride_vm, stride_sm, FP8_MAX, GROUP)
+        else:
+            _quantize_tile(x_ptr, values_ptr, scales_ptr, rows, rows < num_rows, tl.program_id(1), num_cols,
+                           stride_xm, stride_vm, stride_sm, FP8_MAX, GROUP)
+
+
+def _launch_rows(flat, values, scales, counts, rows_per_group, num_cols, silu: bool) -> None:
+    """flat [rows, C or 2C] -> values [rows, C], scales [rows, C/128]: a program per 16 rows and 128 columns, or
+    with counts [G] (the masked layout: G groups of rows_per_group rows) a program per group and 4 column groups."""
+    num_rows, num_groups = flat.shape[0], scales.shape[-1]
+    if not num_rows:
+        return
+    masked = counts is not None
+    per_program = GROUPS_PER_MASKED_PROGRAM if masked else 1
+    programs = counts.shape[0] if masked else triton.cdiv(num_rows, ROWS_PER_PROGRAM)
+    grid = (programs, triton.cdiv(num_groups, per_program))
+    _rows_kernel[grid](flat, values, scales, counts if masked else flat, num_rows, rows_per_group, num_cols, num_groups,
+                       flat.stride(0), num_cols, num_groups, SILU=silu, MASKED=masked, FP8_MAX=FP8_MAX, GROUP=GROUP,
+                       BLOCK_R=ROWS_PER_PROGRAM, GROUPS_PER_PROGRAM=per_program)
 
 
 def quantize_rows(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,37 +123,10 @@ def quantize_rows(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[
     (the masked layout); the other rows of the result are left unwritten.
     """
     num_cols, rows_per_group = x.shape[-1], x.shape[-2] if x.dim() > 1 else 1
-    flat = x.reshape(-1, num_cols)
-    num_rows = flat.shape[0]
     values = torch.empty(*x.shape, dtype=FP8, device=x.device)
     scales = torch.empty(*x.shape[:-1], triton.cdiv(num_cols, GROUP), dtype=torch.float32, device=x.device)
-    if num_rows:
-        grid = (triton.cdiv(num_rows, ROWS_PER_PROGRAM), scales.shape[-1])
-        _quantize_kernel[grid](flat, values, scales, counts if counts is not None else flat, num_rows, rows_per_group,
-                               num_cols, flat.stride(0), num_cols, scales.shape[-1],
-                               MASKED=counts is not None, FP8_MAX=FP8_MAX, GROUP=GROUP, BLOCK_R=ROWS_PER_PROGRAM)
+    _launch_rows(x.reshape(-1, num_cols), values, scales, counts, rows_per_group, num_cols, silu=False)
     return values, scales
-
-
-@triton.jit
-def _silu_mul_quantize_kernel(x_ptr, values_ptr, scales_ptr, counts_ptr, num_rows, rows_per_group, inter,
-                              stride_xm, stride_vm, stride_sm,
-                              MASKED: tl.constexpr, FP8_MAX: tl.constexpr, GROUP: tl.constexpr,
-                              BLOCK_R: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    group = tl.program_id(1)
-    cols = group * GROUP + tl.arange(0, GROUP)
-    # rows past their expert's count (masked layout) hold nothing: neither read nor written
-    row_mask = _counted_rows(rows, num_rows, counts_ptr, rows_per_group, MASKED)
-    col_mask = cols < inter
-    mask = row_mask[:, None] & col_mask[None, :]
-    base = x_ptr + rows[:, None] * stride_xm + cols[None, :]
-    gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(base + inter, mask=mask, other=0.0).to(tl.float32)
-    # SiLU rounded to the input dtype before the product, as torch computes F.silu(gate) * up
-    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-    y = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    _store_quantized(y, rows, group, row_mask, cols, col_mask, values_ptr, scales_ptr, stride_vm, stride_sm, FP8_MAX)
 
 
 def silu_mul_quantize(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,15 +139,7 @@ def silu_mul_quantize(x: torch.Tensor, counts: torch.Tensor | None = None) -> tu
     if inter % GROUP:
         raise ValueError(f"the intermediate size {inter} is not a multiple of the {GROUP}-wide fp8 groups")
     rows_per_group = x.shape[-2]
-    flat = x.reshape(-1, x.shape[-1])
     values = torch.empty(*x.shape[:-1], inter, dtype=FP8, device=x.device)
     scales = torch.empty(*x.shape[:-1], inter // GROUP, dtype=torch.float32, device=x.device)
-    num_rows = flat.shape[0]
-    if num_rows:
-        grid = (triton.cdiv(num_rows, ROWS_PER_PROGRAM), inter // GROUP)
-        _silu_mul_quantize_kernel[grid](
-            flat, values, scales, counts if counts is not None else flat, num_rows, rows_per_group, inter,
-            flat.stride(0), inter, inter // GROUP,
-            MASKED=counts is not None, FP8_MAX=FP8_MAX, GROUP=GROUP, BLOCK_R=ROWS_PER_PROGRAM,
-        )
+    _launch_rows(x.reshape(-1, x.shape[-1]), values, scales, counts, rows_per_group, inter, silu=True)
     return values, scales
