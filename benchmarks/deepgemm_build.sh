@@ -71,9 +71,10 @@ python3 -c "import wheel.bdist_wheel" 2>/dev/null || python3 -m pip install -q -
 rm -rf /tmp/dg_src /tmp/dg_wheel && mkdir -p /tmp/dg_src && tar xzf "$repo"/.dg/deepinfer_gemm-*.tar.gz -C /tmp/dg_src
 cd /tmp/dg_src/deepinfer_gemm-* || exit 1
 start=$(date +%s)
-# -Bsymbolic-functions: the extension calls its own copies of the C++ library's inline templates. Without it its
-# std::regex (deep_jit's get_compiler_info, at the first GEMM call) was bound to another loaded library's copies of a
-# different build and crashed (session 18, H100: native frames in results/deepgemm_build_h100_s18.md).
+# -Bsymbolic-functions: the extension calls its own copies of the C++ library's inline templates (session 18's first
+# GEMM call crashed in deep_jit's std::regex). That alone was not enough: the extension also carries its own copies
+# of libstdc++'s locale objects and names no libstdc++.so.6, so it runs with that library preloaded (gpu_system.sh's
+# dgprobe and dgmasked parts; results/deepgemm_masked_h100_s19.md).
 LDFLAGS="-Wl,-Bsymbolic-functions${LDFLAGS:+ $LDFLAGS}" \
 CPLUS_INCLUDE_PATH=$repo/.dg/include${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH} \
 CUDA_HOME=$cuda_home DG_FORCE_BUILD=1 MAX_JOBS=${MAX_JOBS:-16} PYTHONPATH=$tools${PYTHONPATH:+:$PYTHONPATH} timeout "$seconds" \
