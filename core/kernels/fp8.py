@@ -69,6 +69,17 @@ def _silu_quantize_tile(x_ptr, values_ptr, scales_ptr, rows, row_mask, group, in
 
 
 @triton.jit
+def _tile(x_ptr, values_ptr, scales_ptr, rows, row_mask, group, num_cols, stride_xm, stride_vm, stride_sm,
+          SILU: tl.constexpr, FP8_MAX: tl.constexpr, GROUP: tl.constexpr):
+    if SILU:
+        _silu_quantize_tile(x_ptr, values_ptr, scales_ptr, rows, row_mask, group, num_cols, stride_xm, stride_vm,
+                            stride_sm, FP8_MAX, GROUP)
+    else:
+        _quantize_tile(x_ptr, values_ptr, scales_ptr, rows, row_mask, group, num_cols, stride_xm, stride_vm,
+                       stride_sm, FP8_MAX, GROUP)
+
+
+@triton.jit
 def _rows_kernel(x_ptr, values_ptr, scales_ptr, counts_ptr, num_rows, rows_per_group, num_cols, num_groups,
                  stride_xm, stride_vm, stride_sm,
                  SILU: tl.constexpr, MASKED: tl.constexpr, FP8_MAX: tl.constexpr, GROUP: tl.constexpr,
@@ -84,20 +95,12 @@ def _rows_kernel(x_ptr, values_ptr, scales_ptr, counts_ptr, num_rows, rows_per_g
             for j in tl.static_range(GROUPS_PER_PROGRAM):
                 group = tl.program_id(1) * GROUPS_PER_PROGRAM + j
                 if group < num_groups:
-                    if SILU:
-                        _silu_quantize_tile(x_ptr, values_ptr, scales_ptr, rows, offsets < count, group, num_cols,
-                                            stride_xm, stride_vm, stride_sm, FP8_MAX, GROUP)
-                    else:
-                        _quantize_tile(x_ptr, values_ptr, scales_ptr, rows, offsets < count, group, num_cols,
-                                       stride_xm, stride_vm, stride_sm, FP8_MAX, GROUP)
+                    _tile(x_ptr, values_ptr, scales_ptr, rows, offsets < count, group, num_cols,
+                          stride_xm, stride_vm, stride_sm, SILU, FP8_MAX, GROUP)
     else:
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-        if SILU:
-            _silu_quantize_tile(x_ptr, values_ptr, scales_ptr, rows, rows < num_rows, tl.program_id(1), num_cols,
-                                stride_xm, stride_vm, stride_sm, FP8_MAX, GROUP)
-        else:
-            _quantize_tile(x_ptr, values_ptr, scales_ptr, rows, rows < num_rows, tl.program_id(1), num_cols,
-                           stride_xm, stride_vm, stride_sm, FP8_MAX, GROUP)
+        _tile(x_ptr, values_ptr, scales_ptr, rows, rows < num_rows, tl.program_id(1), num_cols,
+              stride_xm, stride_vm, stride_sm, SILU, FP8_MAX, GROUP)
 
 
 def _launch_rows(flat, values, scales, counts, rows_per_group, num_cols, silu: bool) -> None:
