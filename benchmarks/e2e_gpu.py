@@ -184,11 +184,14 @@ def decode_rows(name: str, engine: Engine, roof: Roofline, copy_bs: float, batch
 def launch_cuts(engine: Engine) -> dict[str, tuple]:
     """Each launch-cutting fusion by name: (objects that hold its switch, the attribute). The module classes
     that declare `fewer_launches` (rope + KV write, router GEMV in the top-k, residual add in the next norm),
-    the triton attention's split merge and the triton MoE kernel's one-launch pair sort."""
+    the triton attention's split merge, the triton MoE kernel's one-launch pair sort, and the projections that
+    the start-up timing gave the Triton GEMV (one launch where cuBLAS may take a split-K GEMM and a reduce)."""
     cuts: dict[str, tuple] = {}
     for module in engine.model.modules():
         if hasattr(type(module), "fewer_launches"):
             cuts.setdefault(type(module).__name__, ([], "fewer_launches"))[0].append(module)
+        if getattr(module, "gemv_choice", None) is not None or hasattr(module, "_measured_gemv_choice"):
+            cuts.setdefault("GEMV projections", ([], "gemv_choice"))[0].append(module)
     if hasattr(engine.model.attention_backend, "merge_in_split_kernel"):
         cuts["attention split merge"] = ([engine.model.attention_backend], "merge_in_split_kernel")
     kernel = engine.model.moe_runtime.kernel
@@ -201,6 +204,8 @@ def set_cut(holders: list, attribute: str, on: bool) -> None:
     for holder in holders:
         if attribute == "one_launch_align_pairs":
             setattr(holder, attribute, ONE_LAUNCH_MAX_PAIRS if on else 0)
+        elif attribute == "gemv_choice":  # the measured choice is kept aside while the cut is off
+            holder.gemv_choice = vars(holder).setdefault("_measured_gemv_choice", holder.gemv_choice) if on else None
         else:
             setattr(holder, attribute, on)
 
@@ -230,13 +235,16 @@ def use_fewer_launches(engine: Engine, on: bool) -> dict:
     return before
 
 
-def ablation_rows(name: str, engine: Engine, batches, rounds: int = 3) -> list[str]:
+def ablation_rows(name: str, engine: Engine, batches, rounds: int = 3, only: str | None = None) -> list[str]:
     """Each launch cut switched on and off alone (the others as they are by default), graphs captured again: its
-    effect on the graph-replayed, overlapped decode step, as the median of `rounds` alternations."""
+    effect on the graph-replayed, overlapped decode step, as the median of `rounds` alternations. `only`: the cuts
+    whose name holds it."""
     if engine.runner.graphs is None:
         return []
     lines = []
     for cut, (holders, attribute) in launch_cuts(engine).items():
+        if only and only not in cut:
+            continue
         default = bool(getattr(holders[0], attribute))
         for batch in batches:
             on_ms, off_ms = [], []
@@ -376,7 +384,7 @@ def speed(name: str, folder: str, flops_s: float, copy_bs: float, args, prefill_
     if args.compare_fewer_launches:
         lines += fewer_launches_off_rows(name, engine, roof, copy_bs, args.decode)
     if args.ablate_launch_cuts:
-        ablations.extend(ablation_rows(name, engine, args.decode))
+        ablations.extend(ablation_rows(name, engine, args.decode, only=args.ablate_only))
     lines += prefill_rows(name, engine, roof, flops_s, prefill_lens)
     del engine
     torch.cuda.empty_cache()
@@ -400,6 +408,8 @@ def main() -> None:
                              "merged in the split kernel), graphs captured again")
     parser.add_argument("--ablate-launch-cuts", action="store_true",
                         help="also time graph-replayed decode with each launch cut alone switched off")
+    parser.add_argument("--ablate-only", metavar="TEXT", help="with --ablate-launch-cuts: only the cuts whose name "
+                        "holds TEXT (e.g. 'GEMV')")
     parser.add_argument("--router-warps", type=int, choices=(1, 2, 4, 8),
                         help="warps per program of the one-launch router (moeplex.kernels.router_gemv.NUM_WARPS)")
     args = parser.parse_args()

@@ -16,6 +16,7 @@ from moeplex.kernels.rope import _rope_kernel
 from moeplex.attention.triton_decode import _split_kernel
 from moeplex.plugins.moe_kernels.triton_moe.align import _align_one_launch_kernel
 from moeplex.plugins.moe_kernels.triton_moe.group import _count_kernel, _place_kernel
+from moeplex.kernels.gemv import _gemv_kernel
 
 target = GPUTarget("cuda", 90, 32)
 
@@ -87,7 +88,11 @@ def jobs() -> list[tuple]:
                                 offs_ptr="*i32", num_pairs="i32", num_experts="i32", num_chunks="i32",
                                 num_rows="i32", top_k="i32"),
             dict(CHUNK=128, EXPERTS_PER_STEP=min(experts, 64)))
-
+    # the dense projections' GEMV at one and four rows (moeplex.kernels.gemv), with a bias and without
+    for rows, block_n, bias in ((1, 8, False), (4, 16, True)):
+        add(_gemv_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", rows="i32", n="i32",
+                               k="i32", stride_xm="i32", stride_wn="i32", stride_om="i32"),
+            dict(HAS_BIAS=bias, BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=512))
     return found
 
 

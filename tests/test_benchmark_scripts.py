@@ -284,3 +284,15 @@ def test_front_end_ceiling_serves_every_request_against_the_stand_in(tmp_path):
     row = table_rows(out, "1")[0]
     assert row[1] == "8" and float(row[2]) > 0 and 0 < float(row[4]) <= 1.2, out
     assert float(row[10]) > 0, out  # the front end's CPU a token
+
+
+def test_gemv_small_m_under_the_triton_interpreter(tmp_path):
+    """The projections' sweep (issue #31 target 1) checks every tiling against F.linear before timing it and writes
+    a row per projection and row count."""
+    out = tmp_path / "gemv.md"
+    done = subprocess.run([sys.executable, "gemv_small_m.py", "--device", "cpu", "--quick", "--runs", "1", "--rows", "1",
+                           "3", "--out", str(out)], cwd=BENCHMARKS, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny")]
+    assert [row.split(" | ")[3] for row in rows] == ["1", "3", "1", "3"], out.read_text()

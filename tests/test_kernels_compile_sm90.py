@@ -1,5 +1,5 @@
 """The decode-path kernels of issue 22 (one-launch router, rope with the KV write, split attention that merges
-its own splits, one-launch MoE pair sort, the library path's counting sort) compile for Hopper, on this machine
+its own splits, one-launch MoE pair sort, the library path's counting sort, the dense projections' GEMV) compile for Hopper, on this machine
 whether or not it has a GPU."""
 
 import os
@@ -20,4 +20,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     names = [line.split()[0] for line in done.stdout.splitlines() if "compiled" in line]
     assert names == (["_router_kernel"] * 2 + ["_rope_kernel"] * 2 + ["_split_kernel"] * 3
-                     + ["_align_one_launch_kernel"] * 2 + ["_count_kernel", "_place_kernel"] * 2)
+                     + ["_align_one_launch_kernel"] * 2 + ["_count_kernel", "_place_kernel"] * 2 + ["_gemv_kernel"] * 2)

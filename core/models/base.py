@@ -19,6 +19,7 @@ from ..moe.layer import MoELayer
 from ..parallel import Group
 from ..targets import Target, parameter_target
 from .cpu_linear import CpuLinears
+from .gpu_linear import GpuLinears
 from .parallel_layers import Linear, MergedColumnLinear, RowLinear
 
 
@@ -309,3 +310,4 @@ class MoECausalLM(nn.Module, abc.ABC):
         for layer in self.moe_layers():
             layer.finish_loading()
         CpuLinears().pack(self)  # on a CPU: oneDNN's packed weights where they were measured faster
+        GpuLinears().choose(self)  # on a GPU: the Triton GEMV at a few rows where it was measured faster

@@ -8,6 +8,14 @@ from torch import nn
 from ..parallel import Group
 from ..targets import Target
 from .cpu_linear import linear
+from .gpu_linear import gemv_or_none
+
+
+def project(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
+    """x through `layer`'s weight by the way measured fastest for it: the GEMV on a GPU at a few rows
+    (gpu_linear.py), oneDNN's packed weight on a CPU (cpu_linear.py), else F.linear."""
+    out = gemv_or_none(x, layer.weight, bias, layer.gemv_choice)
+    return out if out is not None else linear(x, layer.weight, bias, layer.onednn_weight)
 
 
 def mark_shard(param: torch.Tensor, dim: int, tp: Group) -> None:
@@ -21,12 +29,13 @@ def _split(total: int, tp: Group, what: str) -> int:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that takes oneDNN's packed weight on a CPU where that was measured faster (cpu_linear.py)."""
+    """nn.Linear that takes the way measured fastest for its shape (`project`)."""
 
-    onednn_weight = None
+    onednn_weight = None  # cpu_linear.py
+    gemv_choice = None  # gpu_linear.py
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.onednn_weight)
+        return project(x, self, self.bias)
 
 
 def column_linear(in_features: int, out_features: int, tp: Group = Group(), bias: bool = False, what: str = "output size") -> nn.Linear:
@@ -43,6 +52,7 @@ class RowLinear(nn.Module):
     """Input features split over the ranks; partial products summed by all-reduce, bias added once."""
 
     onednn_weight = None  # cpu_linear.py
+    gemv_choice = None  # gpu_linear.py
 
     def __init__(self, in_features: int, out_features: int, tp: Group = Group(), bias: bool = False, what: str = "input size"):
         super().__init__()
@@ -53,7 +63,7 @@ class RowLinear(nn.Module):
             mark_shard(self.weight, 1, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(linear(x, self.weight, None, self.onednn_weight))
+        out = self.tp.all_reduce(project(x, self, None))
         return out if self.bias is None else out + self.bias
 
 
@@ -67,6 +77,7 @@ class MergedColumnLinear(nn.Module):
     """
 
     onednn_weight = None  # cpu_linear.py
+    gemv_choice = None  # gpu_linear.py
 
     def __init__(self, in_features: int, parts: dict[str, tuple[int, Group]], bias: bool = False, what: str = "output size"):
         super().__init__()
@@ -76,7 +87,7 @@ class MergedColumnLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(sum(self.sizes)), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return linear(x, self.weight, self.bias, self.onednn_weight).split(self.sizes, dim=-1)
+        return project(x, self, self.bias).split(self.sizes, dim=-1)
 
     def part_names(self, parent: str) -> list[str]:
         """Checkpoint names of the parts' weights; `parent` is the prefix of the module holding this one."""
