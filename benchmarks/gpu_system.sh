@@ -2,7 +2,7 @@
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-profile|spec-profile-dsv3|tests-nextn|
-#                                     spec-serve|spec-serve-spread|spec-profile-never|spec-never|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|large-m|prefix|dgprobe|dgmasked ...
+#                                     spec-serve|spec-serve-spread|spec-profile-never|spec-never|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|gemv|large-m|prefix|dgprobe|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes; session 19's state):
 #   bash benchmarks/gpu_system.sh OUT front-end serving serving-interval spec-oracle-steps  # #31 target 3, #32 oracle:
 #                                         #      on an H200 (H100, session 17: served/offline 0.90 pooled, a served
@@ -140,6 +140,14 @@ for part in "$@"; do
       done
       timeout $(lim 90) python3 benchmarks/moe_grouping.py --shape deepseek-v3-ep8 --routing global local --tokens 4096 16384 \
         2>&1 | grep -v -i warn | tee "$out/moe_grouping.md" | tail -20 ;;
+    gemv)  # #31 targets 1-2: the projections at 1-4 rows, cuBLAS against the Triton GEMV, then what the start-up
+           # choice saves a graphed decode step (the GEMV layers switched off and on, 3 alternations)
+      timeout $(lim 150) python3 benchmarks/gemv_small_m.py --out "$out/gemv_small_m_${card}.md" 2>&1 | grep -v -i warn \
+        | grep "^|" | tee "$out/$part.log" | tail -30
+      timeout $(lim 60) python3 -m pytest -q -m gpu tests/test_kernel_gemv.py 2>&1 | tail -2 | tee -a "$out/$part.log"
+      timeout $(lim 240) python3 benchmarks/e2e_gpu.py --skip-correctness --decode 1 4 --prefill --ablate-launch-cuts \
+        --ablate-only GEMV --out "$out/e2e_gemv_${card}.md" 2>&1 | grep -v -i warn | grep "^|\|GPU linear" \
+        | tee -a "$out/$part.log" | tail -24 ;;
     e2e)
       for model in qwen dsv3; do
         for run in 1 2 3; do
