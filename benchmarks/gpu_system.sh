@@ -140,14 +140,14 @@ for part in "$@"; do
       done
       timeout $(lim 90) python3 benchmarks/moe_grouping.py --shape deepseek-v3-ep8 --routing global local --tokens 4096 16384 \
         2>&1 | grep -v -i warn | tee "$out/moe_grouping.md" | tail -20 ;;
-    gemv)  # #31 targets 1-2: the projections at 1-4 rows, cuBLAS against the Triton GEMV, then what the start-up
-           # choice saves a graphed decode step (the GEMV layers switched off and on, 3 alternations)
-      timeout $(lim 150) python3 benchmarks/gemv_small_m.py --out "$out/gemv_small_m_${card}.md" 2>&1 | grep -v -i warn \
-        | grep "^|" | tee "$out/$part.log" | tail -30
-      timeout $(lim 60) python3 -m pytest -q -m gpu tests/test_kernel_gemv.py 2>&1 | tail -2 | tee -a "$out/$part.log"
+    gemv)  # #31 targets 1-2: what the start-up choice of the Triton GEMV saves a graphed decode step (the GEMV
+           # layers switched off and on, 3 alternations), then the projections at 1-4 rows against cuBLAS, one by one
       timeout $(lim 240) python3 benchmarks/e2e_gpu.py --skip-correctness --decode 1 4 --prefill --ablate-launch-cuts \
-        --ablate-only GEMV --out "$out/e2e_gemv_${card}.md" 2>&1 | grep -v -i warn | grep "^|\|GPU linear" \
-        | tee -a "$out/$part.log" | tail -24 ;;
+        --ablate-only GEMV --out "$out/e2e_gemv_${card}.md" 2>&1 | grep -v -i warn | grep "^|" \
+        | tee "$out/$part.log" | tail -24
+      timeout $(lim 150) python3 benchmarks/gemv_small_m.py --out "$out/gemv_small_m_${card}.md" 2>&1 | grep -v -i warn \
+        | grep "^|" | tee -a "$out/$part.log" | tail -30
+      timeout $(lim 60) python3 -m pytest -q -m gpu tests/test_kernel_gemv.py 2>&1 | tail -2 | tee -a "$out/$part.log" ;;
     e2e)
       for model in qwen dsv3; do
         for run in 1 2 3; do
