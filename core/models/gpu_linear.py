@@ -73,7 +73,12 @@ class GpuLinears:
 
         card = torch.cuda.get_device_name(weight.device)
         key = f"{card} triton {triton.__version__} {tuple(weight.shape)} {weight.dtype} rows {ROWS}"
-        found = measured_choice("gpu linear", key, lambda: self._measure(weight.detach()))
+        try:
+            found = measured_choice("gpu linear", key, lambda: self._measure(weight.detach()))
+        except torch.cuda.OutOfMemoryError:  # no room for the timing's copies of the weight: cuBLAS, not remembered
+            torch.cuda.empty_cache()
+            log.warning("GPU linear %s: no memory to time the GEMV against cuBLAS; cuBLAS it is", tuple(weight.shape))
+            return {}
         return {int(rows): GemvTiles(*t) for rows, t in found.items()}
 
     def _measure(self, weight: torch.Tensor) -> dict[str, list[int]]:
