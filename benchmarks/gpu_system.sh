@@ -3,7 +3,7 @@
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-profile|spec-profile-dsv3|tests-nextn|
 #                                     spec-serve|spec-serve-spread|spec-profile-never|spec-never|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|gemv|large-m|prefix|dgprobe|dgmasked ...
-# What the open issues still need measured, one device call per line (each under ~9 minutes; session 19's state):
+# What the open issues still need measured, one device call per line (each under ~9 minutes; session 20's state):
 #   bash benchmarks/gpu_system.sh OUT front-end serving serving-interval spec-oracle-steps  # #31 target 3, #32 oracle:
 #                                         #      on an H200 (H100, session 17: served/offline 0.90 pooled, a served
 #                                         #      step 46.6 tokens of offline's 48.3; the oracle 3.40x at 7 steps)
@@ -12,10 +12,9 @@
 #   bash benchmarks/gpu_system.sh OUT spec-serve tests-overlap # #32 served, ngram at 1/16/64
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
 #   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M)
-#   bash benchmarks/gpu_system.sh OUT dgmasked                 # #31 target 4 on an H100 (needs the DeepGEMM wheel in
-#                                         #      .dg/: benchmarks/deepgemm_build.sh builds it there; runs with libstdc++
-#                                         #      preloaded): the masked quantization's new grid, against session 19's
-#                                         #      337 + 136 µs (results/deepgemm_masked_h100_s19.md)
+#   bash benchmarks/gpu_system.sh OUT gemv                     # #31 targets 1-2 (first, on any card): the decode
+#                                         #      projections' Triton GEMV, never measured yet; what its start-up choice
+#                                         #      saves Qwen3 and DeepSeek-V3 at batch 1 and 4, then per shape
 #   AB=1 bash benchmarks/gpu_system.sh OUT spec-never; bash benchmarks/gpu_system.sh OUT spec-never spec-profile-never
 #                                         # #32 never-worse on an H200, before/after the break calibration (.ab: the
 #                                         #      core before 2ab866b; on an H100, session 19: results/
