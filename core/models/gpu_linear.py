@@ -14,6 +14,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch import nn
 
 from ..kernels.cpu import measured_choice
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 ROWS = (1, 2, 4)  # the row counts timed; 3 rows take 4's choice
 TILINGS = (GemvTiles(8, 512, 4, 3), GemvTiles(16, 512, 4, 3), GemvTiles(4, 1024, 4, 3))
 CALLS = 16  # calls in one timed loop, cycling through copies of the weight so that none is found in L2
-ROUNDS = 3  # timed loops of each way, interleaved; the fastest counts
+ROUNDS = 3  # replays of each way's graph, interleaved; the fastest counts
 MIN_GAIN = 0.95  # the GEMV is taken where it needs at most this share of cuBLAS's time
 
 
@@ -69,8 +70,6 @@ class GpuLinears:
         return chosen
 
     def winners(self, weight: torch.Tensor) -> dict[int, GemvTiles]:
-        import triton
-
         card = torch.cuda.get_device_name(weight.device)
         key = f"{card} triton {triton.__version__} {tuple(weight.shape)} {weight.dtype} rows {ROWS}"
         try:
