@@ -14,7 +14,8 @@ from .gpu_linear import gemv_or_none
 def project(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None) -> torch.Tensor:
     """x through `layer`'s weight by the way measured fastest for it: the GEMV on a GPU at a few rows
     (gpu_linear.py), oneDNN's packed weight on a CPU (cpu_linear.py), else F.linear."""
-    out = gemv_or_none(x, layer.weight, bias, layer.gemv_choice)
+    choice = layer.gemv_choice  # None off a GPU: the CPU's step pays one attribute read for it
+    out = gemv_or_none(x, layer.weight, bias, choice) if choice is not None else None
     return out if out is not None else linear(x, layer.weight, bias, layer.onednn_weight)
 
 
