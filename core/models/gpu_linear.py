@@ -5,7 +5,8 @@ At one to four rows (decode at batch 1-4) a projection's time is its weight's by
 around them, and which kernel wastes less depends on the shape and the card: cuBLAS runs some shapes as a split-K
 GEMM and a reduce, two launches (benchmarks/gemv_small_m.py times both ways per shape). So each distinct weight shape
 is timed once per card (`measured_choice`, kept for later processes), at 1, 2 and 4 rows, with the weight cold as
-a decode step meets it; a layer whose shape gains gets a `GemvChoice`, which `linear` consults at each call.
+a decode step meets it; a layer whose shape gains gets a `GemvChoice`, which `parallel_layers.project` consults
+at each call.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ class GemvChoice:
 
 
 def gemv_or_none(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 choice: GemvChoice | None) -> torch.Tensor | None:
+                 choice: GemvChoice) -> torch.Tensor | None:
     """The GEMV's F.linear(x, weight, bias) where `choice` takes this many rows, else None (the caller's way)."""
-    if choice is None or x.dim() != 2:
+    if x.dim() != 2:
         return None
     tiles = choice.tiles(x.shape[0])
     return gemv(x, weight, bias, tiles) if tiles is not None and fits(x, weight) else None
