@@ -128,7 +128,8 @@ def test_a_step_whose_drafter_had_nothing_takes_the_ordinary_path(tiny_model_dir
 
 def test_a_cheap_drafter_whose_proposals_keep_being_declined_is_asked_less_often():
     """Proposals the policy declines (too short to pay here) at step after step: the drafter is then left unasked
-    for 2, 4, ... steps of the same batch size, and asked again at once when the size changes."""
+    for 2, 4, ... steps of the same batch size (or a larger one, or one request fewer of 8: a steady batch refilling a
+    slot), and asked again at once when the batch shrinks further."""
     from moeplex.speculation.step import MAX_UNASKED, SpeculativeDecoding
 
     spec = SpeculativeDecoding(NgramDrafter(STEPS), kv=None, vocab_size=512, policy=AdaptivePolicy(STEPS, costs(1, 0.1, 0.3)))
@@ -139,6 +140,8 @@ def test_a_cheap_drafter_whose_proposals_keep_being_declined_is_asked_less_often
             spec._record_asked(proposed=True, kept=False, n=8)
     gaps = [b - a for a, b in zip(asked, asked[1:])]
     assert gaps[:5] == [1, 3, 5, 9, 17] and max(gaps) == MAX_UNASKED + 1
-    assert not spec._left_unasked(1)  # another batch size: asked
+    assert spec._unasked[0] > 3
+    assert spec._left_unasked(9) and spec._left_unasked(7)  # a larger batch, or one request fewer of 8: unasked
+    assert not spec._left_unasked(6) and not spec._left_unasked(1)  # a batch that shrank more: asked
     spec._record_asked(proposed=True, kept=True, n=8)  # a kept draft ends the pause's growth
     assert spec._declined == 0

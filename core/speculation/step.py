@@ -119,7 +119,9 @@ class SpeculativeDecoding:
         self.observes = type(drafter).observe is not Drafter.observe
         # a cheap drafter asked at every step whose proposals the policy declines (too short to pay for a verify
         # step at this batch size) costs the asking for nothing: after steps declined in a row it is left unasked
-        # for 2, 4, ... MAX_UNASKED steps while the batch keeps its size (a count of steps: every rank alike)
+        # for 2, 4, ... MAX_UNASKED steps while the batch keeps its size (a count of steps: every rank alike). A
+        # steady batch's size dips by one while a slot takes its next prompt: within an eighth below the size
+        # counts as the same (a larger batch pays for drafts less still); a batch that shrinks more is asked at once
         self._declined = 0
         self._unasked = (0, 0)  # (steps left unasked, the number of decoding requests then)
         # under the overlap schedule, wanting drafts reads the step in flight first (a break); a break after which no
@@ -244,7 +246,7 @@ class SpeculativeDecoding:
     def _left_unasked(self, n: int) -> bool:
         """Whether a cheap drafter stays unasked this step (one call per step that may draft)."""
         left, size = self._unasked
-        if not left or size != n:
+        if not left or not size - size // 8 <= n:
             return False
         self._unasked = (left - 1, size)
         return True
