@@ -6,6 +6,9 @@
 // registers); activations and accumulation in fp32. Parallel with at::parallel_for: over (expert, column block)
 // for gate/up, over output column blocks for the down projection (each thread owns its columns of the output,
 // so experts that share a token never write the same place from two threads).
+// Each loop over a weight block prefetches the stream PF_STEPS reduction steps (4 KB of fp32 gate/up) ahead: a
+// core's own hardware prefetch keeps too few lines in flight once a tile's rows give it work per line (on a Xeon
+// with AMX, fp32 experts at 48 tokens read their layer at 9.4 GB/s without, 12 with, against 13 for a bare sum).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
@@ -32,6 +35,8 @@ constexpr int ROWS = 8;  // 2 x 8 accumulators + 2 weight vectors in 32 register
 constexpr int ROWS = 4;  // 16 registers of half the width
 #endif
 
+constexpr int64_t PF_STEPS = 32;  // reduction steps prefetched ahead (16 and 32 measured; 32 the faster at 16 tokens)
+
 // act[r, 16 columns] = SiLU(x[r] . gate block) * (x[r] . up block) * weight[r], for M rows; `w` [H, 32]: for each
 // input column, the block's 16 gate then 16 up weights.
 template <int M, typename W>
@@ -40,6 +45,8 @@ void gate_up_tile(const float* const* x, const W* w, int64_t H, float* const* ac
   for (int r = 0; r < M; ++r) gate[r] = up[r] = zeros16();
   for (int64_t k = 0; k < H; ++k) {
     const f32x16 wg = load16(w + 32 * k), wu = load16(w + 32 * k + 16);
+    __builtin_prefetch(w + 32 * (k + PF_STEPS), 0, 3);
+    __builtin_prefetch(w + 32 * (k + PF_STEPS) + 16, 0, 3);
     for (int r = 0; r < M; ++r) {
       const float xv = x[r][k];
       gate[r] += xv * wg;
@@ -59,6 +66,7 @@ void down_tile(const float* const* act, const W* w, int64_t I, float* const* out
   for (int r = 0; r < M; ++r) acc[r] = zeros16();
   for (int64_t k = 0; k < I; ++k) {
     const f32x16 wk = load16(w + 16 * k);
+    __builtin_prefetch(w + 16 * (k + 2 * PF_STEPS), 0, 3);
     for (int r = 0; r < M; ++r) acc[r] += act[r][k] * wk;
   }
   for (int r = 0; r < M; ++r) store16(out[r], load16(out[r]) + acc[r]);
@@ -83,6 +91,8 @@ void gate_up_tile(const c10::BFloat16* const* x, const c10::BFloat16* w, int64_t
   for (int r = 0; r < M; ++r) gate[r] = up[r] = _mm512_setzero_ps();
   for (int64_t j = 0; j < H / 2; ++j) {
     const __m512bh wg = (__m512bh)_mm512_loadu_si512(w + 64 * j), wu = (__m512bh)_mm512_loadu_si512(w + 64 * j + 32);
+    __builtin_prefetch(w + 64 * (j + PF_STEPS), 0, 3);
+    __builtin_prefetch(w + 64 * (j + PF_STEPS) + 32, 0, 3);
     for (int r = 0; r < M; ++r) {
       const __m512bh xv = pair_of(x[r] + 2 * j);
       gate[r] = _mm512_dpbf16_ps(gate[r], xv, wg);
@@ -107,6 +117,7 @@ void down_tile(const c10::BFloat16* const* act, const c10::BFloat16* w, int64_t 
   for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t j = 0; j < I / 2; ++j) {
     const __m512bh wk = (__m512bh)_mm512_loadu_si512(w + 32 * j);
+    __builtin_prefetch(w + 32 * (j + 2 * PF_STEPS), 0, 3);
     for (int r = 0; r < M; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], pair_of(act[r] + 2 * j), wk);
   }
   for (int r = 0; r < M; ++r) _mm512_storeu_ps(out[r], _mm512_add_ps(_mm512_loadu_ps(out[r]), acc[r]));
@@ -218,6 +229,11 @@ void run(const at::Tensor& x, const Pairs& p, const W* w13, const W* w2, int64_t
 // expert) in place. Same arithmetic as the vector form: exact bf16 products summed in fp32, the gate/up output
 // rounded to bf16 for the down projection.
 constexpr int64_t TROWS = 16;
+constexpr int64_t TILE_PF_CHUNKS = 2;  // the weight chunks (2 KB of gate/up, 1 KB of down) prefetched ahead
+
+inline void prefetch_lines(const c10::BFloat16* p, int64_t elements) {
+  for (int64_t i = 0; i < elements; i += 32) __builtin_prefetch(p + i, 0, 3);
+}
 
 void run_tiles(const at::Tensor& x, const Pairs& p, const c10::BFloat16* w13, const c10::BFloat16* w2,
                int64_t experts, int64_t H, int64_t I, c10::BFloat16* act, float* out) {
@@ -247,6 +263,7 @@ void run_tiles(const at::Tensor& x, const Pairs& p, const c10::BFloat16* w13, co
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t c = 0; c < H / 32; ++c) {
+          prefetch_lines(block + 16 * 64 * (c + TILE_PF_CHUNKS), 16 * 64);
           MOEPLEX_TILE_LOAD(2, stage.data() + 32 * c, H * static_cast<int64_t>(sizeof(c10::BFloat16)));
           MOEPLEX_TILE_LOAD(3, block + 16 * 64 * c, 128);
           MOEPLEX_TILE_LOAD(4, block + 16 * 64 * c + 32, 128);
@@ -275,6 +292,7 @@ void run_tiles(const at::Tensor& x, const Pairs& p, const c10::BFloat16* w13, co
           const int64_t m = std::min<int64_t>(TROWS, p.start[e + 1] - r0);
           _tile_zero(0);
           for (int64_t c = 0; c < I / 32; ++c) {  // rows past m: the next expert's, or the act buffer's padding
+            prefetch_lines(block + 16 * 32 * (c + 2 * TILE_PF_CHUNKS), 16 * 32);
             MOEPLEX_TILE_LOAD(2, act + r0 * I + 32 * c, I * static_cast<int64_t>(sizeof(c10::BFloat16)));
             MOEPLEX_TILE_LOAD(3, block + 16 * 32 * c, 64);
             _tile_dpbf16ps(0, 2, 3);
