@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from moeplex.kernels import gemv as gemv_module
 from moeplex.kernels.gemv import MAX_ROWS, GemvTiles, _gemv_kernel, fits, gemv
-from moeplex.models.gpu_linear import GemvChoice, GpuLinears
+from moeplex.models import gpu_linear
+from moeplex.models.gpu_linear import GemvChoice, GpuLinears, agrees
 from moeplex.models.parallel_layers import Linear, MergedColumnLinear, RowLinear
 from moeplex.parallel import Group
 from triton_guard import DEVICE, skip_unless_runnable
@@ -59,6 +60,25 @@ def test_operands_it_does_not_take_are_refused():
     assert not fits(x[:1].half(), weight)  # dtypes differ
     assert not fits(x[:1, :8], weight)  # K differs
     assert not fits(x[:1], weight.t().contiguous().t())  # the weight's K is not its unit-stride dimension
+
+
+def test_a_tiling_is_timed_only_where_it_agrees_with_the_exact_product(monkeypatch, caplog):
+    """The start-up check before any timing: the GEMV's output against an fp32 product, at the output's rounding. A
+    kernel that a card's compiler got wrong (here: a faulty result, one column off by 5% of the output's range) is
+    refused with a warning, so the start-up choice can never pick it for its speed."""
+    x, weight, _ = case(2, 48, 256, torch.float16)
+    tiles = GemvTiles(8, 128, 4, 3)
+    assert agrees(x, weight, tiles)
+
+    def faulty(x, weight, bias=None, tiles=None):
+        out = gemv(x, weight, bias, tiles)
+        out[:, 3] += 0.05 * out.abs().max()
+        return out
+
+    monkeypatch.setattr(gpu_linear, "gemv", faulty)
+    with caplog.at_level("WARNING"):
+        assert not agrees(x, weight, tiles)
+    assert "not used" in caplog.text and "(48, 256)" in caplog.text
 
 
 def test_choice_takes_the_nearest_measured_row_count_at_or_above():
