@@ -4,7 +4,6 @@ masks, the other rank receives them, and the outputs are those of one process (v
 from __future__ import annotations
 
 import json
-import socket
 
 import jsonschema
 import pytest
@@ -19,14 +18,9 @@ from moeplex.sampling import SamplingParams
 
 import grammar_ranks
 from grammar_schemas import SCHEMAS
+from ports import free_address
 
 SCHEMA_COUNT = 6
-
-
-def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def workload(engine: Engine):

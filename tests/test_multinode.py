@@ -5,21 +5,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from ports import free_port
+
 CLI = [sys.executable, "-c", "import sys; from moeplex.cli import main; sys.exit(main())", "generate"]
 PROMPTS = ["256,1,2,3,4", "256,9,8,7"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node(folder: str, rank: int, address: str, tokens: int) -> subprocess.Popen:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import socket
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from moeplex.registry import lookup
 from moeplex.sampling import SamplingParams
 
 import parallel_ranks
+from ports import free_address
 
 # very different lengths: the extend step must cut through the long one or near a boundary
 PROMPTS = [[256] + list(range(1, 60)), [256, 7, 8], [256] + list(range(90, 99)), [256, 5]]
@@ -134,12 +134,6 @@ def test_tbo_keeps_one_transfer_in_flight_and_overlaps_each_with_the_other_micro
             ("combine_start", "attention")} <= pairs, sorted(pairs)
     reference = generate(EngineConfig(model=engine.config.model, show_progress=False, max_total_tokens=1024), PROMPTS, PARAMS)
     assert [r.output_ids for r in outputs] == [r["output_ids"] for r in reference]
-
-
-def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.mark.slow

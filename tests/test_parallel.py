@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 
@@ -14,6 +13,7 @@ from moeplex.parallel import ParallelConfig
 from moeplex.sampling import SamplingParams
 
 import parallel_ranks
+from ports import free_address
 
 PROMPTS = [[256, 1, 2, 3, 4], [256] + list(range(40, 75)), [256, 9, 8], [256] + list(range(100, 112))]
 PARAMS = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
@@ -24,12 +24,6 @@ LAYOUTS = {
     "ep4": dict(tp_size=4, ep_size=4),
     "tp4-dp2-ep4": dict(tp_size=4, ep_size=4, dp_size=2, enable_dp_attention=True),
 }
-
-
-def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,12 @@ from moeplex.engine import Engine
 from moeplex.sampling import SamplingParams
 
 from test_server import PROMPT, metric, sse, wait_until_idle
+from ports import free_port
 
 TP2 = ("--tp-size", "2", "--ep-size", "2", "--dispatcher", "naive", "--balancer", "eplb")
 DP2 = TP2 + ("--dp-size", "2", "--enable-dp-attention", "--dist-timeout", "6")
 STALL_S = 4
 PROMPTS = [[256, 1, 2, 3, 4], [256, 9, 8, 7], [256, 40, 41, 42], [256, 100, 7, 3]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RankedServer:
