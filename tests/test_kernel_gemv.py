@@ -63,7 +63,7 @@ def test_operands_it_does_not_take_are_refused():
 
 
 def test_a_tiling_is_timed_only_where_it_agrees_with_the_exact_product(monkeypatch, caplog):
-    """The start-up check before any timing: the GEMV's output against an fp32 product, at the output's rounding. A
+    """The start-up check before any timing: the GEMV's output against F.linear's, at the output's rounding. A
     kernel that a card's compiler got wrong (here: a faulty result, one column off by 5% of the output's range) is
     refused with a warning, so the start-up choice can never pick it for its speed."""
     x, weight, _ = case(2, 48, 256, torch.float16)
