@@ -23,11 +23,20 @@ from .topk import RouterSpec, _store_topk, _topk_rows, group_layout
 MAX_TOKENS = 16  # larger batches take the GEMM and the top-k kernel: the GEMV tiles here stop paying
 TARGET_PROGRAMS = 256  # programs a launch spreads the gate weight over (its bytes are what the GEMV waits for)
 WEIGHT_TILE = 4096  # gate weights a program loads at once (experts x hidden columns): 16 KiB of fp32
-# warps per program. The last program's top-k is a chain of reductions over every expert (two per pick), each a
-# round through shared memory when the row spans several warps. On an H100 (benchmarks/e2e_gpu.py --router-warps,
-# 2 runs each, alternated) Qwen3-30B-A3B's batch-1 step took 4.140-4.154 ms with 1 warp, 4.170-4.172 with 2 and
-# 4.184 with 4; DeepSeek-V3's 2.684-2.688 ms with any (results/e2e_h100_s12.md).
-NUM_WARPS = 1
+# warps per program, by the launch's token block. The last program's top-k is a chain of reductions over every
+# expert (two per pick), each a round through shared memory when the rows span several warps: one warp keeps a single
+# token's row in registers (H100, Qwen3-30B-A3B batch-1 step: 4.140-4.154 ms with 1 warp, 4.184 with 4; session
+# 12's results/e2e_h100_s12.md). But with 8 tokens one warp holds 8 rows of logits and runs the GEMV's 8 rows alone:
+# 40.9 us a launch against 8.6 with 4 warps, the Qwen3 batch-8 step 12.44-12.48 ms against 10.92 (14%). Each entry is
+# the fastest count at that block on an H100 (results/router_warps_h100.md, both models' shapes; at 2 and 8 tokens
+# the two models differ by 0.5 us, and the entry is Qwen3's at 2, DeepSeek-V3's at 8).
+WARPS_BY_TOKENS = {1: 1, 2: 2, 4: 4, 8: 4, 16: 8}
+NUM_WARPS: int | None = None  # set: every launch takes this many (benchmarks/e2e_gpu.py --router-warps)
+
+
+def warps_for(block_t: int) -> int:
+    """Warps per program for a launch of `block_t` (a power of two) token rows."""
+    return NUM_WARPS or WARPS_BY_TOKENS[block_t]
 
 
 @triton.jit
@@ -115,6 +124,6 @@ def route_small_batch(hidden: torch.Tensor, weight: torch.Tensor, spec: RouterSp
         TOP_K=spec.top_k, SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORMALIZE=spec.norm_topk_prob,
         NUM_GROUPS=num_groups, GROUP_SIZE=group_size, TOPK_GROUPS=topk_groups,
         K_PAD=triton.next_power_of_2(spec.top_k), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=block_h,
-        num_warps=NUM_WARPS,
+        num_warps=warps_for(block_t),
     )
     return ids, weights
