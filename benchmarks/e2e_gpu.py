@@ -45,7 +45,6 @@ from moeplex.cuda_graph import CudaGraphCapture, DecodeGraphs
 from moeplex.engine import Engine
 from moeplex.models.make_model import write_checkpoint
 from moeplex.plugins.moe_kernels.triton_moe.align import ONE_LAUNCH_MAX_PAIRS
-from moeplex.plugins.moe_kernels.triton_moe.gemv import MAX_TOKENS as GEMV_MAX_TOKENS
 from moeplex.sampling import SamplingParams
 
 PROMPTS = [[256] + list(range(1, 40)), [256, 5, 6, 7]]
@@ -198,8 +197,6 @@ def launch_cuts(engine: Engine) -> dict[str, tuple]:
     kernel = engine.model.moe_runtime.kernel
     if hasattr(kernel, "one_launch_align_pairs"):
         cuts["MoE one-launch pair sort"] = ([kernel], "one_launch_align_pairs")
-    if hasattr(kernel, "gemv_max_tokens"):
-        cuts["MoE GEMVs"] = ([kernel], "gemv_max_tokens")
     return cuts
 
 
@@ -207,8 +204,6 @@ def set_cut(holders: list, attribute: str, on: bool) -> None:
     for holder in holders:
         if attribute == "one_launch_align_pairs":
             setattr(holder, attribute, ONE_LAUNCH_MAX_PAIRS if on else 0)
-        elif attribute == "gemv_max_tokens":
-            setattr(holder, attribute, GEMV_MAX_TOKENS if on else 0)
         elif attribute == "gemv_choice":  # the measured choice is kept aside while the cut is off
             holder.gemv_choice = vars(holder).setdefault("_measured_gemv_choice", holder.gemv_choice) if on else None
         else:
@@ -443,11 +438,10 @@ def main() -> None:
                   "median of 3 alternations (min-max):", "", "| model | cut | batch | cut on, ms | cut off, ms | saved by the cut |",
                   "|---|---|---:|---:|---:|---:|", *ablations]
     if args.compare_fewer_launches:
-        lines += ["", "fewer launches: on = the defaults (KV write in the rope kernel, the router of <= 16 tokens in "
-                  "one launch, each layer's residual add in the next layer's norm, the MoE pair sort of <= 256 pairs "
-                  "in one launch, the Triton GEMV where the start-up timing chose it, the MoE as two GEMVs at <= 4 "
-                  "tokens; decode attention's split merge stays off); off = every one of them off, the same work in "
-                  "the kernels they replace."]
+        lines += ["", "fewer launches: on = KV write in the rope kernel, the router of <= 16 tokens in one launch, each "
+                  "layer's residual add in the next layer's norm, the MoE pair sort of <= 256 pairs in one launch, "
+                  "decode attention's splits merged by the last split program (no reduce kernel); "
+                  "off = the same work in the separate kernels it replaces."]
     emit("\n".join(lines), args.out)
 
 

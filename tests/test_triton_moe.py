@@ -40,9 +40,7 @@ from moeplex.plugins.moe_kernels.triton_moe.configs import (
     write_table,
 )
 from moeplex.kernels.fp8 import quantize_rows
-from moeplex.plugins.moe_kernels.triton_moe import plugin as plugin_module
 from moeplex.plugins.moe_kernels.triton_moe.fused import align_standard
-from moeplex.plugins.moe_kernels.triton_moe.gemv import moe_gemv
 from moeplex.plugins.moe_kernels.triton_moe.kernel import grouped_gemm, grouped_gemm_kernel
 from moeplex.plugins.moe_kernels.triton_moe.plugin import INTERPRETED, TritonMoEKernel
 from moeplex.quant import dequantize_activations, dequantize_blocks, quantize_activations, quantize_blocks
@@ -199,40 +197,12 @@ def test_standard_matches_torch(dtype, tokens, top_k, experts):
 def test_few_tokens_skip_the_sort_and_match_torch(tokens, top_k, experts):
     """Decode sizes read topk_ids directly: every expert once (duplicates across tokens, -1 pairs, empty experts)."""
     triton_kernel, torch_kernel = kernels(torch.float32, experts=experts, top_k=top_k)
-    triton_kernel.gemv_max_tokens = 0  # up to 4 tokens the GEMVs would take them (the next test)
     ids, topk_weights = random_routing(tokens, top_k, experts, seed=tokens + top_k, empty_experts=(0,))
     assert align_standard(ids, experts, 16).direct
     hidden = torch.randn(tokens, H, device=DEVICE)
     hidden[ids.lt(0).all(1)] = float("nan")  # tokens routed nowhere here must not be read
     ours, ref = run_both(StandardLayout(hidden, ids, topk_weights, experts), make_weights(experts, H, I, torch.float32),
                          triton_kernel, torch_kernel)
-    assert relative_error(ours, ref) <= TOLERANCE[torch.float32]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,top_k,experts", [(1, 8, 64), (4, 8, 8), (3, 1, 8), (2, 4, 11)])
-def test_up_to_four_tokens_run_as_two_gemvs_and_match_torch(monkeypatch, dtype, tokens, top_k, experts):
-    """Decode at batch 1-4: gate/up with SiLU, then down with the top-k sum, as GEMVs (gemv.py); tokens that share
-    an expert, pairs routed elsewhere (-1) and tokens routed nowhere (NaN rows, never read) included."""
-    calls = []
-    monkeypatch.setattr(plugin_module, "moe_gemv", lambda *args: calls.append(1) or moe_gemv(*args))
-    triton_kernel, torch_kernel = kernels(dtype, experts=experts, top_k=top_k)
-    ids, topk_weights = random_routing(tokens, top_k, experts, seed=tokens + top_k, empty_experts=(0,))
-    hidden = torch.randn(tokens, H).to(DEVICE, dtype)
-    hidden[ids.lt(0).all(1)] = float("nan")
-    ours, ref = run_both(StandardLayout(hidden, ids, topk_weights, experts), make_weights(experts, H, I, dtype),
-                         triton_kernel, torch_kernel)
-    assert calls == [1]
-    assert relative_error(ours, ref) <= TOLERANCE[dtype]
-    assert not ours[ids.lt(0).all(1)].any()  # a token routed nowhere here gets zeros
-
-
-def test_five_tokens_or_fp8_weights_take_the_gemms(monkeypatch):
-    monkeypatch.setattr(plugin_module, "moe_gemv", lambda *args: pytest.fail("the GEMVs took more than 4 tokens"))
-    triton_kernel, torch_kernel = kernels(torch.float32)
-    ids, topk_weights = random_routing(5, 8, 8, seed=5)
-    ours, ref = run_both(StandardLayout(torch.randn(5, H, device=DEVICE), ids, topk_weights, 8),
-                         make_weights(8, H, I, torch.float32), triton_kernel, torch_kernel)
     assert relative_error(ours, ref) <= TOLERANCE[torch.float32]
 
 
@@ -479,28 +449,6 @@ def apply_poisoned(kernel, layout, weights):
 def test_gpu_bf16_matches_fp32(tokens):
     kernel, layout, weights = gpu_case(tokens)
     assert relative_error(apply_poisoned(kernel, layout, weights), fp32_reference(layout, weights)) <= 1e-2
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("gemv", [True, False])
-@pytest.mark.parametrize("tokens", [1, 2, 4])
-def test_gpu_decode_batches_match_fp32_as_gemvs_and_as_gemms_in_a_graph(tokens, gemv):
-    """Batch 1-4 decode on both paths (the GEMVs by default, the direct GEMMs with gemv_max_tokens 0), eager on a
-    poisoned allocator and replayed in a CUDA graph with new routing."""
-    kernel, layout, weights = gpu_case(tokens)
-    kernel.gemv_max_tokens = kernel.gemv_max_tokens if gemv else 0
-    assert relative_error(apply_poisoned(kernel, layout, weights), fp32_reference(layout, weights)) <= 1e-2
-    prepared = kernel.prepare_weights(weights)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = kernel.apply(layout, prepared).hidden
-    _, fresh, _ = gpu_case(tokens + 7)
-    layout.hidden.copy_(fresh.hidden[:tokens])
-    layout.topk_ids.copy_(fresh.topk_ids[:tokens])
-    layout.topk_weights.copy_(fresh.topk_weights[:tokens])
-    graph.replay()
-    assert relative_error(captured, fp32_reference(layout, weights)) <= 1e-2
 
 
 @pytest.mark.gpu

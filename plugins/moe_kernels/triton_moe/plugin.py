@@ -29,9 +29,6 @@ from .fused import (
     moe_standard,
     moe_standard_grouped_mm,
 )
-from .gemv import MAX_TOKENS as GEMV_MAX_TOKENS
-from .gemv import fits as gemv_fits
-from .gemv import moe_gemv
 from .kernel import grouped_gemm_kernel
 
 # Triton decides when it decorates a kernel whether it will compile it for the GPU or interpret it
@@ -70,18 +67,12 @@ class TritonMoEKernel(MoEKernel):
         self.grouped_mm_min_rows = GROUPED_MM_MIN_ROWS if _grouped_mm_runs(ctx.device) else float("inf")
         # up to this many routed pairs the standard layout is sorted in one launch, not three (0: never)
         self.one_launch_align_pairs = ONE_LAUNCH_MAX_PAIRS
-        # up to this many tokens the standard layout runs as two GEMV launches (gemv.py), not the GEMMs (0: never)
-        self.gemv_max_tokens = GEMV_MAX_TOKENS
 
     def prepare_weights(self, weights: ExpertWeights) -> PreparedWeights:
         return PreparedWeights.from_expert_weights(weights)
 
     def apply(self, layout, weights: PreparedWeights) -> ExpertOutput:
         acts = activations(layout.hidden, layout.fp8, weights)
-        if isinstance(layout, StandardLayout) and not weights.fp8 and gemv_fits(acts.values, layout.topk_ids,
-                                                                               self.gemv_max_tokens):
-            hidden = moe_gemv(acts.values, layout.topk_ids, layout.topk_weights, weights.w13, weights.w2)
-            return ExpertOutput(hidden, weights_applied=True, summed=True)
         rows_per_expert = self.rows_per_expert(layout)
         if isinstance(layout, StandardLayout) and self._library_gemms(layout, rows_per_expert, weights, acts):
             hidden = moe_standard_grouped_mm(acts.values, layout.topk_ids, layout.topk_weights, layout.routed_pairs,
