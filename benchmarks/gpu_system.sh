@@ -2,7 +2,7 @@
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-profile|spec-profile-dsv3|tests-nextn|
-#                                     spec-serve|spec-serve-spread|spec-profile-never|spec-never|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|gemv|large-m|prefix|dgprobe|dgmasked ...
+#                                     spec-serve|spec-serve-spread|spec-profile-never|spec-never|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|gemv|router-warps|large-m|prefix|dgprobe|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes; session 20's state):
 #   bash benchmarks/gpu_system.sh OUT front-end serving serving-interval spec-oracle-steps  # #31 target 3, #32 oracle:
 #                                         #      on an H200 (H100, session 17: served/offline 0.90 pooled, a served
@@ -12,9 +12,9 @@
 #   bash benchmarks/gpu_system.sh OUT spec-serve tests-overlap # #32 served, ngram at 1/16/64
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
 #   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M)
-#   bash benchmarks/gpu_system.sh OUT gemv                     # #31 targets 1-2 (first, on any card): the decode
-#                                         #      projections' Triton GEMV, never measured yet; what its start-up choice
-#                                         #      saves Qwen3 and DeepSeek-V3 at batch 1 and 4, then per shape
+#   bash benchmarks/gpu_system.sh OUT gemv router-warps e2e     # #31 targets 1-2 on an H200 (H100, session 22: the
+#                                         #      GEMV saves DeepSeek-V3 6.8% at batch 1; Qwen3 2.04x, DeepSeek-V3 1.15x,
+#                                         #      Qwen3 batch 8 1.25x: results/e2e_h100_s22.md)
 #   AB=1 bash benchmarks/gpu_system.sh OUT spec-never; bash benchmarks/gpu_system.sh OUT spec-never spec-profile-never
 #                                         # #32 never-worse on an H200, before/after the break calibration (.ab: the
 #                                         #      core before 2ab866b; on an H100, session 19: results/
@@ -141,12 +141,17 @@ for part in "$@"; do
         2>&1 | grep -v -i warn | tee "$out/moe_grouping.md" | tail -20 ;;
     gemv)  # #31 targets 1-2: what the start-up choice of the Triton GEMV saves a graphed decode step (the GEMV
            # layers switched off and on, 3 alternations), then the projections at 1-4 rows against cuBLAS, one by one
-      timeout $(lim 240) python3 benchmarks/e2e_gpu.py --skip-correctness --decode 1 4 --prefill --ablate-launch-cuts \
-        --ablate-only GEMV --out "$out/e2e_gemv_${card}.md" 2>&1 | grep -v -i warn | grep "^|" \
-        | tee "$out/$part.log" | tail -24
+      for model in qwen dsv3; do  # one model a process: both engines at once do not fit an H100
+        timeout $(lim 150) python3 benchmarks/e2e_gpu.py --skip-correctness --only $model --decode 1 4 --prefill \
+          --ablate-launch-cuts --ablate-only GEMV --out "$out/e2e_gemv_${model}_${card}.md" > "$out/e2e_gemv_$model.log" 2>&1
+        grep "^|" "$out/e2e_gemv_$model.log" | tee -a "$out/$part.log" | tail -12; grep -m3 -i "error" "$out/e2e_gemv_$model.log"
+      done
       timeout $(lim 150) python3 benchmarks/gemv_small_m.py --out "$out/gemv_small_m_${card}.md" 2>&1 | grep -v -i warn \
         | grep "^|" | tee -a "$out/$part.log" | tail -30
       timeout $(lim 60) python3 -m pytest -q -m gpu tests/test_kernel_gemv.py 2>&1 | tail -2 | tee -a "$out/$part.log" ;;
+    router-warps)  # the one-launch router's warps per program at each token block (router_gemv.WARPS_BY_TOKENS)
+      timeout $(lim 150) python3 benchmarks/router_warps.py --out "$out/router_warps_${card}.md" 2>&1 | grep -v -i warn \
+        | tee "$out/$part.log" | tail -18 ;;
     e2e)
       for model in qwen dsv3; do
         for run in 1 2 3; do
