@@ -55,6 +55,17 @@ def test_any_warp_count_routes_alike(monkeypatch, warps):
     check(SPECS["deepseek-v3"], 1)
 
 
+def test_every_token_block_has_a_warp_count_and_the_override_wins(monkeypatch):
+    """Launches of 1..MAX_TOKENS tokens take the warps measured for their block (results/router_warps_h100.md); a
+    block without an entry would fail at the launch, not here."""
+    blocks = {1 << (tokens - 1).bit_length() for tokens in range(1, MAX_TOKENS + 1)}
+    assert blocks == set(router_gemv.WARPS_BY_TOKENS)
+    assert all(router_gemv.warps_for(block) in (1, 2, 4, 8) for block in blocks)
+    assert router_gemv.warps_for(1) == 1 and router_gemv.warps_for(8) == 4  # one warp made batch 8 14% slower
+    monkeypatch.setattr(router_gemv, "NUM_WARPS", 2)
+    assert {router_gemv.warps_for(block) for block in blocks} == {2}
+
+
 def test_fp16_hidden_is_upcast_as_the_router_does():
     check(SPECS["qwen3"], 2, torch.float16)
 
