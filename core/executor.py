@@ -10,6 +10,24 @@ from .interfaces import BatchMeta, OverlapStrategy
 from .kv_cache import KVPool
 
 
+@attrs.frozen
+class PairRows:
+    """An MoE layer's output left as its tokens' top-k pair rows, routed weights applied but not summed yet:
+    rows [N * top_k, H], token n's pairs at rows n * top_k ... The next layer's norm sums them in its own kernel
+    (the sum kernel's launch saved); `total` is the same sum anywhere else."""
+
+    rows: torch.Tensor
+    top_k: int
+
+    def total(self) -> torch.Tensor:
+        """[N, H]: each token's pair rows summed in fp32 and rounded once, as the MoE kernel's own sum does."""
+        return self.rows.view(-1, self.top_k, self.rows.shape[-1]).float().sum(1).to(self.rows.dtype)
+
+
+def add(hidden: torch.Tensor, addend: torch.Tensor | PairRows) -> torch.Tensor:
+    return hidden + (addend.total() if isinstance(addend, PairRows) else addend)
+
+
 @attrs.define
 class StepState:
     """What one (micro-)batch carries through the layer stack."""
@@ -20,12 +38,12 @@ class StepState:
     shared_during_dispatch: bool = False  # the overlap strategy's choice, read by MoE layers
     # an addend of `hidden` not added yet: a layer's MLP output, which the next layer's norm adds in its own
     # kernel (one launch fewer per layer); `settle` adds it where no layer follows
-    pending: torch.Tensor | None = None
+    pending: torch.Tensor | PairRows | None = None
 
     def settle(self) -> torch.Tensor:
         """`hidden` with any pending addend added."""
         if self.pending is not None:
-            self.hidden, self.pending = self.hidden + self.pending, None
+            self.hidden, self.pending = add(self.hidden, self.pending), None
         return self.hidden
 
 

@@ -12,6 +12,7 @@ from moeplex.batch_builder import ScheduledSeq, build_forward_batch
 from moeplex.config import EngineConfig
 from moeplex.kernels.norm import _rms_norm_kernel
 from moeplex.kv_cache import KVPool
+from moeplex.models import base
 from moeplex.models.setup import load_model
 from moeplex.registry import lookup
 from moeplex.selection import resolve
@@ -65,3 +66,30 @@ def test_residual_left_for_the_next_norm_gives_the_same_logits(tiny_model_dir, a
     for strategy in (no_overlap(), lookup("overlap", "tbo")()):
         for i, (ours, theirs) in enumerate(zip(run(model, sequences, 2, strategy), reference)):
             assert_matches(ours, theirs, f"{arch} {type(strategy).__name__} step {i}")
+
+
+def test_moe_pair_rows_summed_by_the_next_norm_give_the_same_logits(monkeypatch, tiny_model_dir, arch):
+    """With the triton MoE kernel and the local dispatcher, an MoE layer without shared experts hands its weighted
+    pair rows unsummed to the next layer's norm (MoELayer.fewer_launches, executor.PairRows): the fused norm sums
+    them in its kernel; with the torch ops, PairRows.total does, as does the step's end after the last layer."""
+    calls = []
+    real = base.rms_norm
+    monkeypatch.setattr(base, "rms_norm", lambda *args, pairs=1, **kw: calls.append(pairs) or real(*args, pairs=pairs, **kw))
+    config = EngineConfig(model=tiny_model_dir(arch), dtype="fp32", device=str(DEVICE), show_progress=False,
+                          moe_kernel="triton")
+    model = load_model(config.model, config, resolve(config))
+    deferring = [m for m in model.moe_layers() if m.shared_experts is None]
+    model.use_fused_kernels(False)
+    sequences = [token_sequence(n, seed=n) for n in (5, 12, 9)]
+    reference = run(model, sequences, decode_steps=2)
+    for layer in (*model.model.layers, *deferring):  # torch ops: the pending pair rows are summed by PairRows.total
+        layer.fewer_launches = True
+    for strategy in (no_overlap(), lookup("overlap", "tbo")()):
+        for i, (ours, theirs) in enumerate(zip(run(model, sequences, 2, strategy), reference)):
+            assert_matches(ours, theirs, f"{arch} torch ops {type(strategy).__name__} step {i}")
+    model.use_fused_kernels(True)
+    calls.clear()
+    for i, (ours, theirs) in enumerate(zip(run(model, sequences, 2), reference)):
+        assert_matches(ours, theirs, f"{arch} fused step {i}")
+    top_k = {m.gate.spec.top_k for m in deferring}
+    assert (set(calls) - {1}) == (top_k if len(deferring) > 1 else set())  # the last layer's pairs: the step's end

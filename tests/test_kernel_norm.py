@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from moeplex.executor import PairRows
 from moeplex.kernels.norm import _rms_norm_kernel, rms_norm
 from moeplex.models.base import RMSNorm
 from triton_guard import DEVICE, skip_unless_runnable
@@ -38,6 +39,33 @@ def test_norm_and_add_norm_equal_the_module(dtype, shape):
     norm.fused = True
     check(norm(x), want)
     check(norm.add_norm(x, residual)[0], want_normed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,top_k", [(5, 8), (1, 2), (0, 4)])
+def test_pair_rows_are_summed_then_added_as_the_moe_sum_and_the_module_do(dtype, tokens, top_k):
+    """An MoE layer's unsummed pair rows (PairRows): each token's top_k rows summed in fp32 and rounded to the dtype,
+    as the MoE kernel's own sum does, then the residual added and rounded, then normalized."""
+    torch.manual_seed(3)
+    norm = reference(48, 1e-6, dtype)
+    pairs = PairRows(torch.randn(tokens * top_k, 48, device=DEVICE).to(dtype), top_k)
+    residual = torch.randn(tokens, 48, device=DEVICE).to(dtype)
+    summed = pairs.rows.view(tokens, top_k, 48).float().sum(1).to(dtype)
+    want_normed, want_sum = norm.add_norm(summed, residual)
+    got_normed, got_sum = rms_norm(pairs.rows, norm.weight, norm.eps, residual, pairs=top_k)
+    torch.testing.assert_close(got_sum, want_sum, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    check(got_normed, want_normed)
+    for fused in (False, True):  # the module takes PairRows both ways
+        norm.fused = fused
+        normed, total = norm.add_norm(pairs, residual)
+        check(normed, want_normed)
+        check(total, want_sum)
+
+
+def test_pair_rows_need_a_residual_of_their_tokens():
+    with pytest.raises(ValueError, match="pair rows"):
+        rms_norm(torch.randn(6, 8, device=DEVICE), torch.ones(8, device=DEVICE), 1e-6, torch.randn(2, 8, device=DEVICE),
+                 pairs=4)
 
 
 def test_strided_rows_are_read_in_place():

@@ -10,7 +10,7 @@ import attrs
 import torch
 from torch import nn
 
-from ..executor import StepState, run_layers
+from ..executor import PairRows, StepState, add, run_layers
 from ..forward_batch import ForwardBatch
 from ..json_file import read_json_object
 from ..kernels.norm import rms_norm
@@ -155,11 +155,14 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(s), s) for s = residual + x: the residual stream's update and its norm (one kernel when fused)."""
+    def add_norm(self, x: torch.Tensor | PairRows, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(s), s) for s = residual + x: the residual stream's update and its norm (one kernel when fused, which
+        also sums an MoE's pair rows)."""
         if self.fused:
+            if isinstance(x, PairRows):
+                return rms_norm(x.rows, self.weight, self.eps, residual, pairs=x.top_k)
             return rms_norm(x, self.weight, self.eps, residual)
-        total = residual + x
+        total = add(residual, x)
         return self(total), total
 
 
@@ -196,7 +199,7 @@ class DecoderLayer(nn.Module):
         if self.fewer_launches:
             state.hidden, state.pending = hidden, out
         else:
-            state.hidden = hidden + out
+            state.hidden = add(hidden, out)
 
 
 def _parent(prefix: str) -> str:

@@ -7,7 +7,7 @@ from typing import Generator
 import torch
 from torch import nn
 
-from ..executor import StepState
+from ..executor import PairRows, StepState
 from ..interfaces import FP8_BLOCK
 from ..targets import CheckpointError, Target
 from ..quant import BLOCK, FP8, num_blocks, quantize_blocks
@@ -28,6 +28,10 @@ def _write_rows(param: torch.Tensor, slots: list[int], first_row: int, values: t
 
 class MoELayer(nn.Module):
     """router -> replica selector -> dispatch -> (layout adapter) -> kernel -> combine, plus shared experts.
+
+    `fewer_launches` (MoECausalLM.use_fused_kernels): where the runtime allows it (`sums_topk_later`) and no shared
+    experts or token shares are added after, the kernel's unsummed pair rows are the layer's output (PairRows),
+    which the next layer's norm sums in its own kernel: the sum's launch saved.
 
     Expert weights are held for this rank's physical slots only:
     w13 [E_local, 2I, H] (gate rows then up rows) and w2 [E_local, H, I], in the model dtype, or for
@@ -58,6 +62,8 @@ class MoELayer(nn.Module):
         self._unpaired: dict[int, dict[str, torch.Tensor]] = {}  # expert -> its gate or up, awaiting the other
         self.shared_experts = shared_experts
         self.prepared = None
+
+    fewer_launches = False
 
     def expert_tensors(self) -> list[nn.Parameter]:
         """What one slot's expert consists of (each indexed by local slot): w13, w2 and, in fp8, their scales."""
@@ -140,9 +146,9 @@ class MoELayer(nn.Module):
             )
         self.prepared = self.runtime.prepare_weights(*self.expert_tensors())
 
-    def program(self, hidden: torch.Tensor, state: StepState) -> Generator[str, None, torch.Tensor]:
+    def program(self, hidden: torch.Tensor, state: StepState) -> Generator[str, None, torch.Tensor | PairRows]:
         """Yields after launching each transfer ("dispatch", "combine"), after finishing it ("dispatched",
-        "combined") and after the experts ("experts"); returns [T, H].
+        "combined") and after the experts ("experts"); returns [T, H], or PairRows (`fewer_launches`).
 
         The ranks of an attention group hold the same tokens; when experts are sharded over
         ranks (EP), each of them routes only its share and the shares are gathered afterwards.
@@ -161,8 +167,13 @@ class MoELayer(nn.Module):
         dispatched = runtime.dispatcher.dispatch_finish(pending)
         yield "dispatched"
         layout, restore = runtime.adapter(dispatched.layout)
-        output = restore(runtime.kernel.apply(layout, self.prepared))
+        defer = self.fewer_launches and self.shared_experts is None and counts is None and runtime.sums_topk_later
+        output = restore((runtime.kernel.apply_unsummed if defer else runtime.kernel.apply)(layout, self.prepared))
         yield "experts"
+        if defer and output.weights_applied and not output.summed:  # the next norm sums the pairs
+            yield "combine"
+            yield "combined"
+            return PairRows(output.hidden.reshape(-1, output.hidden.shape[-1]), output.hidden.shape[1])
         pending = runtime.dispatcher.combine_start(output, dispatched.handle)
         yield "combine"
         routed = runtime.dispatcher.combine_finish(pending).to(hidden.dtype)

@@ -56,6 +56,14 @@ class MoERuntime:
         """The ranks slicing every expert's intermediate dimension (tensor-parallel experts)."""
         return self.parallel.moe_tp
 
+    @property
+    def sums_topk_later(self) -> bool:
+        """Whether an MoE layer may leave its tokens' top-k sum to the next layer's norm (executor.PairRows): the
+        dispatcher's combine does nothing else (`combine_only_reduces`: every pair on this rank), the kernel can
+        hand its pair rows back unsummed (`apply_unsummed`), and every expert is whole on this rank."""
+        return (getattr(self.dispatcher, "combine_only_reduces", False) and hasattr(self.kernel, "apply_unsummed")
+                and self.moe_tp.size == 1)
+
     def _index_local_slots(self, placement: Placement) -> list[dict[int, list[int]]]:
         first, count = self.ctx.first_local_expert, self.ctx.num_local_experts
         table = []

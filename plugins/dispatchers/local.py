@@ -17,6 +17,8 @@ from moeplex.interfaces import (
 
 class LocalDispatcher(Dispatcher):
     caps = DispatcherCaps(layout=STANDARD, multi_rank=False, graph_safe=True)
+    # combine is reduce_standard and nothing else: an MoE layer may leave that sum to the next norm (MoERuntime)
+    combine_only_reduces = True
 
     def dispatch_start(self, hidden, topk_ids, topk_weights, batch=None):
         return hidden, topk_ids, topk_weights

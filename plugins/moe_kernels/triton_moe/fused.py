@@ -110,16 +110,23 @@ def run_experts(
 
 
 def moe_standard(acts: Activations, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 weights: PreparedWeights, tiles: MoETiles, one_launch_pairs: int = ONE_LAUNCH_MAX_PAIRS) -> torch.Tensor:
-    """[N, H]: every token's routed experts, weighted by their top-k weights and summed."""
+                 weights: PreparedWeights, tiles: MoETiles, one_launch_pairs: int = ONE_LAUNCH_MAX_PAIRS,
+                 sum_pairs: bool = True) -> torch.Tensor:
+    """[N, H]: every token's routed experts, weighted by their top-k weights and summed; with `sum_pairs` False
+    the weighted pair rows unsummed, [N, K, H] (rows of pairs routed elsewhere, id -1, left unwritten, as an
+    ExpertOutput may leave them)."""
     num_tokens, top_k = topk_ids.shape
-    out = torch.empty(num_tokens, weights.hidden_size, dtype=acts.out_dtype, device=topk_ids.device)
+    device = topk_ids.device
     if num_tokens == 0:
-        return out
+        shape = (0, weights.hidden_size) if sum_pairs else (0, top_k, weights.hidden_size)
+        return torch.empty(shape, dtype=acts.out_dtype, device=device)
     align = align_standard(topk_ids, weights.num_experts, tiles.block_m, tiles.tail_m, one_launch_pairs)
-    pair_rows = torch.empty(num_tokens * top_k, weights.hidden_size, dtype=acts.out_dtype, device=out.device)
+    pair_rows = torch.empty(num_tokens * top_k, weights.hidden_size, dtype=acts.out_dtype, device=device)
     run_experts(acts, weights, align, pair_rows, tiles, a_row_div=top_k,
                 routed_weights=topk_weights.reshape(-1).contiguous())
+    if not sum_pairs:
+        return pair_rows.view(num_tokens, top_k, -1)
+    out = torch.empty(num_tokens, weights.hidden_size, dtype=acts.out_dtype, device=device)
     return sum_topk(pair_rows, topk_ids.contiguous(), out)
 
 

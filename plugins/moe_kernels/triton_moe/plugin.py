@@ -72,6 +72,15 @@ class TritonMoEKernel(MoEKernel):
         return PreparedWeights.from_expert_weights(weights)
 
     def apply(self, layout, weights: PreparedWeights) -> ExpertOutput:
+        return self._apply(layout, weights, sum_pairs=True)
+
+    def apply_unsummed(self, layout, weights: PreparedWeights) -> ExpertOutput:
+        """`apply`, but the standard layout's weighted pair rows come back unsummed ([N, K, H]) where the path
+        computes them anyway, for a caller that sums them in a kernel of its own (moeplex.moe.MoERuntime's
+        `sums_topk_later`); the library path, which sums in its gather's order, still returns [N, H]."""
+        return self._apply(layout, weights, sum_pairs=False)
+
+    def _apply(self, layout, weights: PreparedWeights, sum_pairs: bool) -> ExpertOutput:
         acts = activations(layout.hidden, layout.fp8, weights)
         rows_per_expert = self.rows_per_expert(layout)
         if isinstance(layout, StandardLayout) and self._library_gemms(layout, rows_per_expert, weights, acts):
@@ -80,8 +89,9 @@ class TritonMoEKernel(MoEKernel):
             return ExpertOutput(hidden, weights_applied=True, summed=True)
         tiles = self.tiles(rows_per_expert, acts.out_dtype, weights)
         if isinstance(layout, StandardLayout):
-            hidden = moe_standard(acts, layout.topk_ids, layout.topk_weights, weights, tiles, self.one_launch_align_pairs)
-            return ExpertOutput(hidden, weights_applied=True, summed=True)
+            hidden = moe_standard(acts, layout.topk_ids, layout.topk_weights, weights, tiles, self.one_launch_align_pairs,
+                                  sum_pairs)
+            return ExpertOutput(hidden, weights_applied=True, summed=sum_pairs)
         if isinstance(layout, ContiguousLayout):
             hidden = moe_grouped_rows(acts, layout.expert_index, layout.alignment, weights, tiles)
             return ExpertOutput(hidden, weights_applied=False, summed=False)
