@@ -297,3 +297,19 @@ def test_gemv_small_m_under_the_triton_interpreter(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| tiny")]
     assert [row.split(" | ")[3] for row in rows] == ["1", "3", "1", "3"], out.read_text()
+
+
+def test_router_warps_under_the_triton_interpreter(tmp_path):
+    """The router's warps sweep (results/router_warps_h100.md) writes a row per model and token count, every warp
+    count timed, the default marked where it is one of them."""
+    out = tmp_path / "warps.md"
+    done = subprocess.run([sys.executable, "router_warps.py", "--device", "cpu", "--quick", "--out", str(out)],
+                          cwd=BENCHMARKS, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| Qwen3") or
+            line.startswith("| DeepSeek")]
+    assert [(row[0].strip("| "), row[1]) for row in rows] == [
+        ("Qwen3-30B-A3B", "1"), ("Qwen3-30B-A3B", "2"), ("DeepSeek-V3", "1"), ("DeepSeek-V3", "2")], out.read_text()
+    assert all(float(cell.strip("*| ").split()[0]) > 0 for row in rows for cell in row[2:4]), out.read_text()
+    assert "(default)" in rows[0][2], out.read_text()  # one token: one warp
