@@ -39,6 +39,8 @@ class MoELayer(nn.Module):
     w13_scale [E_local, ceil(2I/128), ceil(H/128)] and w2_scale [E_local, ceil(H/128), ceil(I/128)].
     """
 
+    fewer_launches = False
+
     def __init__(
         self,
         moe_index: int,  # ordinal among the model's MoE layers (the Placement's layer axis)
@@ -62,8 +64,6 @@ class MoELayer(nn.Module):
         self._unpaired: dict[int, dict[str, torch.Tensor]] = {}  # expert -> its gate or up, awaiting the other
         self.shared_experts = shared_experts
         self.prepared = None
-
-    fewer_launches = False
 
     def expert_tensors(self) -> list[nn.Parameter]:
         """What one slot's expert consists of (each indexed by local slot): w13, w2 and, in fp8, their scales."""
