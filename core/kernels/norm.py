@@ -58,7 +58,7 @@ def rms_norm(
     if weight.shape != (cols,):
         raise ValueError(f"the norm weight has shape {tuple(weight.shape)}, the rows have {cols} columns")
     rows = _rows(x)
-    if pairs > 1 and (residual is None or rows.shape[0] != residual.reshape(-1, cols).shape[0] * pairs):
+    if pairs > 1 and (residual is None or rows.shape[0] != residual.numel() // cols * pairs):
         raise ValueError(f"{pairs} pair rows a row need a residual of a {pairs}th of their rows; got {tuple(x.shape)} "
                          f"against {None if residual is None else tuple(residual.shape)}")
     shape = x.shape if pairs == 1 else residual.shape
