@@ -6,7 +6,8 @@
 Issue #31 target 5: EP8-global M=16384 within 1.05x of the bare grouped GEMMs. One row per routing and M: the
 grouping of the local pairs as the path did it before (an argsort of all N x K ids, a scatter_add count) and as
 it does now (group.py's counting sort), then each later stage alone (gather, GEMM 1, SiLU-and-multiply, GEMM 2,
-weighted pair sum), their sum, and the whole path as the plugin runs it. On the GPU each figure is ColdTimer's
+weighted pair sum), the padded grouping and the gated GEMM 1 that replace the gather, GEMM 1 and SiLU from
+GATED_GEMM1_MIN_ROWS rows per expert (plugin.py), and the whole path both ways. On the GPU each figure is ColdTimer's
 median (fused_moe.py: L2 emptied first); on CPU a median of wall times, only to show that the script runs.
 """
 
@@ -16,13 +17,16 @@ import argparse
 import statistics
 import time
 
+import attrs
 import torch
 from fused_moe import SHAPES, ColdTimer, Shape, make_layout
 
 from moeplex.interfaces.kernels import gather_rows, weighted_pair_sum
 from moeplex.plugins.moe_kernels.triton_moe.finish import silu_mul
 from moeplex.plugins.moe_kernels.triton_moe.fused import PreparedWeights, moe_standard_grouped_mm
-from moeplex.plugins.moe_kernels.triton_moe.group import group_local_pairs
+from moeplex.plugins.moe_kernels.triton_moe.group import align_local_pairs, group_local_pairs
+from moeplex.plugins.moe_kernels.triton_moe.kernel import grouped_gemm
+from moeplex.plugins.moe_kernels.triton_moe.plugin import GATED_GEMM1_TILE
 
 TINY = Shape(experts=128, ep_size=8, hidden=64, intermediate=32, top_k=8)  # local routing needs >= top_k here
 
@@ -59,6 +63,10 @@ def row(shape: Shape, tokens: int, routing: str, weights: PreparedWeights, timer
     inter = silu_mul(gate_up)
     down = torch._grouped_mm(inter, w2, offs=grouped.offs)
     pair_row = grouped.pair_row.view(ids.shape)
+    tile = GATED_GEMM1_TILE if device == "cuda" else attrs.evolve(GATED_GEMM1_TILE, block_m=16, block_n=16, block_k=16,
+                                                                   num_stages=1, tma=False)
+    align, _ = align_local_pairs(ids, experts, pairs, tile.block_m)
+    padded_inter = torch.empty(align.num_slots, inter.shape[1], dtype=dtype, device=device)
     stages = {
         "argsort grouping (before)": lambda: argsort_grouping(ids, pairs, experts),
         "counting sort (now)": lambda: group_local_pairs(ids, experts, pairs),
@@ -67,12 +75,15 @@ def row(shape: Shape, tokens: int, routing: str, weights: PreparedWeights, timer
         "SiLU-and-mul": lambda: silu_mul(gate_up),
         "GEMM 2": lambda: torch._grouped_mm(inter, w2, offs=grouped.offs),
         "pair sum": lambda: weighted_pair_sum(down, pair_row, layout.topk_weights, layout.hidden.dtype),
+        "padded counting sort": lambda: align_local_pairs(ids, experts, pairs, tile.block_m),
+        "gated GEMM 1 (Triton, by index)": lambda: grouped_gemm(layout.hidden, weights.w13, padded_inter, align, tile,
+                                                                a_row_div=ids.shape[1], gated=True, in_place=True),
     }
     us = {name: 1e3 * timer(fn) for name, fn in stages.items()}
     whole = 1e3 * timer(lambda: moe_standard_grouped_mm(layout.hidden, ids, layout.topk_weights, pairs, weights))
-    now = sum(value for name, value in us.items() if name != "argsort grouping (before)")
+    gated = 1e3 * timer(lambda: moe_standard_grouped_mm(layout.hidden, ids, layout.topk_weights, pairs, weights, tile))
     cells = " | ".join(f"{value:.1f}" for value in us.values())
-    return f"| {routing} | {tokens} | {pairs} | {cells} | {now:.1f} | {whole:.1f} |"
+    return f"| {routing} | {tokens} | {pairs} | {cells} | {whole:.1f} | {gated:.1f} |"
 
 
 def main() -> None:
@@ -96,10 +107,10 @@ def main() -> None:
     weights = PreparedWeights(w13, w2)
     timer = ColdTimer() if args.device == "cuda" else lambda fn: wall_timer(fn, args.runs)
     names = ["argsort grouping (before)", "counting sort (now)", "gather", "GEMM 1", "SiLU-and-mul", "GEMM 2",
-             "pair sum"]
+             "pair sum", "padded counting sort", "gated GEMM 1 (Triton, by index)"]
     print(f"## the library path by stage, {args.shape} ({e} local experts, H={h}, I={i}), {args.device}\n")
     columns = " | ".join(f"{name} µs" for name in names)
-    print(f"| routing | M | pairs here | {columns} | stages now µs | whole path µs |")
+    print(f"| routing | M | pairs here | {columns} | whole path, CUTLASS GEMM 1 µs | whole path, gated GEMM 1 µs |")
     print("|---" * (len(names) + 5) + "|")
     for routing in args.routing:
         for tokens in args.tokens:

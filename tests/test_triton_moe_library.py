@@ -12,7 +12,8 @@ import torch
 from moeplex.interfaces import ExpertWeights, MoEContext, StandardLayout
 from moeplex.plugins.moe_kernels.torch_ref import TorchMoEKernel
 from moeplex.plugins.moe_kernels.triton_moe.fused import Activations, PreparedWeights, moe_standard_grouped_mm
-from moeplex.plugins.moe_kernels.triton_moe.group import CHUNK, _place_kernel, group_local_pairs
+from moeplex.plugins.moe_kernels.triton_moe.configs import TileConfig
+from moeplex.plugins.moe_kernels.triton_moe.group import CHUNK, _place_kernel, align_local_pairs, group_local_pairs
 from moeplex.plugins.moe_kernels.triton_moe.plugin import GROUPED_MM_MIN_ROWS, TritonMoEKernel
 
 from triton_guard import DEVICE, skip_unless_runnable
@@ -81,6 +82,38 @@ def test_no_pairs_give_empty_groups():
     assert grouped.token.numel() == 0 and grouped.pair_row.numel() == 0 and (grouped.offs == 0).all()
 
 
+@pytest.mark.parametrize("case", list(GROUPING_CASES))
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_padded_grouping_puts_each_experts_pairs_at_the_start_of_its_own_tiles(case, block_m):
+    """align_local_pairs: the counting sort's order, each expert's group starting on a tile, the sentinel on
+    padding, every tile's expert, and the padded ends (GEMM 2's offsets)."""
+    tokens, top_k, experts, share, empty, far = GROUPING_CASES[case]
+    ids = routing(tokens, top_k, experts, share, seed=tokens, empty_experts=empty, far_ids=far)
+    token, _, ends = argsort_grouping(ids, experts)
+    align, grouped = align_local_pairs(ids, experts, token.numel(), block_m)
+    counts = torch.diff(ends, prepend=torch.zeros(1, dtype=ends.dtype))
+    padded_ends = ((counts + block_m - 1) // block_m * block_m).cumsum(0)
+    assert torch.equal(grouped.offs.cpu().long(), padded_ends)
+    assert int(align.num_padded) == (int(padded_ends[-1]) if experts else 0) <= align.num_slots
+    slots = align.sorted_ids.cpu().long()
+    expected = torch.full((align.num_slots,), ids.numel(), dtype=torch.long)
+    flat = ids.reshape(-1).cpu().long()
+    local = torch.nonzero((flat >= 0) & (flat < experts)).flatten()
+    order = local[torch.argsort(flat[local], stable=True)]
+    starts = padded_ends - (counts + block_m - 1) // block_m * block_m
+    rank = torch.arange(order.numel()) - torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])[flat[order]]
+    expected[starts[flat[order]] + rank] = order
+    assert torch.equal(slots, expected)
+    pair_row = torch.full_like(flat, -1)
+    pair_row[order] = starts[flat[order]] + rank
+    assert torch.equal(grouped.pair_row.cpu().long(), pair_row)
+    if block_m > 1:
+        tiles = torch.arange(int(align.num_padded) // block_m)
+        assert torch.equal(align.block_expert[: tiles.numel()].cpu().long(),
+                           torch.searchsorted(padded_ends, tiles * block_m, right=True))
+        assert (align.block_expert[tiles.numel():] == -1).all()
+
+
 @pytest.mark.gpu
 def test_gpu_counting_sort_at_ep8_global_16384_tokens():
     """DeepSeek-V3 on rank 0 of EP8: 16384 tokens' top-8 over 256 experts, ~16k of the 131k pairs local."""
@@ -92,10 +125,31 @@ def test_gpu_counting_sort_at_ep8_global_16384_tokens():
     assert torch.equal(grouped.offs.cpu().long(), ends)
 
 
+@pytest.mark.gpu
+def test_gpu_gated_gemm1_at_ep8_global_16384_tokens_matches_the_cutlass_gemm1():
+    """The plugin's tile for the gated GEMM 1 (TMA, bf16) at the size it is chosen for: the same MoE output as
+    gather + CUTLASS + SiLU-and-multiply, up to bf16 rounding of the intermediate."""
+    from moeplex.plugins.moe_kernels.triton_moe.plugin import GATED_GEMM1_TILE
+
+    tokens, top_k, experts, hidden, inter = 16384, 8, 32, 7168, 2048
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden**0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, device="cuda", generator=gen) / inter**0.5).bfloat16()
+    weights = PreparedWeights(w13, w2)
+    ids = routing(tokens, top_k, experts, 1 / 8, seed=0)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    topk_weights = torch.rand(tokens, top_k, device="cuda", generator=gen)
+    pairs = int((ids >= 0).sum())
+    cutlass = moe_standard_grouped_mm(x, ids, topk_weights, pairs, weights)
+    gated = moe_standard_grouped_mm(x, ids, topk_weights, pairs, weights, GATED_GEMM1_TILE)
+    torch.testing.assert_close(gated.float(), cutlass.float(), rtol=2e-2, atol=2e-2)
+
+
 @needs_grouped_mm
 @pytest.mark.parametrize("share,upper_bound", [(1 / 8, False), (1.0, False), (1 / 8, True)],
                          ids=["global", "local", "global_upper_bound"])
-def test_library_path_matches_the_torch_kernel(share, upper_bound):
+@pytest.mark.parametrize("gate_up", [None, TileConfig(16, 32, 16, num_warps=2, num_stages=1)], ids=["cutlass_gemm1", "gated_gemm1"])
+def test_library_path_matches_the_torch_kernel(share, upper_bound, gate_up):
     tokens, top_k, experts, hidden, inter = 24, 8, 8, 48, 40
     gen = torch.Generator().manual_seed(3)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
@@ -106,7 +160,7 @@ def test_library_path_matches_the_torch_kernel(share, upper_bound):
                             torch.rand(tokens, top_k, generator=gen).to(DEVICE), experts,
                             routed_pairs=ids.numel() if upper_bound else int((ids >= 0).sum()))
     ours = moe_standard_grouped_mm(layout.hidden, ids, layout.topk_weights, layout.routed_pairs,
-                                   PreparedWeights.from_expert_weights(weights))
+                                   PreparedWeights.from_expert_weights(weights), gate_up)
     reference = TorchMoEKernel(MoEContext(hidden, inter, experts, top_k, torch.float32, DEVICE))
     ref = reference.apply(layout, reference.prepare_weights(weights)).hidden
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)

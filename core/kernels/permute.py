@@ -20,6 +20,9 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024  # columns per program
+# The pair sum's programs each wait on their K row indices before they read; two warps a program let more of them
+# wait at once: 202 against 231 µs at EP8-global M=16384 on the H100 (benchmarks/results/fused_moe_large_m_h100_s23.md)
+PAIR_SUM_WARPS = 2
 
 
 @triton.jit
@@ -74,6 +77,6 @@ def weighted_pair_sum(rows: torch.Tensor, pair_row: torch.Tensor, weights: torch
         grid = (num_tokens, triton.cdiv(rows.shape[1], BLOCK))
         _weighted_pair_sum_kernel[grid](
             rows, pair_row.contiguous(), weights.contiguous(), out, rows.shape[1], rows.stride(0), out.stride(0),
-            TOP_K=top_k, BLOCK=BLOCK,
+            TOP_K=top_k, BLOCK=BLOCK, num_warps=PAIR_SUM_WARPS,
         )
     return out

@@ -19,9 +19,9 @@ from .align import (
     can_align_in_one_launch,
     can_align_in_place,
 )
-from .configs import MoETiles
+from .configs import MoETiles, TileConfig
 from .finish import silu_mul, sum_topk
-from .group import group_local_pairs
+from .group import align_local_pairs, group_local_pairs
 from .kernel import grouped_gemm
 
 
@@ -131,20 +131,30 @@ def moe_standard(acts: Activations, topk_ids: torch.Tensor, topk_weights: torch.
 
 
 def moe_standard_grouped_mm(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                            routed_pairs: int, weights: PreparedWeights) -> torch.Tensor:
-    """moe_standard through torch._grouped_mm (CUTLASS) for both GEMMs: bf16 on sm90, where rows per expert are many.
+                            routed_pairs: int, weights: PreparedWeights, gate_up: TileConfig | None = None) -> torch.Tensor:
+    """moe_standard through torch._grouped_mm (CUTLASS) for GEMM 2, and for GEMM 1 unless `gate_up` is given: bf16
+    on sm90, where rows per expert are many.
 
     The `routed_pairs` local pairs (the host's count, or an upper bound on it) are grouped by expert with a
-    counting sort (group.py: O(pairs), however few of them are local), their rows gathered once, SiLU-and-multiply
-    runs in one pass between the GEMMs, and one kernel weights and sums each token's pairs. Group offsets stay on
-    the device: no host sync, so a CUDA graph can hold it.
+    counting sort (group.py: O(pairs), however few of them are local). Then either their rows are gathered once,
+    GEMM 1 runs through torch._grouped_mm and SiLU-and-multiply in one pass after it; or, with a `gate_up` tile,
+    the Triton kernel's gated GEMM 1 reads the rows by index and writes SiLU(gate) * up at the grouped rows,
+    each expert's group padded to whole tiles (two passes over the rows fewer; GEMM 2 also runs the padding
+    rows, at most a tile's height per expert). One kernel weights and sums each token's pairs. Group offsets stay
+    on the device: no host sync, so a CUDA graph can hold it.
     """
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0 or routed_pairs == 0:
         return torch.zeros(num_tokens, weights.hidden_size, dtype=hidden.dtype, device=hidden.device)
-    grouped = group_local_pairs(topk_ids, weights.num_experts, routed_pairs)
-    rows = gather_rows(hidden.reshape(num_tokens, -1), grouped.token)  # zeros on rows past the true count
-    inter = silu_mul(torch._grouped_mm(rows, weights.w13.transpose(1, 2), offs=grouped.offs))
+    hidden = hidden.reshape(num_tokens, -1)
+    if gate_up is None:
+        grouped = group_local_pairs(topk_ids, weights.num_experts, routed_pairs)
+        rows = gather_rows(hidden, grouped.token)  # zeros on rows past the true count
+        inter = silu_mul(torch._grouped_mm(rows, weights.w13.transpose(1, 2), offs=grouped.offs))
+    else:
+        align, grouped = align_local_pairs(topk_ids, weights.num_experts, routed_pairs, gate_up.block_m)
+        inter = torch.empty(align.num_slots, weights.intermediate_size, dtype=hidden.dtype, device=hidden.device)
+        grouped_gemm(hidden, weights.w13, inter, align, gate_up, a_row_div=top_k, gated=True, in_place=True)
     down = torch._grouped_mm(inter, weights.w2.transpose(1, 2), offs=grouped.offs)
     return weighted_pair_sum(down, grouped.pair_row.view(num_tokens, top_k), topk_weights.float(), hidden.dtype)
 
