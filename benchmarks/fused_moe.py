@@ -205,9 +205,9 @@ def row(shape: Shape, tokens: int, routing: str, fp8: bool, roof: Roofline, kern
     library_from, triton_kernel.grouped_mm_min_rows = triton_kernel.grouped_mm_min_rows, float("inf")
     fused_only = timer(lambda: triton_kernel.apply(layout, triton_weights))  # the Triton kernel at every size
     triton_kernel.grouped_mm_min_rows = library_from
-    gated_from, triton_kernel.gated_gemm1_min_rows = triton_kernel.gated_gemm1_min_rows, float("inf")
+    gated_rows, triton_kernel.gated_gemm1_rows = triton_kernel.gated_gemm1_rows, (0, 0)
     cutlass_gemm1 = timer(lambda: triton_kernel.apply(layout, triton_weights))  # the library path's GEMM 1 never fused
-    triton_kernel.gated_gemm1_min_rows = gated_from
+    triton_kernel.gated_gemm1_rows = gated_rows
     triton_graph = timer.graph(lambda: triton_kernel.apply(layout, triton_weights))
     torch_ms = timer(lambda: torch_kernel.apply(layout, torch_weights))
     best = min(triton_eager, triton_graph)

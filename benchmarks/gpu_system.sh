@@ -11,7 +11,8 @@
 #                                         #      1.19x; nextn with the synthetic MTP 0.97-1.00x on the 4-layer shapes)
 #   bash benchmarks/gpu_system.sh OUT spec-serve tests-overlap # #32 served, ngram at 1/16/64
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
-#   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M)
+#   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M; H100, session 23:
+#                                         #      1.03x with the gated GEMM 1: results/fused_moe_large_m_h100_s23.md)
 #   bash benchmarks/gpu_system.sh OUT gemv router-warps e2e     # #31 targets 1-2 on an H200 (H100, session 22: the
 #                                         #      GEMV saves DeepSeek-V3 6.8% at batch 1; Qwen3 2.04x, DeepSeek-V3 1.15x,
 #                                         #      Qwen3 batch 8 1.25x: results/e2e_h100_s22.md)
@@ -134,11 +135,12 @@ for part in "$@"; do
     large-m)
       timeout $(lim 120) python3 -m pytest -q -m gpu tests/test_triton_moe_library.py tests/test_triton_attention.py 2>&1 | tee "$out/large_m_tests.log" | tail -3
       for run in 1 2 3; do
-        timeout $(lim 120) python3 benchmarks/fused_moe.py --shape deepseek-v3-ep8 --dtype bf16 --routing global local \
-          --tokens 512 4096 16384 2>&1 | grep -v -i warn | tee "$out/fused_moe_large_m_run$run.md" | tail -8
+        timeout $(lim 150) python3 benchmarks/fused_moe.py --shape deepseek-v3-ep8 --dtype bf16 --routing global local \
+          --tokens 512 2048 4096 16384 2>&1 | grep -v -i warn | tee "$out/fused_moe_large_m_run$run.md" | tail -10
       done
-      timeout $(lim 90) python3 benchmarks/moe_grouping.py --shape deepseek-v3-ep8 --routing global local --tokens 4096 16384 \
-        2>&1 | grep -v -i warn | tee "$out/moe_grouping.md" | tail -20 ;;
+      timeout $(lim 90) python3 benchmarks/moe_grouping.py --shape deepseek-v3-ep8 --routing global local --tokens 2048 16384 \
+        2>&1 | grep -v -i warn | tee "$out/moe_grouping.md" | tail -20
+      (cd benchmarks && timeout $(lim 120) python3 large_m_probe.py 16384 2>&1 | tee "$out/large_m_probe.md" | tail -30) ;;
     gemv)  # #31 targets 1-2: what the start-up choice of the Triton GEMV saves a graphed decode step (the GEMV
            # layers switched off and on, 3 alternations), then the projections at 1-4 rows against cuBLAS, one by one
       for model in qwen dsv3; do  # one model a process: both engines at once do not fit an H100

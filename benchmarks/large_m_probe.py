@@ -24,8 +24,8 @@ from moeplex.plugins.moe_kernels.triton_moe.group import align_local_pairs, grou
 from moeplex.plugins.moe_kernels.triton_moe.kernel import grouped_gemm
 
 GEMM1_TILES = [  # block_m, block_n, block_k, group_m, warps, stages (weights through TMA)
-    (128, 128, 64, 8, 8, 4), (128, 128, 64, 16, 8, 4), (128, 128, 64, 32, 8, 4), (128, 128, 64, 64, 8, 4),
-    (128, 128, 128, 16, 8, 2), (128, 128, 32, 16, 8, 6), (64, 256, 64, 16, 8, 3),
+    (128, 128, 64, 8, 8, 4), (128, 128, 64, 16, 8, 4), (128, 128, 64, 32, 8, 4),
+    (64, 256, 64, 8, 8, 3), (64, 256, 64, 16, 8, 3), (64, 256, 64, 32, 8, 3),
 ]
 PAIR_SUM_SHAPES = [(1024, 4), (1024, 2), (512, 1), (1024, 1), (2048, 2), (512, 2)]  # columns per program, warps
 

@@ -184,3 +184,25 @@ def test_rows_per_expert_alone_sends_bf16_to_the_library_gemms_whatever_share_is
 
     assert library(GROUPED_MM_MIN_ROWS, 1 / 8) and library(GROUPED_MM_MIN_ROWS, 1.0)
     assert not library(GROUPED_MM_MIN_ROWS - 1, 1 / 8) and not library(GROUPED_MM_MIN_ROWS - 1, 1.0)
+
+
+def test_the_gated_gemm1_runs_only_inside_its_window_of_rows_per_expert(monkeypatch):
+    """The library path takes the Triton gated GEMM 1 from GATED_GEMM1_MIN_ROWS rows per expert up to (not at)
+    GATED_GEMM1_MAX_ROWS, where CUTLASS's GEMM 1 wins again; outside it the gather + CUTLASS + SiLU path."""
+    from moeplex.plugins.moe_kernels.triton_moe import plugin
+
+    chosen = []
+    monkeypatch.setattr(plugin, "moe_standard_grouped_mm",
+                        lambda hidden, ids, weights, pairs, prepared, gate_up=None: chosen.append(gate_up) or hidden)
+    experts, top_k = 2, 8
+    kernel = TritonMoEKernel(MoEContext(16, 16, experts, top_k, torch.bfloat16, DEVICE))
+    kernel.grouped_mm_min_rows = GROUPED_MM_MIN_ROWS  # as on an sm90 GPU
+    weights = PreparedWeights(torch.empty(experts, 32, 16, dtype=torch.bfloat16),
+                              torch.empty(experts, 16, 16, dtype=torch.bfloat16))
+    for rows_per_expert in (plugin.GATED_GEMM1_MIN_ROWS - 1, plugin.GATED_GEMM1_MIN_ROWS,
+                            plugin.GATED_GEMM1_MAX_ROWS - 1, plugin.GATED_GEMM1_MAX_ROWS):
+        tokens = rows_per_expert * experts // top_k + 1
+        layout = StandardLayout(torch.empty(tokens, 16, dtype=torch.bfloat16), torch.zeros(tokens, top_k),
+                                torch.empty(tokens, top_k), experts, routed_pairs=rows_per_expert * experts)
+        kernel.apply(layout, weights)
+    assert chosen == [None, plugin.GATED_GEMM1_TILE, plugin.GATED_GEMM1_TILE, None]

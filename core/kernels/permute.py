@@ -20,9 +20,9 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024  # columns per program
-# The pair sum's programs each wait on their K row indices before they read; two warps a program let more of them
-# wait at once: 202 against 231 µs at EP8-global M=16384 on the H100 (benchmarks/results/fused_moe_large_m_h100_s23.md)
-PAIR_SUM_WARPS = 2
+# The pair sum's programs each wait on their K row indices before they read; one warp a program lets more of them
+# wait at once: 194 against 231 µs at EP8-global M=16384 on the H100 (benchmarks/results/fused_moe_large_m_h100_s23.md)
+PAIR_SUM_WARPS = 1
 
 
 @triton.jit

@@ -41,12 +41,15 @@ CONTIGUOUS_ALIGNMENT = 128  # a multiple of every BLOCK_M, so contiguous groups 
 # From this many rows per expert, bf16 standard-layout GEMMs run faster through torch._grouped_mm (CUTLASS) than
 # through the Triton kernel on the H200 (benchmarks/results/fused_moe_h200_routing.md); below it the fused kernel wins.
 GROUPED_MM_MIN_ROWS = 256
-# From this many rows per expert the library path's GEMM 1 runs through the Triton kernel's gated GEMM, which reads
+# Between these rows per expert the library path's GEMM 1 runs through the Triton kernel's gated GEMM, which reads
 # the rows by index and fuses SiLU-and-multiply (two passes over the rows fewer than gather + CUTLASS + SiLU), in
-# this tile: at EP8-global M=16384 (510 rows per expert) on the H100, 1695 µs against 1786 µs for the three passes;
-# at 133 rows per expert its padding to whole tiles loses (benchmarks/results/fused_moe_large_m_h100_s23.md).
+# this tile. On the H100 (benchmarks/results/fused_moe_large_m_h100_s23.md) it takes 1606 µs against those three
+# passes' 1776 at 510 rows per expert (EP8-global M=16384) and 1566 against 1714 at 512; at 133 its padding to
+# whole tiles loses, and from ~1000 the Triton GEMM's gap to CUTLASS's (5% at 510 rows, 19% at 4096) outgrows the
+# passes it saves.
 GATED_GEMM1_MIN_ROWS = 384
-GATED_GEMM1_TILE = TileConfig(128, 128, 64, group_m=16, num_warps=8, num_stages=4, tma=True)
+GATED_GEMM1_MAX_ROWS = 1024
+GATED_GEMM1_TILE = TileConfig(64, 256, 64, group_m=32, num_warps=8, num_stages=3, tma=True)
 
 
 def _grouped_mm_runs(device: torch.device) -> bool:
@@ -71,8 +74,8 @@ class TritonMoEKernel(MoEKernel):
         self.tables = tables or TileTables(device_name(ctx.device, INTERPRETED))
         # rows per expert from which bf16 standard layouts take the library GEMMs (inf: never)
         self.grouped_mm_min_rows = GROUPED_MM_MIN_ROWS if _grouped_mm_runs(ctx.device) else float("inf")
-        # rows per expert from which the library path's GEMM 1 is the Triton gated GEMM (inf: never)
-        self.gated_gemm1_min_rows = GATED_GEMM1_MIN_ROWS
+        # rows per expert from which, and up to which, the library path's GEMM 1 is the Triton gated GEMM
+        self.gated_gemm1_rows = (GATED_GEMM1_MIN_ROWS, GATED_GEMM1_MAX_ROWS)
         # up to this many routed pairs the standard layout is sorted in one launch, not three (0: never)
         self.one_launch_align_pairs = ONE_LAUNCH_MAX_PAIRS
 
@@ -92,7 +95,8 @@ class TritonMoEKernel(MoEKernel):
         acts = activations(layout.hidden, layout.fp8, weights)
         rows_per_expert = self.rows_per_expert(layout)
         if isinstance(layout, StandardLayout) and self._library_gemms(layout, rows_per_expert, weights, acts):
-            gate_up = GATED_GEMM1_TILE if rows_per_expert >= self.gated_gemm1_min_rows else None
+            low, high = self.gated_gemm1_rows
+            gate_up = GATED_GEMM1_TILE if low <= rows_per_expert < high else None
             hidden = moe_standard_grouped_mm(acts.values, layout.topk_ids, layout.topk_weights, layout.routed_pairs,
                                              weights, gate_up)
             return ExpertOutput(hidden, weights_applied=True, summed=True)
