@@ -144,8 +144,13 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--qwen-layers", type=int, default=12)
     parser.add_argument("--model", choices=("qwen", "dsv3"), default="qwen",
-                        help="GPU: Qwen3-30B-A3B shapes, or DeepSeek-V3 shapes (4 layers) with the synthetic MTP layer "
+                        help="GPU: Qwen3-30B-A3B shapes, or DeepSeek-V3 shapes (--dsv3-layers) with the synthetic MTP layer "
                              "(--mtp-acceptance) for nextn")
+    parser.add_argument("--dsv3-layers", type=int, default=4, help="GPU, --model dsv3: decoder layers (default: 4)")
+    parser.add_argument("--dsv3-experts", type=int, default=None, help="GPU, --model dsv3: routed experts (default: 256)")
+    parser.add_argument("--mixed-chunk", choices=("auto", "on", "off"), default="auto",
+                        help="the engines' --mixed-chunk, as in speculative.py (on: a speculating engine's steps with a "
+                             "prompt in them verify drafts too, synchronously)")
     parser.add_argument("--out", required=True)
     args = sp.with_defaults(parser.parse_args())
     args.batches, args.steady = [args.batch], True
@@ -157,7 +162,10 @@ def main() -> None:
         folder = write_checkpoint(tempfile.mkdtemp(), "qwen3_moe", "30b-a3b", config_only=True,
                                   overrides={"num_hidden_layers": args.qwen_layers})
     if args.device != "cpu" and args.model == "dsv3":
-        folder = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides={"num_hidden_layers": 4},
+        shape = {"num_hidden_layers": args.dsv3_layers}
+        if args.dsv3_experts:
+            shape["n_routed_experts"] = args.dsv3_experts
+        folder = write_checkpoint(tempfile.mkdtemp(), "deepseek_v3", "v3", overrides=shape,
                                   config_only=True, mtp=1, mtp_acceptance=args.mtp_acceptance)
     os.makedirs(args.out, exist_ok=True)
     prompts = sp.workload(args.batch * 2, seed=args.batch)

@@ -79,15 +79,15 @@ def jobs() -> list[tuple]:
                                        num_padded_ptr="*i32", shift_ptr="*i32", num_pairs="i32", num_experts="i32",
                                        num_slots="i32", num_tiles="i32"),
         dict(BLOCK_M=64, PAIRS=1024, EXPERTS=256, SLOTS_PER_STEP=1024, TILES_PER_STEP=32))
-    # the library path's counting sort (issue 31 target 5): EP8's 32 local experts, and 256 (two place steps)
-    for ids, experts in (("*i32", 32), ("*i64", 256)):
-        add(_count_kernel, dict(ids_ptr=ids, counts_ptr="*i32", token_ptr="*i32", num_pairs="i32",
-                                num_experts="i32", num_chunks="i32", num_rows="i32", rows_per_program="i32"),
+    # the library path's counting sort (issue 31 target 5): EP8's 32 local experts, and 256 (two place steps); unpadded
+    # for the gather, padded to the gated GEMM 1's 64-row tiles
+    for ids, experts, tile in (("*i32", 32, 1), ("*i32", 32, 64), ("*i64", 256, 1)):
+        add(_count_kernel, dict(ids_ptr=ids, counts_ptr="*i32", num_pairs="i32", num_experts="i32", num_chunks="i32"),
             dict(CHUNK=128, EXPERTS=experts))
-        add(_place_kernel, dict(ids_ptr=ids, cum_ptr="*i32", token_ptr="*i32", pair_row_ptr="*i32",
-                                offs_ptr="*i32", num_pairs="i32", num_experts="i32", num_chunks="i32",
-                                num_rows="i32", top_k="i32"),
-            dict(CHUNK=128, EXPERTS_PER_STEP=min(experts, 64)))
+        add(_place_kernel, dict(ids_ptr=ids, cum_ptr="*i32", row_ptr="*i32", pair_row_ptr="*i32", offs_ptr="*i32",
+                                block_expert_ptr="*i32", num_pairs="i32", num_experts="i32", num_chunks="i32",
+                                num_rows="i32", num_tiles="i32", row_div="i32"),
+            dict(TILE=tile, CHUNK=128, EXPERTS_PER_STEP=min(experts, 64), TILES_PER_STEP=64))
     # the dense projections' GEMV at one and four rows (moeplex.kernels.gemv), with a bias and without
     for rows, block_n, bias in ((1, 8, False), (4, 16, True)):
         add(_gemv_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", rows="i32", n="i32",
