@@ -23,6 +23,24 @@ from .transfer import to_device
 PROMPT_ROW_READS = 1 << 17
 
 
+def verify_logit_rows(work: Sequence[ScheduledWork], drafts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """The token rows whose logits a verify step needs (a due request's last token and its drafts), and the work
+    items that are due a token."""
+    rows, due, at = [], [], 0
+    for i, (item, draft) in enumerate(zip(work, drafts)):
+        at += item.num_tokens + len(draft)
+        if item.request.num_uncached - item.num_tokens == 0:
+            due.append(i)
+            rows.extend(range(at - len(draft) - 1, at))
+    return rows, due
+
+
+def _row_reads(work: Sequence[ScheduledWork], drafts: Sequence[Sequence[int]] | None = None) -> int:
+    """KV tokens the step's rows read in all, per layer, were every token (drafts included) a decode row."""
+    drafts = drafts if drafts is not None else [()] * len(work)
+    return sum((w.num_tokens + len(d)) * (w.request.num_cached + w.num_tokens + len(d)) for w, d in zip(work, drafts))
+
+
 class ModelRunner:
     def __init__(self, model, kv: KVPool, strategy, device: torch.device, hooks=None, graphs: DecodeGraphs | None = None,
                  prompt_graphs: bool = True):
@@ -46,8 +64,23 @@ class ModelRunner:
         if all(w.num_tokens == 1 and w.request.num_cached > 0 for w in work):
             return False  # a decode batch as it is
         size = padded_size(sum(w.num_tokens for w in work), graphs.sizes)
-        reads = sum(w.num_tokens * (w.request.num_cached + w.num_tokens) for w in work)
-        return size is not None and graphs.cuts.get(size) is None and reads <= PROMPT_ROW_READS
+        return size is not None and graphs.cuts.get(size) is None and _row_reads(work) <= PROMPT_ROW_READS
+
+    def verify_rows(self, work: Sequence[ScheduledWork], drafts: Sequence[Sequence[int]]) -> bool:
+        """Whether a verify step in decode rows (`decode_rows`) runs the prompt tokens sharing it as decode rows too:
+        where they read at most PROMPT_ROW_READS cached tokens and the rows do not fill a captured size split into
+        micro-batches. It then replays a decode graph where one holds the rows, and runs eagerly otherwise, with one
+        paged decode launch a layer instead of an attention call per prompt (DeepSeek-V3 shapes on an H100, 24
+        layers, 32 requests: such a step with the prompt as an extend took ~400 ms)."""
+        if all(w.num_tokens == 1 and w.request.num_cached > 0 for w in work) or not self.prompt_graphs:
+            return False  # (a verify batch as it is; or prompts are never rows)
+        if _row_reads(work, drafts) > PROMPT_ROW_READS:
+            return False
+        graphs = self.graphs
+        if graphs is None or graphs.recording:
+            return True
+        size = padded_size(sum(w.num_tokens + len(d) for w, d in zip(work, drafts)), graphs.sizes)
+        return size is None or graphs.cuts.get(size) is None
 
     def prepare(self, work: Sequence[ScheduledWork], in_flight: InFlight | None = None,
                 drafts: Sequence[Sequence[int]] | None = None, decode_rows: bool = False) -> ForwardBatch:
@@ -56,8 +89,11 @@ class ModelRunner:
         A speculating request's last token and drafts are a short extend of 1 + m positions, or with
         `decode_rows` one decode row each (row j at position num_cached + j, reading the cache up to itself,
         where the rows before it wrote their KV in the same layer): a verify step is then a decode batch of
-        requests x (drafts + 1) rows, which runs the paged decode kernels and replays the decode CUDA graphs."""
-        prompts_as_rows = drafts is None and self.prompt_rows(work)
+        requests x (drafts + 1) rows, which runs the paged decode kernels and replays the decode CUDA graphs;
+        a prompt sharing it becomes rows too where verify_rows says so (the batch's sample_rows are then the
+        rows whose logits the verify reads)."""
+        verify_as_rows = drafts is not None and decode_rows and self.verify_rows(work, drafts)
+        prompts_as_rows = (drafts is None and self.prompt_rows(work)) or verify_as_rows
         drafts = drafts if drafts is not None else [()] * len(work)
         seqs = []
         for w, draft in zip(work, drafts):
@@ -68,7 +104,9 @@ class ModelRunner:
             else:
                 seqs.append(ScheduledSeq(tokens, start, request.pages))
         batch = build_forward_batch(seqs, self.kv, self.device, rows=prompts_as_rows)
-        if prompts_as_rows:  # each request samples its last row; a micro-batch must not cut between its rows
+        if verify_as_rows:
+            batch = attrs.evolve(batch, sample_rows=tuple(verify_logit_rows(work, drafts)[0]), overlap_split=False)
+        elif prompts_as_rows:  # each request samples its last row; a micro-batch must not cut between its rows
             ends = tuple(itertools.accumulate(w.num_tokens for w in work))
             batch = attrs.evolve(batch, sample_rows=tuple(end - 1 for end in ends), overlap_split=False)
         if in_flight is not None and any(w.request.pending_rows for w in work):
@@ -104,7 +142,9 @@ class ModelRunner:
         """(logits of the token rows `rows`, every token's pre-norm hidden state or None): a speculative step.
         Its decode batches (verify rows included: every token row is then a request row) replay graphs, which
         return the hidden states too where they were captured for a drafter that reads them."""
-        logits, hidden = self._run(batch, rows, with_hidden, may_replay=len(rows) == batch.num_tokens)
+        # (a batch with sample_rows holds prompt rows as well: a graph's logits are picked at `rows`)
+        may_replay = len(rows) == batch.num_tokens or batch.sample_rows is not None
+        logits, hidden = self._run(batch, rows, with_hidden, may_replay=may_replay)
         if self.hooks is not None:
             self.hooks.hook.moeplex_forward_done(batch=batch, logits=logits)
         return logits, hidden

@@ -283,6 +283,13 @@ def test_verify_as_decode_rows_changes_no_token(tiny_model_dir, plain, script_di
     engine = Engine(EngineConfig(**settings(folder, speculative_algorithm=drafter, speculative_num_steps=3,
                                             chunked_prefill_size=8, mixed_chunk=True)))
     engine.speculation.decode_rows = True
+    verify_forward, shared = engine.runner.verify_forward, []
+
+    def counted(batch, rows, with_hidden):  # verify steps whose prompt tokens ran as decode rows too
+        shared.append(batch.sample_rows is not None and batch.batch_size == batch.num_tokens)
+        return verify_forward(batch, rows, with_hidden)
+
+    engine.runner.verify_forward = counted
     requests = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
     for _ in range(3):
         engine.step()
@@ -291,6 +298,7 @@ def test_verify_as_decode_rows_changes_no_token(tiny_model_dir, plain, script_di
         engine.step()
     assert [r.output_ids for r in requests] == plain["deepseek_v3"]
     assert conserved(engine)
+    assert any(shared)  # (ModelRunner.verify_rows: the prompt's chunks of 8 read few enough cached tokens)
 
 
 PENALIZED = [

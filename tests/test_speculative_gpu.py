@@ -70,3 +70,33 @@ def test_on_gpu_the_adaptive_policy_changes_no_token(tiny_model_dir, script_dist
     if drafter == "test-oracle":  # a record of full acceptance at batch <= 4 on a GPU: it keeps drafting
         assert sum(r.spec_verify_steps for r in got) > 0
     assert conserved(spec)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_on_gpu_verify_steps_with_a_prompt_replay_graphs_as_rows(tiny_model_dir, script_distribution, arch):  # noqa: F811
+    """--mixed-chunk on: a prompt admitted while others decode shares their verify step, its tokens run as decode rows
+    with the verify rows (ModelRunner.verify_rows) and the step replays a decode graph; no token changes."""
+    folder = tiny_model_dir(arch)
+    plain = gpu_engine(folder)
+    want = [r.output_ids for r in plain.generate(PROMPTS, GREEDY)]
+    scripted(PROMPTS, want)
+    spec = gpu_engine(folder, speculative_algorithm="test-oracle", speculative_num_steps=3, speculative_policy="fixed",
+                      mixed_chunk=True, chunked_prefill_size=8)
+    graphs, verify_forward, shared = spec.runner.graphs, spec.runner.verify_forward, []
+
+    def counted(batch, rows, with_hidden):  # a verify step's rows and a prompt's, replayed from one graph
+        shared.append(batch.sample_rows is not None and batch.batch_size == batch.num_tokens > len(rows)
+                      and graphs.can_run(batch))
+        return verify_forward(batch, rows, with_hidden)
+
+    spec.runner.verify_forward = counted
+    requests = [spec.add_request(p, GREEDY) for p in PROMPTS[:2]]
+    for _ in range(3):
+        spec.step()
+    requests.append(spec.add_request(PROMPTS[2], GREEDY))
+    while spec.has_work:
+        spec.step()
+    assert [r.output_ids for r in requests] == want
+    assert any(shared)
+    assert conserved(spec)

@@ -32,6 +32,7 @@ import torch
 from ..forward_batch import ForwardBatch
 from ..interfaces import Drafter, DraftRequest, TargetStep
 from ..kv_cache import KVPool
+from ..model_runner import verify_logit_rows
 from ..request import Request
 from ..sampler import FAILED, Sampler
 from ..scheduler import ScheduledWork
@@ -273,23 +274,11 @@ class SpeculativeDecoding:
         self.refused += 1
         return []
 
-    @staticmethod
-    def logit_rows(work: Sequence[ScheduledWork], drafts: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
-        """The token rows whose logits the step needs (a due request's last token and its drafts), and the
-        work items that are due a token."""
-        rows, due, at = [], [], 0
-        for i, (item, draft) in enumerate(zip(work, drafts)):
-            at += item.num_tokens + len(draft)
-            if item.request.num_uncached - item.num_tokens == 0:
-                due.append(i)
-                rows.extend(range(at - len(draft) - 1, at))
-        return rows, due
-
     def run(self, work: Sequence[ScheduledWork], batch: ForwardBatch, drafts: Sequence[Sequence[int]],
             forward: Callable, scheduler, append: Callable[[Request, int], bool], fail: Callable[[Request], None],
             logprobs: Sampler, mask: Callable | None = None) -> list[Request]:
         """The step of `batch` (already agreed between ranks); the requests that finished in it."""
-        rows, due = self.logit_rows(work, drafts)
+        rows, due = verify_logit_rows(work, drafts)
         if any(is_decoding(item) for item in work):
             self.counts.step(drafts)
         logits, hidden = forward(batch, to_device(batch.input_ids.device, torch.tensor(rows, dtype=torch.int64))[0],
