@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
-#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-profile|spec-profile-dsv3|tests-nextn|
+#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-dsv3-deep-mixed|spec-profile|spec-profile-dsv3|tests-nextn|
 #                                     spec-serve|spec-serve-spread|spec-profile-never|spec-never|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|gemv|router-warps|large-m|prefix|dgprobe|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes; session 20's state):
 #   bash benchmarks/gpu_system.sh OUT front-end serving serving-interval spec-oracle-steps  # #31 target 3, #32 oracle:
@@ -10,6 +10,9 @@
 #   bash benchmarks/gpu_system.sh OUT spec-copy spec-dsv3      # #32 on an H200 (H100, session 16: copy 1.46/1.49/1.52/
 #                                         #      1.19x; nextn with the synthetic MTP 0.97-1.00x on the 4-layer shapes)
 #   bash benchmarks/gpu_system.sh OUT spec-serve tests-overlap # #32 served, ngram at 1/16/64
+#   bash benchmarks/gpu_system.sh OUT tests-spec spec-dsv3-deep-mixed  # #32 nextn at 32 (H100, session 23: 1.19x under
+#                                         #      auto, mixed steps drafting nothing; --mixed-chunk on 0.33x before
+#                                         #      verify_rows: results/speculative_dsv3_deep_h100_s23.md)
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
 #   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M; H100, session 23:
 #                                         #      1.03x with the gated GEMM 1: results/fused_moe_large_m_h100_s23.md)
@@ -78,8 +81,15 @@ for part in "$@"; do
         --output-len 64 --drafters ${DSV3_DRAFTERS:-nextn} --out "$out/speculative_dsv3_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -30 ;;
     spec-dsv3-deep)  # nextn where its MTP layer weighs what it does in the full model at batch 1 (24 layers of 16 experts)
       timeout $(lim 300) python3 benchmarks/speculative.py --device cuda --only dsv3 --dsv3-layers 24 --dsv3-experts 16 \
-        --synthetic-only --steady --runs 3 --batches 1 8 --output-len 64 --drafters ${DSV3_DRAFTERS:-nextn} \
+        --synthetic-only --steady --runs 3 --batches 1 8 32 --output-len 64 --drafters ${DSV3_DRAFTERS:-nextn} \
         --out "$out/speculative_dsv3_deep_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -12 ;;
+    spec-dsv3-deep-mixed)  # the deep nextn run at 8 and 32 with mixed steps that verify (prompt tokens as decode rows
+                           # beside the verify rows: ModelRunner.verify_rows), then under the default for comparison
+      for mixed in on auto; do
+        timeout $(lim 280) python3 benchmarks/speculative.py --device cuda --only dsv3 --dsv3-layers 24 --dsv3-experts 16 \
+          --synthetic-only --steady --runs 3 --batches 8 32 --output-len 64 --drafters nextn --mixed-chunk $mixed \
+          --out "$out/speculative_dsv3_deep_mixed_${mixed}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.$mixed.log" | tail -8
+      done ;;
     spec-profile)
       timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --batch 1 --out "$out/prof1" \
         --drafters ngram/fixed/overlap ngram/overlap test-oracle-device 2>&1 | grep -v -i warn | tail -20
