@@ -45,7 +45,7 @@ GROUPED_MM_MIN_ROWS = 256
 # the rows by index and fuses SiLU-and-multiply (two passes over the rows fewer than gather + CUTLASS + SiLU), in
 # this tile. On the H100 (benchmarks/results/fused_moe_large_m_h100_s23.md) it takes 1606 µs against those three
 # passes' 1776 at 510 rows per expert (EP8-global M=16384) and 1566 against 1714 at 512; at 133 its padding to
-# whole tiles loses, and from ~1000 the Triton GEMM's gap to CUTLASS's (5% at 510 rows, 19% at 4096) outgrows the
+# whole tiles loses, and from ~1000 the Triton GEMM's gap to CUTLASS's (~6% at 510 rows, ~20% at 4096) outgrows the
 # passes it saves.
 GATED_GEMM1_MIN_ROWS = 384
 GATED_GEMM1_MAX_ROWS = 1024
