@@ -50,7 +50,8 @@ from .sampler import FAILED, Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .speculation.build import build as build_speculation
-from .speculation.overlap import VerifyInFlight, eligible, host_decodes
+from .speculation.engine_steps import SpeculativeSteps
+from .speculation.overlap import VerifyInFlight
 from .speculation.setup import check_drafter
 from .speculation.step import is_decoding
 from .step_agreement import Vote, agree
@@ -94,7 +95,7 @@ def _overlap_schedule(config: EngineConfig, device: torch.device) -> bool:
     return config.overlap_schedule
 
 
-class Engine:
+class Engine(SpeculativeSteps):
     def __init__(self, config: EngineConfig, hooks=None, parallel: ParallelState | None = None):
         self.config = config
         self.device = torch.device(config.device)
@@ -333,86 +334,6 @@ class Engine:
         if self.overlap_schedule:
             launched, self.in_flight = self.in_flight, launched
         return finished + self._complete(launched)
-
-    def _prompt_due(self) -> bool:
-        """Whether the next step holds prompt tokens and drafts nothing whatever the policy wants (plain mixed
-        steps: a prompt to admit or one mid-way): reading the step in flight for drafts would break the overlap
-        schedule for nothing. (H100, Qwen3 12 layers, steady 64 with ngram: 41-46 such breaks a run.)"""
-        scheduler = self.scheduler
-        return self.plain_mixed_steps and (scheduler.may_admit or any(r.num_uncached > 1 for r in scheduler.running))
-
-    def _admit_ahead(self) -> tuple[InFlight | None] | None:
-        """Where a verify step in flight ends its run because requests wait: their prompt step, scheduled and
-        launched before that step is read, so the device runs it while the host reads (the prompt needs none of
-        the tokens in flight, as when the plain overlap schedule admits). The launched step in a 1-tuple (None in
-        it where no token is due: a prompt chunk); None where nothing is admitted."""
-        work = self.scheduler.admissions() if self.pd is None else []
-        if not work:
-            return None
-        batch = self._agree(self.runner.prepare(work, None))
-        return (self._launch(work, batch) if batch is not None else None,)
-
-    def _follows_plain(self) -> bool:
-        """Whether a verify step of every running request can be launched before the plain step in flight is read
-        (OverlapVerify.after_plain): each one that step samples for has only that token to come, every other decodes
-        with its token on the host. Entering a run of verify steps then breaks the overlap schedule only where
-        it ends (H100, Qwen3 12 layers, steady 64: every admission's mixed step was read for drafts, a break)."""
-        return self.overlap_verify is not None and self.pd is None and \
-            self.overlap_verify.can_follow(self.in_flight, self.scheduler.running)
-
-    def _verify_ahead(self, follows: bool) -> VerifyInFlight | None:
-        """A verify step launched before the plain step in flight is read, so the device runs it while the host
-        reads: of every running request where the drafter can follow that step (`follows`: _follows_plain); else,
-        where that step samples only for some (a prompt step launched ahead of a verify step's read) and every
-        other one decodes with its token on the host, of those (the step's own requests join the next verify
-        step: OverlapVerify.follow). None where neither applies or the policy drafts for none of them."""
-        if self.overlap_verify is None or self.pd is not None or self.scheduler.may_admit:
-            return None
-        if follows:
-            launched = self.overlap_verify.after_plain(self.in_flight, list(self.scheduler.running),
-                                                       self.grammar.tracks, self.hooks)
-        else:
-            pending = {id(r) for r in self.in_flight.requests}
-            ready = [r for r in self.scheduler.running if id(r) not in pending]
-            if not ready or not all(host_decodes(r) for r in ready):
-                return None
-            launched = self.overlap_verify.start(ready, self.grammar.tracks, self.hooks)
-        if launched is not None:
-            self.balancing.after_forward()
-            self.step_log.launched("verify_overlap", *launched.shape)
-        return launched
-
-    def _speculative_step(self, work, drafts: list[list[int]]) -> list[Request]:
-        batch = self.runner.prepare(work, drafts=drafts, decode_rows=self.speculation.decode_rows)
-        if any(drafts):  # micro-batches would cut between a request's verify rows, which read each other's KV
-            batch = attrs.evolve(batch, overlap_split=False)
-        batch = self._agree(batch)
-        if batch is None:
-            return []
-        self.hooks.hook.moeplex_batch_scheduled(batch=batch)
-        decodes_only = all(is_decoding(item) for item in work)  # (a prompt in it: no verify step's cost to compare)
-        self.step_log.launched("verify", len(work) if decodes_only else 0, len(work) + sum(len(d) for d in drafts))
-        finished = self.speculation.run(
-            work, batch, drafts, self.runner.verify_forward, self.scheduler, self._append, self._fail, self.sampler,
-            mask=self.grammar.mask_drafts,
-        )
-        self.balancing.after_forward()
-        return finished
-
-    def _verify_overlaps(self, work, decoding: list[Request]) -> bool:
-        """Whether a step of `work` would verify under the overlap schedule (speculation/overlap.py), were drafts
-        wanted: decoding requests only, each of which may be stepped before its tokens reach the host."""
-        return (self.overlap_verify is not None and self.pd is None and len(decoding) == len(work)
-                and eligible(decoding, self.grammar.tracks))
-
-    def _start_verify(self, decoding: list[Request]) -> bool:
-        """A step of decoding requests only (_verify_overlaps), whose drafts the policy wants: launched, its tokens
-        read next step."""
-        self.in_flight = self.overlap_verify.start(decoding, self.grammar.tracks, self.hooks)
-        if self.in_flight is not None:
-            self.balancing.after_forward()
-            self.step_log.launched("verify_overlap", *self.in_flight.shape)
-        return self.in_flight is not None
 
     def _fail(self, request: Request) -> None:
         request.finish(FinishReason.ABORT, error=SAMPLING_FAILED)
