@@ -35,6 +35,11 @@ def verify_logit_rows(work: Sequence[ScheduledWork], drafts: Sequence[Sequence[i
     return rows, due
 
 
+def _holds_prompt(work: Sequence[ScheduledWork]) -> bool:
+    """Whether some item of the step is more than a decode row (a prompt's tokens, or a request's first)."""
+    return not all(w.num_tokens == 1 and w.request.num_cached > 0 for w in work)
+
+
 def _row_reads(work: Sequence[ScheduledWork], drafts: Sequence[Sequence[int]] | None = None) -> int:
     """KV tokens the step's rows read in all, per layer, were every token (drafts included) a decode row."""
     drafts = drafts if drafts is not None else [()] * len(work)
@@ -61,7 +66,7 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is None or graphs.recording or not self.prompt_graphs:
             return False
-        if all(w.num_tokens == 1 and w.request.num_cached > 0 for w in work):
+        if not _holds_prompt(work):
             return False  # a decode batch as it is
         size = padded_size(sum(w.num_tokens for w in work), graphs.sizes)
         return size is not None and graphs.cuts.get(size) is None and _row_reads(work) <= PROMPT_ROW_READS
@@ -72,7 +77,7 @@ class ModelRunner:
         micro-batches. It then replays a decode graph where one holds the rows, and runs eagerly otherwise, with one
         paged decode launch a layer instead of an attention call per prompt (DeepSeek-V3 shapes on an H100, 24
         layers, 32 requests: such a step with the prompt as an extend took ~400 ms)."""
-        if all(w.num_tokens == 1 and w.request.num_cached > 0 for w in work) or not self.prompt_graphs:
+        if not _holds_prompt(work) or not self.prompt_graphs:
             return False  # (a verify batch as it is; or prompts are never rows)
         if _row_reads(work, drafts) > PROMPT_ROW_READS:
             return False
