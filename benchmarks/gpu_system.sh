@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
-#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-dsv3-deep-mixed|spec-profile|spec-profile-dsv3|tests-nextn|
+#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-dsv3-deep-mixed|spec-profile|spec-profile-dsv3|spec-profile-deep-mixed|tests-nextn|
 #                                     spec-serve|spec-serve-spread|spec-profile-never|spec-never|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|gemv|router-warps|large-m|prefix|dgprobe|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes; session 20's state):
 #   bash benchmarks/gpu_system.sh OUT front-end serving serving-interval spec-oracle-steps  # #31 target 3, #32 oracle:
@@ -110,6 +110,13 @@ for part in "$@"; do
         --batches 1 8 32 --runs 3 --output-len 48 --out "$out/spec_host_dsv3.md" 2>&1 | grep -v -i warn | tail -8
       timeout $(lim 150) python3 benchmarks/spec_profile.py --device cuda --model dsv3 --batch 8 --out "$out/prof8_dsv3" \
         --drafters nextn 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -8 ;;
+    spec-profile-deep-mixed)  # where a mixed verify step's time goes (deep nextn at 32: ~56 ms against ~25 ms for an
+                              # overlapped verify step, H100 session 24), under --mixed-chunk on, then auto
+      for mixed in on auto; do
+        timeout $(lim 200) python3 benchmarks/spec_profile.py --device cuda --model dsv3 --dsv3-layers 24 --dsv3-experts 16 \
+          --batch 32 --mixed-chunk $mixed --out "$out/prof32_deep_$mixed" --drafters nextn 2>&1 | grep -v -i warn \
+          | tee "$out/$part.$mixed.log" | tail -6
+      done ;;
     spec-serve-spread)  # the same, each request's new tokens uniform in 64 x [0.5, 1.5]: arrivals apart for both servers
       timeout $(lim 300) python3 benchmarks/spec_serving.py --arch qwen3_moe --preset 30b-a3b --layers 12 --load-format dummy \
         --dtype bf16 --device cuda --runs 3 --num-requests 128 --output-len 64 --output-spread 0.5 \

@@ -126,6 +126,9 @@ def report(name: str, times: list[float], tokens: int, prof, args, paths: dict[s
                f"{host[int(0.9 * (steps - 1))] * 1e3:.3f} | {busy / steps * 1e3:.3f} | "
                f"{sum(times) / tokens * 1e3:.3f} | {waits} |")
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=70)
+    if args.device != "cpu":  # the device's side as well: which kernels fill (or do not fill) its busy time
+        table += "\n" + prof.key_averages().table(sort_by="self_device_time_total", row_limit=40,
+                                                   max_name_column_width=70)
     text = (f"# {name}: {steps} steps, {tokens} tokens\n\nhost ms per step: median {statistics.median(host) * 1e3:.3f}, "
             f"p90 {host[int(0.9 * (steps - 1))] * 1e3:.3f}\ndevice busy ms per step: {busy / steps * 1e3:.3f}\n"
             f"waits per step: {waits}\n\n{table}\n")

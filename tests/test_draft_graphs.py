@@ -22,6 +22,7 @@ from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
 from moeplex.speculation.graphs import EagerStep, GraphedStep
 from moeplex.speculation.setup import drafter_context
+import moeplex.plugins.drafters.nextn as nextn
 
 PAGE = 4
 MAX_BS = 16
@@ -167,11 +168,14 @@ def test_propose_chains_each_draft_and_hidden_state_into_the_next_step(mtp_folde
 
 
 @interpreted
-@pytest.mark.parametrize("from_zero", [False, True])
-def test_observe_as_decode_rows_equals_observe_as_an_extend(mtp_folder, from_zero):
+@pytest.mark.parametrize("from_zero,row_reads", [(False, None), (True, None), (True, 1)])
+def test_observe_as_decode_rows_equals_observe_as_an_extend(mtp_folder, from_zero, row_reads, monkeypatch):
     """Several kept positions per request (a verify step that accepted drafts), one decode row each and replayed,
-    give the chain start and the MTP KV rows of the same positions observed as one extend per request. With a
-    request observed from position 0 (a first prompt chunk) the step is observed as extends, no replay."""
+    give the chain start and the MTP KV rows of the same positions observed as one extend per request. A request
+    observed from position 0 (a first prompt chunk) is rows too, replayed; where the rows would read more than
+    ROW_READS cached tokens the step is observed as extends, no replay."""
+    if row_reads is not None:
+        monkeypatch.setattr(nextn, "ROW_READS", row_reads)
     spec = engine(mtp_folder, speculative_algorithm="nextn", speculative_num_steps=3)
     install_graphs(spec)
     long = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
@@ -191,7 +195,7 @@ def test_observe_as_decode_rows_equals_observe_as_an_extend(mtp_folder, from_zer
     assert graphed.can_replay(sum(kept))
     replayed = install_log(graphed)
     drafter.run_now(step)  # observe defers the layer to the next draft; this is what it then runs
-    assert replayed == ([] if from_zero else [8])  # 8 rows, no padding
+    assert replayed == ([] if row_reads is not None else [8])  # 8 rows, no padding
     as_rows = {rid: (s.position, s.draft, s.hidden) for rid, s in drafter.starts.items()}
     kv_rows = kv.buffers[drafter.context.kv_layer_ids[0]][0][real].clone()
     drafter.replays = lambda rows: False  # as without graphs: observe runs one extend per request

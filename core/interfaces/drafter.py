@@ -135,7 +135,9 @@ class StaticProposer(abc.ABC):
 class DrafterContext:
     """What `bind` gives: the target model (embedding, lm_head, MTP layers), the KV pool, the config, the
     pool layer ids of the drafter's own KV (as many as `kv_layers` returned), and `batch_of`, which makes the
-    ForwardBatch of [(new token ids, prefix length, page table), ...] over the pool (a drafter's own forward).
+    ForwardBatch of [(new token ids, prefix length, page table), ...] over the pool (a drafter's own forward);
+    `batch_of(seqs, rows=True)` (API 2) makes one-token seqs decode rows even where one sits at position 0 (a
+    prompt's first token): each reads the cache up to itself, the rows before it having written theirs.
     `vocab_size` is the target's vocabulary (logit rows; draft ids lie below it); 0 only where a caller built
     the context without it. `model` and `config` are the engine's own objects, not API: read what they hold
     through the fields here where one exists.

@@ -38,8 +38,9 @@ def drafter_context(model, kv: KVPool, config, device: torch.device, kv_layer_id
     """The context `bind` gets. `target_graphs`: the target's decode graphs (None: the drafter's steps run eagerly
     too), whose static inputs and sizes the drafter's graphs share; `capture`: CudaGraphCapture by default."""
 
-    def batch_of(seqs) -> ForwardBatch:
-        return build_forward_batch([ScheduledSeq(list(ids), start, pages) for ids, start, pages in seqs], kv, device)
+    def batch_of(seqs, rows: bool = False) -> ForwardBatch:
+        return build_forward_batch([ScheduledSeq(list(ids), start, pages) for ids, start, pages in seqs], kv, device,
+                                   rows=rows)
 
     def graphs_for_step(step, width: int):
         captures = capture if capture is not None or target_graphs is None else CudaGraphCapture(device)

@@ -56,6 +56,9 @@ SCRATCH_CONTEXT = 128  # proposal_cost: positions each timed row reads
 ROUNDS = 3  # proposal_cost: timings, the fastest kept
 MAX_PENDING_ROWS = 16384  # target hidden rows kept over all requests before the MTP layer catches up on some
 CATCH_UP_ROWS = 4096  # the most rows one catch-up batch runs
+# KV tokens the rows of a catch-up that holds a prompt's positions may read in all (every row reads its sequence up
+# to itself): as the engine's prompt steps run as decode rows (the same bound, moeplex.model_runner.PROMPT_ROW_READS)
+ROW_READS = 1 << 17
 
 
 @attrs.define
@@ -154,11 +157,16 @@ class NextNDrafter(Drafter):
         context = self.context
         counts = [len(ids) for ids in step.next_ids]
         hidden = self.layer.from_target(step.hidden)
-        # a verify step's few kept positions: one decode row each (a row at position 0 would make it an extend)
+        # kept positions as one decode row each, where a captured step holds them: a verify step's few, and a
+        # prompt's where its rows read at most ROW_READS cached tokens (a prompt beside verify rows made the whole
+        # catch-up an eager extend: DeepSeek-V3 shapes on an H100, 32 requests, ~56 ms mixed verify steps against
+        # ~25 ms overlapped ones)
         last = [end - 1 for end in itertools.accumulate(counts)]  # each request's last row (python ints: views only)
-        if self.replays(sum(counts)) and min(step.starts) > 0:
+        reads = sum(n * (start + n) for n, start in zip(counts, step.starts))
+        if self.replays(sum(counts)) and (min(step.starts) > 0 or reads <= ROW_READS):
             kept = zip(step.next_ids, step.starts, step.pages)
-            batch = context.batch_of([([t], start + k, pages) for ids, start, pages in kept for k, t in enumerate(ids)])
+            batch = context.batch_of([([t], start + k, pages) for ids, start, pages in kept for k, t in enumerate(ids)],
+                                     rows=True)
             hidden, drafts = self.rows_step(batch, hidden)
             draft_rows = last
         else:
