@@ -121,8 +121,8 @@ class Engine(SpeculativeSteps):
         # prompts share steps with decodes unless decode steps replay graphs and a mixed step would then run eagerly
         # for one prompt; with prompt graphs a mixed step whose rows fit replays a graph too (H100, steady decode at 16
         # with a 97-token arrival every 4 steps: 5740 tok/s mixed, 4955 separate). So does a speculating engine's,
-        # whose mixed steps then draft nothing (`plain_mixed_steps`): drafts would make the step a synchronous verify
-        # step with the prompt's rows eager, and its overlapped verify steps take decoding requests only.
+        # whose mixed steps then draft only where their rows with every draft replay a graph (`plain_mixed_steps`:
+        # SpeculativeSteps._mixed_plain); elsewhere drafts would make the step a synchronous verify step run eagerly.
         mixed = config.mixed_chunk if config.mixed_chunk is not None else \
             graphs is None or not config.disable_prompt_graphs
         self.plain_mixed_steps = config.mixed_chunk is None and graphs is not None
@@ -318,8 +318,7 @@ class Engine(SpeculativeSteps):
             if self.in_flight is None and self._verify_overlaps(work, decoding):
                 if self._start_verify(decoding):  # else a plain step: the synchronous verify step costs far more
                     return finished
-            elif self.in_flight is None and not (self.plain_mixed_steps and len(decoding) < len(work)) and \
-                    spec.drafts_in(decoding):
+            elif self.in_flight is None and not self._mixed_plain(work, decoding) and spec.drafts_in(decoding):
                 drafts = spec.draft(work)
                 # a drafter asked first (cheap proposals) may have had nothing the policy keeps: then the step is a
                 # plain one and takes the ordinary path (the verify path costs more)
