@@ -103,6 +103,14 @@ class Scheduler:
     def _prefill(self) -> list[ScheduledWork]:
         return self._step([r for r in self.running if r.num_uncached > 1], admit=True, preempt=False)
 
+    def next_prompt(self) -> Request | None:
+        """The request whose prompt tokens the next step would hold: a running one mid-way, else the first waiting
+        one where one may be admitted; None where no prompt is due."""
+        prompt = next((r for r in self.running if r.num_uncached > 1), None)
+        if prompt is None and self.may_admit:
+            prompt = self.waiting[0]
+        return prompt
+
     def _mixed_budget(self) -> tuple[int, int | None] | None:
         """(token budget, rows for prompt pieces: None for no limit but the budget) of a mixed step now, or None
         where the step goes unmixed: the rows that mixed_rows leaves beside the decodes hold less than half of the
@@ -112,9 +120,7 @@ class Scheduler:
             return self.token_budget, None
         decodes = sum(1 for r in self.running if r.num_uncached == 1)
         room = max(self.mixed_rows - decodes, 0)
-        prompt = next((r for r in self.running if r.num_uncached > 1), None)
-        if prompt is None and self.may_admit:
-            prompt = self.waiting[0]
+        prompt = self.next_prompt()
         if prompt is not None:
             piece = min(prompt.num_uncached, self.chunk_size)
             if piece > room and 2 * room < piece:

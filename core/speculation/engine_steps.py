@@ -24,9 +24,7 @@ class SpeculativeSteps:
         scheduler = self.scheduler
         if not self.plain_mixed_steps:
             return False
-        prompt = next((r for r in scheduler.running if r.num_uncached > 1), None)
-        if prompt is None and scheduler.may_admit:
-            prompt = scheduler.waiting[0]
+        prompt = scheduler.next_prompt()
         if prompt is None:
             return False
         graphs = self.runner.graphs
