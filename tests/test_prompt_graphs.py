@@ -223,7 +223,8 @@ def test_prompt_graphs_change_no_token_on_gpu(tiny_model_dir, arch):
 @pytest.mark.gpu
 def test_on_gpu_prompts_share_steps_with_decodes_unless_prompts_run_eagerly(tiny_model_dir):
     """--mixed-chunk auto on a GPU: mixed steps where prompt graphs are captured, a speculating engine's too (its
-    mixed steps then draft nothing: plain_mixed_steps, since session 13), within the largest graph's rows."""
+    mixed steps then draft only where their rows with drafts replay a graph: plain_mixed_steps), within the largest
+    graph's rows."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     settings = dict(device="cuda", moe_kernel="triton", max_total_tokens=4096, cuda_graph_max_bs=16)
