@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+import attrs
 import pytest
 import torch
 
@@ -207,6 +208,48 @@ def test_observe_as_decode_rows_equals_observe_as_an_extend(mtp_folder, from_zer
     torch.testing.assert_close(kv.buffers[drafter.context.kv_layer_ids[0]][0][real], kv_rows, atol=1e-5, rtol=1e-5)
     for request in requests:
         spec.abort(request.rid)
+
+
+@interpreted
+def test_a_prompt_beside_verify_rows_reaches_the_mtp_layer_as_replayed_rows(mtp_folder):
+    """--mixed-chunk auto with graphs: prompts arrive while others decode, so mixed steps verify drafts (their rows
+    fit the 16-row graph), and the MTP layer's catch-up over a new prompt's positions, from position 0, runs them
+    as decode rows through its captured step, not as an extend. Output equals decoding without drafts."""
+    prompts = [PROMPTS[1], PROMPTS[1][:5], [256, 30, 31, 32, 33], [256, 8, 9]]
+    want = [r.output_ids for r in engine(mtp_folder, mixed_chunk=True).generate(prompts, GREEDY)]
+    spec = engine(mtp_folder, mixed_chunk=True, speculative_algorithm="nextn", speculative_num_steps=2)
+    spec.plain_mixed_steps = True  # what auto sets where decode steps replay graphs (a GPU)
+    install_graphs(spec)
+    drafter = spec.speculation.drafter
+    batches = []  # per batch the drafter built: (rows, whether a seq starts at position 0)
+    batch_of = drafter.context.batch_of
+
+    def logged(seqs, rows=False):
+        seqs = list(seqs)
+        batches.append((rows, any(start == 0 for _, start, _ in seqs)))
+        return batch_of(seqs, rows=rows)
+
+    drafter.context = attrs.evolve(drafter.context, batch_of=logged)
+    mixed_drafts = []
+    prepare = spec.runner.prepare
+
+    def prepared(work, *args, drafts=None, **kwargs):
+        if any(not item.request.output_ids for item in work) and any(item.request.output_ids for item in work):
+            mixed_drafts.append(sum(len(d) for d in drafts or ()))
+        return prepare(work, *args, drafts=drafts, **kwargs)
+
+    spec.runner.prepare = prepared
+    requests = [spec.add_request(prompts[0], GREEDY)]
+    for prompt in prompts[1:]:  # each arrives while the ones before decode
+        spec.step(), spec.step()
+        requests.append(spec.add_request(prompt, GREEDY))
+    while spec.has_work:
+        spec.step()
+    assert [r.output_ids for r in requests] == want
+    assert any(mixed_drafts), mixed_drafts
+    assert (True, True) in batches, batches  # a catch-up from position 0, as rows
+    assert (False, True) not in batches, batches  # and never as an extend: every prompt here is short
+    assert spec.flush_cache() and spec.kv.num_free_pages == spec.kv.num_pages
 
 
 def test_a_capture_that_fails_leaves_the_drafter_eager_with_one_line_saying_why(mtp_folder, caplog):
