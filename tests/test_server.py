@@ -462,7 +462,12 @@ def test_moeplex_serve_drains_in_flight_requests_on_sigterm(folder):
         started = threading.Barrier(3, timeout=30)
         streams = [threading.Thread(target=_stream, args=(url, n, started, results)) for n in (20, 16000)]
         whole = threading.Thread(target=_whole, args=(url, 16000, results))
-        for t in streams + [whole]:
+        whole.start()  # in the server before the streams start (a request sent after SIGTERM would be refused)
+        deadline = time.monotonic() + 30
+        while _in_server(url) < 1:
+            assert time.monotonic() < deadline, "the whole request never reached the server"
+            time.sleep(0.05)
+        for t in streams:
             t.start()
         started.wait()
         proc.send_signal(signal.SIGTERM)
@@ -491,6 +496,13 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def _in_server(url: str) -> float:
+    """Requests the server runs or queues, from its /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(("moeplex_num_running_requests", "moeplex_num_queued_requests")))
 
 
 def _whole(url: str, tokens: int, results: dict) -> None:
