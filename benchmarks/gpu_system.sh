@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
-#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-dsv3-deep-mixed|spec-profile|spec-profile-dsv3|spec-profile-deep-mixed|tests-nextn|
+#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-dsv3-deep-steps|spec-dsv3-deep-mixed|spec-profile|spec-profile-dsv3|spec-profile-deep-mixed|tests-nextn|
 #                                     spec-serve|spec-serve-spread|spec-profile-never|spec-never|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|gemv|router-warps|large-m|prefix|dgprobe|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes; session 20's state):
 #   bash benchmarks/gpu_system.sh OUT front-end serving serving-interval spec-oracle-steps  # #31 target 3, #32 oracle:
@@ -86,6 +86,13 @@ for part in "$@"; do
       timeout $(lim 300) python3 benchmarks/speculative.py --device cuda --only dsv3 --dsv3-layers 24 --dsv3-experts 16 \
         --synthetic-only --steady --runs 3 --batches 1 8 32 --output-len 64 --drafters ${DSV3_DRAFTERS:-nextn} \
         --out "$out/speculative_dsv3_deep_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -12 ;;
+    spec-dsv3-deep-steps)  # batch 1 with 4 and 5 draft steps: the verify step's extra expert reads make 3 steps'
+                           # ceiling ~1.78x there (benchmarks/spec_ceiling.py); predicted 1.89x / 1.96x decode-only
+      for steps in 4 5; do
+        timeout $(lim 200) python3 benchmarks/speculative.py --device cuda --only dsv3 --dsv3-layers 24 --dsv3-experts 16 \
+          --synthetic-only --steady --runs 3 --batches 1 --output-len 64 --drafters nextn --steps $steps \
+          --out "$out/speculative_dsv3_deep_steps${steps}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.$steps.log" | tail -6
+      done ;;
     spec-dsv3-deep-mixed)  # the deep nextn run at 8 and 32 with mixed steps that verify (prompt tokens as decode rows
                            # beside the verify rows: ModelRunner.verify_rows), then under the default for comparison
       for mixed in on auto; do
