@@ -88,7 +88,7 @@ for part in "$@"; do
         --out "$out/speculative_dsv3_deep_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -12 ;;
     spec-dsv3-deep-steps)  # batch 1 with 4 and 5 draft steps: the verify step's extra expert reads make 3 steps'
                            # ceiling ~1.78x there (benchmarks/spec_ceiling.py); predicted 1.89x / 1.96x decode-only
-      for steps in 4 5; do
+      for steps in ${DEEP_STEPS:-4 5}; do
         timeout $(lim 200) python3 benchmarks/speculative.py --device cuda --only dsv3 --dsv3-layers 24 --dsv3-experts 16 \
           --synthetic-only --steady --runs 3 --batches 1 --output-len 64 --drafters nextn --steps $steps \
           --out "$out/speculative_dsv3_deep_steps${steps}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.$steps.log" | tail -6
