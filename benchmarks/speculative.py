@@ -40,7 +40,8 @@ model is measured for every batch size before the clock starts (it would otherwi
 a step asks). The "never worse" rule: with speculation on, >= 0.97x of none at every batch for adversary, ngram and
 nextn (random MTP).
 Decode tokens/s counts the tokens generated after every request's first one (the prompts' step excluded),
-over the wall time of those steps; median of --runs runs (one warmed-up engine per drafter), min-max beside it.
+over the wall time of those steps; median of --runs runs (one warmed-up engine per drafter, and --warmup-runs
+unmeasured runs of it at each batch first), min-max beside it.
 With --steady each batch slot gets 4 prompts in turn (a finished request is replaced at once), and the rate is
 measured while the batch is full: serving's steady state, where a request whose drafts miss no longer holds a
 shrinking batch open; the prompts' output lengths are spread over 0.5-1.5x --output-len (the same for every
@@ -141,9 +142,12 @@ def engine_for(folder: str, args, drafter: str) -> Engine:
     if args.device == "cpu":
         settings.update(dtype="fp32")
     else:
-        # verify steps replay the decode graphs with one row per request and draft
+        # verify steps replay the decode graphs with one row per request and draft, and a step that verifies beside a
+        # prompt (mixed steps) holds its tokens as rows too: the engine's default largest graph, or more where those
+        # rows need it (a largest graph of exactly the verify rows left every mixed step at 32 plain or eager)
+        rows = max(args.batches) * (args.steps + 1) + prompt
         settings.update(dtype="bf16", load_format="dummy", moe_kernel="triton",
-                        cuda_graph_max_bs=max(args.batches) * (args.steps + 1))
+                        cuda_graph_max_bs=max(attrs.fields(EngineConfig).cuda_graph_max_bs.default, rows))
     mixed = getattr(args, "mixed_chunk", "auto")  # (spec_host_profile.py builds its engines here too)
     if mixed != "auto":  # prompts inside decode steps (eager) or in steps of their own
         settings.update(mixed_chunk=mixed == "on")
@@ -331,6 +335,8 @@ def rows_for(name: str, folder: str, drafters: list[str], args, follow: list[int
         engines = {drafter: warmed_engine(folder, args, drafter) for drafter in drafters}
         for batch, prompts in workloads.items():
             measure(engines["none"], "none", batch, prompts, args, reference)  # the reference; warms the batch
+            for drafter in [d for d in drafters if d != "none"] * args.warmup_runs:
+                measure(engines[drafter], drafter, batch, prompts, args, reference)
             for round in range(args.runs):
                 order = drafters[round % len(drafters):] + drafters[: round % len(drafters)]
                 for drafter in order:
@@ -343,6 +349,8 @@ def rows_for(name: str, folder: str, drafters: list[str], args, follow: list[int
     for drafter in drafters if not args.interleave else ():
         engine = warmed_engine(folder, args, drafter)
         for batch, prompts in workloads.items():
+            for _ in range(args.warmup_runs):  # (none's first run at a batch is the reference, counted or not)
+                measure(engine, drafter, batch, prompts, args, reference)
             for run in range(args.runs):
                 rate, accept[drafter, batch], decode = measure(engine, drafter, batch, prompts, args, reference)
                 rates.setdefault((drafter, batch), []).append(rate)
@@ -405,6 +413,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=3, help="--speculative-num-steps (default: %(default)s)")
     parser.add_argument("--output-len", type=int, default=None, help="tokens per request (default: 32 CPU, 128 GPU)")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--warmup-runs", type=int, default=1,
+                        help="unmeasured runs of each engine at each batch first (default: %(default)s): its first "
+                        "steps at a batch size compile kernels and its policy's records start empty")
     parser.add_argument("--only", choices=("qwen", "dsv3"), help="GPU: one model instead of both")
     parser.add_argument("--qwen-layers", type=int, default=48,
                         help="GPU: Qwen3-30B-A3B's decoder layers to build (default: all %(default)s)")
