@@ -121,8 +121,8 @@ class Engine(SpeculativeSteps):
         # prompts share steps with decodes unless decode steps replay graphs and a mixed step would then run eagerly
         # for one prompt; with prompt graphs a mixed step whose rows fit replays a graph too (H100, steady decode at 16
         # with a 97-token arrival every 4 steps: 5740 tok/s mixed, 4955 separate). So does a speculating engine's,
-        # whose mixed steps then draft only where their rows with every draft replay a graph (`plain_mixed_steps`:
-        # SpeculativeSteps._mixed_plain); elsewhere drafts would make the step a synchronous verify step run eagerly.
+        # whose mixed steps then draft nothing (`plain_mixed_steps`: SpeculativeSteps._mixed_plain says why): drafts
+        # would make the step a synchronous verify step, and its overlapped verify steps take decoding requests only.
         mixed = config.mixed_chunk if config.mixed_chunk is not None else \
             graphs is None or not config.disable_prompt_graphs
         self.plain_mixed_steps = config.mixed_chunk is None and graphs is not None

@@ -212,13 +212,13 @@ def test_observe_as_decode_rows_equals_observe_as_an_extend(mtp_folder, from_zer
 
 @interpreted
 def test_a_prompt_beside_verify_rows_reaches_the_mtp_layer_as_replayed_rows(mtp_folder):
-    """--mixed-chunk auto with graphs: prompts arrive while others decode, so mixed steps verify drafts (their rows
-    fit the 16-row graph), and the MTP layer's catch-up over a new prompt's positions, from position 0, runs them
-    as decode rows through its captured step, not as an extend. Output equals decoding without drafts."""
+    """--mixed-chunk on with graphs: prompts arrive while others decode, so mixed steps verify drafts (the prompt's
+    tokens decode rows beside the verify rows), and the MTP layer's catch-up over a new prompt's positions, from
+    position 0, runs them as decode rows through its captured step, not as an extend. Output equals decoding
+    without drafts."""
     prompts = [PROMPTS[1], PROMPTS[1][:5], [256, 30, 31, 32, 33], [256, 8, 9]]
     want = [r.output_ids for r in engine(mtp_folder, mixed_chunk=True).generate(prompts, GREEDY)]
     spec = engine(mtp_folder, mixed_chunk=True, speculative_algorithm="nextn", speculative_num_steps=2)
-    spec.plain_mixed_steps = True  # what auto sets where decode steps replay graphs (a GPU)
     install_graphs(spec)
     drafter = spec.speculation.drafter
     batches = []  # per batch the drafter built: (rows, whether a seq starts at position 0)

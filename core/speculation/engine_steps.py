@@ -17,33 +17,21 @@ from .step import is_decoding
 
 class SpeculativeSteps:
     def _prompt_due(self) -> bool:
-        """Whether the next step holds prompt tokens and drafts nothing whatever the policy wants (plain mixed
-        steps: a prompt to admit or one mid-way, where the step's rows with every draft would not fit the largest
-        decode graph): reading the step in flight for drafts would break the overlap schedule for nothing.
+        """Whether the next step holds prompt tokens and so drafts nothing whatever the policy wants (a plain mixed
+        step: _mixed_plain): reading the step in flight for drafts would break the overlap schedule for nothing.
         (H100, Qwen3 12 layers, steady 64 with ngram: 41-46 such breaks a run.)"""
-        scheduler = self.scheduler
-        if not self.plain_mixed_steps:
-            return False
-        prompt = scheduler.next_prompt()
-        if prompt is None:
-            return False
-        graphs = self.runner.graphs
-        rows = sum(1 + self.speculation.lookahead for r in scheduler.running if r.num_uncached == 1) + \
-            min(prompt.num_uncached, scheduler.chunk_size)
-        return graphs is None or not self.speculation.decode_rows or rows > graphs.sizes[-1]
+        return self.plain_mixed_steps and self.scheduler.next_prompt() is not None
 
     def _mixed_plain(self, work, decoding: list[Request]) -> bool:
-        """Whether a step holding prompt tokens beside decodes drafts nothing (plain_mixed_steps): unless its rows,
-        each decoding request with its full draft width, replay a decode graph as verify rows (ModelRunner.
-        verify_replays). Such a step verifies synchronously, its prompt's tokens decode rows beside the verify
-        rows. (H100, DeepSeek-V3 shapes, 24 layers of 16 experts, nextn with the synthetic MTP, steady 32 of
-        64-token outputs: two of three steps hold a prompt; drafting in them 1809 tok/s against 1515.)"""
-        if not self.plain_mixed_steps or len(decoding) == len(work):
-            return False
-        if not self.speculation.decode_rows:
-            return True
-        lookahead = self.speculation.lookahead
-        return not self.runner.verify_replays(work, [lookahead if is_decoding(item) else 0 for item in work])
+        """Whether a step holding prompt tokens beside decodes drafts nothing (plain_mixed_steps: --mixed-chunk auto
+        where decode steps replay graphs). Drafting in it would make it a synchronous verify step, which costs more
+        than the drafts give wherever a plain verify row costs about what a decode row does: H100, session 25, Qwen3
+        12 layers, ngram on random weights, steady 32 and 64, mixed steps that verified where their rows (the
+        prompt's as decode rows) replayed a graph took 12-17 ms against 5-6 ms for a plain mixed step, and ngram fell
+        to 0.97x and 0.91x of plain decoding (1.04x and 1.00x with plain mixed steps, session 22); nextn on the deep
+        DeepSeek-V3 shapes gained 1.22x -> 1.30x at 32 from them (61 ms against 25 ms a step, 2.9 tokens a request
+        against 1). `--mixed-chunk on` still verifies in every mixed step."""
+        return self.plain_mixed_steps and len(decoding) < len(work)
 
     def _admit_ahead(self) -> tuple[InFlight | None] | None:
         """Where a verify step in flight ends its run because requests wait: their prompt step, scheduled and
