@@ -10,12 +10,12 @@
 #   bash benchmarks/gpu_system.sh OUT spec-copy spec-dsv3      # #32 on an H200 (H100, session 16: copy 1.46/1.49/1.52/
 #                                         #      1.19x; nextn with the synthetic MTP 0.97-1.00x on the 4-layer shapes)
 #   bash benchmarks/gpu_system.sh OUT spec-serve tests-overlap # #32 served, ngram at 1/16/64
-#   bash benchmarks/gpu_system.sh OUT tests-spec spec-dsv3-deep  # #32 nextn at 1/8/32 with session 24's auto (mixed
-#                                         #      steps verify where their rows replay a graph; nextn's catch-up of a
-#                                         #      prompt replayed): H100 session 24 before them, --mixed-chunk on 1.79x
-#                                         #      / 1.29x at 8 / 32: results/speculative_dsv3_deep_mixed_h100_s24.md
-#   bash benchmarks/gpu_system.sh OUT spec-never spec-profile-deep-mixed  # never-worse after that change; where a
-#                                         #      mixed verify step's time goes
+#   bash benchmarks/gpu_system.sh OUT spec-never spec-profile-never  # #32 never-worse after session 25 took the
+#                                         #      mixed verify steps out of auto again (H100, session 25, with them:
+#                                         #      ngram 0.97x / 0.91x at 32 / 64; the adversary 0.84x at 1, unexplained:
+#                                         #      results/speculative_h100_s25.md)
+#   bash benchmarks/gpu_system.sh OUT spec-dsv3-deep spec-dsv3-deep-steps  # #32 nextn at 1/8/32 and at 5 steps
+#                                         #      (H100, session 25: 1.70x / 1.65x / 1.22x; 5 steps at 1: 1.74x)
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
 #   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M; H100, session 23:
 #                                         #      1.03x with the gated GEMM 1: results/fused_moe_large_m_h100_s23.md)
