@@ -20,7 +20,7 @@ from moeplex.engine import Engine
 from moeplex.model_runner import PROMPT_ROW_READS, ModelRunner
 from moeplex.sampling import SamplingParams
 
-from test_speculative import conserved, script_distribution, scripted  # noqa: F401 (a fixture)
+from test_speculative import conserved
 
 PAGE = 4
 MAX_BS = 16

@@ -569,8 +569,7 @@ def test_reads_of_the_step_in_flight_that_launch_no_verify_step_back_off(tiny_mo
 
 def test_no_step_in_flight_is_read_for_drafts_while_a_prompt_makes_the_next_step_a_plain_mixed_one(tiny_model_dir,
                                                                                                     plain):
-    """An engine whose mixed steps draft nothing (--mixed-chunk auto with decode graphs, where a mixed step's rows
-    with drafts replay none: on a CPU, no graph at all): while a prompt waits to be
+    """An engine whose mixed steps draft nothing (--mixed-chunk auto with decode graphs): while a prompt waits to be
     admitted or is mid-way, the next step holds its tokens and verifies nothing, so the step in flight is not read
     for drafts (each such read broke the overlap schedule for nothing). Arrivals every other step; no token
     changes."""
