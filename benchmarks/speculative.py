@@ -293,8 +293,9 @@ def measure(engine: Engine, drafter: str, batch: int, prompts, args, reference: 
 
 
 def step_mix(before, engine: Engine) -> str:
-    """The run's steps by kind (count x mean wall ms), the overlap schedule's breaks, and the verify costs' and
-    breaks' scales the calibration reached (speculation/calibration.py; sizes where it moved the table)."""
+    """The run's steps by kind (count x mean wall ms), the overlap schedule's breaks, and the verify costs', breaks'
+    and mixed verify steps' scales the calibration reached (speculation/calibration.py; sizes where it moved the
+    table)."""
     log = engine.step_log
     parts = [f"{kind} {log.steps[kind] - before.steps[kind]}x"
              f"{(log.seconds[kind] - before.seconds[kind]) * 1e3 / (log.steps[kind] - before.steps[kind]):.2f}ms"
@@ -306,6 +307,8 @@ def step_mix(before, engine: Engine) -> str:
         parts.append("verify scales " + " ".join(f"{n}:{s:.2f}" for n, s in sorted(costs.scales.items())))
     if getattr(costs, "break_scales", None):  # (an earlier core, AB=1, has none)
         parts.append("break scales " + " ".join(f"{n}:{s:.2f}" for n, s in sorted(costs.break_scales.items())))
+    if getattr(costs, "sync_scales", None):  # a mixed verify step's (StepCosts.sync_cost)
+        parts.append("mixed verify scales " + " ".join(f"{n}:{s:.2f}" for n, s in sorted(costs.sync_scales.items())))
     return ", ".join(parts)
 
 

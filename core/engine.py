@@ -274,7 +274,7 @@ class Engine(SpeculativeSteps):
             if self.calibration is not None:
                 self.calibration.observe(timed)
             if self.speculation is not None:
-                self.speculation.stepped(timed.kind in PROMPT_KINDS)
+                self.speculation.stepped(timed.kind in PROMPT_KINDS or timed.prompt)
             if timed.wanted_drafts:  # (the step in flight was read for drafts: did a verify step come of it?)
                 self.speculation.break_ended(timed.kind in VERIFY_KINDS)
 

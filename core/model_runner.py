@@ -87,6 +87,16 @@ class ModelRunner:
         size = padded_size(sum(w.num_tokens + len(d) for w, d in zip(work, drafts)), graphs.sizes)
         return size is None or graphs.cuts.get(size) is None
 
+    def verify_replays(self, work: Sequence[ScheduledWork], widths: Sequence[int]) -> bool:
+        """Whether a verify step of `work` holding prompt tokens, with widths[i] drafts for item i, runs as decode
+        rows (verify_rows) that replay a captured decode graph."""
+        graphs = self.graphs
+        if graphs is None or graphs.recording:
+            return False
+        drafts = [range(n) for n in widths]  # (only their lengths are read)
+        size = padded_size(sum(w.num_tokens + n for w, n in zip(work, widths)), graphs.sizes)
+        return size is not None and self.verify_rows(work, drafts)
+
     def prepare(self, work: Sequence[ScheduledWork], in_flight: InFlight | None = None,
                 drafts: Sequence[Sequence[int]] | None = None, decode_rows: bool = False) -> ForwardBatch:
         """The batch of the scheduled work; tokens still in flight are read on the device from `in_flight`.

@@ -44,6 +44,7 @@ class TimedStep:
     broken: bool
     wanted_drafts: bool = False  # the break was a read of the step in flight because drafts were wanted
     exposed: float = 0.0  # a broken step: seconds from the read step's tokens reaching the host to this step's end
+    prompt: bool = False  # a verify step that held prompt tokens too (requests and rows count its decodes only)
 
 
 @attrs.define
@@ -53,13 +54,14 @@ class StepLog:
     breaks: dict[str, int] = attrs.Factory(lambda: dict.fromkeys(BREAKS, 0))
     kind: str = "none"  # what the step under way launched (the last launch wins: a step launches at most one)
     shape: tuple[int, int] = (0, 0)  # ... its requests and rows (verify steps: the rows the policy chose)
+    prompt: bool = False  # ... a verify step holding prompt tokens too
     broken: bool = False  # whether the overlap schedule broke during the step under way
     wanted_drafts: bool = False  # ... because drafts were wanted (the step in flight read for them)
     last: TimedStep | None = None  # the step that ended last
     arrived_at: float | None = None  # when the first step read in the step under way had its tokens on the host
 
-    def launched(self, kind: str, requests: int = 0, rows: int = 0) -> None:
-        self.kind, self.shape = kind, (requests, rows)
+    def launched(self, kind: str, requests: int = 0, rows: int = 0, prompt: bool = False) -> None:
+        self.kind, self.shape, self.prompt = kind, (requests, rows), prompt
 
     def broke(self, reason: str) -> None:
         self.breaks[reason] += 1
@@ -77,8 +79,10 @@ class StepLog:
         exposed = now - self.arrived_at if self.broken and now is not None and self.arrived_at is not None else 0.0
         self.steps[self.kind] += 1
         self.seconds[self.kind] += seconds
-        self.last = TimedStep(self.kind, *self.shape, seconds, self.broken, self.wanted_drafts, max(exposed, 0.0))
+        self.last = TimedStep(self.kind, *self.shape, seconds, self.broken, self.wanted_drafts, max(exposed, 0.0),
+                              self.prompt)
         self.kind, self.shape, self.broken, self.wanted_drafts, self.arrived_at = "none", (0, 0), False, False, None
+        self.prompt = False
         return self.last
 
     def totals(self) -> tuple[tuple[str, int, float], ...]:

@@ -236,3 +236,55 @@ def test_a_broken_steps_exposure_runs_from_the_first_read_to_its_end():
     assert step.broken and step.exposed == pytest.approx(0.003)
     log.broke("drafts_wanted")  # no read timed (the device does not run ahead): nothing exposed
     assert log.timed(0.001, 30.0).exposed == 0.0
+
+
+def mixed(calibration: Calibration, n: int, rows: int, times: int, exposed: float) -> None:
+    """Synchronous verify steps holding a prompt beside n decoding requests, each read the step in flight for its
+    drafts (broken) and exposed `exposed` seconds."""
+    for _ in range(times):
+        calibration.observe(TimedStep("verify", n, rows, PLAIN * 9, True, True, exposed, prompt=True))
+
+
+def test_mixed_verify_steps_that_expose_more_than_drafts_pay_for_keep_mixed_steps_plain():
+    """A verify step holding a prompt prices the mixed steps that verify (StepCosts.sync_cost): what it exposed, from
+    the read of the step in flight to its end, against the table's verify step of its decoding rows. Before any was
+    timed it costs what a calibrated verify step does, and drafts pay; at three times the table they do not. Nothing
+    else moves: verify steps without a prompt, breaks, other sizes."""
+    c = costs(BREAK)
+    calibration, policy = Calibration(c), AdaptivePolicy(STEPS, c)
+    batch, counts = [request(str(i)) for i in range(8)], [STEPS] * 8
+    rows = 8 * (STEPS + 1)
+    assert c.sync_cost(8, rows) == c.cost(8, rows, verify=True) and policy.mixed_pays(batch, counts)
+    mixed(calibration, 8, rows, 40, exposed=3 * c.table_cost(8, rows, verify=True))
+    assert 2.5 < c.sync_scales[8] <= 3.0
+    assert c.sync_cost(8, rows) == pytest.approx(c.sync_scales[8] * c.table_cost(8, rows, verify=True))
+    assert not policy.mixed_pays(batch, counts)
+    assert policy.run_pays(batch, counts, 40.0) and policy.may_draft(8)  # overlapped runs are priced as before
+    assert c.scale(8) == 1.0 and not c.break_scales and set(c.sync_scales) == {8}
+    # plain steps alone fade the evidence back towards the verify steps' scale: mixed steps are tried again later
+    run(calibration, 8, "decode", 1000)
+    assert c.sync_scales[8] < 1.2 and policy.mixed_pays(batch, counts)
+
+
+def test_a_mixed_verify_step_counts_neither_as_a_verify_step_nor_untimed():
+    """Its shape counts only its decoding rows, so it must not price verify steps (steady or, for a drafter that
+    drafts on the host, alone); an exposure not timed (0.0: the device does not run ahead) says nothing."""
+    c = costs(BREAK)
+    calibration = Calibration(c, isolated=True)
+    for _ in range(40):
+        run(calibration, 8, "decode", 2)
+        calibration.observe(TimedStep("verify", 8, 32, 10 * PLAIN, False, prompt=True))
+    mixed(calibration, 8, 32, 40, exposed=0.0)
+    assert not c.scales and not c.sync_scales and c.sync_cost(8, 32) == c.cost(8, 32, verify=True)
+
+
+def test_every_rank_takes_the_slowest_ranks_mixed_verify_step():
+    sizes = grid_sizes(8)
+
+    def slowest(values):  # a second rank's mixed verify steps at size 4 took 5x the table; this one timed none
+        return [max(v, 5.0) if i == 2 * len(sizes) + sizes.index(4) else v for i, v in enumerate(values)]
+
+    c = costs(BREAK)
+    calibration = Calibration(c, slowest)
+    run(calibration, 4, "decode", calibration_module.EARLY[0] + 1)  # (the first is no step inside a run)
+    assert c.sync_scales == {4: 5.0} and not c.scales and not c.break_scales

@@ -19,8 +19,11 @@ from moeplex.cuda_graph import DecodeGraphs, DecodeInputs, capture_sizes, max_pa
 from moeplex.engine import Engine
 from moeplex.model_runner import PROMPT_ROW_READS, ModelRunner
 from moeplex.sampling import SamplingParams
+from moeplex.speculation.costs import StepCosts, grid_sizes
+from moeplex.speculation.policy import AdaptivePolicy
 
-from test_speculative import conserved
+from test_speculative import conserved, script_distribution, scripted  # noqa: F401 (a fixture)
+from test_speculative_policy import table
 
 PAGE = 4
 MAX_BS = 16
@@ -116,6 +119,73 @@ def test_a_prompt_joins_the_decodes_beside_it_as_rows(tiny_model_dir, reference)
 
 
 @interpreted
+def test_a_speculating_engines_mixed_steps_verify_where_their_rows_replay_a_graph(tiny_model_dir,
+                                                                                 script_distribution):  # noqa: F811
+    """--mixed-chunk auto with decode graphs (plain_mixed_steps): a step holding a prompt beside decodes verifies
+    drafts where its rows, each decoding request at its full draft width, fit a graph (16 rows here), the prompt's
+    tokens decode rows beside the verify rows in one replay; a 30-token prompt beside them makes a plain mixed step.
+    The oracle's drafts, so every token is plain decoding's; pools empty afterwards."""
+    folder = tiny_model_dir("qwen3_moe")
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[1], PROMPTS[4], PROMPTS[2], [256, 7, 8]]
+    short = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 5)]
+    params = short + [GREEDY] * 4
+    want = [r.output_ids for r in engine(folder, attention_backend="torch").generate(prompts, params)]
+    scripted(prompts, want)
+    spec = engine(folder, mixed_chunk=True, speculative_algorithm="test-oracle", speculative_num_steps=2,
+                  speculative_policy="fixed", disable_speculative_backoff=True)
+    spec.plain_mixed_steps = True  # what auto sets where decode steps replay graphs (a GPU)
+    with_graphs(spec)
+    steps = []  # per step holding a prompt beside decodes: (its tokens with one row per decode, drafts verified)
+    prepare = spec.runner.prepare
+
+    def prepared(work, *args, drafts=None, **kwargs):
+        decodes = sum(1 for item in work if item.request.output_ids)
+        if decodes < len(work) and decodes:
+            steps.append((sum(item.num_tokens for item in work), sum(len(d) for d in drafts or ())))
+        return prepare(work, *args, drafts=drafts, **kwargs)
+
+    spec.runner.prepare = prepared
+    assert [r.output_ids for r in spec.generate(prompts, params)] == want
+    assert any(drafts for _, drafts in steps), steps  # the 3-token prompt beside 3 decodes: 12 rows with drafts
+    assert any(tokens >= 30 and not drafts for tokens, drafts in steps), steps
+    assert conserved(spec)
+
+
+@interpreted
+def test_the_adaptive_policy_keeps_mixed_steps_plain_where_they_cost_more_than_their_drafts_give(
+        tiny_model_dir, script_distribution):  # noqa: F811
+    """The same under the adaptive policy: where mixed verify steps are priced at the table's verify step they
+    verify the oracle's drafts; where serving measured them at 32x it (StepCosts.sync_scales), every mixed step is
+    plain, while steps of decodes alone still verify. Tokens as plain decoding's either way."""
+    folder = tiny_model_dir("qwen3_moe")
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[1], PROMPTS[4], PROMPTS[2], [256, 7, 8]]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 5)] + [GREEDY] * 4
+    want = [r.output_ids for r in engine(folder, attention_backend="torch").generate(prompts, params)]
+    scripted(prompts, want)
+    for dear in (False, True):
+        spec = engine(folder, mixed_chunk=True, speculative_algorithm="test-oracle", speculative_num_steps=2)
+        spec.plain_mixed_steps = True  # what auto sets where decode steps replay graphs (a GPU)
+        with_graphs(spec)
+        costs = StepCosts(grid_sizes(64), table(1.0, 0.01), lambda n: 0.1)  # rows cheap: drafting pays
+        spec.speculation.policy = AdaptivePolicy(2, costs)
+        costs.measure_all()
+        if dear:
+            costs.sync_scales.update(dict.fromkeys(costs.sizes, 32.0))
+        drafted = {True: 0, False: 0}  # drafts verified in steps with / without a prompt
+        prepare = spec.runner.prepare
+
+        def prepared(work, *args, drafts=None, **kwargs):
+            prompt = any(not item.request.output_ids for item in work)
+            drafted[prompt] += sum(len(d) for d in drafts or ())
+            return prepare(work, *args, drafts=drafts, **kwargs)
+
+        spec.runner.prepare = prepared
+        assert [r.output_ids for r in spec.generate(prompts, params)] == want
+        assert drafted[False] > 0 and (drafted[True] == 0) == dear, (dear, drafted)
+        assert conserved(spec)
+
+
+@interpreted
 def test_disabled_prompt_graphs_run_prompts_as_extends(tiny_model_dir, reference):
     spec = engine(tiny_model_dir("qwen3_moe"), disable_prompt_graphs=True)
     log = with_graphs(spec)
@@ -131,6 +201,18 @@ def fake_runner(sizes=(1, 2, 4, 8, 16), cuts=None, recording=False, enabled=True
 def work(*items):
     """(cached, new) per request."""
     return [SimpleNamespace(request=SimpleNamespace(num_cached=c), num_tokens=n) for c, n in items]
+
+
+def test_which_verify_steps_with_a_prompt_replay_as_rows():
+    runner = fake_runner()
+    assert runner.verify_replays(work((0, 5), (7, 1), (9, 1)), [0, 3, 3])  # 5 + 4 + 4 rows
+    assert not runner.verify_replays(work((0, 9), (7, 1), (9, 1)), [0, 3, 3])  # 17 rows: no graph holds them
+    assert not runner.verify_replays(work((7, 1), (9, 1)), [3, 3])  # no prompt: a verify batch as it is
+    assert not runner.verify_replays(work((PROMPT_ROW_READS // 8, 8), (7, 1)), [0, 3])
+    assert not fake_runner(cuts={16: [8]}).verify_replays(work((0, 9), (7, 1)), [0, 3])
+    assert not fake_runner(recording=True).verify_replays(work((0, 4), (7, 1)), [0, 3])
+    assert not fake_runner(enabled=False).verify_replays(work((0, 4), (7, 1)), [0, 3])
+    assert not ModelRunner(None, None, None, torch.device("cpu")).verify_replays(work((0, 4), (7, 1)), [0, 3])
 
 
 def test_which_prompt_steps_run_as_rows():
@@ -178,7 +260,8 @@ def test_prompt_graphs_change_no_token_on_gpu(tiny_model_dir, arch):
 @pytest.mark.gpu
 def test_on_gpu_prompts_share_steps_with_decodes_unless_prompts_run_eagerly(tiny_model_dir):
     """--mixed-chunk auto on a GPU: mixed steps where prompt graphs are captured, a speculating engine's too (its
-    mixed steps then draft nothing: plain_mixed_steps), within the largest graph's rows."""
+    mixed steps then draft only where their rows with drafts replay a graph and the policy prices the drafts worth
+    a synchronous step: plain_mixed_steps), within the largest graph's rows."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     settings = dict(device="cuda", moe_kernel="triton", max_total_tokens=4096, cuda_graph_max_bs=16)

@@ -439,3 +439,9 @@ def test_two_misses_in_a_row_do_not_make_a_request_of_a_good_drafter_cold():
     for _ in range(3):
         never.record(request(f"x{_}"), STEPS, 0)
     assert never.cold_after() == 2
+
+
+def test_the_fixed_policy_verifies_in_mixed_steps_whatever_they_cost():
+    policy = FixedPolicy(STEPS)
+    batch = [request("a"), request("b")]
+    assert policy.mixed_pays(batch, [STEPS, 0]) and not policy.mixed_pays(batch, [0, 0])

@@ -108,16 +108,20 @@ class Calibration:
         self._plain: dict[int, _Ratio] = {}
         self._verify: dict[int, _Ratio] = {}
         self._breaks: dict[int, _Ratio] = {}  # per size: log(exposed / the table's break) of broken steps
+        self._mixed: dict[int, _Ratio] = {}  # per size: log(exposed / the table's verify step) of mixed verify steps
         self._last_class: str | None = None
         self._observed = 0
 
     def observe(self, step: TimedStep) -> None:
-        cls = "plain" if step.kind in PLAIN_KINDS else "verify" if step.kind in VERIFY_KINDS else None
+        cls = "plain" if step.kind in PLAIN_KINDS else "verify" if step.kind in VERIFY_KINDS and not step.prompt \
+            else None
         steady = cls is not None and cls == self._last_class and not step.broken and step.requests > 0
-        alone = self.isolated and step.kind == SYNC_VERIFY and step.requests > 0
+        alone = self.isolated and step.kind == SYNC_VERIFY and step.requests > 0 and not step.prompt
         self._last_class = cls
         if step.broken and step.kind not in UNTIMED_BREAKS:
             self._observe_break(step)
+        if step.prompt and step.kind == SYNC_VERIFY and step.requests > 0 and step.exposed > 0.0:
+            self._observe_mixed(step)
         if not (steady or alone):
             return
         size = self.costs.size_of(step.requests)
@@ -129,8 +133,21 @@ class Calibration:
         measured = math.log(max(step.seconds, 1e-9) / max(table, 1e-9))  # (every rank counts the step alike)
         ratio.add(min(max(measured, believed - math.log(CLIP)), believed + math.log(CLIP)))
         if cls == "plain":
-            for ratio in self._verify.values():
+            for ratio in [*self._verify.values(), *self._mixed.values()]:
                 ratio.wait()
+        self._count()
+
+    def _observe_mixed(self, step: TimedStep) -> None:
+        """A synchronous verify step that held prompt tokens, read the step in flight for its drafts: what it
+        exposed (from that read to its end: drafting, its forward with the prompt's rows, acceptance on the host)
+        against the table's verify step of its decoding rows (StepCosts.sync_cost). A ratio like the breaks'."""
+        size = self.costs.size_of(step.requests)
+        if size not in self.costs.measured:
+            return
+        ratio = self._mixed.setdefault(size, _Ratio())
+        believed = ratio.mean()
+        measured = math.log(step.exposed / max(self.costs.table_cost(step.requests, step.rows, True), 1e-9))
+        ratio.add(min(max(measured, believed - math.log(CLIP)), believed + math.log(CLIP)))
         self._count()
 
     def _observe_break(self, step: TimedStep) -> None:
@@ -174,12 +191,31 @@ class Calibration:
             out[size] = min(max(math.exp(ratio.mean() * ratio.weight / (ratio.weight + PRIOR_WEIGHT)), low), high)
         return out
 
+    def mixed_scales(self) -> dict[int, float]:
+        """This rank's scale of a mixed verify step per grid size where one was timed (StepCosts.sync_cost),
+        leaning towards the size's verify scale with PRIOR_WEIGHT steps' weight; 0.0 where none was timed."""
+        low, high = SCALE_RANGE
+        out = {}
+        for size in self.costs.sizes:
+            ratio = self._mixed.get(size)
+            if ratio is None or ratio.weight <= 0.0:
+                out[size] = 0.0
+                continue
+            prior = math.log(self.costs.scale(size))
+            mean = (ratio.total + PRIOR_WEIGHT * prior) / (ratio.weight + PRIOR_WEIGHT)
+            out[size] = min(max(math.exp(mean), low), high)
+        return out
+
     def _publish(self) -> None:
         sizes = self.costs.sizes
-        verify, breaks = self.scales(), self.break_scales()
-        agreed = self.slowest([verify[size] for size in sizes] + [breaks[size] for size in sizes])
-        for size, scale, broken in zip(sizes, agreed[: len(sizes)], agreed[len(sizes):]):
+        verify, breaks, mixed = self.scales(), self.break_scales(), self.mixed_scales()
+        agreed = self.slowest([verify[size] for size in sizes] + [breaks[size] for size in sizes]
+                              + [mixed[size] for size in sizes])
+        count = len(sizes)
+        for size, scale, broken, sync in zip(sizes, agreed[:count], agreed[count: 2 * count], agreed[2 * count:]):
             if abs(scale / self.costs.scale(size) - 1.0) > MOVE:
                 self.costs.set_scale(size, scale)
             if abs(broken / self.costs.break_scales.get(size, 1.0) - 1.0) > MOVE:
                 self.costs.set_break_scale(size, broken)
+            if sync > 0.0 and abs(sync / self.costs.sync_scales.get(size, 1.0) - 1.0) > MOVE:
+                self.costs.set_sync_scale(size, sync)

@@ -77,7 +77,9 @@ class StepCosts:
     `set_scale(size, factor)`: verify steps of that size cost `factor` times the table from now on (calibration.py:
     what serving measures them at, against plain steps); `table_cost` is the table without it. `set_break_scale`
     does the same for a break (what the host work a break exposes takes while serving: a real step's reads and
-    bookkeeping, which the start-up measure's bare steps do not have); `table_break_cost` is the measure alone."""
+    bookkeeping, which the start-up measure's bare steps do not have); `table_break_cost` is the measure alone.
+    `set_sync_scale` does it for a synchronous verify step holding a prompt (`sync_cost`: everything from the read
+    of the step in flight to the step's end, drafting, the prompt's rows and the host's acceptance included)."""
 
     def __init__(self, sizes: Sequence[int], measure_size: Callable[[int], Sequence[float]],
                  measure_break: Callable[[int], float] | None = None):
@@ -88,6 +90,7 @@ class StepCosts:
         self.breaks: dict[int, float] = {}
         self.scales: dict[int, float] = {}  # per size: verify steps' cost as served / as measured (calibration.py)
         self.break_scales: dict[int, float] = {}  # per size: a break's cost as served / as measured
+        self.sync_scales: dict[int, float] = {}  # per size: a synchronous mixed verify step as served / the table
         self.version = 0  # moves whenever a size is measured (what was derived from the table may be stale)
 
     def cost(self, n: int, rows: int, verify: bool) -> float:
@@ -134,6 +137,16 @@ class StepCosts:
     def set_break_scale(self, size: int, factor: float) -> None:
         self.break_scales[size] = factor
         self.version += 1
+
+    def sync_cost(self, n: int, rows: int) -> float:
+        """A synchronous verify step of n decoding requests and `rows` verify rows that holds prompt tokens too (a
+        mixed step that verifies): the table's verify step, scaled by what such steps took while serving (before
+        any was timed, as calibrated verify steps cost)."""
+        size = self.size_of(n)
+        return self.table_cost(n, rows, verify=True) * self.sync_scales.get(size, self.scale(size))
+
+    def set_sync_scale(self, size: int, factor: float) -> None:
+        self.sync_scales[size] = factor  # (nothing derived from the table reads it: the version stays)
 
     def at(self, size: int) -> list[float]:
         if size not in self.measured:

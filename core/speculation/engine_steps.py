@@ -17,21 +17,39 @@ from .step import is_decoding
 
 class SpeculativeSteps:
     def _prompt_due(self) -> bool:
-        """Whether the next step holds prompt tokens and so drafts nothing whatever the policy wants (a plain mixed
+        """Whether the next step holds prompt tokens and drafts nothing whatever the policy wants (a plain mixed
         step: _mixed_plain): reading the step in flight for drafts would break the overlap schedule for nothing.
-        (H100, Qwen3 12 layers, steady 64 with ngram: 41-46 such breaks a run.)"""
-        return self.plain_mixed_steps and self.scheduler.next_prompt() is not None
+        (H100, Qwen3 12 layers, steady 64 with ngram: 41-46 such breaks a run.) A step that may verify is one whose
+        rows, every decoding request at its full draft width beside the prompt's next chunk, fit the largest decode
+        graph, and whose drafts the policy finds worth a synchronous step (mixed_pays)."""
+        scheduler = self.scheduler
+        if not self.plain_mixed_steps:
+            return False
+        prompt = scheduler.next_prompt()
+        if prompt is None:
+            return False
+        graphs = self.runner.graphs
+        decoding = [r for r in scheduler.running if r.num_uncached == 1]
+        rows = len(decoding) * (1 + self.speculation.lookahead) + min(prompt.num_uncached, scheduler.chunk_size)
+        return graphs is None or not self.speculation.decode_rows or rows > graphs.sizes[-1] or \
+            not self.speculation.mixed_pays(decoding)
 
     def _mixed_plain(self, work, decoding: list[Request]) -> bool:
         """Whether a step holding prompt tokens beside decodes drafts nothing (plain_mixed_steps: --mixed-chunk auto
-        where decode steps replay graphs). Drafting in it would make it a synchronous verify step, which costs more
-        than the drafts give wherever a plain verify row costs about what a decode row does: H100, session 25, Qwen3
-        12 layers, ngram on random weights, steady 32 and 64, mixed steps that verified where their rows (the
-        prompt's as decode rows) replayed a graph took 12-17 ms against 5-6 ms for a plain mixed step, and ngram fell
-        to 0.97x and 0.91x of plain decoding (1.04x and 1.00x with plain mixed steps, session 22); nextn on the deep
-        DeepSeek-V3 shapes gained 1.22x -> 1.30x at 32 from them (61 ms against 25 ms a step, 2.9 tokens a request
-        against 1). `--mixed-chunk on` still verifies in every mixed step."""
-        return self.plain_mixed_steps and len(decoding) < len(work)
+        where decode steps replay graphs): unless its rows, each decoding request at its full draft width, replay a
+        decode graph as verify rows (ModelRunner.verify_replays) and the policy finds its drafts worth a
+        synchronous step (AdaptivePolicy.mixed_pays: such a step waits for the step in flight and for its own
+        forward). Always drafting there (session 24) cost ngram on random weights 3% and 9% at steady 32 and 64
+        (H100, Qwen3 12 layers: 12-17 ms a step against 5-6 for a plain mixed one, for 2.0 tokens a request), and
+        gained nextn 7% on the deep DeepSeek-V3 shapes at 32 (2.9 tokens a request). `--mixed-chunk on` drafts in
+        every mixed step."""
+        if not self.plain_mixed_steps or len(decoding) == len(work):
+            return False
+        if not self.speculation.decode_rows:
+            return True
+        lookahead = self.speculation.lookahead
+        return not self.runner.verify_replays(work, [lookahead if is_decoding(item) else 0 for item in work]) or \
+            not self.speculation.mixed_pays(decoding)
 
     def _admit_ahead(self) -> tuple[InFlight | None] | None:
         """Where a verify step in flight ends its run because requests wait: their prompt step, scheduled and
@@ -82,8 +100,8 @@ class SpeculativeSteps:
         if batch is None:
             return []
         self.hooks.hook.moeplex_batch_scheduled(batch=batch)
-        decodes_only = all(is_decoding(item) for item in work)  # (a prompt in it: no verify step's cost to compare)
-        self.step_log.launched("verify", len(work) if decodes_only else 0, len(work) + sum(len(d) for d in drafts))
+        decoding = sum(1 for item in work if is_decoding(item))  # (a prompt in it: a mixed step's cost, apart)
+        self.step_log.launched("verify", decoding, decoding + sum(len(d) for d in drafts), prompt=decoding < len(work))
         finished = self.speculation.run(
             work, batch, drafts, self.runner.verify_forward, self.scheduler, self._append, self._fail, self.sampler,
             mask=self.grammar.mask_drafts,

@@ -327,11 +327,29 @@ class AdaptivePolicy:
         size = self._size(n)
         if size.break_cost <= 0.0 or math.isinf(steps) or not any(counts):
             return True
+        saving = self._expected_tokens(requests, counts) / size.plain_rate - float(size.curve[sum(counts) - 1])
+        return saving <= 0.0 or saving * steps >= breaks * size.break_cost
+
+    def mixed_pays(self, requests: Sequence[Request], counts: Sequence[int]) -> bool:
+        """Whether a step holding prompt tokens beside these decoding requests should verify the drafts choose()
+        gave (`counts`) rather than decode plainly. Such a step is synchronous: the step in flight is read for its
+        drafts, and the step after it launches with nothing in flight, so it costs what serving measured such steps
+        at (StepCosts.sync_cost: from the read to its end) plus one break, against a plain step overlapped as
+        usual; the prompt's rows are in both. Their expected tokens per second decide. (H100, session 25, steady
+        32: ngram on random weights, 2.0 tokens a request, lost 3-9% to such steps on Qwen3 12 layers; nextn on
+        the deep DeepSeek-V3 shapes, 2.9 tokens a request, gained 7%.)"""
+        n = len(requests)
+        if not any(counts):
+            return False
+        size = self._size(n)
+        cost = self.costs.sync_cost(n, n + sum(counts)) + size.break_cost
+        return self._expected_tokens(requests, counts) / cost > size.plain_rate * (1 + 1e-9)
+
+    def _expected_tokens(self, requests: Sequence[Request], counts: Sequence[int]) -> float:
+        """A step's expected tokens where request i verifies counts[i] drafts (each also to come from the drafter)."""
         worth = self._worth_matrix(requests) * np.array([self.offer_rate(r) for r in requests])[:, None]
         taken = np.arange(self.steps)[None, :] < np.asarray(counts)[:, None]
-        tokens = n + float(worth[taken].sum())
-        saving = tokens / size.plain_rate - float(size.curve[sum(counts) - 1])
-        return saving <= 0.0 or saving * steps >= breaks * size.break_cost
+        return len(requests) + float(worth[taken].sum())
 
     def least_paying_worth(self, n: int) -> float:
         """The worth a draft must exceed for any count of drafts to pay in a step of n requests: every draft is
@@ -495,6 +513,10 @@ class FixedPolicy:
     def run_pays(self, requests: Sequence[Request], counts: Sequence[int], steps: float, breaks: int = 2) -> bool:
         """Every run the choice wants is entered."""
         return True
+
+    def mixed_pays(self, requests: Sequence[Request], counts: Sequence[int]) -> bool:
+        """A step holding a prompt verifies whatever the choice drafts."""
+        return any(counts)
 
     def candidates(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[int]:
         return self.choose(requests, rooms)
