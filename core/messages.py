@@ -200,6 +200,7 @@ class GroupStats:
     # (speculation/calibration.py)
     verify_cost_scales: tuple[tuple[int, float], ...] = ()
     break_cost_scales: tuple[tuple[int, float], ...] = ()  # the same for a break of the overlap schedule
+    mixed_verify_cost_scales: tuple[tuple[int, float], ...] = ()  # ... and for a verify step holding a prompt
 
 
 @pickled_as_fields
@@ -276,6 +277,10 @@ class LoopStats:
     def break_cost_scales(self) -> dict[int, float]:
         """Per batch size, the largest scale of any DP group's break of the overlap schedule (calibration.py)."""
         return self._largest_scales("break_cost_scales")
+
+    def mixed_verify_cost_scales(self) -> dict[int, float]:
+        """Per batch size, the largest scale of any DP group's verify step holding a prompt (calibration.py)."""
+        return self._largest_scales("mixed_verify_cost_scales")
 
     def _largest_scales(self, field: str) -> dict[int, float]:
         scales: dict[int, float] = {}

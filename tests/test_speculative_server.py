@@ -54,6 +54,7 @@ def test_the_calibrated_verify_and_break_costs_are_in_metrics_and_server_info(ti
     assert engine.calibration is not None  # the adaptive policy's default
     engine.step_costs.set_scale(2, 1.75)  # as the calibration publishes what it measured
     engine.step_costs.set_break_scale(2, 3.5)
+    engine.step_costs.set_sync_scale(2, 2.25)
     body = {"input_ids": [256, 40, 41], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
     with LiveServer(build_app(engine, ServerSettings(served_model_name="tiny"))) as live:
         httpx.post(f"{live.url}/generate", json=body, timeout=60).raise_for_status()  # (stats come with a round)
@@ -63,3 +64,5 @@ def test_the_calibrated_verify_and_break_costs_are_in_metrics_and_server_info(ti
     assert info["spec_verify_cost_scales"] == {"2": 1.75}
     assert metric(text, 'moeplex_spec_break_cost_scale{requests="2"}') == 3.5
     assert info["spec_break_cost_scales"] == {"2": 3.5}
+    assert metric(text, 'moeplex_spec_mixed_verify_cost_scale{requests="2"}') == 2.25
+    assert info["spec_mixed_verify_cost_scales"] == {"2": 2.25}

@@ -147,9 +147,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, serving: bool = True) -> N
         sched, "--mixed-chunk",
         "whether prompt chunks and decodes share a step; auto: they do, except where decode steps replay CUDA graphs "
         "and --disable-prompt-graphs is set (a step with a prompt then runs eagerly): there prompts get steps of "
-        "their own, as in SGLang. With auto and CUDA graphs, a speculating engine's mixed steps draft nothing (a mixed "
-        "step that verifies is synchronous: it paid only for nextn on deep models, and cost ngram 3-9%%); with on "
-        "they draft too (default: auto)",
+        "their own, as in SGLang. With auto and CUDA graphs, a speculating engine's mixed steps draft where their rows "
+        "with every draft replay a captured graph and the draft policy prices the drafts worth a synchronous step "
+        "(from what such steps took while serving); with on they may draft always (default: auto)",
         type=auto_on_off, metavar="{auto,on,off}",
     )
     flag(sched, "--page-size", "tokens per KV cache page (default: %(default)s)")

@@ -41,7 +41,8 @@ def group_stats(engine: Engine) -> GroupStats:
                  engine_steps=engine.step_log.totals(), overlap_breaks=engine.step_log.break_totals())
     if engine.calibration is not None:
         extra.update(verify_cost_scales=tuple(sorted(engine.step_costs.scales.items())),
-                     break_cost_scales=tuple(sorted(engine.step_costs.break_scales.items())))
+                     break_cost_scales=tuple(sorted(engine.step_costs.break_scales.items())),
+                     mixed_verify_cost_scales=tuple(sorted(engine.step_costs.sync_scales.items())))
     if cache is None:
         return GroupStats(*counts, **extra)
     return GroupStats(*counts, cache.num_pages, cache.queried_tokens, cache.hit_tokens, cache.evicted_pages,

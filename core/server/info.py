@@ -133,6 +133,7 @@ class InfoRoutes:
                 # measurement had them (speculation/calibration.py; sizes where they moved)
                 "spec_verify_cost_scales": stats.verify_cost_scales(),
                 "spec_break_cost_scales": stats.break_cost_scales(),  # the same for a break of the overlap schedule
+                "spec_mixed_verify_cost_scales": stats.mixed_verify_cost_scales(),  # ... a verify step with a prompt
                 "parallel": self._parallel(),
                 "disaggregation": self._disaggregation(),
             }

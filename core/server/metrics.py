@@ -154,7 +154,13 @@ class StepCounters:
                                          "it moved)", labels=["requests"])
         for size, scale in stats.break_cost_scales().items():
             break_scales.add_metric([str(size)], scale)
-        yield from (steps, seconds, breaks, scales, break_scales)
+        mixed_scales = GaugeMetricFamily("moeplex_spec_mixed_verify_cost_scale",
+                                         "The adaptive draft policy's cost of a verify step holding prompt tokens "
+                                         "(synchronous) as serving measured it over the start-up measurement of a "
+                                         "verify step, per batch size (where one was timed)", labels=["requests"])
+        for size, scale in stats.mixed_verify_cost_scales().items():
+            mixed_scales.add_metric([str(size)], scale)
+        yield from (steps, seconds, breaks, scales, break_scales, mixed_scales)
 
 
 PREFIX_CACHE_COUNTERS = (

@@ -34,6 +34,13 @@ counts with what it exposed (StepLog: from the read step's tokens reaching the h
 table's break of its size, in a decayed mean of logs like the verify steps'; the break's scale leans towards 1 with
 PRIOR_WEIGHT steps' worth of weight, and stays within SCALE_RANGE (never below the table).
 
+A mixed step that verifies (prompt tokens beside the decodes: AdaptivePolicy.mixed_pays) is synchronous too, and
+its shape (decoding rows, the prompt's beside them) is none the table measures. Each one that read the step in
+flight for its drafts counts what it exposed, from that read to its end, against the table's verify step of its
+decoding rows, in a decayed mean of logs like the breaks' (leaning towards the size's verify scale with
+PRIOR_WEIGHT steps' weight, and fading back to it after STALE plain steps without one): StepCosts.sync_cost. It
+does not count as a verify step.
+
 Decisions made from timings would differ between ranks that must decide alike (tensor-parallel ranks schedule the
 same requests), so the scales reach the table only every PUBLISH_EVERY observed steps (and after the first EARLY ones), as the
 slowest rank's (one
