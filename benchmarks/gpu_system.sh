@@ -2,7 +2,7 @@
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-dsv3-deep-steps|spec-dsv3-deep-mixed|spec-profile|spec-profile-dsv3|spec-profile-deep-mixed|tests-nextn|
-#                                     spec-serve|spec-serve-spread|spec-profile-never|spec-never|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|gemv|router-warps|large-m|prefix|dgprobe|dgmasked ...
+#                                     spec-serve|spec-serve-spread|spec-profile-never|spec-never|spec-never-control|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|gemv|router-warps|large-m|prefix|dgprobe|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes; session 20's state):
 #   bash benchmarks/gpu_system.sh OUT front-end serving serving-interval spec-oracle-steps  # #31 target 3, #32 oracle:
 #                                         #      on an H200 (H100, session 17: served/offline 0.90 pooled, a served
@@ -71,10 +71,15 @@ for part in "$@"; do
       timeout $(lim 330) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave \
         --steady --runs 3 --batches 1 8 32 64 --output-len 64 --drafters ngram test-adversary \
         --out "$out/speculative_copy_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -16 ;;
-    spec-never)  # #32 "never worse" on random weights: ngram at 1, 32, 64 and the adversary (AB=1: the core in .ab)
+    spec-never)  # #32 "never worse" on random weights: ngram at 1, 8, 32, 64 and the adversary (AB=1: the core in .ab)
       PYTHONPATH=${AB:+$PWD/.ab:}$PYTHONPATH timeout $(lim 240) python3 benchmarks/speculative.py --device cuda --only qwen \
-        --qwen-layers 12 --interleave --steady --runs 3 --batches 1 32 64 --output-len 64 --drafters ngram test-adversary \
-        --no-copy --out "$out/speculative_never${AB:+_ab}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part${AB:+_ab}.log" | tail -12 ;;
+        --qwen-layers 12 --interleave --steady --runs 3 --batches 1 8 32 64 --output-len 64 --drafters ngram test-adversary \
+        --no-copy --out "$out/speculative_never${AB:+_ab}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part${AB:+_ab}.log" | tail -14 ;;
+    spec-never-control)  # batch 1, where a step is host work: a second plain engine beside the adversary, the A/A
+                         # control of the host's noise (session 26, H100: one engine's host ms a step moved 1.0-1.5x)
+      timeout $(lim 150) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
+        --runs 5 --batches 1 --output-len 64 --drafters none/control test-adversary --no-copy \
+        --out "$out/speculative_never_control_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.log" | tail -6 ;;
     spec-mixed)
       timeout $(lim 300) python3 benchmarks/speculative.py --device cuda --only qwen --qwen-layers 12 --interleave --steady \
         --runs 3 --batches 8 32 --output-len 64 --drafters ngram --mixed-chunk on \
