@@ -261,9 +261,10 @@ def test_mixed_verify_steps_that_expose_more_than_drafts_pay_for_keep_mixed_step
     assert not policy.mixed_pays(batch, counts)
     assert policy.run_pays(batch, counts, 40.0) and policy.may_draft(8)  # overlapped runs are priced as before
     assert c.scale(8) == 1.0 and not c.break_scales and set(c.sync_scales) == {8}
-    # plain steps alone fade the evidence back towards the verify steps' scale: mixed steps are tried again later
-    run(calibration, 8, "decode", 1000)
-    assert c.sync_scales[8] < 1.2 and policy.mixed_pays(batch, counts)
+    # steps of any other kind fade the evidence back towards the verify steps' scale: mixed steps are tried again
+    # later, also where the steps between them verify (overlapped) and none is plain
+    run(calibration, 8, "verify_overlap", 1000)
+    assert c.sync_scales[8] < 1.2 and policy.mixed_pays(batch, counts) and c.scale(8) == 1.0
 
 
 def test_a_mixed_verify_step_counts_neither_as_a_verify_step_nor_untimed():

@@ -38,8 +38,10 @@ A mixed step that verifies (prompt tokens beside the decodes: AdaptivePolicy.mix
 its shape (decoding rows, the prompt's beside them) is none the table measures. Each one that read the step in
 flight for its drafts counts what it exposed, from that read to its end, against the table's verify step of its
 decoding rows, in a decayed mean of logs like the breaks' (leaning towards the size's verify scale with
-PRIOR_WEIGHT steps' weight, and fading back to it after STALE plain steps without one): StepCosts.sync_cost. It
-does not count as a verify step.
+PRIOR_WEIGHT steps' weight, and fading back to it after STALE steps of any other kind): StepCosts.sync_cost. It
+does not count as a verify step. (H100, session 26, deep DeepSeek-V3 shapes at 32: nextn's first four such steps
+took 1.3 s each, its kernels' first compiles, and with plain steps alone fading that evidence, none came in the
+three runs after, where session 25 had measured them at 61.6 ms of wall time, the step in flight's included.)
 
 Decisions made from timings would differ between ranks that must decide alike (tensor-parallel ranks schedule the
 same requests), so the scales reach the table only every PUBLISH_EVERY observed steps (and after the first EARLY ones), as the
@@ -129,6 +131,9 @@ class Calibration:
             self._observe_break(step)
         if step.prompt and step.kind == SYNC_VERIFY and step.requests > 0 and step.exposed > 0.0:
             self._observe_mixed(step)
+        else:  # any other step: a mixed verify step's evidence goes stale (nextn at 32 runs few plain ones)
+            for ratio in self._mixed.values():
+                ratio.wait()
         if not (steady or alone):
             return
         size = self.costs.size_of(step.requests)
@@ -140,7 +145,7 @@ class Calibration:
         measured = math.log(max(step.seconds, 1e-9) / max(table, 1e-9))  # (every rank counts the step alike)
         ratio.add(min(max(measured, believed - math.log(CLIP)), believed + math.log(CLIP)))
         if cls == "plain":
-            for ratio in [*self._verify.values(), *self._mixed.values()]:
+            for ratio in self._verify.values():
                 ratio.wait()
         self._count()
 
