@@ -10,12 +10,13 @@
 #   bash benchmarks/gpu_system.sh OUT spec-copy spec-dsv3      # #32 on an H200 (H100, session 16: copy 1.46/1.49/1.52/
 #                                         #      1.19x; nextn with the synthetic MTP 0.97-1.00x on the 4-layer shapes)
 #   bash benchmarks/gpu_system.sh OUT spec-serve tests-overlap # #32 served, ngram at 1/16/64
-#   bash benchmarks/gpu_system.sh OUT spec-never spec-profile-never  # #32 never-worse after session 25 took the
-#                                         #      mixed verify steps out of auto again (H100, session 25, with them:
-#                                         #      ngram 0.97x / 0.91x at 32 / 64; the adversary 0.84x at 1, unexplained:
-#                                         #      results/speculative_h100_s25.md)
-#   bash benchmarks/gpu_system.sh OUT spec-dsv3-deep spec-dsv3-deep-steps  # #32 nextn at 1/8/32 and at 5 steps
-#                                         #      (H100, session 25: 1.70x / 1.65x / 1.22x; 5 steps at 1: 1.74x)
+#   bash benchmarks/gpu_system.sh OUT spec-never spec-never-control  # #32 never-worse with mixed steps priced by
+#                                         #      the policy (H100, session 26: ngram 0.96/1.00/0.99/0.98x at 1/8/32/
+#                                         #      64; batch 1 is the host's noise, the A/A control 1.00x beside the
+#                                         #      adversary's 1.00x: results/speculative_h100_s26.md)
+#   bash benchmarks/gpu_system.sh OUT spec-dsv3-deep spec-profile-deep-mixed  # #32 nextn at 1/8/32 (H100, session
+#                                         #      26: 1.11x at 32, its overlapped verify steps 31-42 ms against session
+#                                         #      25's 28 ms, falling run after run: the profile says where they go)
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
 #   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M; H100, session 23:
 #                                         #      1.03x with the gated GEMM 1: results/fused_moe_large_m_h100_s23.md)
