@@ -143,24 +143,21 @@ class StepCounters:
                                      "Steps in flight read before the next step was launched, by reason", labels=["reason"])
         for reason, count in stats.break_totals().items():
             breaks.add_metric([reason], count)
-        scales = GaugeMetricFamily("moeplex_spec_verify_cost_scale",
-                                   "The adaptive draft policy's verify step costs as serving measured them over the "
-                                   "start-up measurement, per batch size (where they moved)", labels=["requests"])
-        for size, scale in stats.verify_cost_scales().items():
-            scales.add_metric([str(size)], scale)
-        break_scales = GaugeMetricFamily("moeplex_spec_break_cost_scale",
-                                         "The adaptive draft policy's cost of a break of the overlap schedule as "
-                                         "serving measured it over the start-up measurement, per batch size (where "
-                                         "it moved)", labels=["requests"])
-        for size, scale in stats.break_cost_scales().items():
-            break_scales.add_metric([str(size)], scale)
-        mixed_scales = GaugeMetricFamily("moeplex_spec_mixed_verify_cost_scale",
-                                         "The adaptive draft policy's cost of a verify step holding prompt tokens "
-                                         "(synchronous) as serving measured it over the start-up measurement of a "
-                                         "verify step, per batch size (where one was timed)", labels=["requests"])
-        for size, scale in stats.mixed_verify_cost_scales().items():
-            mixed_scales.add_metric([str(size)], scale)
-        yield from (steps, seconds, breaks, scales, break_scales, mixed_scales)
+        yield from (steps, seconds, breaks)
+        for name, documentation, scales in (
+            ("moeplex_spec_verify_cost_scale", "The adaptive draft policy's verify step costs as serving measured them "
+             "over the start-up measurement, per batch size (where they moved)", stats.verify_cost_scales()),
+            ("moeplex_spec_break_cost_scale", "The adaptive draft policy's cost of a break of the overlap schedule as "
+             "serving measured it over the start-up measurement, per batch size (where it moved)",
+             stats.break_cost_scales()),
+            ("moeplex_spec_mixed_verify_cost_scale", "The adaptive draft policy's cost of a verify step holding prompt "
+             "tokens (synchronous) as serving measured it over the start-up measurement of a verify step, per batch "
+             "size (where one was timed)", stats.mixed_verify_cost_scales()),
+        ):
+            family = GaugeMetricFamily(name, documentation, labels=["requests"])
+            for size, scale in scales.items():
+                family.add_metric([str(size)], scale)
+            yield family
 
 
 PREFIX_CACHE_COUNTERS = (

@@ -122,9 +122,9 @@ class Calibration:
         self._observed = 0
 
     def observe(self, step: TimedStep) -> None:
-        cls = "plain" if step.kind in PLAIN_KINDS else "verify" if step.kind in VERIFY_KINDS and not step.prompt \
-            else None
-        steady = cls is not None and cls == self._last_class and not step.broken and step.requests > 0
+        cls = "plain" if step.kind in PLAIN_KINDS else "verify" if step.kind in VERIFY_KINDS else None
+        steady = cls is not None and cls == self._last_class and not step.broken and step.requests > 0 \
+            and not step.prompt  # (a verify step holding a prompt is priced apart: _observe_mixed)
         alone = self.isolated and step.kind == SYNC_VERIFY and step.requests > 0 and not step.prompt
         self._last_class = cls
         if step.broken and step.kind not in UNTIMED_BREAKS:

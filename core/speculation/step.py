@@ -178,18 +178,20 @@ class SpeculativeDecoding:
             return False
         if not decoding or not self.policy.may_draft(len(decoding)) or self._left_unasked(len(decoding)):
             return False
-        rooms = [min(self.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in decoding]
-        counts = self.policy.choose(decoding, rooms, expect_offers=True)
+        counts = self.policy.choose(decoding, self._token_rooms(decoding), expect_offers=True)
         return any(counts) and self.policy.run_pays(decoding, counts, self.prompt_gaps.expected(), breaks)
 
     def mixed_pays(self, decoding: Sequence[Request]) -> bool:
         """Whether a step holding prompt tokens beside these decoding requests verifies drafts: the policy's
-        mixed_pays for the drafts it would choose (their chance of coming counted), each request at the room its
-        tokens left (pages are reserved with the schedule)."""
+        mixed_pays for the drafts it would choose (their chance of coming counted)."""
         if not decoding or not self.policy.may_draft(len(decoding)):
             return False
-        rooms = [min(self.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in decoding]
-        return self.policy.mixed_pays(decoding, self.policy.choose(decoding, rooms, expect_offers=True))
+        return self.policy.mixed_pays(decoding, self.policy.choose(decoding, self._token_rooms(decoding),
+                                                                   expect_offers=True))
+
+    def _token_rooms(self, decoding: Sequence[Request]) -> list[int]:
+        """Drafts each request could verify by its tokens alone (before the schedule reserves its pages: room)."""
+        return [min(self.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in decoding]
 
     def stepped(self, holds_prompt: bool) -> None:
         """An engine step ended; whether it held prompt tokens (such a step ends a run of overlapped verify steps)."""
