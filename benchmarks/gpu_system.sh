@@ -225,9 +225,10 @@ for part in "$@"; do
         --tokens 1 8 32 --runs 3 --out "$out/deepgemm_masked_${card}.md" 2>&1 | grep -v -i warn | tail -12
       tar czf "$out/dg_cache.tgz" -C .dg cache ;;
     serving|serving-1t)  # #31 target 3: served against the offline engine at concurrency 64 (tiny DeepSeek-V3), 3 runs
-                         # each, alternated; serving-1t: one torch CPU thread in the offline engine and the server's rank
+                         # each, alternated, with a second offline process as the A/A control of the host's noise;
+                         # serving-1t: one torch CPU thread in the offline engine and the server's rank
       threads=(); [ $part = serving-1t ] && threads=(--threads 1)
-      PYTHONPATH=${AB:+$PWD/.ab:}$PYTHONPATH timeout $(lim 300) python3 benchmarks/serving.py --device cuda --concurrency 64 --num-requests 256 --runs 3 "${threads[@]}" \
+      PYTHONPATH=${AB:+$PWD/.ab:}$PYTHONPATH timeout $(lim 300) python3 benchmarks/serving.py --device cuda --concurrency 64 --num-requests 256 --runs 3 --control "${threads[@]}" \
         --out "$out/${part}${AB:+_ab}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part${AB:+_ab}.log" | tail -16 ;;
     front-end)  # #31 target 3: the front end alone, against a stand-in engine of 2 ms steps (no GPU used; this host's CPU)
       PYTHONPATH=${AB:+$PWD/.ab:}$PYTHONPATH timeout $(lim 120) python3 benchmarks/front_end_ceiling.py --runs 3 \

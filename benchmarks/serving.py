@@ -17,7 +17,9 @@ engine steps: ms and tokens per step, CPU ms per step of the client, the front e
 and min-max over the runs of served tok/s, offline tok/s, served / offline, and served / offline by CPU time: the
 offline engine's CPU per output token over rank 0's (what the ratio would be with rank 0 on a core of its own and
 the front end and the load generator on others; on a machine shared with other work, the wall clock mostly
-measures the neighbours).
+measures the neighbours). --control times a second offline process beside the first in every run (their order
+alternating too): the ratio of two identical engines is what the machine's noise alone does to a ratio (H100
+guests, session 26: one engine's host work ran 1.1-1.6x slower for minutes at a time).
 
 Every level is bounded: no new request starts after --time-limit seconds, and whatever is still running --grace
 seconds later is cancelled and counted as unfinished. --profile DIR runs the server under benchmarks/profiled_serve.py
@@ -129,18 +131,24 @@ class Report:
                 f.write("\n".join(self.lines).strip("\n") + "\n")
 
 
-def measure(args, work, offline: OfflineReference | None, url: str, pids: dict, headers: dict, report: Report) -> list[dict]:
-    """--runs runs, each the offline reference and every level (served first in odd runs); a row per run and level."""
+def measure(args, work, offline: OfflineReference | None, url: str, pids: dict, headers: dict, report: Report,
+            control: OfflineReference | None = None) -> list[dict]:
+    """--runs runs, each the offline reference and every level (served first in odd runs); a row per run and level.
+    With a `control` (a second offline process, --control) each run times it beside the first, in turns."""
     rows = []
     pinning = Pinning(args.pin_rank, pids, offline.pid if offline is not None else None)
     for run in range(args.runs):
-        reference = None
+        reference = second = None
         steps = ["offline", *args.concurrency] if run % 2 == 0 else [*args.concurrency, "offline"]
         served = []
         for what in steps:
             if what == "offline":
                 pinning.offline()
+                if control is not None and run % 2:
+                    second = control.run(work)
                 reference = offline.run(work) if offline is not None else None
+                if control is not None and not run % 2:
+                    second = control.run(work)
                 continue
             pinning.served()
             flush(url)
@@ -148,7 +156,8 @@ def measure(args, work, offline: OfflineReference | None, url: str, pids: dict, 
             level = asyncio.run(run_level(url, work, what, args.time_limit, args.grace, headers, pids, profile))
             served.append((what, summarize(level)))
         for concurrency, s in served:
-            rows.append({"run": run + 1, "concurrency": concurrency, "served": s, "offline": reference})
+            rows.append({"run": run + 1, "concurrency": concurrency, "served": s, "offline": reference,
+                         "control": second})
             report.say(row(rows[-1], args.num_requests))
     return rows
 
@@ -185,6 +194,11 @@ def cpu_ratio(r: dict) -> float | None:
 def summary(rows: list[dict], concurrency: list[int]) -> str:
     lines = ["| concurrency | served tok/s | offline tok/s | served / offline | by rank 0's CPU per token |",
              "|---|---|---|---|---|"]
+    controls = {r["run"]: r["control"]["tok_per_s"] / r["offline"]["tok_per_s"] for r in rows
+                if r["control"] and r["offline"]}
+    if controls:  # the A/A control: the same offline engine in a second process, against the first
+        lines.insert(0, f"second offline process / offline (the A/A control, per run): "
+                        f"{spread(list(controls.values()), 2)}\n")
     for c in concurrency:
         mine = [r for r in rows if r["concurrency"] == c]
         served = [r["served"]["tok_per_s"] for r in mine]
@@ -241,6 +255,9 @@ def parse_args() -> argparse.Namespace:
                         "front end and the load generator to the other cores (needs the server launched here)")
     parser.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval (default: 1)")
     parser.add_argument("--skip-offline", action="store_true", help="no offline reference (no ratio column)")
+    parser.add_argument("--control", action="store_true",
+                        help="also time the offline engine in a second process, beside the first in every run: the "
+                             "A/A control of the machine's noise (their ratio is printed above the summary)")
     parser.add_argument("--profile", metavar="DIR", help="profile the server (benchmarks/profiled_serve.py: the front end's "
                         "event loop sampled, rank 0 under cProfile); DIR/frontend.txt and DIR/rank0.txt when it stops")
     parser.add_argument("--py-spy", metavar="DIR",
@@ -261,6 +278,7 @@ def main() -> None:
     work = mixed_workload(args.num_requests, prompt_range=tuple(args.prompt_range), output_range=tuple(args.output_range))
     warm = [(prompt, min(n, WARM_TOKENS)) for prompt, n in work[: max(args.concurrency)]]
     offline = None if args.skip_offline else OfflineReference(args.model, engine_settings(args), warm, args.threads)
+    control = OfflineReference(args.model, engine_settings(args), warm, args.threads) if args.control and offline else None
     server, url = (None, args.url) if args.url else launch_server(args, [f"--stream-interval={args.stream_interval}"])
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     report = Report(args.out)
@@ -270,13 +288,14 @@ def main() -> None:
     try:
         pids = server_pids(url, server)
         asyncio.run(run_level(url, warm, max(args.concurrency), args.time_limit, args.grace, headers, pids))
-        rows = measure(args, work, offline, url, pids, headers, report)
+        rows = measure(args, work, offline, url, pids, headers, report, control)
     finally:
         if server is not None:
             server.send_signal(signal.SIGTERM)
             server.wait(120)
-        if offline is not None:
-            offline.close()
+        for reference in (offline, control):
+            if reference is not None:
+                reference.close()
     report.say(f"\nmedian (min-max) of {args.runs} runs:\n")
     report.say(summary(rows, args.concurrency))
     report.say("\nsteps by kind (steps x mean host ms a step; under the overlap schedule about the device's time):\n")

@@ -115,10 +115,13 @@ def test_launch_budget_of_a_qwen3_decode_layer(tmp_path):
 
 
 def test_serving_against_offline_on_cpu(tmp_path):
-    """Served and offline do the same work (every served request gets the tokens it asked for, or the script fails)."""
+    """Served and offline do the same work (every served request gets the tokens it asked for, or the script fails);
+    --control times a second offline process beside the first (the A/A control)."""
     out = run("serving.py", tmp_path / "serving.md", "--num-requests", "6", "--concurrency", "3", "--runs", "2",
               "--prompt-range", "16", "32", "--output-range", "4", "8", "--threads", "1", "--max-total-tokens", "4096",
-              timeout=300)
+              "--control", timeout=300)
+    control = next(line for line in out.splitlines() if line.startswith("second offline process / offline"))
+    assert float(control.split(": ")[1].split()[0]) > 0, out
     runs = [row for row in table_rows(out, "1") + table_rows(out, "2") if len(row) > 4]
     assert [(row[0], row[1], row[2]) for row in runs] == [("1", "3", "6/6"), ("2", "3", "6/6")], out
     kinds = [row for row in table_rows(out, "1") + table_rows(out, "2") if len(row) == 4]
