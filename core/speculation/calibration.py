@@ -94,8 +94,13 @@ class _Ratio:
         self.total = self.total * DECAY + log_ratio
         self.idle = 0
 
+    def add_clipped(self, log_ratio: float) -> None:
+        """add(), the observation held within CLIP of what the class is believed to take (a pause moves it little)."""
+        believed = self.mean()
+        self.add(min(max(log_ratio, believed - math.log(CLIP)), believed + math.log(CLIP)))
+
     def wait(self) -> None:
-        """A plain step went by: evidence older than STALE of them fades."""
+        """A step of another class went by: evidence older than STALE of them fades."""
         self.idle += 1
         if self.idle > STALE:
             self.weight *= FADE
@@ -141,9 +146,8 @@ class Calibration:
             return
         table = self.costs.table_cost(step.requests, max(step.rows, step.requests), cls == "verify")
         ratio = (self._plain if cls == "plain" else self._verify).setdefault(size, _Ratio())
-        believed = ratio.mean()
         measured = math.log(max(step.seconds, 1e-9) / max(table, 1e-9))  # (every rank counts the step alike)
-        ratio.add(min(max(measured, believed - math.log(CLIP)), believed + math.log(CLIP)))
+        ratio.add_clipped(measured)
         if cls == "plain":
             for ratio in self._verify.values():
                 ratio.wait()
@@ -157,9 +161,8 @@ class Calibration:
         if size not in self.costs.measured:
             return
         ratio = self._mixed.setdefault(size, _Ratio())
-        believed = ratio.mean()
         measured = math.log(step.exposed / max(self.costs.table_cost(step.requests, step.rows, True), 1e-9))
-        ratio.add(min(max(measured, believed - math.log(CLIP)), believed + math.log(CLIP)))
+        ratio.add_clipped(measured)
         self._count()
 
     def _observe_break(self, step: TimedStep) -> None:
@@ -171,9 +174,8 @@ class Calibration:
             return
         if step.exposed > 0.0:
             ratio = self._breaks.setdefault(size, _Ratio())
-            believed = ratio.mean()
             measured = math.log(step.exposed / self.costs.table_break_cost(n))
-            ratio.add(min(max(measured, believed - math.log(CLIP)), believed + math.log(CLIP)))
+            ratio.add_clipped(measured)
         self._count()
 
     def _count(self) -> None:
