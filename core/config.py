@@ -116,9 +116,6 @@ class EngineConfig:
     speculative_policy: str = attrs.field(default="adaptive", validator=_one_of(("adaptive", "fixed")))
     # the adaptive policy's verify costs scaled to what verify steps take while serving (speculation/calibration.py)
     speculative_cost_calibration: bool = True
-    # the most verify steps a run of them holds a waiting request's admission where gathering admissions pays
-    # (AdaptivePolicy.holds_admission; 0: every admission ends the run at once)
-    speculative_admission_wait: int = attrs.field(default=4, validator=_not_negative)
     # structured outputs (docs/structured_outputs.md): the grammar_backend plugin that turns constraints into masks
     grammar_backend: str = "xgrammar"
     # prefill/decode disaggregation (docs/pd.md): this server's role, how KV pages move, and the deadlines

@@ -192,7 +192,6 @@ class GroupStats:
     spec_plain_steps: int = 0
     spec_drafts: int = 0
     spec_drafting: int = 0
-    spec_admission_holds: int = 0  # verify steps launched while a request waited to be admitted
     grammar_mask_waits: int = 0  # since start-up: steps that waited for a constraint's compile or matcher
     grammar_mask_wait_seconds: float = 0.0  # the time they waited
     engine_steps: tuple[tuple[str, int, float], ...] = ()  # since start-up: (kind, steps, seconds) (step_log.py)

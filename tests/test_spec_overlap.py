@@ -634,31 +634,3 @@ def test_a_verify_step_follows_a_plain_step_in_flight_without_reading_it(tmp_pat
     assert spec.step_log.breaks["drafts_wanted"] == 0
     assert sum(r.spec_accepted_tokens for r in requests) > 20
     assert conserved(spec)
-
-
-@pytest.mark.parametrize("wait", [0, 4])
-def test_a_run_gathers_admissions_for_at_most_the_wait_and_no_token_changes(echo, monkeypatch, wait):
-    """Requests finishing every few steps (ngram on the echo model, two slots, six prompts): with
-    --speculative-admission-wait the adaptive policy holds a waiting request's admission for up to that many verify
-    steps where its cost table says gathering pays (given here: verify steps barely dearer than plain ones, a break
-    0.2 of a step), counted in /metrics; with 0 every admission ends the run at once. Tokens equal plain decoding
-    either way, and the pool empties."""
-    import moeplex.speculation.build
-    from moeplex.speculation.costs import StepCosts, grid_sizes
-
-    monkeypatch.setattr(moeplex.speculation.build, "measure_step_costs", lambda *a, **k: StepCosts(
-        grid_sizes(2), lambda n: [1.0, 1.05, 1.1, 1.15, 1.2], lambda n: 0.2))
-    prompts = ECHO_PROMPTS * 2
-    params = [attrs.evolve(GREEDY, max_new_tokens=n) for n in (12, 7, 16, 9, 14, 11)]
-    want = outputs(engine(echo).generate(prompts, params))
-    spec = engine(echo, overlap_schedule=True, max_running_requests=2, speculative_policy="adaptive",
-                  speculative_cost_calibration=False, speculative_admission_wait=wait, **NGRAM)
-    held, follow = [], spec.overlap_verify.follow
-    spec.overlap_verify.follow = lambda *a, **k: (lambda step: held.append(step.held if step else 0) or step)(
-        follow(*a, **k))
-    got = spec.generate(prompts, params)
-    assert outputs(got) == want
-    holds = spec.speculation.counts.admission_holds
-    assert max(held) <= wait and sum(h > 0 for h in held) == holds
-    assert (holds > 0) == (wait > 0), holds
-    assert conserved(spec)

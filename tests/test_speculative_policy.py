@@ -445,27 +445,3 @@ def test_the_fixed_policy_verifies_in_mixed_steps_whatever_they_cost():
     policy = FixedPolicy(STEPS)
     batch = [request("a"), request("b")]
     assert policy.mixed_pays(batch, [STEPS, 0]) and not policy.mixed_pays(batch, [0, 0])
-
-
-def test_a_run_holds_an_admission_while_its_steps_beat_the_cycle_that_admitting_now_would_close():
-    """holds_admission: an admission ends a run of overlapped verify steps with a break and a plain step for every
-    running request. A plain step costs 1.0, a break 0.25, a verify step of three sure drafts a request 1.1 + 0.3 n:
-    at 4 requests 2.3 for ~16 tokens. Fresh in its run, the step's ~7 tokens a second beat the 3.2 an admission now
-    would leave the cycle at, so the run holds it; after ten steps at 8 requests (~9 tokens a second) its rate at 4
-    no longer does. Never beyond admission_wait steps, nor for a step of no drafts, nor for the fixed policy."""
-    costs = StepCosts(grid_sizes(64), table(1.0, 0.1, fixed=0.1), measure_break=lambda n: 0.25)
-    policy = AdaptivePolicy(STEPS, costs, admission_wait=3)
-    eight = [request(str(i)) for i in range(8)]
-    for r in eight:
-        for _ in range(6):
-            policy.record(r, STEPS, STEPS)
-    four, sure = eight[:4], [STEPS] * 4
-    tokens, seconds = policy.step_value(four, sure)
-    assert seconds == pytest.approx(2.3) and 14.0 < tokens <= 16.0
-    assert [policy.holds_admission(four, sure, (0.0, 0.0), held) for held in range(5)] == [True] * 3 + [False] * 2
-    busy = policy.step_value(eight, [STEPS] * 8)
-    assert busy[0] / busy[1] > 1.25 * tokens / seconds
-    assert not policy.holds_admission(four, sure, (10 * busy[0], 10 * busy[1]), 0)
-    assert not policy.holds_admission(four, [0] * 4, (0.0, 0.0), 0)  # an idle step: the run ends for the admission
-    assert not AdaptivePolicy(STEPS, costs, admission_wait=0).holds_admission(four, sure, (0.0, 0.0), 0)
-    assert not FixedPolicy(STEPS).holds_admission(four, sure, (0.0, 0.0), 0)

@@ -289,14 +289,6 @@ def add_speculative_flags(parser: argparse.ArgumentParser) -> None:
         "measurably loses. Output is the same either way; with calibration, which steps draft depends on timings",
         dest="speculative_cost_calibration", action="store_false",
     )
-    flag(
-        spec, "--speculative-admission-wait",
-        "under the overlap schedule, the most verify steps a run of them may hold a waiting request's admission "
-        "(adaptive policy). An admission ends the run with a plain step for every running request, so where "
-        "requests finish every step or two (long accepted runs at large batches) the policy gathers admissions "
-        "while the run's expected tokens per second beat what admitting now would leave; a held request's first "
-        "token comes that many steps later at most. 0 admits at once (default: %(default)s)",
-    )
 
 
 DISAGGREGATION_FLAGS = ("--disaggregation-mode", "--disaggregation-transfer-backend", "--disaggregation-transfer-config",

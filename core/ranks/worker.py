@@ -36,7 +36,6 @@ def group_stats(engine: Engine) -> GroupStats:
     extra = {} if spec is None else dict(
         spec_verify_steps=spec.counts.verify_steps, spec_plain_steps=spec.counts.plain_steps,
         spec_drafts=spec.counts.drafts, spec_drafting=spec.counts.drafting,
-        spec_admission_holds=spec.counts.admission_holds,
     )
     extra.update(grammar_mask_waits=engine.grammar.mask_waits, grammar_mask_wait_seconds=engine.grammar.mask_wait_seconds,
                  engine_steps=engine.step_log.totals(), overlap_breaks=engine.step_log.break_totals())

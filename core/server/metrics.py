@@ -173,8 +173,6 @@ SPECULATION_COUNTERS = (
     ("plain_steps", "moeplex_spec_plain_steps", "Decode steps in which the draft policy drafted for no request"),
     ("drafts", "moeplex_spec_drafts_verified", "Draft tokens verified"),
     ("drafting", "moeplex_spec_requests_drafting", "Requests that verified drafts, summed over verify steps"),
-    ("admission_holds", "moeplex_spec_admission_holds", "Verify steps launched while a request waited to be admitted "
-     "(the adaptive policy gathering admissions: --speculative-admission-wait)"),
 )
 # structured outputs: the steps that waited for a grammar (a compile or matcher not ready when the request's token
 # was drawn)

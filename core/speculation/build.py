@@ -60,7 +60,7 @@ def build(drafter, config, model, kv, runner, scheduler, device, parallel, graph
             overlap_verify=overlap_verify is not None, proposal_costs=drafter.proposal_costs,
             verify_overhead=overlap_verify.overhead if overlap_verify is not None else lambda n, rows: 0.0,
         )
-        speculation.policy = AdaptivePolicy(drafter.num_steps, step_costs, config.speculative_admission_wait)
+        speculation.policy = AdaptivePolicy(drafter.num_steps, step_costs)
         # the table scaled to what verify steps take while serving (DP ranks step apart: their timings cannot agree)
         if config.speculative_cost_calibration and parallel.config.dp_size == 1:
             calibration = Calibration(step_costs, slowest_of(parallel.world),

@@ -46,8 +46,6 @@ class VerifyInFlight:
     idle: int = 0  # verify steps in a row, this one included, that verify no draft (the run goes on: keeps_run)
     hidden: torch.Tensor | None = None  # [R, width, H] the target's pre-norm hidden rows (a drafter that reads them)
     ahead: int = 0  # how far its requests' num_cached is past its first rows (standing_for: 1, counted at launch)
-    gathered: tuple[float, float] = (0.0, 0.0)  # the policy's expected tokens and seconds of its run up to it
-    held: int = 0  # steps in a row, this one included, launched while a request waited to be admitted
 
     @classmethod
     def standing_for(cls, step) -> VerifyInFlight:
@@ -120,7 +118,7 @@ class OverlapVerify:
         counts = policy.choose(requests, [self.spec.room(r) for r in requests], expect_offers=True)
         if not any(counts) or not self._cover(requests, 1 + max(counts)):
             return None
-        return self._priced(self.launch(requests, counts, None, hooks), None)
+        return self.launch(requests, counts, None, hooks)
 
     @property
     def follows_plain(self) -> bool:
@@ -151,20 +149,20 @@ class OverlapVerify:
         counts = policy.choose(requests, rooms, expect_offers=True)
         if not any(counts) or not self._cover(requests, 1 + max(counts)):
             return None
-        return self._priced(self.launch(requests, counts, VerifyInFlight.standing_for(step), hooks), None)
+        return self.launch(requests, counts, VerifyInFlight.standing_for(step), hooks)
 
     def follow(self, previous: VerifyInFlight, scheduler, tracks_grammar, hooks=None) -> VerifyInFlight | None:
         """The next verify step of the same requests, launched before `previous` is read, with the running requests
         that joined since (their last token read: a prompt step's, launched ahead of `previous`); None where the
-        scheduler must act first (an admission the policy does not hold back: holds_admission; a request it runs
-        that cannot decode yet; pages that only preemption would free) or where the policy drafts for none of them and ending the run costs less than going on without
+        scheduler must act first (an admission, a request it runs that cannot decode yet, pages that only preemption
+        would free) or where the policy drafts for none of them and ending the run costs less than going on without
         drafts (the engine's plain steps then)."""
         carried = [r for r in previous.requests if not r.finished]
         running = scheduler.running
         ids = {id(r) for r in carried}
         joined = [r for r in running if id(r) not in ids]
         requests = carried + joined
-        if len(requests) != len(running) or not all(host_decodes(r) for r in joined) or \
+        if scheduler.may_admit or len(requests) != len(running) or not all(host_decodes(r) for r in joined) or \
                 not eligible(requests, tracks_grammar):
             return None
         spec = self.spec
@@ -178,16 +176,10 @@ class OverlapVerify:
         idle = 0 if any(counts) else previous.idle + 1
         if idle and not spec.policy.keeps_run(len(requests), idle):
             return None
-        # a request waits to be admitted: the run ends for it, or holds it where gathering admissions pays
-        waiting = scheduler.may_admit
-        if waiting and not spec.policy.holds_admission(requests, counts, previous.gathered, previous.held):
-            return None
         if not self._cover(requests, previous.width + 1 + max(counts)):  # (rows start anywhere in `previous`'s run)
             return None
-        step = self._priced(self.launch(requests, counts, previous, hooks), previous)
-        step.idle, step.held = idle, previous.held + 1 if waiting else 0
-        if waiting:
-            spec.counts.admission_holds += 1
+        step = self.launch(requests, counts, previous, hooks)
+        step.idle = idle
         return step
 
     def read(self, step: VerifyInFlight, following: VerifyInFlight | None, append, fail, sampler) -> list[Request]:
@@ -237,13 +229,6 @@ class OverlapVerify:
     def overhead(self, requests: int, rows: int) -> float:
         """Seconds a graphed step's graphs add to its forward (0.0 without them), for the step costs."""
         return self.graphs.overhead(requests, rows) if self.graphs is not None else 0.0
-
-    def _priced(self, step: VerifyInFlight, previous: VerifyInFlight | None) -> VerifyInFlight:
-        """The launched step with its run's expected tokens and seconds so far (the policy's holds_admission)."""
-        tokens, seconds = self.spec.policy.step_value(step.requests, step.chosen)
-        before = previous.gathered if previous is not None else (0.0, 0.0)
-        step.gathered = (before[0] + tokens, before[1] + seconds)
-        return step
 
     def _cover(self, requests: Sequence[Request], positions: int) -> bool:
         """Pages for `positions` positions of each request from its first uncached one (draft_pages: drafts never

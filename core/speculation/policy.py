@@ -65,7 +65,6 @@ COLD_CHANCE = 0.01  # ... or more: as many as a request landing first drafts as 
 MAX_COLD = 8  # ... and at most this many
 MAX_EXPLORE_DOUBLINGS = 3  # exploring tries in a row whose drafts all missed double the interval, up to 8x
 NEW_REQUEST_FADE = 0.97  # all requests' record shrinks by this with each new request (see the module docstring)
-ADMISSION_WAIT = 4  # verify steps: the longest a run holds a waiting request's admission (--speculative-admission-wait)
 
 
 class Acceptance:
@@ -126,9 +125,8 @@ class SizeCosts:
 class AdaptivePolicy:
     name = "adaptive"
 
-    def __init__(self, steps: int, costs: StepCosts, admission_wait: int = ADMISSION_WAIT):
+    def __init__(self, steps: int, costs: StepCosts):
         self.steps, self.costs = steps, costs
-        self.admission_wait = admission_wait  # holds_admission: the most verify steps a waiting request is held
         self.all = Acceptance(steps)
         self._own: dict[str, Acceptance] = {}
         self._seen_at: dict[str, int] = {}  # per request: its output length when its record last changed
@@ -349,37 +347,6 @@ class AdaptivePolicy:
         cost = self.costs.sync_cost(n, n + sum(counts)) + size.break_cost
         return self._expected_tokens(requests, counts) / cost > size.plain_rate * (1 + 1e-9)
 
-    def step_value(self, requests: Sequence[Request], counts: Sequence[int]) -> tuple[float, float]:
-        """(expected tokens, seconds) of a verify step where request i verifies counts[i] drafts."""
-        n, drafts = len(requests), sum(counts)
-        if n == 0:
-            return 0.0, 0.0
-        seconds = float(self._size(n).curve[drafts - 1]) if drafts else self.costs.cost(n, n, verify=True)
-        return self._expected_tokens(requests, counts), seconds
-
-    def holds_admission(self, requests: Sequence[Request], counts: Sequence[int], gathered: tuple[float, float],
-                        held: int) -> bool:
-        """Whether a run of overlapped verify steps goes on with this step (choose() gave `counts`) while a request
-        waits that could be admitted, rather than ending for its admission now. An admission ends the run: a break
-        of the overlap schedule, then a plain step for the running requests beside the prompt (a token each), after
-        which the next run starts from that step in flight. Held, the request's slot stays empty a step longer and
-        the next finishing requests join the same admission. Between admissions the engine runs a cycle of verify
-        steps and one admission step, and the cycle's tokens per second is what serving gets: the run goes on while
-        this step's expected rate beats the cycle's as it would close now, `gathered` (the expected tokens and
-        seconds of the run's steps so far) plus the admission step (the renewal-reward stopping rule), and for at
-        most `admission_wait` steps (what a waiting request's first token may be delayed by). So where requests
-        finish rarely the admission's cost is spread over many steps and the request is admitted at once; where
-        they finish every step (accept length ~3 at 32 requests with ~64 tokens each), admissions gather.
-        (H100, deep DeepSeek-V3 shapes, nextn at steady 32: 62% of steps were admissions' plain steps, 1.10x of
-        plain decoding where the decode-only steps ran at 2.0x.)"""
-        n = len(requests)
-        if held >= self.admission_wait or n == 0 or not any(counts):
-            return False
-        size = self._size(n)
-        tokens, seconds = self.step_value(requests, counts)
-        cycle_tokens, cycle_seconds = gathered[0] + n, gathered[1] + n / size.plain_rate + size.break_cost
-        return tokens * cycle_seconds > seconds * cycle_tokens * (1 + 1e-9)
-
     def _expected_tokens(self, requests: Sequence[Request], counts: Sequence[int]) -> float:
         """A step's expected tokens where request i verifies counts[i] drafts (each also to come from the drafter)."""
         worth = self._worth_matrix(requests) * np.array([self.offer_rate(r) for r in requests])[:, None]
@@ -552,15 +519,6 @@ class FixedPolicy:
     def mixed_pays(self, requests: Sequence[Request], counts: Sequence[int]) -> bool:
         """A step holding a prompt verifies whatever the choice drafts."""
         return any(counts)
-
-    def step_value(self, requests: Sequence[Request], counts: Sequence[int]) -> tuple[float, float]:
-        """No cost model: nothing to price."""
-        return 0.0, 0.0
-
-    def holds_admission(self, requests: Sequence[Request], counts: Sequence[int], gathered: tuple[float, float],
-                        held: int) -> bool:
-        """A run ends for every admission."""
-        return False
 
     def candidates(self, requests: Sequence[Request], rooms: Sequence[int]) -> list[int]:
         return self.choose(requests, rooms)

@@ -49,13 +49,12 @@ GAP_WEIGHT = 0.2  # PromptGaps: the latest gap's weight in the running mean
 @attrs.define
 class SpecCounts:
     """Since start-up, the policy's decisions (/metrics): decode steps with and without drafts, the drafts
-    verified, the requests that drafted, summed over the verify steps, and the steps a run held an admission."""
+    verified, and the requests that drafted, summed over the verify steps."""
 
     verify_steps: int = 0
     plain_steps: int = 0
     drafts: int = 0
     drafting: int = 0
-    admission_holds: int = 0  # verify steps launched while a request waited to be admitted (holds_admission)
 
     def step(self, drafts: Sequence[Sequence[int]]) -> None:
         if any(drafts):
