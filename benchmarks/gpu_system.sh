@@ -14,9 +14,9 @@
 #                                         #      the policy (H100, session 26: ngram 0.96/1.00/0.99/0.98x at 1/8/32/
 #                                         #      64; batch 1 is the host's noise, the A/A control 1.00x beside the
 #                                         #      adversary's 1.00x: results/speculative_h100_s26.md)
-#   bash benchmarks/gpu_system.sh OUT spec-dsv3-deep spec-profile-deep-mixed  # #32 nextn at 1/8/32 (H100, session
-#                                         #      26: 1.11x at 32, its overlapped verify steps 31-42 ms against session
-#                                         #      25's 28 ms, falling run after run: the profile says where they go)
+#   bash benchmarks/gpu_system.sh OUT spec-dsv3-deep           # #32 nextn at 1/8/32 (H100, session 27: 1.30x at 32,
+#                                         #      overlapped verify steps back at 28 ms; half the steps hold a prompt:
+#                                         #      results/speculative_h100_s27.md)
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
 #   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M; H100, session 23:
 #                                         #      1.03x with the gated GEMM 1: results/fused_moe_large_m_h100_s23.md)
