@@ -273,8 +273,8 @@ class Engine(SpeculativeSteps):
             timed = self.step_log.timed(end - start, end)
             if self.calibration is not None:
                 self.calibration.observe(timed)
-            if self.speculation is not None:
-                self.speculation.stepped(timed.kind in PROMPT_KINDS or timed.prompt)
+            if self.speculation is not None:  # (a verify step under the overlap schedule that admitted goes on)
+                self.speculation.stepped(timed.kind in PROMPT_KINDS or (timed.prompt and timed.kind == "verify"))
             if timed.wanted_drafts:  # (the step in flight was read for drafts: did a verify step come of it?)
                 self.speculation.break_ended(timed.kind in VERIFY_KINDS)
 
@@ -289,7 +289,8 @@ class Engine(SpeculativeSteps):
             admitted = self._admit_ahead() if self.in_flight is None and self.scheduler.may_admit else None
             if self.in_flight is not None:
                 self.balancing.after_forward()
-                self.step_log.launched("verify_idle" if self.in_flight.idle else "verify_overlap", *self.in_flight.shape)
+                self.step_log.launched("verify_idle" if self.in_flight.idle else "verify_overlap", *self.in_flight.shape,
+                                       prompt=self.in_flight.prompts > 0)
             elif admitted is None:
                 self.step_log.broke("verify_run_ended")
             self._await_tokens(previous)

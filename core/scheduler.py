@@ -100,6 +100,29 @@ class Scheduler:
             return []
         return self._prefill()
 
+    def admit_whole(self, rows: int, width: int, allowed) -> list[Request]:
+        """Waiting requests admitted with their whole prompt in one step beside decode rows (a verify step under the
+        overlap schedule: speculation/overlap.py), in admission order while the next one's uncached prompt tokens,
+        each a row, and `width` rows at its last prompt position fit in `rows` and in one chunk, `allowed(request)`
+        holds (asked after its prefix-cache match) and its pages are free (never preempting). Its pages cover the
+        prompt and those rows; num_cached is its prefix-cached tokens, as in any admission."""
+        admitted = []
+        if not self.may_admit:
+            return admitted
+        for request in admission_order(self.policy, self.waiting, self.running, self.cache):
+            if len(self.running) >= self.max_running or request.pages:  # (pages: a transferred prompt's KV)
+                break
+            self._reuse_prefix(request)
+            n = request.num_uncached
+            if n > min(self.chunk_size, self.token_budget) or n - 1 + width > rows or not allowed(request) or \
+                    not self._reserve(request, n - 1 + width, preempt=False):
+                self._release(request, keep=False)  # it waits without holding cached pages
+                break
+            self._admitted(request)
+            admitted.append(request)
+            rows -= n - 1 + width
+        return admitted
+
     def _prefill(self) -> list[ScheduledWork]:
         return self._step([r for r in self.running if r.num_uncached > 1], admit=True, preempt=False)
 

@@ -10,6 +10,7 @@ pools end empty. The checkpoint is the synthetic one (make-model --mtp-acceptanc
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -223,6 +224,30 @@ def test_on_gpu_nextn_verify_steps_replay_graphs_with_the_mtp_chain_inside(synth
     assert conserved(spec)
 
 
+@pytest.mark.gpu
+def test_on_gpu_requests_admitted_beside_verify_steps_replay_a_decode_graph(synthetic):
+    """On a CUDA engine with graphs: requests waiting for a slot join the run of verify steps with their prompts as
+    decode rows (a decode graph replayed with the grid's logits picked), the steps before and after replaying verify
+    graphs; greedy's tokens, and the pool ends as it began."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cuda = dict(device="cuda", moe_kernel="triton", cuda_graph_max_bs=64, page_size=16, overlap_schedule=True,
+                max_running_requests=2)
+    prompts = PROMPTS * 2
+    params = [attrs.evolve(GREEDY, max_new_tokens=8 + 5 * i) for i in range(len(prompts))]
+    want = [r.output_ids for r in engine(synthetic, **cuda).generate(prompts, params)]
+    spec = engine(synthetic, **cuda, **NEXTN)
+    assert spec.overlap_verify.admit_rows == 64
+    launches = Launches(spec)
+    replays, replay = [], spec.runner.graphs.run_with_hidden
+    spec.runner.graphs.run_with_hidden = lambda batch, rows=None: replays.append(batch.sample_rows) or replay(batch, rows)
+    got = spec.generate(prompts, params)
+    assert [r.output_ids for r in got] == want
+    assert launches.admitted >= 2 and any(rows is not None for rows in replays)
+    assert sum(r.spec_accepted_tokens for r in got) > len(got) * 3  # the synthetic MTP is accepted
+    assert conserved(spec)
+
+
 def test_requests_that_draft_in_turns_hold_their_rows_until_they_draft(random_mtp):
     """Requests draft in blocks of four tokens, out of step with each other: a verify step runs the MTP layer over
     the held rows of the requests that draft in it only, the others keep theirs (in segments around the runs that
@@ -254,4 +279,36 @@ def test_requests_that_draft_in_turns_hold_their_rows_until_they_draft(random_mt
     assert same_drafts(host_drafts, device_drafts) >= 10
     assert any(0 < n < len(PROMPTS) for n in caught), "every catch-up took every request"
     assert all(r.spec_verify_steps for r in got) and conserved(spec)
+    assert not spec.speculation.drafter.pending and spec.speculation.drafter.pending_rows == 0
+
+
+def test_requests_admitted_beside_a_verify_step_draft_from_their_prompts_mtp_kv(random_mtp):
+    """A request arriving during a run is admitted into the next verify step with its whole prompt (decode rows
+    beside the grid), so the run goes on; the drafter observes the prompt's rows from that step, and the MTP layer
+    writes their KV before the newcomer's first drafts. With random MTP weights a draft depends on every KV row the
+    layer reads: the newcomers' drafts equal the host path's wherever both drafted at a position."""
+    prompts = PROMPTS * 2
+    params = [attrs.evolve(GREEDY, max_new_tokens=8 + 5 * i) for i in range(len(prompts))]  # (they end apart)
+
+    def generate(spec: Engine) -> list:
+        requests = [spec.add_request(p, q, rid=f"r{i}") for i, (p, q) in enumerate(zip(prompts, params))]
+        while spec.has_work:
+            spec.step()
+        return [r.output_ids for r in requests]
+
+    plain = generate(engine(random_mtp))
+    host = engine(random_mtp, **NEXTN)
+    host_drafts = drafts_by_position(host)
+    assert generate(host) == plain
+    spec = engine(random_mtp, overlap_schedule=True, max_running_requests=3, **NEXTN)
+    assert spec.overlap_verify.admit_rows == spec.scheduler.token_budget
+    launches = Launches(spec)
+    device_drafts = drafts_by_position(spec)
+    assert generate(spec) == plain
+    assert launches.admitted == len(prompts) - 3, "a request waited for a slot was not admitted beside a verify step"
+    assert spec.step_log.breaks["verify_run_ended"] <= 1  # (the last request's end)
+    assert same_drafts(host_drafts, device_drafts) >= 10
+    newcomers = {f"r{i}" for i in range(3, len(prompts))}
+    assert any(key[0] in newcomers and host_drafts[key] for key in set(host_drafts) & set(device_drafts))
+    assert conserved(spec)
     assert not spec.speculation.drafter.pending and spec.speculation.drafter.pending_rows == 0

@@ -32,15 +32,16 @@ class Launches:
     tokens or from a plain step in flight: after_plain)."""
 
     def __init__(self, engine: Engine):
-        self.following = self.first = 0
+        self.following = self.first = self.admitted = 0  # admitted: requests a following step admitted
         launch = engine.overlap_verify.launch
 
-        def counted(requests, counts, previous, hooks=None):
+        def counted(requests, counts, previous, hooks=None, prompts=()):
             if previous is None or previous.ahead:
                 self.first += 1
             else:
                 self.following += 1
-            return launch(requests, counts, previous, hooks)
+            self.admitted += len(prompts)
+            return launch(requests, counts, previous, hooks, prompts)
 
         engine.overlap_verify.launch = counted
 
@@ -155,8 +156,8 @@ def test_a_run_goes_on_through_steps_of_no_drafts_while_that_costs_less_than_its
     idles = []
     launch = spec.overlap_verify.launch
 
-    def counted(requests, counts, previous, hooks=None):
-        step = launch(requests, counts, previous, hooks)
+    def counted(requests, counts, previous, hooks=None, prompts=()):
+        step = launch(requests, counts, previous, hooks, prompts)
         idles.append((previous is not None, any(counts)))
         return step
 
@@ -212,6 +213,40 @@ def test_requests_waiting_for_a_slot_do_not_end_a_run(echo):
     assert outputs(got) == want
     assert launches.following > 2 * launches.first, (launches.following, launches.first)
     assert spec.step_log.breaks["verify_run_ended"] <= len(ECHO_PROMPTS)  # one per admission at most
+    assert conserved(spec)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_requests_admitted_beside_a_verify_step_keep_the_run_going(echo, cached):
+    """Where a slot frees during a run, the waiting request is admitted into the next verify step with its whole
+    prompt as decode rows beside the grid (its prefix-cached part skipped), so no admission ends the run; a request
+    asking for logprobs (its tokens are needed on the host before its next step) and one whose prompt does not fit
+    beside the grid take the ordinary path. No token changes and the pool ends as it began."""
+    prompts = ECHO_PROMPTS * 2 + [[256] + list(range(100, 150))]
+    params = [attrs.evolve(GREEDY, max_new_tokens=6 + 5 * i) for i in range(len(prompts))]  # (they end apart)
+    params[4] = attrs.evolve(params[4], logprobs=1)
+
+    def generate(spec: Engine) -> list:
+        requests = [spec.add_request(p, q) for p, q in zip(prompts, params)]
+        while spec.has_work:
+            spec.step()
+        return requests
+
+    want = outputs(generate(engine(echo)))
+    spec = engine(echo, overlap_schedule=True, max_running_requests=2, max_batched_tokens=48, **NGRAM)
+    assert spec.overlap_verify.admit_rows == 48
+    if cached:  # the same prompts again: their cached prefixes are not rows
+        assert outputs(generate(spec)) == want
+    launches = Launches(spec)
+    admitted = []
+    admit = spec.scheduler.admit_whole
+    spec.scheduler.admit_whole = lambda *a: (lambda got: admitted.extend(got) or got)(admit(*a))
+    got = generate(spec)
+    assert outputs(got) == want
+    assert launches.admitted >= 2 and len(admitted) == launches.admitted
+    assert got[4] not in admitted and got[-1] not in admitted  # logprobs; 51 rows beside a grid do not fit
+    assert len(got[4].logprobs) == len(got[4].output_ids)
+    assert spec.step_log.breaks["verify_run_ended"] < len(prompts) - launches.admitted
     assert conserved(spec)
 
 
@@ -513,11 +548,11 @@ def test_requests_arriving_mid_run_join_it_without_a_break(tiny_model_dir, plain
     spec = engine(tiny_model_dir(arch), overlap_schedule=True, mixed_chunk=False, **NGRAM)
     joined, launch = [], spec.overlap_verify.launch
 
-    def counted(requests, counts, previous, hooks=None):
+    def counted(requests, counts, previous, hooks=None, prompts=()):
         if previous is not None:
             index = {id(r) for r in previous.requests}
             joined.append(sum(id(r) not in index for r in requests))
-        return launch(requests, counts, previous, hooks)
+        return launch(requests, counts, previous, hooks, prompts)
 
     spec.overlap_verify.launch = counted
     requests = [spec.add_request(p, GREEDY) for p in PROMPTS[:2]]

@@ -49,6 +49,7 @@ def build(drafter, config, model, kv, runner, scheduler, device, parallel, graph
         if graphs is not None:  # its greedy steps as graph replays (speculation/verify_graphs.py)
             overlap_verify.graphs = verify_graphs(drafter, graphs, vocab, config.max_running_requests,
                                                   CudaGraphCapture(device))
+        overlap_verify.admit_rows = admit_rows(scheduler, graphs, runner.prompt_graphs)
     step_costs = calibration = None
     if config.speculative_policy == "adaptive":
         step_costs = measure_step_costs(
@@ -66,3 +67,25 @@ def build(drafter, config, model, kv, runner, scheduler, device, parallel, graph
             calibration = Calibration(step_costs, slowest_of(parallel.world),
                                       isolated=overlap_schedule and overlap_verify is None)
     return Speculation(speculation, overlap_verify, step_costs, calibration)
+
+
+def admit_rows(scheduler, graphs, prompt_graphs: bool) -> int | None:
+    """The most rows of a verify step under the overlap schedule that admits requests with their whole prompt
+    (OverlapVerify.follow), or None where admissions end a run of verify steps. Its prompt tokens are decode rows
+    beside the verify rows: where decode steps replay graphs, as many as the largest graph holds (a step of more
+    would run eagerly), and none where a captured size is split into micro-batches (a cut between a prompt's rows
+    would read KV its other half has not written) or prompts never run as rows; without graphs, the mixed steps'
+    token budget. Where prompts and decodes take separate steps (--mixed-chunk off), none.
+
+    Why (DeepSeek-V3 shapes, 24 layers of 16 experts, nextn at steady 32 on an H100, session 27): with requests
+    ending at ~1.5 a verify step, an admission was due at nearly every step, and each ended the run: the verify
+    step read, a plain mixed step of every request (1 token each, 23.5 ms) or a synchronous mixed verify step
+    (64 ms), and the break after it, where an overlapped verify step takes 28 ms for ~2.9 tokens a request."""
+    if not scheduler.mixed:
+        return None
+    if graphs is None:
+        return scheduler.token_budget
+    if not prompt_graphs or any(graphs.cuts.get(size) is not None for size in graphs.sizes):
+        return None
+    return graphs.sizes[-1]
+

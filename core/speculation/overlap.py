@@ -23,9 +23,11 @@ from typing import Callable, Sequence
 
 import attrs
 import torch
+import torch.nn.functional as F
 
 from ..batch_builder import ScheduledSeq, build_forward_batch
 from ..interfaces import DeviceTokens, DraftRequest, TargetStep
+from ..model_runner import PROMPT_ROW_READS
 from ..request import Request
 from ..sampler import Sampler
 from ..transfer import to_device
@@ -46,6 +48,7 @@ class VerifyInFlight:
     idle: int = 0  # verify steps in a row, this one included, that verify no draft (the run goes on: keeps_run)
     hidden: torch.Tensor | None = None  # [R, width, H] the target's pre-norm hidden rows (a drafter that reads them)
     ahead: int = 0  # how far its requests' num_cached is past its first rows (standing_for: 1, counted at launch)
+    prompts: int = 0  # requests it admitted, their prompt tokens as rows beside the grid (OverlapVerify.follow)
 
     @classmethod
     def standing_for(cls, step) -> VerifyInFlight:
@@ -108,6 +111,9 @@ class OverlapVerify:
         self.spec, self.runner, self.kv, self.device, self.ragged = speculation, runner, kv, device, ragged
         self.draft_pages = draft_pages  # Scheduler.draft_pages: free pages, then evicted cached ones
         self.graphs = graphs  # VerifyGraphs (verify_graphs.py): greedy steps whose shapes were captured replay them
+        # the most rows a verify step may hold with the prompts of requests it admits (follow), or None: admissions
+        # end a run of verify steps (build.py sets it where mixed steps are allowed)
+        self.admit_rows: int | None = None
 
     def start(self, requests: list[Request], tracks_grammar, hooks=None) -> VerifyInFlight | None:
         """The first verify step of these decoding requests (their tokens all on the host), where the policy wants
@@ -153,17 +159,18 @@ class OverlapVerify:
 
     def follow(self, previous: VerifyInFlight, scheduler, tracks_grammar, hooks=None) -> VerifyInFlight | None:
         """The next verify step of the same requests, launched before `previous` is read, with the running requests
-        that joined since (their last token read: a prompt step's, launched ahead of `previous`); None where the
-        scheduler must act first (an admission, a request it runs that cannot decode yet, pages that only preemption
-        would free) or where the policy drafts for none of them and ending the run costs less than going on without
-        drafts (the engine's plain steps then)."""
+        that joined since (their last token read: a prompt step's, launched ahead of `previous`) and, where requests
+        wait, those whose whole prompt fits beside its rows (`admit_rows`: their prompt tokens as decode rows, then a
+        row with no drafts at the last one). None where the scheduler must act first (a request it runs that cannot
+        decode yet, a prompt that does not fit, pages that only preemption would free) or where the policy drafts
+        for none of them and ending the run costs less than going on without drafts (the engine's plain steps then)."""
         carried = [r for r in previous.requests if not r.finished]
         running = scheduler.running
         ids = {id(r) for r in carried}
         joined = [r for r in running if id(r) not in ids]
         requests = carried + joined
-        if scheduler.may_admit or len(requests) != len(running) or not all(host_decodes(r) for r in joined) or \
-                not eligible(requests, tracks_grammar):
+        if (scheduler.may_admit and self.admit_rows is None) or len(requests) != len(running) or \
+                not all(host_decodes(r) for r in joined) or not eligible(requests, tracks_grammar):
             return None
         spec = self.spec
         if not spec.policy.may_draft(len(requests)):
@@ -178,9 +185,30 @@ class OverlapVerify:
             return None
         if not self._cover(requests, previous.width + 1 + max(counts)):  # (rows start anywhere in `previous`'s run)
             return None
-        step = self.launch(requests, counts, previous, hooks)
-        step.idle = idle
+        prompts = []
+        if scheduler.may_admit:
+            prompts = self._admit(scheduler, len(requests) * (1 + max(counts)), 1 + max(counts), tracks_grammar)
+            if not prompts:
+                return None
+        step = self.launch(requests + [r for r, _ in prompts], counts + [0] * len(prompts), previous, hooks, prompts)
+        for request, _ in prompts:  # its full pages may be shared now (their KV is written before any later step reads)
+            scheduler.cache_progress(request)
+        step.idle, step.prompts = idle, len(prompts)
         return step
+
+    def _admit(self, scheduler, grid_rows: int, width: int, tracks_grammar) -> list[tuple[Request, int]]:
+        """Waiting requests admitted into the next verify step with their whole prompt, each as (request, its first
+        uncached position); their num_cached moves to their last prompt position, where their grid row starts."""
+
+        def allowed(request: Request) -> bool:  # (after its prefix-cache match: num_cached set)
+            n = request.num_uncached
+            return eligible([request], tracks_grammar) and n * request.num_tokens <= PROMPT_ROW_READS
+
+        prompts = []
+        for request in scheduler.admit_whole(self.admit_rows - grid_rows, width, allowed):
+            prompts.append((request, request.num_cached))
+            request.num_cached = request.num_tokens - 1
+        return prompts
 
     def read(self, step: VerifyInFlight, following: VerifyInFlight | None, append, fail, sampler) -> list[Request]:
         """Append a verify step's runs (read now) to its requests through `append`; those that finish with them."""
@@ -243,16 +271,18 @@ class OverlapVerify:
         return True
 
     def launch(self, requests: Sequence[Request], counts: Sequence[int], previous: VerifyInFlight | None,
-               hooks=None) -> VerifyInFlight:
+               hooks=None, prompts: Sequence[tuple[Request, int]] = ()) -> VerifyInFlight:
         """Verify up to counts[i] device drafts for each request (pages cover its rows), after `previous`, whose
-        tokens are not read yet (its live requests in its row order), or from the host's own state."""
+        tokens are not read yet (its live requests in its row order), or from the host's own state. `prompts`:
+        (request, first position) of requests among them just admitted, whose prompt tokens from that position up to
+        their last one (num_cached, where their grid rows start) run as decode rows after the grid."""
         requests = list(requests)
         width = 1 + max(counts)
         steps = self.spec.drafter.num_steps
         drafter_requests = [DraftRequest(r.rid, r.token_view, r.num_cached, tuple(r.pages), count)
                             for r, count in zip(requests, counts)]
         shape = None
-        if self.graphs is not None:
+        if self.graphs is not None and not prompts:
             runtime = getattr(self.runner.model, "moe_runtime", None)
             shape = self.graphs.shape_for(requests, width, runtime is not None and runtime.records_load)
         if shape is not None:
@@ -287,20 +317,41 @@ class OverlapVerify:
         verified = torch.where(bad.any(dim=1), 0, verified)
         grid = torch.where(k < verified[:, None], grid, -1)
         seqs = [ScheduledSeq([0], start + j, r.pages) for r, start in zip(requests, starts) for j in range(width)]
-        batch = build_forward_batch(seqs, self.kv, self.device)
-        if offsets is not None:  # step N's emitted counts, which only the device knows yet
-            batch = shift_rows(batch, offsets.repeat_interleave(width), previous.width, self.ragged)
-        batch = attrs.evolve(batch, input_ids=torch.cat([last[:, None], grid.clamp_min(0)], dim=1).flatten(),
-                             overlap_split=False)
+        prompt_ids = [r.token_ids(first, r.num_cached - first) for r, first in prompts]
+        seqs += [ScheduledSeq([t], first + k, r.pages) for (r, first), ids in zip(prompts, prompt_ids)
+                 for k, t in enumerate(ids)]
+        grid_rows, input_ids = len(requests) * width, torch.cat([last[:, None], grid.clamp_min(0)], dim=1).flatten()
+        batch = build_forward_batch(seqs, self.kv, self.device, rows=True)
+        if offsets is not None:  # step N's emitted counts, which only the device knows yet (prompt rows: known)
+            offsets = offsets.repeat_interleave(width)
+            batch = shift_rows(batch, F.pad(offsets, (0, len(seqs) - grid_rows)), previous.width, self.ragged)
+        if len(seqs) > grid_rows:  # the prompt rows' ids (on the host) after the grid's; logits of the grid's only
+            prompt_tokens = torch.tensor([t for ids in prompt_ids for t in ids], dtype=torch.int64)
+            input_ids = torch.cat([input_ids, to_device(self.device, prompt_tokens)[0]])
+            batch = attrs.evolve(batch, sample_rows=tuple(range(grid_rows)))
+        batch = attrs.evolve(batch, input_ids=input_ids, overlap_split=False)
         if hooks is not None:
             hooks.hook.moeplex_batch_scheduled(batch=batch)
-        rows = torch.arange(batch.num_tokens, device=self.device)
+        rows = torch.arange(grid_rows, device=self.device)
         logits, hidden = self.runner.verify_forward(batch, rows, with_hidden)
         drawn = Sampler.draw(logits, [r for r in requests for _ in range(width)]).view(len(requests), width)
         accepted = accept(drawn, grid, verified)
         packed = torch.cat([proposed[:, None], verified[:, None], accepted.counts[:, None], accepted.tokens], dim=1)
-        hidden = hidden.view(len(requests), width, -1) if hidden is not None else None
+        if hidden is not None and self.spec.observes:  # the prompts' positions but the last, as a plain step's
+            self._observe_prompts(prompts, prompt_ids, hidden[grid_rows:])
+        hidden = hidden[:grid_rows].view(len(requests), width, -1) if hidden is not None else None
         return VerifyInFlight(requests, width, list(counts), accepted, *_to_host(packed), hidden=hidden)
+
+    def _observe_prompts(self, prompts: Sequence[tuple[Request, int]], prompt_ids, hidden: torch.Tensor) -> None:
+        """The drafter's observe of the prompt rows a verify step held: each position's hidden row and the prompt
+        token after it (the last position's next token is the step's own, which the next step's drafts start from)."""
+        kept = [(r, first, ids) for (r, first), ids in zip(prompts, prompt_ids) if ids]
+        if kept:
+            self.spec.drafter.observe(TargetStep(
+                rids=[r.rid for r, _, _ in kept], starts=[first for _, first, _ in kept],
+                next_ids=[r.token_ids(first + 1, len(ids)) for r, first, ids in kept],
+                pages=[tuple(r.pages) for r, _, _ in kept], hidden=hidden,
+            ))
 
     def _launch_graphed(self, shape, requests, counts, previous: VerifyInFlight | None, drafter_requests,
                         hooks) -> VerifyInFlight:
