@@ -88,4 +88,3 @@ def admit_rows(scheduler, graphs, prompt_graphs: bool) -> int | None:
     if not prompt_graphs or any(graphs.cuts.get(size) is not None for size in graphs.sizes):
         return None
     return graphs.sizes[-1]
-

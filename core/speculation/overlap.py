@@ -14,7 +14,10 @@ step N + 1 was made one step stale), and pages beyond what the step in flight ma
 
 Requests with a grammar, logprobs, penalties or logit biases, or their own seed, need the host's tokens before
 their next step (masks, counts, one draw per token from their stream): a step with one of them takes the
-synchronous path, as does a step the scheduler must change (admissions, preemption, a prompt chunk).
+synchronous path, as does a step the scheduler must change (preemption, a prompt chunk, an admission whose prompt
+does not fit). A waiting request whose whole prompt fits beside the grid is admitted into step N + 1 itself
+(`follow`): its prompt tokens are decode rows after the grid, at positions the host knows, its last prompt token a
+grid row with no drafts, so admissions do not end a run.
 """
 
 from __future__ import annotations
