@@ -359,7 +359,8 @@ def test_sampled_requests_under_the_overlap_schedule(tiny_model_dir):
 
 @pytest.mark.slow
 def test_ngram_over_ep2_ranks_under_the_overlap_schedule(tiny_model_dir, plain):
-    """tp2 with experts over 2 gloo ranks: every rank launches the same verify steps ahead of its reads."""
+    """tp2 with experts over 2 gloo ranks: every rank launches the same verify steps ahead of its reads, and admits
+    the request waiting for a slot into the same verify step (two slots; the first request ends early)."""
     import parallel_ranks
     from moeplex.parallel import ParallelConfig
     from moeplex.ranks.launcher import launch
@@ -367,10 +368,12 @@ def test_ngram_over_ep2_ranks_under_the_overlap_schedule(tiny_model_dir, plain):
 
     folder = tiny_model_dir("deepseek_v3")
     parallel = ParallelConfig(dist_init_addr=free_address(), timeout_s=120, **LAYOUTS["ep2"])
-    spec = {"speculative_algorithm": "ngram", "speculative_num_steps": 2, "dtype": "fp32", "overlap_schedule": True}
-    results = launch(parallel_ranks.generate_with_settings, parallel, parallel, [folder], PROMPTS,
-                     [GREEDY] * len(PROMPTS), spec)
-    assert [r["output_ids"] for r in results[folder]] == plain["deepseek_v3"]
+    spec = {"speculative_algorithm": "ngram", "speculative_num_steps": 2, "dtype": "fp32", "overlap_schedule": True,
+            "max_running_requests": 2}
+    params = [attrs.evolve(GREEDY, max_new_tokens=5)] + [GREEDY] * (len(PROMPTS) - 1)
+    results = launch(parallel_ranks.generate_with_settings, parallel, parallel, [folder], PROMPTS, params, spec)
+    want = plain["deepseek_v3"]
+    assert [r["output_ids"] for r in results[folder]] == [want[0][:5]] + want[1:]
 
 
 def test_device_drafts_outside_the_vocabulary_are_void(echo):
