@@ -283,11 +283,13 @@ def test_requests_that_draft_in_turns_hold_their_rows_until_they_draft(random_mt
     assert not spec.speculation.drafter.pending and spec.speculation.drafter.pending_rows == 0
 
 
-def test_requests_admitted_beside_a_verify_step_draft_from_their_prompts_mtp_kv(random_mtp):
+@pytest.mark.parametrize("slots", [1, 3])
+def test_requests_admitted_beside_a_verify_step_draft_from_their_prompts_mtp_kv(random_mtp, slots):
     """A request arriving during a run is admitted into the next verify step with its whole prompt (decode rows
-    beside the grid), so the run goes on; the drafter observes the prompt's rows from that step, and the MTP layer
-    writes their KV before the newcomer's first drafts. With random MTP weights a draft depends on every KV row the
-    layer reads: the newcomers' drafts equal the host path's wherever both drafted at a position."""
+    beside the grid; with one slot, in a step of its own launched before the ended request's last step is read), so
+    the run goes on; the drafter observes the prompt's rows from that step, and the MTP layer writes their KV before
+    the newcomer's first drafts. With random MTP weights a draft depends on every KV row the layer reads: the
+    newcomers' drafts equal the host path's wherever both drafted at a position."""
     prompts = PROMPTS * 2
     params = [attrs.evolve(GREEDY, max_new_tokens=8 + 5 * i) for i in range(len(prompts))]  # (they end apart)
 
@@ -301,15 +303,15 @@ def test_requests_admitted_beside_a_verify_step_draft_from_their_prompts_mtp_kv(
     host = engine(random_mtp, **NEXTN)
     host_drafts = drafts_by_position(host)
     assert generate(host) == plain
-    spec = engine(random_mtp, overlap_schedule=True, max_running_requests=3, **NEXTN)
+    spec = engine(random_mtp, overlap_schedule=True, max_running_requests=slots, **NEXTN)
     assert spec.overlap_verify.admit_rows == spec.scheduler.token_budget
     launches = Launches(spec)
     device_drafts = drafts_by_position(spec)
     assert generate(spec) == plain
-    assert launches.admitted == len(prompts) - 3, "a request waited for a slot was not admitted beside a verify step"
+    assert launches.admitted == len(prompts) - slots, "a request waiting for a slot was not admitted into a verify step"
     assert spec.step_log.breaks["verify_run_ended"] <= 1  # (the last request's end)
     assert same_drafts(host_drafts, device_drafts) >= 10
-    newcomers = {f"r{i}" for i in range(3, len(prompts))}
+    newcomers = {f"r{i}" for i in range(slots, len(prompts))}
     assert any(key[0] in newcomers and host_drafts[key] for key in set(host_drafts) & set(device_drafts))
     assert conserved(spec)
     assert not spec.speculation.drafter.pending and spec.speculation.drafter.pending_rows == 0

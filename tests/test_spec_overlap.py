@@ -205,7 +205,7 @@ ECHO_PROMPTS = [[256, 5, 6, 7, 5, 6, 7, 7, 7], [300, 301, 99, 99], [256] + list(
 def test_requests_waiting_for_a_slot_do_not_end_a_run(echo):
     """With every running slot taken, waiting requests cannot be admitted, so they do not end a run of verify steps
     (every follow did, and an offline batch larger than --max-running-requests broke the overlap schedule at every
-    step); a run ends where a slot frees and a waiting request is admitted. No token changes."""
+    step). With one slot the next request's prompt goes on with the run where its request ends. No token changes."""
     want = outputs(engine(echo).generate(ECHO_PROMPTS, GREEDY))
     spec = engine(echo, overlap_schedule=True, max_running_requests=1, **NGRAM)
     launches = Launches(spec)
@@ -213,6 +213,7 @@ def test_requests_waiting_for_a_slot_do_not_end_a_run(echo):
     assert outputs(got) == want
     assert launches.following > 2 * launches.first, (launches.following, launches.first)
     assert spec.step_log.breaks["verify_run_ended"] <= len(ECHO_PROMPTS)  # one per admission at most
+    assert launches.admitted >= 1  # (a step of the next prompt alone, launched before the ended request's is read)
     assert conserved(spec)
 
 

@@ -164,39 +164,45 @@ class OverlapVerify:
         """The next verify step of the same requests, launched before `previous` is read, with the running requests
         that joined since (their last token read: a prompt step's, launched ahead of `previous`) and, where requests
         wait, those whose whole prompt fits beside its rows (`admit_rows`: their prompt tokens as decode rows, then a
-        row with no drafts at the last one). None where the scheduler must act first (a request it runs that cannot
-        decode yet, a prompt that does not fit, pages that only preemption would free) or where the policy drafts
-        for none of them and ending the run costs less than going on without drafts (the engine's plain steps then)."""
+        row with no drafts at the last one; where every request of the run has ended, a step of those alone). None
+        where the scheduler must act first (a request it runs that cannot decode yet, a prompt that does not fit,
+        pages that only preemption would free) or where the policy drafts for none of them and ending the run costs
+        less than going on without drafts (the engine's plain steps then)."""
         carried = [r for r in previous.requests if not r.finished]
         running = scheduler.running
         ids = {id(r) for r in carried}
         joined = [r for r in running if id(r) not in ids]
         requests = carried + joined
-        if (scheduler.may_admit and self.admit_rows is None) or len(requests) != len(running) or \
-                not all(host_decodes(r) for r in joined) or not eligible(requests, tracks_grammar):
+        waiting = scheduler.may_admit
+        if (waiting and self.admit_rows is None) or len(requests) != len(running) or \
+                not all(host_decodes(r) for r in joined) or (requests and not eligible(requests, tracks_grammar)):
             return None
-        spec = self.spec
-        if not spec.policy.may_draft(len(requests)):
-            return None
-        # from the records as of the step before `previous` (one stale)
-        rooms = [min(spec.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in requests]
-        counts = spec.policy.choose(requests, rooms, expect_offers=True)
-        # no drafts: a verify step of none while that costs less than ending the run (AdaptivePolicy.keeps_run: the
-        # breaks of the overlap schedule now and when drafts are wanted again), else the engine's plain step
-        idle = 0 if any(counts) else previous.idle + 1
-        if idle and not spec.policy.keeps_run(len(requests), idle):
-            return None
-        if not self._cover(requests, previous.width + 1 + max(counts)):  # (rows start anywhere in `previous`'s run)
-            return None
-        prompts = []
-        if scheduler.may_admit:
-            prompts = self._admit(scheduler, len(requests) * (1 + max(counts)), 1 + max(counts), tracks_grammar)
-            if not prompts:
+        counts, ends = [], not requests  # ends: the run would end here unless it admits
+        if requests:
+            spec = self.spec
+            if not spec.policy.may_draft(len(requests)):
                 return None
-        step = self.launch(requests + [r for r, _ in prompts], counts + [0] * len(prompts), previous, hooks, prompts)
+            # from the records as of the step before `previous` (one stale)
+            rooms = [min(spec.lookahead, r.params.max_new_tokens - len(r.output_ids) - 1) for r in requests]
+            counts = spec.policy.choose(requests, rooms, expect_offers=True)
+            # no drafts: a verify step of none while that costs less than ending the run (AdaptivePolicy.keeps_run:
+            # the breaks of the overlap schedule now and when drafts are wanted again), or while requests wait for
+            # the slots of these, whose tokens run out in the steps in flight (the next step admits them), else the
+            # engine's plain step
+            ends = not any(counts) and not spec.policy.keeps_run(len(requests), previous.idle + 1) and \
+                not (scheduler.waiting and max(rooms) <= 0)
+            if (ends and not waiting) or not self._cover(requests, previous.width + 1 + max(counts)):
+                return None  # (_cover: rows start anywhere in `previous`'s run)
+        width = 1 + max(counts, default=0)
+        prompts = self._admit(scheduler, len(requests) * width, width, tracks_grammar) if waiting else []
+        if not prompts and (waiting or ends):
+            return None
+        # (no request of `previous` in it: a step of new prompts only, which needs none of its tokens)
+        step = self.launch(requests + [r for r, _ in prompts], counts + [0] * len(prompts),
+                           previous if requests else None, hooks, prompts)
         for request, _ in prompts:  # its full pages may be shared now (their KV is written before any later step reads)
             scheduler.cache_progress(request)
-        step.idle, step.prompts = idle, len(prompts)
+        step.idle, step.prompts = 0 if any(counts) or prompts else previous.idle + 1, len(prompts)
         return step
 
     def _admit(self, scheduler, grid_rows: int, width: int, tracks_grammar) -> list[tuple[Request, int]]:
