@@ -17,9 +17,9 @@
 #   bash benchmarks/gpu_system.sh OUT spec-dsv3-deep           # #32 nextn at 1/8/32 (H100, session 27: 1.30x at 32,
 #                                         #      overlapped verify steps back at 28 ms; half the steps hold a prompt:
 #                                         #      results/speculative_h100_s27.md)
-#   AB=1 bash benchmarks/gpu_system.sh OUT tests-nextn spec-deep-admit  # #32: admissions that join the run (session
-#                                         #      28, unmeasured on a GPU; predicted ~1.6x at 32 against 1.30x), the
-#                                         #      core before them in .ab (git archive ffcb0bf core)
+#   AB=1 GPU_BUDGET_S=570 bash benchmarks/gpu_system.sh OUT spec-deep-admit tests-nextn  # #32: admissions that join
+#                                         #      the run (session 28, unmeasured on a GPU; predicted ~1.6x at 32
+#                                         #      against 1.30x), the core before them in .ab (git archive ffcb0bf core)
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
 #   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M; H100, session 23:
 #                                         #      1.03x with the gated GEMM 1: results/fused_moe_large_m_h100_s23.md)
@@ -102,12 +102,12 @@ for part in "$@"; do
           --synthetic-only --steady --runs 3 --batches 1 --output-len 64 --drafters nextn --steps $steps \
           --out "$out/speculative_dsv3_deep_steps${steps}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.$steps.log" | tail -6
       done ;;
-    spec-deep-admit)  # #32: deep nextn at 32 and 8 where admissions join the run of verify steps (session 28); with
+    spec-deep-admit)  # #32: deep nextn at 32, 8, 1 where admissions join the run of verify steps (session 28); with
                       # AB=1 the core in .ab runs first, in the same call (the before)
       for v in ${AB:+before} after; do
         pp=$PYTHONPATH; [ $v = before ] && pp=$PWD/.ab:$PYTHONPATH
         PYTHONPATH=$pp timeout $(lim 240) python3 benchmarks/speculative.py --device cuda --only dsv3 --dsv3-layers 24 \
-          --dsv3-experts 16 --synthetic-only --steady --runs 3 --batches 32 8 --output-len 64 --drafters nextn \
+          --dsv3-experts 16 --synthetic-only --steady --runs 3 --batches 32 8 1 --output-len 64 --drafters nextn \
           --out "$out/speculative_dsv3_deep_admit_${v}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.$v.log" | tail -10
       done ;;
     spec-dsv3-deep-mixed)  # the deep nextn run at 8 and 32 with mixed steps that verify (prompt tokens as decode rows
