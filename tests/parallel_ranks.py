@@ -37,6 +37,15 @@ def generate_with_settings(rank, parallel_config, folders, prompts, params, sett
     return generate_every_model(rank, parallel_config, folders, prompts, params, **settings)
 
 
+def generate_admitting_beside(rank, parallel_config, folders, prompts, params, settings: dict):
+    """generate_with_settings where verify steps under the overlap schedule admit waiting requests within the token
+    budget (test_spec_overlap.admit_beside: a CPU engine has no graphs to bound them by)."""
+    from moeplex.speculation import build
+
+    build.admit_rows = lambda scheduler, graphs, prompt_graphs: scheduler.token_budget
+    return generate_every_model(rank, parallel_config, folders, prompts, params, **settings)
+
+
 def die_after_joining(rank, parallel_config):
     init_parallel(parallel_config, rank, torch.device("cpu"))
     if rank == 1:

@@ -22,7 +22,7 @@ from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
 from moeplex.speculation.verify_graphs import VerifyGraphs, verify_graphs
 
-from test_spec_overlap import Launches
+from test_spec_overlap import Launches, admit_beside
 from test_speculative import conserved
 from test_verify_graphs import static_capture
 
@@ -304,7 +304,7 @@ def test_requests_admitted_beside_a_verify_step_draft_from_their_prompts_mtp_kv(
     host_drafts = drafts_by_position(host)
     assert generate(host) == plain
     spec = engine(random_mtp, overlap_schedule=True, max_running_requests=slots, **NEXTN)
-    assert spec.overlap_verify.admit_rows == spec.scheduler.token_budget
+    admit_beside(spec)
     launches = Launches(spec)
     device_drafts = drafts_by_position(spec)
     assert generate(spec) == plain

@@ -46,6 +46,13 @@ class Launches:
         engine.overlap_verify.launch = counted
 
 
+def admit_beside(spec: Engine) -> None:
+    """Let the engine's verify steps admit waiting requests (OverlapVerify.follow) within its token budget, as a GPU
+    engine's do within its largest decode graph: a CPU engine has no graphs, and admits in steps of its own."""
+    assert spec.overlap_verify.admit_rows is None  # (build.admit_rows: none without graphs)
+    spec.overlap_verify.admit_rows = spec.scheduler.token_budget
+
+
 def arriving(spec: Engine, prompts, params: SamplingParams) -> list:
     """The prompts added one every other step, then run to the end; their requests."""
     requests = []
@@ -208,6 +215,7 @@ def test_requests_waiting_for_a_slot_do_not_end_a_run(echo):
     step). With one slot the next request's prompt goes on with the run where its request ends. No token changes."""
     want = outputs(engine(echo).generate(ECHO_PROMPTS, GREEDY))
     spec = engine(echo, overlap_schedule=True, max_running_requests=1, **NGRAM)
+    admit_beside(spec)
     launches = Launches(spec)
     got = spec.generate(ECHO_PROMPTS, GREEDY)
     assert outputs(got) == want
@@ -235,7 +243,7 @@ def test_requests_admitted_beside_a_verify_step_keep_the_run_going(echo, cached)
 
     want = outputs(generate(engine(echo)))
     spec = engine(echo, overlap_schedule=True, max_running_requests=2, max_batched_tokens=48, **NGRAM)
-    assert spec.overlap_verify.admit_rows == 48
+    admit_beside(spec)
     if cached:  # the same prompts again: their cached prefixes are not rows
         assert outputs(generate(spec)) == want
     launches = Launches(spec)
@@ -372,7 +380,7 @@ def test_ngram_over_ep2_ranks_under_the_overlap_schedule(tiny_model_dir, plain):
     spec = {"speculative_algorithm": "ngram", "speculative_num_steps": 2, "dtype": "fp32", "overlap_schedule": True,
             "max_running_requests": 2}
     params = [attrs.evolve(GREEDY, max_new_tokens=5)] + [GREEDY] * (len(PROMPTS) - 1)
-    results = launch(parallel_ranks.generate_with_settings, parallel, parallel, [folder], PROMPTS, params, spec)
+    results = launch(parallel_ranks.generate_admitting_beside, parallel, parallel, [folder], PROMPTS, params, spec)
     want = plain["deepseek_v3"]
     assert [r["output_ids"] for r in results[folder]] == [want[0][:5]] + want[1:]
 

@@ -74,17 +74,16 @@ def admit_rows(scheduler, graphs, prompt_graphs: bool) -> int | None:
     (OverlapVerify.follow), or None where admissions end a run of verify steps. Its prompt tokens are decode rows
     beside the verify rows: where decode steps replay graphs, as many as the largest graph holds (a step of more
     would run eagerly), and none where a captured size is split into micro-batches (a cut between a prompt's rows
-    would read KV its other half has not written) or prompts never run as rows; without graphs, the mixed steps'
-    token budget. Where prompts and decodes take separate steps (--mixed-chunk off), none.
+    would read KV its other half has not written) or prompts never run as rows. None where prompts and decodes take
+    separate steps (--mixed-chunk off), and none without graphs: on a CPU a prompt's tokens as decode rows cost more
+    than as an extend, and a break leaves no device waiting (session 28, tiny DeepSeek-V3 with nextn and the overlap
+    schedule forced on: a steady run's steps took 7-16% longer at 1, 8 and 16 requests with admissions beside).
 
     Why (DeepSeek-V3 shapes, 24 layers of 16 experts, nextn at steady 32 on an H100, session 27): with requests
     ending at ~1.5 a verify step, an admission was due at nearly every step, and each ended the run: the verify
     step read, a plain mixed step of every request (1 token each, 23.5 ms) or a synchronous mixed verify step
     (64 ms), and the break after it, where an overlapped verify step takes 28 ms for ~2.9 tokens a request."""
-    if not scheduler.mixed:
-        return None
-    if graphs is None:
-        return scheduler.token_budget
-    if not prompt_graphs or any(graphs.cuts.get(size) is not None for size in graphs.sizes):
+    if not scheduler.mixed or graphs is None or not prompt_graphs or \
+            any(graphs.cuts.get(size) is not None for size in graphs.sizes):
         return None
     return graphs.sizes[-1]

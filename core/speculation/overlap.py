@@ -115,7 +115,7 @@ class OverlapVerify:
         self.draft_pages = draft_pages  # Scheduler.draft_pages: free pages, then evicted cached ones
         self.graphs = graphs  # VerifyGraphs (verify_graphs.py): greedy steps whose shapes were captured replay them
         # the most rows a verify step may hold with the prompts of requests it admits (follow), or None: admissions
-        # end a run of verify steps (build.py sets it where mixed steps are allowed)
+        # end a run of verify steps (build.admit_rows: the largest decode graph where mixed steps replay graphs)
         self.admit_rows: int | None = None
 
     def start(self, requests: list[Request], tracks_grammar, hooks=None) -> VerifyInFlight | None:
