@@ -176,10 +176,11 @@ class ModelRunner:
         return out if with_hidden else (out, None)
 
     @torch.inference_mode()
-    def replay_verify(self, size: int, batch: ForwardBatch) -> torch.Tensor:
+    def replay_verify(self, size: int, batch: ForwardBatch, with_hidden: bool = False):
         """[size, vocab] logits of the decode graph of `size`, whose static inputs a graphed verify step wrote
-        (`batch`: those inputs as a batch, for the hooks); the graph's own tensor."""
-        logits = self.graphs.replay_loaded(size)
+        (`batch`: those inputs as a batch, for the hooks); the graph's own tensor. With `with_hidden`, (logits,
+        [size, H] hidden states) from graphs captured with them."""
+        out = self.graphs.replay_loaded(size, with_hidden)
         if self.hooks is not None:
-            self.hooks.hook.moeplex_forward_done(batch=batch, logits=logits)
-        return logits
+            self.hooks.hook.moeplex_forward_done(batch=batch, logits=out[0] if with_hidden else out)
+        return out

@@ -315,3 +315,52 @@ def test_requests_admitted_beside_a_verify_step_draft_from_their_prompts_mtp_kv(
     assert any(key[0] in newcomers and host_drafts[key] for key in set(host_drafts) & set(device_drafts))
     assert conserved(spec)
     assert not spec.speculation.drafter.pending and spec.speculation.drafter.pending_rows == 0
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the CPU check of replay through the static inputs")
+def test_prompts_admitted_into_replayed_verify_steps_are_observed(random_mtp):
+    """A request admitted into a replayed verify step (its prompt's rows after the grid, one decode graph for all;
+    with one slot, a step of the next prompt alone where the run's request ends): the prompt rows' hidden states
+    come out of that graph for the drafter, so the newcomer's drafts, made in later replayed steps, equal the host
+    path's (random MTP weights: a draft depends on every MTP KV row it reads)."""
+    prompts = [[256, 5, 6, 7, 5, 6, 7], [256, 7, 8, 9, 7], [256, 5, 6, 7, 5, 6, 7], [256, 7, 8, 9, 7]]
+    params = [attrs.evolve(GREEDY, max_new_tokens=8 + 3 * i) for i in range(len(prompts))]
+
+    def generate(spec: Engine) -> list:
+        requests = [spec.add_request(p, q, rid=f"r{i}") for i, (p, q) in enumerate(zip(prompts, params))]
+        while spec.has_work:
+            spec.step()
+        return [r.output_ids for r in requests]
+
+    host = engine(random_mtp, attention_backend="triton", **NEXTN)
+    host_drafts = drafts_by_position(host)
+    want = generate(host)
+    spec = engine(random_mtp, attention_backend="triton", overlap_schedule=True, max_running_requests=1, **NEXTN)
+    kv, model = spec.kv, spec.model
+    inputs = DecodeInputs.allocate(8, max_pages_per_request(kv, None), kv, "cpu")
+    spec.runner.graphs = DecodeGraphs(model, kv, spec.runner.strategy, inputs, capture_sizes(8), static_capture,
+                                      with_hidden=True)
+    made = verify_graphs(spec.speculation.drafter, spec.runner.graphs, spec.vocab_size,
+                         spec.config.max_running_requests, static_capture)
+    spec.overlap_verify.graphs, spec.overlap_verify.admit_rows = made, 8
+    chain, device_drafts, staged, extra = made.proposer, {}, [], []
+    stage, propose, launch = chain.stage, chain.propose, made.launch
+
+    def staging(requests, rows):
+        staged[:] = requests
+        stage(requests, rows)
+
+    def proposing(pending):  # inside "pre": its drafts read back after each replay (a CPU: no graph to break)
+        out = propose(pending)
+        for r, tokens, n, k in zip(staged, out.tokens.tolist(), out.counts.tolist(), pending.counts.tolist()):
+            device_drafts[r.rid, r.num_cached + k] = tokens[:n]
+        return out
+
+    chain.stage, chain.propose = staging, proposing
+    made.launch = lambda *args: extra.append(args[-1] is not None) or launch(*args)
+    assert generate(spec) == want
+    assert any(extra), "no admitted prompt rode in a replayed verify step"
+    newcomers = {f"r{i}" for i in range(1, len(prompts))}
+    assert same_drafts(host_drafts, device_drafts) >= 5
+    assert any(key[0] in newcomers and host_drafts[key] for key in set(host_drafts) & set(device_drafts))
+    assert conserved(spec)

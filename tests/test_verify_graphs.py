@@ -257,3 +257,24 @@ def test_idle_steps_inside_a_replayed_run_change_no_token(echo, plain):
     assert (4, 1) in replayed and (4, 4) in replayed, replayed  # idle and full-width steps of the 3 requests
     assert spec.step_log.breaks["verify_run_ended"] <= 1  # (the run ends once: the last request finishes)
     assert conserved(spec)
+
+
+@interpreted
+def test_admitted_prompts_ride_in_a_replayed_verify_step(echo):
+    """A request admitted into a run of replayed verify steps (OverlapVerify.follow) has its prompt's rows written
+    after the grid the "pre" graph wrote, the decode graph holding them all replayed, and the grid's logits handed
+    to the "post" graph: the step stays graphed, and no token changes."""
+    prompts = ECHO_PROMPTS * 2
+    params = [SamplingParams(max_new_tokens=6 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    want = [r.output_ids for r in engine(echo, attention_backend="torch").generate(prompts, params)]
+    spec = engine(echo, overlap_schedule=True, speculative_algorithm="ngram", speculative_num_steps=3,
+                  mixed_chunk=True, max_running_requests=2)
+    install_graphs(spec)
+    graphs = spec.overlap_verify.graphs
+    spec.overlap_verify.admit_rows = MAX_BS  # (as build.admit_rows gives an engine whose largest graph is MAX_BS)
+    launch, extra = graphs.launch, []
+    graphs.launch = lambda *args: extra.append(args[-1] is not None) or launch(*args)
+    got = spec.generate(prompts, params)
+    assert [r.output_ids for r in got] == want
+    assert any(extra), "no admitted prompt rode in a replayed verify step"
+    assert conserved(spec)

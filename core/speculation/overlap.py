@@ -291,11 +291,14 @@ class OverlapVerify:
         drafter_requests = [DraftRequest(r.rid, r.token_view, r.num_cached, tuple(r.pages), count)
                             for r, count in zip(requests, counts)]
         shape = None
-        if self.graphs is not None and not prompts:
+        prompt_ids = [r.token_ids(first, r.num_cached - first) for r, first in prompts]
+        if self.graphs is not None:
             runtime = getattr(self.runner.model, "moe_runtime", None)
             shape = self.graphs.shape_for(requests, width, runtime is not None and runtime.records_load)
+            if shape is not None and not self.graphs.holds(shape, sum(map(len, prompt_ids))):
+                shape = None
         if shape is not None:
-            return self._launch_graphed(shape, requests, counts, previous, drafter_requests, hooks)
+            return self._launch_graphed(shape, requests, counts, previous, drafter_requests, hooks, prompts, prompt_ids)
         previous_rows = _previous_rows(previous, requests)
         starts = _starts(previous, requests, previous_rows)
         host_last = torch.tensor(host_last_tokens(requests, previous_rows), dtype=torch.int64)
@@ -326,7 +329,6 @@ class OverlapVerify:
         verified = torch.where(bad.any(dim=1), 0, verified)
         grid = torch.where(k < verified[:, None], grid, -1)
         seqs = [ScheduledSeq([0], start + j, r.pages) for r, start in zip(requests, starts) for j in range(width)]
-        prompt_ids = [r.token_ids(first, r.num_cached - first) for r, first in prompts]
         seqs += [ScheduledSeq([t], first + k, r.pages) for (r, first), ids in zip(prompts, prompt_ids)
                  for k, t in enumerate(ids)]
         grid_rows, input_ids = len(requests) * width, torch.cat([last[:, None], grid.clamp_min(0)], dim=1).flatten()
@@ -363,13 +365,19 @@ class OverlapVerify:
             ))
 
     def _launch_graphed(self, shape, requests, counts, previous: VerifyInFlight | None, drafter_requests,
-                        hooks) -> VerifyInFlight:
-        """launch, replayed from VerifyGraphs (the same rows reach the host)."""
+                        hooks, prompts=(), prompt_ids=()) -> VerifyInFlight:
+        """launch, replayed from VerifyGraphs (the same rows reach the host); the prompts' rows after the grid."""
         if previous is not None and not previous.graphed:  # its accepted tokens are not where the graphs read them yet
             self.graphs.carry(previous.accepted, previous.hidden)
         rows = _previous_rows(previous, requests)
-        accepted, packed, hidden = self.graphs.launch(shape, requests, counts, rows, drafter_requests, self.runner,
-                                                      hooks, _starts(previous, requests, rows))
+        extra = None
+        if prompts:
+            extra = self.graphs.extra_rows([(t, first + k, r.pages) for (r, first), ids in zip(prompts, prompt_ids)
+                                            for k, t in enumerate(ids)]) if any(prompt_ids) else None
+        accepted, packed, hidden, prompt_hidden = self.graphs.launch(
+            shape, requests, counts, rows, drafter_requests, self.runner, hooks, _starts(previous, requests, rows), extra)
+        if prompt_hidden is not None and self.spec.observes:
+            self._observe_prompts(prompts, prompt_ids, prompt_hidden)
         return VerifyInFlight(requests, shape[1], list(counts), accepted, *_to_host(packed), graphed=True,
                               hidden=hidden)
 

@@ -69,7 +69,8 @@ class VerifyGraphs:
         self.post: dict[tuple[int, int], object] = {}
         self.forward_size: dict[tuple[int, int], int] = {}
         self.batches = {}  # per decode graph size: its static batch, for the hooks
-        logits = {}  # per decode graph size, its static output (replayed once: padding inputs, KV to the scratch page)
+        # per decode graph size, its static output (replayed once: padding inputs, KV to the scratch page)
+        self.outputs = logits = {}
         with torch.inference_mode():
             for rows in sorted(self.request_sizes, reverse=True):
                 for width in range(1, steps + 2):
@@ -187,14 +188,24 @@ class VerifyGraphs:
         if self.state_hidden is not None and hidden is not None:
             self.state_hidden[:count, :width].copy_(hidden)
 
+    def extra_rows(self, rows: Sequence[tuple[int, int, Sequence[int]]]) -> ExtraRows:
+        """(token id, position, pages) per row, as ExtraRows for `launch`."""
+        return ExtraRows(rows, self.graphs.inputs.page_size)
+
+    def holds(self, shape: tuple[int, int], extra: int) -> bool:
+        """Whether a step of `shape` holds `extra` more decode rows after its grid (a decode graph of them all)."""
+        return padded_size(shape[0] * shape[1] + extra, self.graphs.sizes) is not None
+
     def launch(self, shape: tuple[int, int], requests: Sequence, counts: Sequence[int], previous_rows: Sequence[int],
-               drafter_requests, runner, hooks=None, starts: Sequence[int] | None = None
-               ) -> tuple[Accepted, torch.Tensor, torch.Tensor | None]:
+               drafter_requests, runner, hooks=None, starts: Sequence[int] | None = None, extra=None
+               ) -> tuple[Accepted, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Stage, replay pre / forward / post; (the accepted state's view, the packed rows on the device, the hidden
-        rows' state view or None).
+        rows' state view or None, `extra`'s hidden rows or None).
         previous_rows[i]: request i's row in the step before (its tokens in the accepted state), or -1 (its last
         token is on the host); starts[i]: where its rows start before the shift by what that step emitted (default:
-        its num_cached)."""
+        its num_cached). `extra` (ExtraRows): decode rows at known positions after the grid (admitted prompts'),
+        written into the static inputs after "pre"; the forward then replays the decode graph that holds them all,
+        and the grid's logits (and hidden rows) are copied to where "post" reads them where that graph is larger."""
         rows, width = shape
         count, inputs = len(requests), self.graphs.inputs
         staged = np.zeros((rows, 4), dtype=np.int64)
@@ -213,14 +224,67 @@ class VerifyGraphs:
         self.proposer.stage(drafter_requests, rows)
         size = self.forward_size[shape]
         self.pre[shape]()
-        batch = self.batches[size]
-        if hooks is not None:
-            hooks.hook.moeplex_batch_scheduled(batch=batch)
-        runner.replay_verify(size, batch)
+        extra_hidden = None
+        if extra is None:
+            batch = self.batches[size]
+            if hooks is not None:
+                hooks.hook.moeplex_batch_scheduled(batch=batch)
+            runner.replay_verify(size, batch)
+        else:
+            extra_hidden = self._forward_with(extra, rows * width, size, runner, hooks)
         self.post[shape]()
         packed = self.packed[: count * (3 + width)].view(count, 3 + width)
         hidden = self.state_hidden[:count, :width] if self.state_hidden is not None else None
-        return Accepted(self.state_counts[:count], self.state_tokens[:count, :width]), packed, hidden
+        return Accepted(self.state_counts[:count], self.state_tokens[:count, :width]), packed, hidden, extra_hidden
+
+    def _forward_with(self, extra, grid: int, size: int, runner, hooks) -> torch.Tensor | None:
+        """The forward of a step whose `grid` rows "pre" wrote, with `extra`'s rows after them: the decode graph
+        holding them all, its grid rows' outputs copied into the graph of `size` ("post" reads those); the extra
+        rows' hidden states (a copy) where the graphs return them."""
+        inputs = self.graphs.inputs
+        total = padded_size(grid + extra.count, self.graphs.sizes)
+        extra.write(inputs, grid)
+        if total > max(size, grid + extra.count):  # ("pre" padded its rows up to `size`)
+            inputs.pad(max(size, grid + extra.count), total)
+        if total not in self.batches:
+            self.batches[total] = inputs.batch(total)
+        if hooks is not None:
+            hooks.hook.moeplex_batch_scheduled(batch=self.batches[total])
+        out = runner.replay_verify(total, self.batches[total], with_hidden=self.state_hidden is not None)
+        if total != size:
+            for kept, fresh in zip(_parts(self.outputs[size]), _parts(out)):
+                kept[:grid].copy_(fresh[:grid])
+        return _parts(out)[1][grid : grid + extra.count].clone() if self.state_hidden is not None else None
+
+
+class ExtraRows:
+    """Decode rows at positions the host knows (an admitted prompt's tokens), for VerifyGraphs.launch: built on the
+    host, copied into the decode graphs' static inputs after the rows "pre" wrote."""
+
+    def __init__(self, rows: Sequence[tuple[int, int, Sequence[int]]], page_size: int):
+        """rows: (token id, position, the sequence's pages) per row."""
+        self.count = len(rows)
+        width = max(len(pages) for _, _, pages in rows)
+        self.table = np.zeros((self.count, width), dtype=np.int32)
+        for i, (_, _, pages) in enumerate(rows):
+            self.table[i, : len(pages)] = pages
+        self.ids = np.array([t for t, _, _ in rows], dtype=np.int64)
+        self.positions = np.array([p for _, p, _ in rows], dtype=np.int64)
+        self.slots = self.table[np.arange(self.count), self.positions // page_size].astype(np.int64) * page_size \
+            + self.positions % page_size
+
+    def write(self, inputs, at: int) -> None:
+        end = at + self.count
+        for target, host in ((inputs.input_ids, self.ids), (inputs.positions, self.positions),
+                             (inputs.seq_lens, self.positions + 1), (inputs.out_cache_loc, self.slots)):
+            target[at:end].copy_(_pinned(torch.from_numpy(host), inputs), non_blocking=True)
+        inputs.page_table[at:end, : self.table.shape[1]].copy_(_pinned(torch.from_numpy(self.table), inputs),
+                                                               non_blocking=True)
+
+
+def _parts(out) -> tuple:
+    """A decode graph's static output as (logits, hidden) or (logits,)."""
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def _pinned(host: torch.Tensor, inputs) -> torch.Tensor:
