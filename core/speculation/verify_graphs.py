@@ -11,7 +11,9 @@ W (rows per request), over static tensors:
          grid and its checks, and the decode graphs' static inputs (DecodeInputs) written directly: ids,
          positions shifted by the emitted counts, KV slots from the page table, padding rows up to the
          decode graph's size S (requests beyond the live ones decode in the pool's scratch page)
-  forward the target's decode graph of S rows (no `load` copies)
+  forward the target's decode graph of S rows (no `load` copies); a step that admits requests (OverlapVerify.follow)
+         has their prompts' rows written after the grid by the host (ExtraRows) and replays the decode graph that
+         holds them all, the grid's outputs copied to graph S's for "post"
   "post" greedy draw (argmax, finite check), acceptance, the accepted state the next "pre" reads, the
          packed [R, 3 + W] rows the host reads (VerifyInFlight.read: the same rows as the eager path)
   host   one copy of the packed rows into pinned memory and an event
