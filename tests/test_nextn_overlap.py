@@ -161,17 +161,12 @@ def test_sampled_and_adaptive_steps_under_the_overlap_schedule(synthetic, plain)
     assert conserved(adaptive)
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="the CPU check of replay through the static inputs")
-def test_replayed_verify_steps_draft_what_the_host_path_does(synthetic, plain):
-    """The verify graphs (here a CPU stand-in for the capture) hold the MTP catch-up and chain: replayed steps carry
-    the target's hidden rows from one step to the next in the graphs' state."""
-    host = engine(synthetic, attention_backend="triton", **NEXTN)
-    host_drafts = drafts_by_position(host)
-    run(host, PROMPTS, GREEDY)
-    spec = engine(synthetic, attention_backend="triton", overlap_schedule=True, **NEXTN)
+def replayed_drafts(spec: Engine, size: int) -> tuple[VerifyGraphs, dict]:
+    """Give a CPU engine decode graphs of up to `size` rows (with hidden states) and verify graphs, through the CPU
+    stand-in for a capture; (the verify graphs, the drafts their "pre" makes by (request, position))."""
     kv, model = spec.kv, spec.model
-    inputs = DecodeInputs.allocate(16, max_pages_per_request(kv, None), kv, "cpu")
-    spec.runner.graphs = DecodeGraphs(model, kv, spec.runner.strategy, inputs, capture_sizes(16), static_capture,
+    inputs = DecodeInputs.allocate(size, max_pages_per_request(kv, None), kv, "cpu")
+    spec.runner.graphs = DecodeGraphs(model, kv, spec.runner.strategy, inputs, capture_sizes(size), static_capture,
                                       with_hidden=True)
     made = verify_graphs(spec.speculation.drafter, spec.runner.graphs, spec.vocab_size,
                          spec.config.max_running_requests, static_capture)
@@ -191,6 +186,18 @@ def test_replayed_verify_steps_draft_what_the_host_path_does(synthetic, plain):
         return out
 
     chain.stage, chain.propose = staging, proposing
+    return made, device_drafts
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the CPU check of replay through the static inputs")
+def test_replayed_verify_steps_draft_what_the_host_path_does(synthetic, plain):
+    """The verify graphs (here a CPU stand-in for the capture) hold the MTP catch-up and chain: replayed steps carry
+    the target's hidden rows from one step to the next in the graphs' state."""
+    host = engine(synthetic, attention_backend="triton", **NEXTN)
+    host_drafts = drafts_by_position(host)
+    run(host, PROMPTS, GREEDY)
+    spec = engine(synthetic, attention_backend="triton", overlap_schedule=True, **NEXTN)
+    made, device_drafts = replayed_drafts(spec, 16)
     got = run(spec, PROMPTS, GREEDY)
     assert [r.output_ids for r in got] == plain
     assert same_drafts(host_drafts, device_drafts) > 10
@@ -336,27 +343,8 @@ def test_prompts_admitted_into_replayed_verify_steps_are_observed(random_mtp):
     host_drafts = drafts_by_position(host)
     want = generate(host)
     spec = engine(random_mtp, attention_backend="triton", overlap_schedule=True, max_running_requests=1, **NEXTN)
-    kv, model = spec.kv, spec.model
-    inputs = DecodeInputs.allocate(8, max_pages_per_request(kv, None), kv, "cpu")
-    spec.runner.graphs = DecodeGraphs(model, kv, spec.runner.strategy, inputs, capture_sizes(8), static_capture,
-                                      with_hidden=True)
-    made = verify_graphs(spec.speculation.drafter, spec.runner.graphs, spec.vocab_size,
-                         spec.config.max_running_requests, static_capture)
-    spec.overlap_verify.graphs, spec.overlap_verify.admit_rows = made, 8
-    chain, device_drafts, staged, extra = made.proposer, {}, [], []
-    stage, propose, launch = chain.stage, chain.propose, made.launch
-
-    def staging(requests, rows):
-        staged[:] = requests
-        stage(requests, rows)
-
-    def proposing(pending):  # inside "pre": its drafts read back after each replay (a CPU: no graph to break)
-        out = propose(pending)
-        for r, tokens, n, k in zip(staged, out.tokens.tolist(), out.counts.tolist(), pending.counts.tolist()):
-            device_drafts[r.rid, r.num_cached + k] = tokens[:n]
-        return out
-
-    chain.stage, chain.propose = staging, proposing
+    made, device_drafts = replayed_drafts(spec, 8)
+    spec.overlap_verify.admit_rows, extra, launch = 8, [], made.launch
     made.launch = lambda *args: extra.append(args[-1] is not None) or launch(*args)
     assert generate(spec) == want
     assert any(extra), "no admitted prompt rode in a replayed verify step"
