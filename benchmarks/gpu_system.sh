@@ -17,9 +17,10 @@
 #   bash benchmarks/gpu_system.sh OUT spec-dsv3-deep           # #32 nextn at 1/8/32 (H100, session 27: 1.30x at 32,
 #                                         #      overlapped verify steps back at 28 ms; half the steps hold a prompt:
 #                                         #      results/speculative_h100_s27.md)
-#   AB=1 GPU_BUDGET_S=570 bash benchmarks/gpu_system.sh OUT spec-deep-admit tests-nextn  # #32: admissions that join
-#                                         #      the run (session 28, unmeasured on a GPU; predicted ~1.6x at 32
-#                                         #      against 1.30x), the core before them in .ab (git archive ffcb0bf core)
+#   AB=1 GPU_BUDGET_S=560 bash benchmarks/gpu_system.sh OUT spec-deep-admit tests-nextn  # #32: admission steps that
+#                                         #      replay the verify graphs (15eb840), against the eager ones in .ab
+#                                         #      (git archive bff077b core; H100, session 28: eager 1.29x at 32, 1.85x
+#                                         #      at 8: results/speculative_h100_s28.md); predicted ~1.4x at 32
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
 #   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M; H100, session 23:
 #                                         #      1.03x with the gated GEMM 1: results/fused_moe_large_m_h100_s23.md)
