@@ -292,13 +292,18 @@ class OverlapVerify:
                             for r, count in zip(requests, counts)]
         shape = None
         prompt_ids = [r.token_ids(first, r.num_cached - first) for r, first in prompts]
+        # (token, position, pages) of each prompt row, after the grid's rows
+        prompt_rows = [(t, first + k, r.pages) for (r, first), ids in zip(prompts, prompt_ids)
+                       for k, t in enumerate(ids)]
         if self.graphs is not None:
             runtime = getattr(self.runner.model, "moe_runtime", None)
             shape = self.graphs.shape_for(requests, width, runtime is not None and runtime.records_load)
-            if shape is not None and not self.graphs.holds(shape, sum(map(len, prompt_ids))):
+            if shape is not None and not self.graphs.holds(shape, len(prompt_rows)):
                 shape = None
         if shape is not None:
-            return self._launch_graphed(shape, requests, counts, previous, drafter_requests, hooks, prompts, prompt_ids)
+            extra = self.graphs.extra_rows(prompt_rows) if prompt_rows else None
+            return self._launch_graphed(shape, requests, counts, previous, drafter_requests, hooks, prompts,
+                                        prompt_ids, extra)
         previous_rows = _previous_rows(previous, requests)
         starts = _starts(previous, requests, previous_rows)
         host_last = torch.tensor(host_last_tokens(requests, previous_rows), dtype=torch.int64)
@@ -329,15 +334,14 @@ class OverlapVerify:
         verified = torch.where(bad.any(dim=1), 0, verified)
         grid = torch.where(k < verified[:, None], grid, -1)
         seqs = [ScheduledSeq([0], start + j, r.pages) for r, start in zip(requests, starts) for j in range(width)]
-        seqs += [ScheduledSeq([t], first + k, r.pages) for (r, first), ids in zip(prompts, prompt_ids)
-                 for k, t in enumerate(ids)]
+        seqs += [ScheduledSeq([t], position, pages) for t, position, pages in prompt_rows]
         grid_rows, input_ids = len(requests) * width, torch.cat([last[:, None], grid.clamp_min(0)], dim=1).flatten()
         batch = build_forward_batch(seqs, self.kv, self.device, rows=True)
         if offsets is not None:  # step N's emitted counts, which only the device knows yet (prompt rows: known)
             offsets = offsets.repeat_interleave(width)
             batch = shift_rows(batch, F.pad(offsets, (0, len(seqs) - grid_rows)), previous.width, self.ragged)
         if len(seqs) > grid_rows:  # the prompt rows' ids (on the host) after the grid's; logits of the grid's only
-            prompt_tokens = torch.tensor([t for ids in prompt_ids for t in ids], dtype=torch.int64)
+            prompt_tokens = torch.tensor([t for t, _, _ in prompt_rows], dtype=torch.int64)
             input_ids = torch.cat([input_ids, to_device(self.device, prompt_tokens)[0]])
             batch = attrs.evolve(batch, sample_rows=tuple(range(grid_rows)))
         batch = attrs.evolve(batch, input_ids=input_ids, overlap_split=False)
@@ -365,15 +369,12 @@ class OverlapVerify:
             ))
 
     def _launch_graphed(self, shape, requests, counts, previous: VerifyInFlight | None, drafter_requests,
-                        hooks, prompts=(), prompt_ids=()) -> VerifyInFlight:
-        """launch, replayed from VerifyGraphs (the same rows reach the host); the prompts' rows after the grid."""
+                        hooks, prompts=(), prompt_ids=(), extra=None) -> VerifyInFlight:
+        """launch, replayed from VerifyGraphs (the same rows reach the host); the prompts' rows (`extra`, ExtraRows)
+        after the grid."""
         if previous is not None and not previous.graphed:  # its accepted tokens are not where the graphs read them yet
             self.graphs.carry(previous.accepted, previous.hidden)
         rows = _previous_rows(previous, requests)
-        extra = None
-        if prompts:
-            extra = self.graphs.extra_rows([(t, first + k, r.pages) for (r, first), ids in zip(prompts, prompt_ids)
-                                            for k, t in enumerate(ids)]) if any(prompt_ids) else None
         accepted, packed, hidden, prompt_hidden = self.graphs.launch(
             shape, requests, counts, rows, drafter_requests, self.runner, hooks, _starts(previous, requests, rows), extra)
         if prompt_hidden is not None and self.spec.observes:
