@@ -105,10 +105,10 @@ for part in "$@"; do
       done ;;
     spec-deep-admit)  # #32: deep nextn at 32, 8, 1 where admissions join the run of verify steps (session 28); with
                       # AB=1 the core in .ab runs first, in the same call (the before)
-      for v in ${AB:+before} after; do
+      for v in ${AB:+before} after; do  # DEEP_BATCHES: the batches (default 32 8 1)
         pp=$PYTHONPATH; [ $v = before ] && pp=$PWD/.ab:$PYTHONPATH
         PYTHONPATH=$pp timeout $(lim 240) python3 benchmarks/speculative.py --device cuda --only dsv3 --dsv3-layers 24 \
-          --dsv3-experts 16 --synthetic-only --steady --runs 3 --batches 32 8 1 --output-len 64 --drafters nextn \
+          --dsv3-experts 16 --synthetic-only --steady --runs 3 --batches ${DEEP_BATCHES:-32 8 1} --output-len 64 --drafters nextn \
           --out "$out/speculative_dsv3_deep_admit_${v}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.$v.log" | tail -10
       done ;;
     spec-dsv3-deep-mixed)  # the deep nextn run at 8 and 32 with mixed steps that verify (prompt tokens as decode rows
