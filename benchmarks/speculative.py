@@ -146,8 +146,9 @@ def engine_for(folder: str, args, drafter: str) -> Engine:
         # prompt (mixed steps) holds its tokens as rows too: the engine's default largest graph, or more where those
         # rows need it (a largest graph of exactly the verify rows left every mixed step at 32 plain or eager)
         rows = max(args.batches) * (args.steps + 1) + prompt
-        settings.update(dtype="bf16", load_format="dummy", moe_kernel="triton",
-                        cuda_graph_max_bs=max(attrs.fields(EngineConfig).cuda_graph_max_bs.default, rows))
+        default = max(attrs.fields(EngineConfig).cuda_graph_max_bs.default, rows)
+        largest = getattr(args, "cuda_graph_max_bs", None) or default
+        settings.update(dtype="bf16", load_format="dummy", moe_kernel="triton", cuda_graph_max_bs=largest)
     mixed = getattr(args, "mixed_chunk", "auto")  # (spec_host_profile.py builds its engines here too)
     if mixed != "auto":  # prompts inside decode steps (eager) or in steps of their own
         settings.update(mixed_chunk=mixed == "on")
@@ -451,6 +452,10 @@ def arguments() -> argparse.ArgumentParser:
                         help="build and warm every engine once, then --runs rounds in which every engine runs each "
                         "batch once, the order rotated per round; the ratio is the median of the rounds' ratios (a "
                         "shared machine's load drifts over minutes; the engines must fit in memory together)")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=None, metavar="N",
+                        help="GPU: the engines' largest decode graph (default: the engine's 256, or the rows of a "
+                        "verify step of the largest batch with one prompt beside it where more). Under speculation it "
+                        "bounds the prompts a verify step admits beside its rows: benchmarks/spec_admit_rows.py")
     parser.add_argument("--mixed-chunk", choices=("auto", "on", "off"), default="auto",
                         help="the engines' --mixed-chunk (default: auto, the engine's own choice: mixed, where decode "
                         "replays graphs through prompt graphs, a speculating engine's mixed steps drafting nothing; "

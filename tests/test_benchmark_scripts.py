@@ -195,6 +195,16 @@ def test_spec_cpu_best_of_rounds(tmp_path):
     assert all(len(row[2].split(", ")) == 2 and 0.5 < float(row[3]) < 2.0 for row in rows), out
 
 
+def test_spec_admit_rows_counts_the_steps_of_a_run_by_the_prompts_that_fit_beside(tmp_path):
+    """Where no prompt fits beside a verify step's grid, admissions end the run (synchronous mixed steps); where two
+    fit, the run goes on through them. The script checks that no token changes."""
+    out = run("spec_admit_rows.py", tmp_path / "rows.md", "--batches", "8", "--rows", "40", "256", "--output-len", "16")
+    rows = table_rows(out, "8")
+    assert [(row[1], row[3]) for row in rows] == [("40", "0"), ("256", "2")], out
+    (sync_none, ends_none), (sync_two, ends_two) = [(int(row[-2]), int(row[-1])) for row in rows]
+    assert sync_two < sync_none and ends_two == 1 < ends_none, out
+
+
 def test_spec_device_parts_against_the_host_paths(tmp_path):
     out = run("spec_device_parts.py", tmp_path / "parts.md", "--batches", "1", "3", "--iters", "2", "--warmup", "1",
               "--runs", "2", "--history", "64", "--vocab", "256")
