@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU checks and benchmarks of the system issues (#19 prefix cache, #21 speculation, #22 decode launches,
 # serving), in parts that each fit one ten-minute device call. Results go to OUT.
-#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-deep-admit|spec-deep-rows|spec-dsv3-deep-steps|spec-dsv3-deep-mixed|spec-profile|spec-profile-dsv3|spec-profile-deep-mixed|tests-nextn|
+#   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-deep-admit|spec-dsv3-deep-steps|spec-dsv3-deep-mixed|spec-profile|spec-profile-dsv3|spec-profile-deep-mixed|tests-nextn|
 #                                     spec-serve|spec-serve-spread|spec-profile-never|spec-never|spec-never-control|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|gemv|router-warps|large-m|prefix|dgprobe|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes; session 20's state):
 #   bash benchmarks/gpu_system.sh OUT front-end serving serving-interval spec-oracle-steps  # #31 target 3, #32 oracle:
@@ -17,14 +17,13 @@
 #   bash benchmarks/gpu_system.sh OUT spec-dsv3-deep           # #32 nextn at 1/8/32 (H100, session 27: 1.30x at 32,
 #                                         #      overlapped verify steps back at 28 ms; half the steps hold a prompt:
 #                                         #      results/speculative_h100_s27.md)
-#   AB=1 GPU_BUDGET_S=560 bash benchmarks/gpu_system.sh OUT spec-deep-admit tests-nextn  # #32: admission steps that
-#                                         #      replay the verify graphs (15eb840), against the eager ones in .ab
-#                                         #      (git archive bff077b core; H100, session 28: eager 1.29x at 32, 1.85x
-#                                         #      at 8: results/speculative_h100_s28.md); predicted ~1.4x at 32
-#   GPU_BUDGET_S=560 bash benchmarks/gpu_system.sh OUT spec-deep-rows tests-nextn  # #32 at 32: the admissions'
-#                                         #      room beside the verify grid (session 29: one prompt a step fits at 256
-#                                         #      rows where ~1.5 requests end a step; predicted ~1.5x at 32 with 512,
-#                                         #      against ~1.3x at 256; 8 unchanged)
+#   AB=1 DEEP_BATCHES="32 8" GPU_BUDGET_S=560 bash benchmarks/gpu_system.sh OUT spec-deep-admit tests-nextn  # #32:
+#                                         #      the engine's largest graph sized for a full verify grid plus 256
+#                                         #      rows of prompts, 384 here (session 30), against .ab = git archive
+#                                         #      bb5d8cc core (largest graph 256: one prompt a step at 32; H100,
+#                                         #      session 28: 1.29x
+#                                         #      at 32, 1.85x at 8); predicted ~1.5x at 32 (spec_admit_rows.py: 30.3
+#                                         #      of 32 running against 23.9), 8 unchanged
 #   bash benchmarks/gpu_system.sh OUT e2e moe-small-m          # #31 targets 1-2: 3 e2e runs each; DeepSeek-V3 decode tiles
 #   bash benchmarks/gpu_system.sh OUT large-m                  # #31 target 5 (EP8-global large M; H100, session 23:
 #                                         #      1.03x with the gated GEMM 1: results/fused_moe_large_m_h100_s23.md)
@@ -114,15 +113,6 @@ for part in "$@"; do
         PYTHONPATH=$pp timeout $(lim 240) python3 benchmarks/speculative.py --device cuda --only dsv3 --dsv3-layers 24 \
           --dsv3-experts 16 --synthetic-only --steady --runs 3 --batches ${DEEP_BATCHES:-32 8 1} --output-len 64 --drafters nextn \
           --out "$out/speculative_dsv3_deep_admit_${v}_${card}.md" 2>&1 | grep -v -i warn | tee "$out/$part.$v.log" | tail -10
-      done ;;
-    spec-deep-rows)  # #32: deep nextn at 32 and 8 with the benchmark's largest decode graph (256: one 97-token
-                     # prompt beside a verify grid of 32 x 4 rows) and with 512 (three): spec_admit_rows.py counts
-                     # ~24 of 32 requests running with one, ~31 with two or more (session 29, CPU)
-      for rows in 256 512; do
-        timeout $(lim 240) python3 benchmarks/speculative.py --device cuda --only dsv3 --dsv3-layers 24 \
-          --dsv3-experts 16 --synthetic-only --steady --runs 3 --batches 32 8 --output-len 64 --drafters nextn \
-          --cuda-graph-max-bs $rows --out "$out/speculative_dsv3_deep_rows${rows}_${card}.md" 2>&1 | grep -v -i warn \
-          | tee "$out/$part.$rows.log" | tail -8
       done ;;
     spec-dsv3-deep-mixed)  # the deep nextn run at 8 and 32 with mixed steps that verify (prompt tokens as decode rows
                            # beside the verify rows: ModelRunner.verify_rows), then under the default for comparison

@@ -31,6 +31,7 @@ import torch
 import speculative
 from moeplex.models.make_model import write_checkpoint
 from moeplex.sampling import SamplingParams
+from moeplex.speculation.build import graph_rows
 from report import emit, processor
 
 
@@ -82,15 +83,19 @@ def main() -> None:
         for rows in args.rows:
             with contextlib.redirect_stdout(io.StringIO()):  # (its measured step costs)
                 engine = speculative.engine_for(folder, bench, "nextn/no-backoff/overlap")
+            own = graph_rows(engine.config, type(engine.speculation.drafter), overlap_schedule=True)
             engine.overlap_verify.admit_rows = rows
             running, made, verified, outputs = window(engine, prompts, params, batch)
             reference = reference or outputs
             if outputs != reference:
                 raise AssertionError(f"the tokens changed with {rows} admit rows at batch {batch}")
             beside = max(rows - grid, 0) // (len(prompts[0]) - 1 + args.steps + 1)
-            lines.append(f"| {batch} | {rows} | {grid} | {beside} | {statistics.mean(running):.1f} | "
+            mark = " (the engine's)" if rows == own else ""
+            lines.append(f"| {batch} | {rows}{mark} | {grid} | {beside} | {statistics.mean(running):.1f} | "
                          f"{statistics.mean(made):.1f} | {statistics.mean(made) / batch:.2f} | {len(made)} | "
                          f"{len(made) - sum(verified)} | {engine.step_log.breaks['verify_run_ended']} |")
+    lines += ["", f"(the engine's: the rows its largest graph holds on a GPU at --max-running-requests {max(args.batches)} "
+              "and --cuda-graph-max-bs 256, a full grid plus 256: speculation/build.graph_rows)"]
     emit("\n".join(lines), args.out)
 
 

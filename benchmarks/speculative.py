@@ -142,13 +142,11 @@ def engine_for(folder: str, args, drafter: str) -> Engine:
     if args.device == "cpu":
         settings.update(dtype="fp32")
     else:
-        # verify steps replay the decode graphs with one row per request and draft, and a step that verifies beside a
-        # prompt (mixed steps) holds its tokens as rows too: the engine's default largest graph, or more where those
-        # rows need it (a largest graph of exactly the verify rows left every mixed step at 32 plain or eager)
-        rows = max(args.batches) * (args.steps + 1) + prompt
-        default = max(attrs.fields(EngineConfig).cuda_graph_max_bs.default, rows)
-        largest = getattr(args, "cuda_graph_max_bs", None) or default
-        settings.update(dtype="bf16", load_format="dummy", moe_kernel="triton", cuda_graph_max_bs=largest)
+        # verify steps replay the decode graphs with one row per request and draft, prompts admitted beside them as
+        # rows too: the engine sizes its largest graph for both itself (speculation/build.graph_rows)
+        settings.update(dtype="bf16", load_format="dummy", moe_kernel="triton")
+        if getattr(args, "cuda_graph_max_bs", None):
+            settings.update(cuda_graph_max_bs=args.cuda_graph_max_bs)
     mixed = getattr(args, "mixed_chunk", "auto")  # (spec_host_profile.py builds its engines here too)
     if mixed != "auto":  # prompts inside decode steps (eager) or in steps of their own
         settings.update(mixed_chunk=mixed == "on")
@@ -453,9 +451,9 @@ def arguments() -> argparse.ArgumentParser:
                         "batch once, the order rotated per round; the ratio is the median of the rounds' ratios (a "
                         "shared machine's load drifts over minutes; the engines must fit in memory together)")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=None, metavar="N",
-                        help="GPU: the engines' largest decode graph (default: the engine's 256, or the rows of a "
-                        "verify step of the largest batch with one prompt beside it where more). Under speculation it "
-                        "bounds the prompts a verify step admits beside its rows: benchmarks/spec_admit_rows.py")
+                        help="GPU: the engines' --cuda-graph-max-bs (default: the engine's 256; a speculating engine "
+                        "captures a full verify grid of the largest batch plus this many rows: the prompts a verify step "
+                        "admits beside its rows, benchmarks/spec_admit_rows.py)")
     parser.add_argument("--mixed-chunk", choices=("auto", "on", "off"), default="auto",
                         help="the engines' --mixed-chunk (default: auto, the engine's own choice: mixed, where decode "
                         "replays graphs through prompt graphs, a speculating engine's mixed steps drafting nothing; "

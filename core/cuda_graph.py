@@ -40,11 +40,16 @@ log = logging.getLogger(__name__)
 WARMUP_RUNS = 2  # eager runs before a capture: Triton compiles, the allocator settles
 
 
-def capture_sizes(max_bs: int) -> list[int]:
-    """The batch sizes to capture: 1, 2, 4, 8, then every multiple of 8 below max_bs, then max_bs."""
+BEYOND_STEP = 32  # the captured sizes above --cuda-graph-max-bs (a speculating engine's admissions: decode_graphs)
+
+
+def capture_sizes(max_bs: int, beyond: int = 0) -> list[int]:
+    """The batch sizes to capture: 1, 2, 4, 8, then every multiple of 8 below max_bs, then max_bs; where `beyond`
+    is more, every BEYOND_STEP rows above max_bs below it, then `beyond`."""
     if max_bs < 1:
         raise ValueError(f"the largest CUDA-graph batch must be at least 1, got {max_bs}")
-    return sorted({s for s in (1, 2, 4) if s < max_bs} | set(range(8, max_bs, 8)) | {max_bs})
+    above = set(range(max_bs + BEYOND_STEP, beyond, BEYOND_STEP)) | {beyond} if beyond > max_bs else set()
+    return sorted({s for s in (1, 2, 4) if s < max_bs} | set(range(8, max_bs, 8)) | {max_bs} | above)
 
 
 def padded_size(batch_size: int, sizes: Sequence[int]) -> int | None:
@@ -286,10 +291,29 @@ class DecodeGraphs:
         return self.replays[size]()
 
 
+def graph_sizes(config, strategy, buffers: int | None = None, admit_rows: int = 0) -> list[int]:
+    """The decode batch sizes an engine captures. A speculative verify step is a decode batch of one row per request
+    and draft; a prompt step run as rows (model_runner.prompt_rows) one row per token, so with prompt graphs every
+    size up to --cuda-graph-max-bs may serve, and up to `admit_rows` (decode_graphs) where none is split into
+    micro-batches by the overlap `strategy`. `buffers`: the most tokens a step's dispatch buffers hold (a captured
+    step must fit them)."""
+    largest = config.cuda_graph_max_bs
+    if config.disable_prompt_graphs:
+        largest = min(largest, config.max_running_requests * config.tokens_per_decode)
+    if buffers is not None:
+        largest, admit_rows = min(largest, buffers), min(admit_rows, buffers)
+    if any(strategy.cuts(BatchMeta(ForwardMode.DECODE, (1,) * size)) is not None for size in {largest, admit_rows}
+           if size):
+        admit_rows = 0
+    return capture_sizes(largest, admit_rows)
+
+
 def decode_graphs(config, model, kv: KVPool, strategy, selection, world_size: int,
-                  with_hidden: bool = False) -> DecodeGraphs | None:
+                  with_hidden: bool = False, admit_rows: int = 0) -> DecodeGraphs | None:
     """Capture the decode graphs this engine can use, or say (on a GPU) why it uses none. `with_hidden`: they
-    also return the hidden states (a speculative drafter that reads them)."""
+    also return the hidden states (a speculative drafter that reads them). `admit_rows`: the rows of a verify step
+    that admits prompts beside a full grid (speculation/build.graph_rows), captured above --cuda-graph-max-bs in
+    coarser steps where no size is split into micro-batches (a split size would keep admissions out anyway)."""
     device = torch.device(config.device)
     reason = why_no_graphs(config, device, selection, model.attention_backend)
     if not reason and world_size > 1 and not config.enable_multi_rank_cuda_graph:
@@ -301,14 +325,9 @@ def decode_graphs(config, model, kv: KVPool, strategy, selection, world_size: in
         if device.type == "cuda":
             log.info("decode runs without CUDA graphs: %s", reason)
         return None
-    # a speculative verify step is a decode batch of one row per request and draft; a prompt step run as rows
-    # (model_runner.prompt_rows) one row per token, so with prompt graphs every size up to the maximum may serve
-    largest = config.cuda_graph_max_bs
-    if config.disable_prompt_graphs:
-        largest = min(largest, config.max_running_requests * config.tokens_per_decode)
-    if getattr(selection.dispatcher.caps, "fixed_max_tokens", False):  # a captured step must fit its buffers
-        largest = min(largest, model.moe_runtime.ctx.max_tokens_per_rank)
-    sizes = capture_sizes(largest)
+    buffers = model.moe_runtime.ctx.max_tokens_per_rank \
+        if getattr(selection.dispatcher.caps, "fixed_max_tokens", False) else None
+    sizes = graph_sizes(config, strategy, buffers, admit_rows)
     max_pages = max_pages_per_request(kv, model.hf_config.get("max_position_embeddings"))
     inputs = DecodeInputs.allocate(sizes[-1], max_pages, kv, device)
     start = time.perf_counter()

@@ -49,7 +49,7 @@ from .penalties import LogitAdjuster
 from .sampler import FAILED, Sampler
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .speculation.build import build as build_speculation
+from .speculation.build import build as build_speculation, graph_rows
 from .speculation.engine_steps import SpeculativeSteps
 from .speculation.overlap import VerifyInFlight
 from .speculation.setup import check_drafter
@@ -117,7 +117,9 @@ class Engine(SpeculativeSteps):
         )
         strategy = selection.overlap(min_tokens=config.overlap_min_tokens)
         hidden = drafter is not None and drafter.caps.needs_hidden
-        graphs = decode_graphs(config, self.model, self.kv, strategy, selection, self.parallel.config.world_size, hidden)
+        self.overlap_schedule = _overlap_schedule(config, self.device)
+        graphs = decode_graphs(config, self.model, self.kv, strategy, selection, self.parallel.config.world_size,
+                               hidden, admit_rows=graph_rows(config, drafter_cls, self.overlap_schedule))
         # prompts share steps with decodes unless decode steps replay graphs and a mixed step would then run eagerly
         # for one prompt; with prompt graphs a mixed step whose rows fit replays a graph too (H100, steady decode at 16
         # with a 97-token arrival every 4 steps: 5740 tok/s mixed, 4955 separate). So does a speculating engine's,
@@ -135,7 +137,6 @@ class Engine(SpeculativeSteps):
         )
         self.runner = ModelRunner(self.model, self.kv, strategy, self.device, self.hooks, graphs,
                                   prompt_graphs=not config.disable_prompt_graphs)
-        self.overlap_schedule = _overlap_schedule(config, self.device)
         # speculative decoding (core/speculation/build.py): its verify step, overlapped form, costs and calibration
         self.speculation = self.overlap_verify = self.step_costs = self.calibration = None
         if drafter is not None:

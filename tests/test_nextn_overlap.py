@@ -244,7 +244,8 @@ def test_on_gpu_requests_admitted_beside_verify_steps_replay_a_decode_graph(synt
     params = [attrs.evolve(GREEDY, max_new_tokens=8 + 5 * i) for i in range(len(prompts))]
     want = [r.output_ids for r in engine(synthetic, **cuda).generate(prompts, params)]
     spec = engine(synthetic, **cuda, **NEXTN)
-    assert spec.overlap_verify.admit_rows == 64
+    # the largest graph holds a full grid of 2 x 4 verify rows with --cuda-graph-max-bs of prompt rows beside it
+    assert spec.overlap_verify.admit_rows == spec.runner.graphs.sizes[-1] == 2 * 4 + 64
     launches = Launches(spec)
     replays, forward = [], spec.runner.verify_forward  # (verify steps with prompt rows that replay a decode graph)
     spec.runner.verify_forward = lambda batch, rows, hidden: replays.append(

@@ -129,9 +129,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, serving: bool = True) -> N
         gpu, "--cuda-graph-max-bs",
         "largest decode batch captured in a CUDA graph (sizes 1, 2, 4, 8, then every 8, up to N; with "
         "--disable-prompt-graphs at most --max-running-requests rows, times the draft width when speculating); larger "
-        "batches run eagerly, smaller ones pad to the next size. Under speculation with the overlap schedule it also "
-        "bounds the prompts a verify step admits beside its rows (requests x (steps + 1)): at high concurrency give it "
-        "room for a few prompts more (docs/speculative.md) (default: %(default)s)",
+        "batches run eagerly, smaller ones pad to the next size. Under speculation with the overlap schedule it is the "
+        "room for prompts a verify step admits beside a full grid of --max-running-requests x (steps + 1) rows: the "
+        "engine also captures sizes every 32 rows up to that grid plus N (docs/speculative.md) (default: %(default)s)",
         metavar="N",
     )
     flag(

@@ -8,6 +8,7 @@ from typing import Callable
 import attrs
 
 from ..cuda_graph import CudaGraphCapture
+from ..interfaces import Drafter
 from .calibration import Calibration
 from .costs import StepCosts
 from .overlap import OverlapVerify
@@ -38,13 +39,9 @@ def build(drafter, config, model, kv, runner, scheduler, device, parallel, graph
     )
     drafter.bind(drafter_context(model, kv, config, device, draft_layers, graphs, parallel.config.world_size))
     scheduler.lookahead = speculation.lookahead
-    # verify steps under the overlap schedule, for a drafter that drafts on the device; one that observes must draft
-    # from the hidden rows of the step before (it observes only a run's last step). An attention backend that reads
-    # flattened KV indices would need a host sync per step to shift them on a GPU.
     overlap_verify = None
     ragged = not model.attention_backend.graph_safe
-    if overlap_schedule and drafter.caps.drafts_on_device and (drafter.caps.needs_hidden or not speculation.observes) \
-            and parallel.config.dp_size == 1 and not (ragged and device.type == "cuda"):
+    if overlap_schedule and verifies_overlapped(type(drafter), config) and not (ragged and device.type == "cuda"):
         overlap_verify = OverlapVerify(speculation, runner, kv, device, ragged, scheduler.draft_pages)
         if graphs is not None:  # its greedy steps as graph replays (speculation/verify_graphs.py)
             overlap_verify.graphs = verify_graphs(drafter, graphs, vocab, config.max_running_requests,
@@ -67,6 +64,30 @@ def build(drafter, config, model, kv, runner, scheduler, device, parallel, graph
             calibration = Calibration(step_costs, slowest_of(parallel.world),
                                       isolated=overlap_schedule and overlap_verify is None)
     return Speculation(speculation, overlap_verify, step_costs, calibration)
+
+
+def verifies_overlapped(drafter_cls, config) -> bool:
+    """Whether this drafter's verify steps run under the overlap schedule (where it is on): it drafts on the
+    device, and one that observes drafts from the hidden rows of the step before (it observes only a run's last
+    step); one DP group (DP ranks step apart). (An attention backend that reads flattened KV indices would need a
+    host sync per step to shift them on a GPU: `build` checks that.)"""
+    caps = drafter_cls.caps
+    observes = drafter_cls.observe is not Drafter.observe
+    return caps.drafts_on_device and (caps.needs_hidden or not observes) and config.parallel.dp_size == 1
+
+
+def graph_rows(config, drafter_cls, overlap_schedule: bool) -> int:
+    """The rows of the largest decode graph a speculating engine captures for verify steps that admit prompts
+    (`admit_rows`), or 0 where none does: a full grid of verify rows (--max-running-requests x (steps + 1)) with
+    --cuda-graph-max-bs rows of prompts beside it. Its largest graph otherwise bounds the grid and the prompts
+    together, and where fewer prompts fit than requests end, the batch empties (session 29, counted by
+    benchmarks/spec_admit_rows.py with 97-token prompts and ~64-token outputs: at 32 requests a largest graph of
+    256 rows kept 23.9 running, 384 kept 30.3; at 64 on the defaults no prompt fits beside the grid and 56 of 77
+    steps were synchronous verify steps, 512 rows kept 55.6 running, 768 kept 61.6)."""
+    if drafter_cls is None or not overlap_schedule or not verifies_overlapped(drafter_cls, config) or \
+            config.disable_prompt_graphs or config.mixed_chunk is False:
+        return 0
+    return config.max_running_requests * (config.speculative_num_steps + 1) + config.cuda_graph_max_bs
 
 
 def admit_rows(scheduler, graphs, prompt_graphs: bool) -> int | None:
