@@ -15,11 +15,12 @@ import torch
 
 from moeplex.attention.triton_backend import INTERPRETED
 from moeplex.config import EngineConfig
-from moeplex.cuda_graph import DecodeGraphs, DecodeInputs, capture_sizes, max_pages_per_request
+from moeplex.cuda_graph import DecodeGraphs, DecodeInputs, capture_sizes, graph_sizes, max_pages_per_request
 from moeplex.engine import Engine
 from moeplex.interfaces import DeviceTokens, DraftRequest
 from moeplex.plugins.drafters.ngram import NgramDrafter
 from moeplex.sampling import SamplingParams
+from moeplex.speculation.build import admit_rows, graph_rows
 from moeplex.speculation.overlap import VerifyInFlight
 from moeplex.speculation.verify_graphs import VerifyGraphs, verify_graphs
 
@@ -112,11 +113,11 @@ def engine(folder: str, **overrides) -> Engine:
     return Engine(EngineConfig(**{**settings, **overrides}))
 
 
-def install_graphs(spec: Engine, capture=static_capture) -> list[tuple[int, int]]:
+def install_graphs(spec: Engine, capture=static_capture, sizes=capture_sizes(MAX_BS)) -> list[tuple[int, int]]:
     """Give a CPU engine decode graphs and verify graphs; returns the log of the replayed (R, W) shapes."""
     kv, model = spec.kv, spec.model
-    inputs = DecodeInputs.allocate(MAX_BS, max_pages_per_request(kv, None), kv, "cpu")
-    spec.runner.graphs = DecodeGraphs(model, kv, spec.runner.strategy, inputs, capture_sizes(MAX_BS), capture)
+    inputs = DecodeInputs.allocate(sizes[-1], max_pages_per_request(kv, None), kv, "cpu")
+    spec.runner.graphs = DecodeGraphs(model, kv, spec.runner.strategy, inputs, sizes, capture)
     made = verify_graphs(spec.speculation.drafter, spec.runner.graphs, spec.vocab_size,
                          spec.config.max_running_requests, capture)
     assert isinstance(made, VerifyGraphs)
@@ -263,18 +264,27 @@ def test_idle_steps_inside_a_replayed_run_change_no_token(echo, plain):
 def test_admitted_prompts_ride_in_a_replayed_verify_step(echo):
     """A request admitted into a run of replayed verify steps (OverlapVerify.follow) has its prompt's rows written
     after the grid the "pre" graph wrote, the decode graph holding them all replayed, and the grid's logits handed
-    to the "post" graph: the step stays graphed, and no token changes."""
+    to the "post" graph: the step stays graphed, and no token changes. The decode graphs are the ones the engine
+    sizes on a GPU (graph_rows): --cuda-graph-max-bs 8 beside a grid of 2 x 4 rows, 16 in all, so every prompt rides
+    in a graph above 8 rows (none of 8 holds a grid row and a 4-token prompt's 3 rows beside 4 more)."""
     prompts = ECHO_PROMPTS * 2
     params = [SamplingParams(max_new_tokens=6 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
     want = [r.output_ids for r in engine(echo, attention_backend="torch").generate(prompts, params)]
     spec = engine(echo, overlap_schedule=True, speculative_algorithm="ngram", speculative_num_steps=3,
-                  mixed_chunk=True, max_running_requests=2)
-    install_graphs(spec)
-    graphs = spec.overlap_verify.graphs
-    spec.overlap_verify.admit_rows = MAX_BS  # (as build.admit_rows gives an engine whose largest graph is MAX_BS)
+                  mixed_chunk=True, max_running_requests=2, cuda_graph_max_bs=8)
+    rows = graph_rows(spec.config, type(spec.speculation.drafter), overlap_schedule=True)
+    install_graphs(spec, sizes=graph_sizes(spec.config, spec.runner.strategy, admit_rows=rows))
+    decode = spec.runner.graphs
+    assert rows == 16 and decode.sizes == [1, 2, 4, 8, 16]
+    spec.overlap_verify.admit_rows = admit_rows(spec.scheduler, decode, prompt_graphs=True)  # (as the engine's build)
+    assert spec.overlap_verify.admit_rows == 16
+    graphs, replayed = spec.overlap_verify.graphs, []
     launch, extra = graphs.launch, []
     graphs.launch = lambda *args: extra.append(args[-1] is not None) or launch(*args)
+    for size, replay in decode.replays.items():
+        decode.replays[size] = lambda size=size, replay=replay: replayed.append(size) or replay()
     got = spec.generate(prompts, params)
     assert [r.output_ids for r in got] == want
     assert any(extra), "no admitted prompt rode in a replayed verify step"
+    assert 16 in replayed, replayed
     assert conserved(spec)
