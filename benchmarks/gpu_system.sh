@@ -4,6 +4,10 @@
 #   bash benchmarks/gpu_system.sh OUT tests|tests-spec|spec|spec-steady|spec-copy|spec-mixed|spec-dsv3|spec-dsv3-deep|spec-deep-admit|spec-dsv3-deep-steps|spec-dsv3-deep-mixed|spec-profile|spec-profile-dsv3|spec-profile-deep-mixed|tests-nextn|
 #                                     spec-serve|spec-serve-spread|spec-profile-never|spec-never|spec-never-control|tests-overlap|host-prompts|e2e|serving|serving-1t|front-end|serving-interval|spec-oracle-steps|offline-host|small-m-tables|moe-small-m|gemv|router-warps|large-m|prefix|dgprobe|dgmasked ...
 # What the open issues still need measured, one device call per line (each under ~9 minutes; session 20's state):
+#   bash benchmarks/gpu_system.sh OUT serving offline-host     # #31 target 3 on an H200 (H200, session 17: served/
+#                                         #      offline 1.03, 0.98-1.07, offline's decode steps 1.87-2.19 ms against
+#                                         #      served 1.67-2.00: results/serving_offline_h200_s17.md; offline-host, the
+#                                         #      host ms a step by phase, has never run on a GPU)
 #   bash benchmarks/gpu_system.sh OUT front-end serving serving-interval spec-oracle-steps  # #31 target 3, #32 oracle:
 #                                         #      on an H200 (H100, session 17: served/offline 0.90 pooled, a served
 #                                         #      step 46.6 tokens of offline's 48.3; the oracle 3.40x at 7 steps)
