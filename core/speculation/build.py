@@ -8,13 +8,12 @@ from typing import Callable
 import attrs
 
 from ..cuda_graph import CudaGraphCapture
-from ..interfaces import Drafter
 from .calibration import Calibration
 from .costs import StepCosts
 from .overlap import OverlapVerify
 from .policy import AdaptivePolicy, FixedPolicy
 from .setup import drafter_context, measure_step_costs, slowest_of
-from .step import SpeculativeDecoding
+from .step import SpeculativeDecoding, observes
 from .verify_graphs import verify_graphs
 
 
@@ -72,8 +71,7 @@ def verifies_overlapped(drafter_cls, config) -> bool:
     step); one DP group (DP ranks step apart). (An attention backend that reads flattened KV indices would need a
     host sync per step to shift them on a GPU: `build` checks that.)"""
     caps = drafter_cls.caps
-    observes = drafter_cls.observe is not Drafter.observe
-    return caps.drafts_on_device and (caps.needs_hidden or not observes) and config.parallel.dp_size == 1
+    return caps.drafts_on_device and (caps.needs_hidden or not observes(drafter_cls)) and config.parallel.dp_size == 1
 
 
 def graph_rows(config, drafter_cls, overlap_schedule: bool) -> int:

@@ -104,6 +104,11 @@ def is_decoding(item: ScheduledWork) -> bool:
     return item.num_tokens == 1 and request.num_uncached == 1 and bool(request.output_ids)
 
 
+def observes(drafter_cls) -> bool:
+    """Whether a drafter class overrides `Drafter.observe` (learns from each step's kept tokens)."""
+    return drafter_cls.observe is not Drafter.observe
+
+
 class SpeculativeDecoding:
     def __init__(self, drafter: Drafter, kv: KVPool, vocab_size: int, decode_rows: bool = False,
                  policy: AdaptivePolicy | FixedPolicy | None = None, name: str = ""):
@@ -117,7 +122,7 @@ class SpeculativeDecoding:
         self._choice = None  # ((rids, rooms), counts): drafts_in's choice, reused by draft() in the same step
         # a drafter that keeps the base class's no-op observe (ngram: it reads DraftRequest.token_ids) is not
         # told what each step kept: building that TargetStep costs a list per request per step for nothing
-        self.observes = type(drafter).observe is not Drafter.observe
+        self.observes = observes(type(drafter))
         # a cheap drafter asked at every step whose proposals the policy declines (too short to pay for a verify
         # step at this batch size) costs the asking for nothing: after steps declined in a row it is left unasked
         # for 2, 4, ... MAX_UNASKED steps while the batch keeps its size (a count of steps: every rank alike). A
